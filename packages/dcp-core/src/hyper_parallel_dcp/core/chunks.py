@@ -1,0 +1,190 @@
+"""N-d chunk boxes and the pure geometry of sharding.
+
+A *chunk box* is a half-open N-d box ``[offsets, offsets + sizes)`` inside a global
+tensor.  Everything the planners do (dedup, overlap, reader assignment) is arithmetic on
+boxes, so it lives here as pure functions over plain tuples that can be tested in one
+process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+__all__ = [
+    "ChunkBox",
+    "Run",
+    "boxes_from_runs",
+    "flat_range_to_boxes",
+    "full_box",
+    "runs_from_indices",
+    "span_elements",
+]
+
+
+@dataclass(frozen=True, order=True)
+class ChunkBox:
+    """A half-open box ``[offsets, offsets + sizes)`` in a global tensor."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.sizes):
+            raise ValueError(f"box rank mismatch: offsets={self.offsets} sizes={self.sizes}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    @property
+    def volume(self) -> int:
+        return math.prod(self.sizes)
+
+    def is_empty(self) -> bool:
+        return any(s == 0 for s in self.sizes)
+
+    def intersect(self, other: ChunkBox) -> ChunkBox | None:
+        """The overlap of two boxes, or ``None`` when they do not overlap."""
+        offsets = []
+        sizes = []
+        for a0, a_len, b0, b_len in zip(self.offsets, self.sizes, other.offsets, other.sizes):
+            lo = max(a0, b0)
+            hi = min(a0 + a_len, b0 + b_len)
+            if hi <= lo:
+                return None
+            offsets.append(lo)
+            sizes.append(hi - lo)
+        return ChunkBox(tuple(offsets), tuple(sizes))
+
+    def contains(self, other: ChunkBox) -> bool:
+        return all(
+            a0 <= b0 and b0 + b_len <= a0 + a_len
+            for a0, a_len, b0, b_len in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+        )
+
+    def relative_to(self, outer: ChunkBox) -> tuple[int, ...]:
+        """Offsets of this box inside ``outer`` (which must contain it)."""
+        return tuple(a - b for a, b in zip(self.offsets, outer.offsets))
+
+    def within(self, shape: Sequence[int]) -> bool:
+        return len(shape) == self.ndim and all(
+            o >= 0 and s >= 0 and o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape)
+        )
+
+
+def full_box(shape: Sequence[int]) -> ChunkBox:
+    return ChunkBox(tuple(0 for _ in shape), tuple(int(d) for d in shape))
+
+
+def span_elements(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> int:
+    """Elements of a row-major chunk spanned by reading the sub-box ``offsets+lengths``.
+
+    The span runs from the first element touched to the last one: a column slice spans
+    every row it touches, a row-prefix slice spans exactly itself.  This is what an mmap
+    read of that slice pulls through the page cache.
+    """
+    if any(n == 0 for n in lengths):
+        return 0
+    strides = [1] * len(chunk_sizes)
+    for d in range(len(chunk_sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * chunk_sizes[d + 1]
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    return last - first + 1
+
+
+# A run is a contiguous range of global indices along one dimension: (start, length).
+Run = tuple[int, int]
+
+
+def runs_from_indices(indices: Iterable[int]) -> list[Run]:
+    """Compress sorted-or-not global indices (in local order) into contiguous runs."""
+    runs: list[Run] = []
+    for idx in indices:
+        if runs and runs[-1][0] + runs[-1][1] == idx:
+            start, length = runs[-1]
+            runs[-1] = (start, length + 1)
+        else:
+            runs.append((int(idx), 1))
+    return runs
+
+
+def boxes_from_runs(per_dim_runs: Sequence[Sequence[Run]]) -> list[tuple[ChunkBox, tuple[int, ...]]]:
+    """Cartesian product of per-dimension runs.
+
+    Returns ``(global_box, local_offsets)`` pairs: where each box sits in the global
+    tensor and where its data sits in the local tensor whose dimension ``d`` is the
+    concatenation of ``per_dim_runs[d]``.
+    """
+    per_dim: list[list[tuple[int, int, int]]] = []  # (global_start, length, local_start)
+    for runs in per_dim_runs:
+        local = 0
+        entries = []
+        for start, length in runs:
+            entries.append((start, length, local))
+            local += length
+        per_dim.append(entries)
+    out: list[tuple[ChunkBox, tuple[int, ...]]] = []
+
+    def rec(d: int, g_off: tuple[int, ...], g_size: tuple[int, ...], l_off: tuple[int, ...]) -> None:
+        if d == len(per_dim):
+            out.append((ChunkBox(g_off, g_size), l_off))
+            return
+        for start, length, local in per_dim[d]:
+            rec(d + 1, g_off + (start,), g_size + (length,), l_off + (local,))
+
+    rec(0, (), (), ())
+    return out
+
+
+def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[ChunkBox]:
+    """The minimal boxes whose union is the row-major flat range ``[start, end)``.
+
+    Boxes come back in flat order, and each box is itself contiguous in the flat order, so
+    a 1-D buffer holding the range splits into consecutive pieces, one per box.  At most
+    ``2 * ndim - 1`` boxes.
+    """
+    shape = tuple(int(d) for d in shape)
+    total = math.prod(shape)
+    if not 0 <= start <= end <= total:
+        raise ValueError(f"flat range [{start}, {end}) is outside a tensor of {total} elements {shape}")
+    if start == end:
+        return []
+    if len(shape) == 0:
+        return [ChunkBox((), ())]
+    inner_shape = shape[1:]
+    inner = math.prod(inner_shape)
+    if inner == 0:
+        return []
+    first_row, last_row = start // inner, (end - 1) // inner
+    rest_zeros = tuple(0 for _ in inner_shape)
+
+    def prefixed(row: int, lo: int, hi: int) -> list[ChunkBox]:
+        return [
+            ChunkBox((row,) + b.offsets, (1,) + b.sizes)
+            for b in flat_range_to_boxes(inner_shape, lo, hi)
+        ]
+
+    if first_row == last_row:
+        lo = start - first_row * inner
+        hi = end - first_row * inner
+        if lo == 0 and hi == inner:
+            return [ChunkBox((first_row,) + rest_zeros, (1,) + inner_shape)]
+        return prefixed(first_row, lo, hi)
+    boxes: list[ChunkBox] = []
+    full_from = first_row
+    if start % inner:
+        boxes.extend(prefixed(first_row, start - first_row * inner, inner))
+        full_from = first_row + 1
+    full_to = end // inner  # exclusive
+    if full_to > full_from:
+        boxes.append(ChunkBox((full_from,) + rest_zeros, (full_to - full_from,) + inner_shape))
+    if end % inner:
+        boxes.extend(prefixed(full_to, 0, end - full_to * inner))
+    return boxes

@@ -1,0 +1,128 @@
+"""One normal form for every tensor leaf: the rank's pieces of a global tensor.
+
+A DTensor (Shard, uneven Shard, Replicate, ``_StridedShard``), a plain tensor (the whole
+tensor, i.e. replicated) and a :class:`RaggedShard` all become :class:`TensorShards`: the
+global shape and dtype plus ``(global box, local view)`` pieces.  Planners only ever see
+this form, so the async writer process (which has no device mesh) plans the same way as
+the training process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .chunks import ChunkBox, Run, boxes_from_runs, full_box, runs_from_indices
+from .errors import UnsupportedPlacementError
+from .ragged import RaggedShard
+
+__all__ = ["TensorShards", "is_tensor_leaf", "to_tensor_shards"]
+
+
+@dataclass
+class TensorShards:
+    """A rank's pieces of one global tensor.
+
+    Each piece is ``(box, view)``: ``box`` in global coordinates and ``view`` a tensor of
+    shape ``box.sizes`` aliasing the caller's memory (so a load writes in place).
+    ``ragged`` marks leaves whose geometry may change between steps (plan cache off).
+    """
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[tuple[ChunkBox, torch.Tensor]] = field(default_factory=list)
+    ragged: bool = False
+
+
+def _is_dtensor(obj: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(obj, DTensor)
+
+
+def is_tensor_leaf(obj: Any) -> bool:
+    return isinstance(obj, (torch.Tensor, RaggedShard, TensorShards))
+
+
+def _select(runs: list[Run], local_indices: range | list[int]) -> list[Run]:
+    """Map local indices along one dim (through the current runs) to global runs."""
+    if isinstance(local_indices, range) and len(runs) == 1:
+        start = runs[0][0] + local_indices.start
+        return [(start, len(local_indices))] if len(local_indices) else []
+    flat: list[int] = []
+    for start, length in runs:
+        flat.extend(range(start, start + length))
+    return runs_from_indices(flat[i] for i in local_indices)
+
+
+def _dtensor_boxes(dt: Any, fqn: str) -> list[tuple[ChunkBox, tuple[int, ...]]]:
+    from torch.distributed.tensor.placement_types import Partial, Shard
+
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover
+        _StridedShard = ()  # type: ignore[assignment]
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not part of the mesh
+        return []
+    global_shape = tuple(dt.shape)
+    per_dim: list[list[Run]] = [[(0, d)] if d else [] for d in global_shape]
+    for mesh_dim, placement in enumerate(dt.placements):
+        if isinstance(placement, Partial):
+            raise UnsupportedPlacementError(
+                f"{fqn!r} is a DTensor with a Partial placement on mesh dim {mesh_dim}; "
+                "reduce it (e.g. dt.redistribute(placements=[Replicate()])) before checkpointing"
+            )
+        if not isinstance(placement, Shard):
+            continue
+        dim = placement.dim if placement.dim >= 0 else placement.dim + len(global_shape)
+        current = sum(length for _, length in per_dim[dim])
+        chunks = mesh.size(mesh_dim)
+        if isinstance(placement, _StridedShard):
+            from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+
+            _, offsets = placement._local_shard_size_and_offset(
+                curr_local_size=current,
+                num_chunks=chunks,
+                rank=coord[mesh_dim],
+                offset_mode=_StridedShardOffsetMode.ALL,
+            )
+            per_dim[dim] = _select(per_dim[dim], list(offsets))
+        else:
+            size, offset = placement._local_shard_size_and_offset(current, chunks, coord[mesh_dim])
+            per_dim[dim] = _select(per_dim[dim], range(offset, offset + size))
+    if any(not runs for runs in per_dim):
+        return []
+    return boxes_from_runs(per_dim)
+
+
+def to_tensor_shards(leaf: Any, fqn: str = "<tensor>") -> TensorShards:
+    """Describe a tensor leaf as :class:`TensorShards` (views alias the leaf's memory).
+
+    Raises :class:`UnsupportedPlacementError` for a ``Partial`` DTensor.
+    """
+    if isinstance(leaf, TensorShards):
+        return leaf
+    if isinstance(leaf, RaggedShard):
+        flat = leaf.local_tensor
+        pieces = [(box, flat[pos : pos + box.volume].view(box.sizes)) for box, pos in leaf.boxes()]
+        return TensorShards(leaf.global_shape, leaf.dtype, pieces, ragged=True)
+    if _is_dtensor(leaf):
+        local = leaf.to_local()
+        pieces = []
+        for box, local_offsets in _dtensor_boxes(leaf, fqn):
+            view = local
+            for d, (off, size) in enumerate(zip(local_offsets, box.sizes)):
+                if off or size != view.shape[d]:
+                    view = view.narrow(d, off, size)
+            pieces.append((box, view))
+        return TensorShards(tuple(leaf.shape), leaf.dtype, pieces)
+    if isinstance(leaf, torch.Tensor):
+        shape = tuple(leaf.shape)
+        return TensorShards(shape, leaf.dtype, [(full_box(shape), leaf)])
+    raise TypeError(f"{fqn!r}: {type(leaf).__name__} is not a tensor leaf")

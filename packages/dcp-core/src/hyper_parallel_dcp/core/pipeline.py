@@ -1,0 +1,185 @@
+"""The save and load pipelines, independent of any storage backend.
+
+``save_state_dict`` and ``load_state_dict`` run the planner and the storage
+writer/reader through :class:`DistWrapper`.  The umbrella's ``save``/``load``, the async
+writer process and the offline converter all call these; there is no second copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import uuid
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from .collectives import DistWrapper
+from .flatten import flatten_state_dict, set_by_path
+from .layout import is_tensor_leaf
+from .metadata import Metadata
+from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from .standard_planner import StandardLoadPlanner, StandardSavePlanner
+from .storage import StorageReader, StorageWriter, WriteResult
+from .timing import phase
+
+__all__ = ["ReadExecutor", "load_state_dict", "process_rank", "save_state_dict"]
+
+# (plan of this rank, global plans of all ranks, reader, planner, group) -> None
+ReadExecutor = Callable[[LoadPlan, list[LoadPlan], StorageReader, LoadPlanner, Optional[dist.ProcessGroup]], None]
+
+# save_id of a cached plan → how many times it was reused (same on every rank).
+_cache_uses: dict[str, itertools.count] = {}
+
+
+def process_rank(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+    md = copy.copy(metadata)
+    md.storage_data = {}
+    md.files = {}
+    for rank_results in results:
+        for res in rank_results:
+            md.storage_data[res.index] = res.storage_data
+            md.files[res.storage_data.relative_path] = res.file_size
+    return md
+
+
+def save_state_dict(
+    state_dict: dict[str, Any],
+    storage_writer: StorageWriter,
+    planner: Optional[SavePlanner] = None,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+) -> Metadata:
+    """Save ``state_dict`` through ``storage_writer``; returns the metadata.
+
+    With collectives the returned metadata is the global one on every rank; without, the
+    rank's own.  On any failure every rank raises and ``storage_writer.abort`` runs.
+    """
+    use_collectives = use_collectives and not no_dist
+    rank, world_size = (0, 1) if no_dist else process_rank(process_group)
+    dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1, coordinator_rank=coordinator_rank)
+    is_coordinator = rank == coordinator_rank if use_collectives or world_size == 1 else True
+    planner = planner if planner is not None else StandardSavePlanner()
+
+    with phase("save", rank):
+        flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
+        storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
+                                             use_collectives=use_collectives)
+        planner.set_up_planner(flat, is_coordinator=is_coordinator, rank=rank, world_size=world_size,
+                               use_collectives=use_collectives)
+        global_metadata: list[Optional[Metadata]] = [None]
+        cached = planner.lookup_cached_plan()
+        if cached is not None:
+            final_plan, global_metadata[0] = cached
+            assert final_plan.save_id is not None
+            uses = next(_cache_uses.setdefault(final_plan.save_id, itertools.count(1)))
+            final_plan = replace(final_plan, save_id=f"{final_plan.save_id}-{uses}")
+        else:
+            def local_step() -> SavePlan:
+                with phase("build_local_plan", rank):
+                    return storage_writer.prepare_local_plan(planner.create_local_plan())
+
+            def global_step(all_plans: list[SavePlan]) -> list[SavePlan]:
+                with phase("build_global_plan", rank):
+                    plans, metadata = planner.create_global_plan(all_plans)
+                    plans = storage_writer.prepare_global_plan(plans)
+                    save_id = uuid.uuid4().hex[:16]
+                    global_metadata[0] = metadata
+                    return [replace(p, save_id=save_id) for p in plans]
+
+            central = dw.reduce_scatter("plan", local_step, global_step)
+            final_plan = planner.finish_plan(central)
+            planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
+
+        def write_step() -> list[WriteResult]:
+            with phase("execute_write", rank):
+                return storage_writer.execute_write(final_plan, planner)
+
+        def finish_step(all_results: list[list[WriteResult]]) -> Metadata:
+            assert global_metadata[0] is not None
+            metadata = _attach_results(global_metadata[0], all_results)
+            with phase("finalize_checkpoint", rank):
+                storage_writer.finalize_checkpoint(metadata, all_results)
+            return metadata
+
+        try:
+            with phase("_save_impl", rank):
+                return dw.all_reduce("write", write_step, finish_step)
+        except BaseException as exc:
+            storage_writer.abort(exc)
+            raise
+
+
+def load_state_dict(
+    state_dict: dict[str, Any],
+    storage_reader: StorageReader,
+    planner: Optional[LoadPlanner] = None,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+    assign_readers: bool = False,
+    read_executor: Optional[ReadExecutor] = None,
+) -> None:
+    """Load into ``state_dict`` in place (tensors copied into, objects replaced).
+
+    Only keys present in ``state_dict`` are loaded.  ``assign_readers`` makes the global
+    plan choose one reader per replicated shard; ``read_executor`` then runs the reads
+    (e.g. read-once + broadcast) instead of ``storage_reader.execute_read``.
+    """
+    use_collectives = use_collectives and not no_dist
+    rank, world_size = (0, 1) if no_dist else process_rank(process_group)
+    planner = planner if planner is not None else StandardLoadPlanner()
+
+    with phase("load", rank):
+        with phase("read_metadata", rank):
+            metadata = storage_reader.read_metadata()
+        if not storage_reader.collectives_required:
+            use_collectives = False
+        dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
+                         coordinator_rank=coordinator_rank)
+        is_coordinator = rank == coordinator_rank
+        flat, paths = flatten_state_dict(state_dict, is_tensor_leaf)
+        storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
+        planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
+        if isinstance(planner, StandardLoadPlanner):
+            planner.assign_readers = assign_readers and dw.use_dist
+
+        def local_step() -> LoadPlan:
+            with phase("build_local_plan", rank):
+                return storage_reader.prepare_local_plan(planner.create_local_plan())
+
+        if dw.use_dist:
+            all_plans = dw.all_gather("plan", local_step)
+        else:
+            all_plans = [local_step()]
+        with phase("build_global_plan", rank):
+            global_plans = storage_reader.prepare_global_plan(planner.create_global_plan(all_plans))
+        plan = planner.finish_plan(global_plans[dw.rank])
+
+        error: Optional[BaseException] = None
+        try:
+            with phase("execute_read", rank):
+                if read_executor is not None and dw.use_dist:
+                    read_executor(plan, global_plans, storage_reader, planner, process_group)
+                else:
+                    storage_reader.execute_read(plan, planner)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
+            error = exc
+        dw.check("read", error)
+
+        loaded = getattr(planner, "loaded_objects", {})
+        for fqn, value in loaded.items():
+            root_key = paths[fqn][0]
+            state_dict[root_key] = set_by_path(state_dict[root_key], paths[fqn][1:], value)

@@ -1,0 +1,165 @@
+"""Plan types (plain frozen data) and the planner interfaces.
+
+A save plan is a list of :class:`WriteItem` (what this rank writes, in global
+coordinates); a load plan is a list of :class:`ReadItem` (which piece of which stored
+chunk goes where in which local shard).  Planners decide *what*; storage decides *how*.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Optional
+
+import torch
+
+from .metadata import Metadata, MetadataIndex, chunk_key
+
+__all__ = [
+    "LoadItemType",
+    "LoadPlan",
+    "LoadPlanner",
+    "ReadItem",
+    "SavePlan",
+    "SavePlanner",
+    "WriteItem",
+    "WriteItemType",
+    "order_key",
+]
+
+
+class WriteItemType(Enum):
+    TENSOR = "tensor"
+    BYTE_IO = "bytes"
+
+
+class LoadItemType(Enum):
+    TENSOR = "tensor"
+    BYTE_IO = "bytes"
+
+
+def order_key(index: MetadataIndex) -> str:
+    """The global total order ``(fqn, offset)`` used for writing, reading and broadcasting."""
+    return chunk_key(index.fqn, index.offset or ())
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One item a rank writes: a tensor chunk (global box) or a pickled object."""
+
+    index: MetadataIndex
+    type: WriteItemType
+    sizes: tuple[int, ...] | None = None
+    global_shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """A rank's write items; ``save_id`` names the save (it picks the staging area)."""
+
+    items: tuple[WriteItem, ...]
+    storage_data: Any = None
+    planner_data: Any = None
+    save_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Copy ``lengths`` elements from a stored chunk into a local shard.
+
+    ``dest_index`` names the local shard (FQN + its global offsets) and ``dest_offsets``
+    the position inside it; ``storage_index`` names the stored chunk and
+    ``storage_offsets`` the position inside it.  ``source`` is the rank that reads it from
+    storage (``None``: this rank) — set by the global plan for read-once + broadcast.
+    """
+
+    type: LoadItemType
+    dest_index: MetadataIndex
+    dest_offsets: tuple[int, ...]
+    storage_index: MetadataIndex
+    storage_offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    source: int | None = None
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """A rank's read items.  ``planner_data`` of a global plan may carry replica groups."""
+
+    items: tuple[ReadItem, ...]
+    storage_data: Any = None
+    planner_data: Any = None
+
+
+class SavePlanner(abc.ABC):
+    """Decides what each rank writes.  Called in this order by the save pipeline:
+
+    ``set_up_planner`` → (``lookup_cached_plan``) → ``create_local_plan`` → (gather) →
+    ``create_global_plan`` on the coordinator → (scatter) → ``finish_plan`` →
+    ``resolve_data`` for every item the storage writer writes.
+    """
+
+    @abc.abstractmethod
+    def set_up_planner(self, state_dict: dict[str, Any], *, is_coordinator: bool, rank: int = 0,
+                       world_size: int = 1, use_collectives: bool = True) -> None:
+        """Receive the *flattened* state dict (FQN → leaf)."""
+
+    @abc.abstractmethod
+    def create_local_plan(self) -> SavePlan: ...
+
+    @abc.abstractmethod
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]: ...
+
+    @abc.abstractmethod
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan: ...
+
+    @abc.abstractmethod
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        """The tensor (a view of shape ``write_item.sizes``) or object to write."""
+
+    def lookup_cached_plan(self) -> Optional[tuple[SavePlan, Optional[Metadata]]]:
+        """A cached ``(final plan, metadata)`` that lets the save skip planning, or ``None``."""
+        return None
+
+    def cache_plan(self, final_plan: SavePlan, metadata: Optional[Metadata]) -> None:
+        """Remember a final plan (and, on the coordinator, the metadata) for later saves."""
+
+
+class LoadPlanner(abc.ABC):
+    """Decides what each rank reads.  Called in this order by the load pipeline:
+
+    ``set_up_planner`` → ``create_local_plan`` → (all-gather) → ``create_global_plan``
+    (every rank, same input, same answer) → ``finish_plan`` → ``resolve_tensor`` /
+    ``commit_tensor`` / ``load_bytes`` while the storage reader reads.
+    """
+
+    @abc.abstractmethod
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata, *,
+                       is_coordinator: bool, rank: int = 0, world_size: int = 1) -> None: ...
+
+    @abc.abstractmethod
+    def create_local_plan(self) -> LoadPlan: ...
+
+    @abc.abstractmethod
+    def create_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]: ...
+
+    @abc.abstractmethod
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan: ...
+
+    @abc.abstractmethod
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """The destination view (shape ``read_item.lengths``) that the read fills."""
+
+    @abc.abstractmethod
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        """Receive a restored non-tensor object."""
+
+    def resolve_shard(self, dest_index: MetadataIndex) -> torch.Tensor:
+        """The whole local shard named by ``dest_index`` (what a broadcast ships)."""
+        raise NotImplementedError

@@ -1,0 +1,107 @@
+"""Test helpers shared by every package: real multi-process gloo runs on CPU.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes that meet
+through a file store in a temporary directory, calls ``fn(rank, world_size, *args)`` in
+each (``fn`` must be a module-level function), and returns the per-rank results.  Every
+rank's traceback is collected; a rank that fails or does not finish by the deadline is
+named in the raised :class:`DistributedTestError`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["DistributedTestError", "run_distributed"]
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks of a distributed test failed or hung."""
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str, results: Any,
+            env: dict[str, str], args: tuple) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+        results.put((rank, "ok", value))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="hp-dcp-dist-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(fn, rank, world_size, store, results, dict(env or {}), args))
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcome: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outcome) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    rank, status, value = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
+                    if dead:
+                        # give the queue a moment: a rank may have reported just before dying
+                        time.sleep(0.5)
+                        while True:
+                            try:
+                                rank, status, value = results.get_nowait()
+                                outcome[rank] = (status, value)
+                            except queue.Empty:
+                                break
+                        for r in dead:
+                            outcome.setdefault(r, ("error", f"process exited with code {procs[r].exitcode}"))
+                        if any(s == "error" for s, _ in outcome.values()):
+                            break
+                    continue
+                outcome[rank] = (status, value)
+                if status == "error":
+                    # others may be stuck in a collective with the failed rank; give them a moment
+                    deadline = min(deadline, time.monotonic() + 15.0)
+        finally:
+            for p in procs:
+                p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+    missing = [r for r in range(world_size) if r not in outcome]
+    if errors or missing:
+        parts = [f"--- rank {r} failed:\n{errors[r]}" for r in sorted(errors)]
+        if missing:
+            parts.append(f"--- rank(s) {missing} did not finish within {timeout:.0f} s")
+        raise DistributedTestError(f"{fn.__name__} on {world_size} ranks:\n" + "\n".join(parts))
+    return [outcome[r][1] for r in range(world_size)]

@@ -1,0 +1,162 @@
+"""Crash-safe commit of a checkpoint directory, and the lock against concurrent saves.
+
+A save with a global view writes into a hidden staging directory beside the target
+(``.<name>.hp-dcp-staging-<save_id>``); the coordinator writes ``.metadata`` there last
+and then puts the staging directory in place of the target in one step (``renameat2``
+with ``RENAME_EXCHANGE`` where the kernel has it).  Until then the old checkpoint loads;
+after a crash at any moment either the old or the new one is at the target path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+from hyper_parallel_dcp.core.errors import ConcurrentSaveError
+
+from .safetensors_stream import fsync_dir
+
+__all__ = [
+    "SaveLock",
+    "commit_directory",
+    "is_checkpoint_artifact",
+    "staging_dir",
+]
+
+_ARTIFACT = re.compile(
+    r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes)|.*\.hp-dcp-tmp|"
+    r"(LOCAL_PLAN|STORAGE_DATA)_\d+\.pkl(\.done)?|\.hp-dcp-.*)$"
+)
+
+
+def is_checkpoint_artifact(name: str) -> bool:
+    """Files that belong to a checkpoint (replaced by the next save), as opposed to user files."""
+    return bool(_ARTIFACT.match(name))
+
+
+def staging_dir(target: Path, save_id: str) -> Path:
+    return target.parent / f".{target.name}.hp-dcp-staging-{save_id}"
+
+
+def _lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.hp-dcp-lock"
+
+
+class SaveLock:
+    """An exclusive ``flock`` beside the target; released on close or process death."""
+
+    def __init__(self, target: Path):
+        self.path = _lock_path(target)
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = ""
+            try:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            except OSError:
+                pass
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise ConcurrentSaveError(
+                    f"another save into {self.path.parent / self.path.name[1:].removesuffix('.hp-dcp-lock')} "
+                    f"is in progress ({holder or 'holder unknown'}); two saves into one directory at once "
+                    "are refused"
+                ) from None
+            raise
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self.fd)
+                self.fd = None
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    res = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if res == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE) failed: {os.strerror(err)}")
+
+
+def commit_directory(staging: Path, target: Path) -> None:
+    """Put the complete ``staging`` directory at ``target``, replacing an old checkpoint.
+
+    Files in ``target`` that are not checkpoint artifacts are carried over (hard links,
+    so the old directory keeps them until the swap).
+    """
+    fsync_dir(staging)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"checkpoint path {target} exists and is not a directory")
+    if target.is_dir():
+        try:
+            entries = list(os.scandir(target))
+        except FileNotFoundError:
+            entries = []
+        for entry in entries:
+            if is_checkpoint_artifact(entry.name):
+                continue
+            dst = staging / entry.name
+            if entry.is_dir(follow_symlinks=False):
+                shutil.copytree(entry.path, dst, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(entry.path, dst)
+        if not entries:
+            try:
+                os.rename(staging, target)  # replaces an empty directory atomically
+                fsync_dir(target.parent)
+                return
+            except OSError:
+                pass
+        if _exchange(staging, target):
+            fsync_dir(target.parent)
+            shutil.rmtree(staging, ignore_errors=True)  # the old checkpoint, now at the staging path
+            return
+        trash = target.parent / f".{target.name}.hp-dcp-old-{os.getpid()}-{time.time_ns()}"
+        os.rename(target, trash)
+        os.rename(staging, target)
+        fsync_dir(target.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+        return
+    os.rename(staging, target)
+    fsync_dir(target.parent)
+
+
+def _link_or_copy(src: str, dst: str | os.PathLike) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)

@@ -1,0 +1,450 @@
+"""``FileSystemWriter`` / ``FileSystemReader``: one safetensors file per writing rank.
+
+Layout of ``<checkpoint_id>/``: ``_rank{r}_.safetensors`` (tensor chunks in global
+``(fqn, offset)`` order, readable by ``safetensors`` as is), ``_rank{r}_.bytes`` (pickled
+non-tensor objects), and ``.metadata`` (JSON, written last) — or ``{rank}.metadata`` per
+rank for a save without collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+import xxhash
+from safetensors import SafetensorError, safe_open
+
+from hyper_parallel_dcp.core.chunks import span_elements
+from hyper_parallel_dcp.core.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
+from hyper_parallel_dcp.core.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+    chunk_key,
+    metadata_from_json,
+    metadata_to_json,
+)
+from hyper_parallel_dcp.core.objects import deserialize_object, serialize_object
+from hyper_parallel_dcp.core.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+    order_key,
+)
+from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult
+
+from .commit import SaveLock, commit_directory, staging_dir
+from .safetensors_stream import TensorEntry, fsync_dir, tensor_bytes, write_safetensors
+
+__all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata"]
+
+logger = logging.getLogger(__name__)
+
+METADATA_FILE = ".metadata"
+_RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
+_TMP_SUFFIX = ".hp-dcp-tmp"
+#: How many safetensors files a reader keeps open (mmap handles).
+FILES_KEPT = 8
+
+
+def _write_file_atomic(path: Path, data_writer, sync: bool) -> int:
+    """Write via ``data_writer(f)`` to a temp name, fsync, rename; returns the size."""
+    tmp = path.with_name(path.name + _TMP_SUFFIX)
+    with open(tmp, "wb") as f:
+        data_writer(f)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+        size = f.tell()
+    os.replace(tmp, path)
+    return size
+
+
+class FileSystemWriter(StorageWriter):
+    """Writes a checkpoint directory on a (local or shared) filesystem.
+
+    A save with a global view (collectives on, or a single process) is atomic: data goes
+    to a staging directory beside the target and is swapped in when ``.metadata`` is
+    written; an older checkpoint at the target stays loadable until then.  A multi-rank
+    save with ``use_collectives=False`` writes in place (``{rank}.metadata`` each).
+    ``sync_files`` fsyncs every file (turn off only for throwaway checkpoints).
+    """
+
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, sync_files: bool = True) -> None:
+        self.path: Optional[Path] = Path(path) if path is not None else None
+        self.sync_files = sync_files
+        self.rank = 0
+        self.world_size = 1
+        self.is_coordinator = True
+        self.atomic = True
+        self._lock: Optional[SaveLock] = None
+        self._save_id: Optional[str] = None
+
+    # -- set-up ----------------------------------------------------------------------
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self._save_id = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        return "://" not in str(checkpoint_id)
+
+    def _target(self) -> Path:
+        if self.path is None:
+            raise ValueError("FileSystemWriter has no checkpoint path: pass checkpoint_id or a path")
+        return self.path
+
+    def set_up_storage_writer(self, *, is_coordinator: bool, rank: int = 0, world_size: int = 1,
+                              use_collectives: bool = True) -> None:
+        target = self._target()
+        self.rank = rank
+        self.world_size = world_size
+        self.is_coordinator = is_coordinator
+        self.atomic = use_collectives or world_size == 1
+        if target.exists() and not target.is_dir():
+            raise NotADirectoryError(f"checkpoint path {target} exists and is not a directory")
+        if self.atomic and is_coordinator:
+            self._release_lock()
+            self._lock = SaveLock(target)
+            self._lock.acquire()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _data_dir(self) -> Path:
+        target = self._target()
+        if not self.atomic:
+            return target
+        if self._save_id is None:
+            raise RuntimeError("FileSystemWriter: the plan carries no save_id")
+        return staging_dir(target, self._save_id)
+
+    # -- writing ---------------------------------------------------------------------
+    def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        self._save_id = plan.save_id or "local"
+        out_dir = self._data_dir()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not self.atomic:
+            for stale in (out_dir / METADATA_FILE, out_dir / f"{self.rank}.metadata"):
+                try:
+                    stale.unlink()  # the directory no longer holds that checkpoint
+                except FileNotFoundError:
+                    pass
+        tensors = sorted((it for it in plan.items if it.type is WriteItemType.TENSOR), key=lambda it: order_key(it.index))
+        objects = sorted((it for it in plan.items if it.type is WriteItemType.BYTE_IO), key=lambda it: it.index.fqn)
+        results: list[WriteResult] = []
+        if tensors:
+            name = f"_rank{self.rank}_.safetensors"
+            entries = []
+            for it in tensors:
+                assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
+                entries.append(TensorEntry(
+                    chunk_key(it.index.fqn, it.index.offset),
+                    getattr(torch, it.dtype),
+                    it.sizes,
+                    (lambda it=it: planner.resolve_data(it)),
+                    label=f"{it.index.fqn!r} chunk at {list(it.index.offset)}",
+                ))
+            placed: list[tuple[int, int, str]] = []
+
+            def write_tensors(f) -> None:
+                placed.extend(write_safetensors(f, entries))
+
+            size = _write_file_atomic(out_dir / name, write_tensors, self.sync_files)
+            for it, entry, (offset, length, digest) in zip(tensors, entries, placed):
+                results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest, entry.key), size))
+        if objects:
+            name = f"_rank{self.rank}_.bytes"
+            placed_objs: list[tuple[int, int, str]] = []
+
+            def write_objects(f) -> None:
+                for it in objects:
+                    blob = serialize_object(planner.resolve_data(it))
+                    placed_objs.append((f.tell(), len(blob), xxhash.xxh3_64_hexdigest(blob)))
+                    f.write(blob)
+
+            size = _write_file_atomic(out_dir / name, write_objects, self.sync_files)
+            for it, (offset, length, digest) in zip(objects, placed_objs):
+                results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest), size))
+        return results
+
+    def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        out_dir = self._data_dir()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        name = METADATA_FILE if self.atomic else f"{self.rank}.metadata"
+        text = metadata_to_json(metadata).encode()
+        _write_file_atomic(out_dir / name, lambda f: f.write(text), self.sync_files)
+        try:
+            if self.atomic:
+                commit_directory(out_dir, self._target())
+            elif self.sync_files:
+                fsync_dir(out_dir)
+        finally:
+            self._release_lock()
+
+    def abort(self, error: BaseException) -> None:
+        try:
+            if self.atomic and self.is_coordinator and self._save_id is not None:
+                import shutil
+
+                shutil.rmtree(self._data_dir(), ignore_errors=True)
+        finally:
+            self._release_lock()
+
+    def __del__(self) -> None:  # a writer dropped mid-save must not keep the lock
+        try:
+            self._release_lock()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ------------------------------------------------------------------------------ reading
+def _merge_rank_metadata(parts: Sequence[tuple[int, Metadata]]) -> Metadata:
+    sd: dict[str, Any] = {}
+    storage: dict[MetadataIndex, StorageInfo] = {}
+    files: dict[str, int] = {}
+    seen: dict[str, set] = {}
+    for _, md in sorted(parts, key=lambda p: p[0]):
+        for fqn, entry in md.state_dict_metadata.items():
+            if isinstance(entry, BytesStorageMetadata):
+                sd.setdefault(fqn, entry)
+                continue
+            mine = sd.get(fqn)
+            if mine is None:
+                mine = sd[fqn] = TensorStorageMetadata(entry.properties, entry.size, [])
+                seen[fqn] = set()
+            for chunk in entry.chunks:
+                if chunk.offsets not in seen[fqn]:
+                    seen[fqn].add(chunk.offsets)
+                    mine.chunks.append(ChunkStorageMetadata(chunk.offsets, chunk.sizes))
+        for index, info in (md.storage_data or {}).items():
+            storage.setdefault(index, info)
+        files.update(md.files)
+    for entry in sd.values():
+        if isinstance(entry, TensorStorageMetadata):
+            entry.chunks.sort(key=lambda c: c.offsets)
+    return Metadata(state_dict_metadata=sd, storage_data=storage, files=files)
+
+
+def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, bool]:
+    """Read ``.metadata`` or, failing that, merge every ``{rank}.metadata``.
+
+    Returns ``(metadata, is_global)``.  Raises :class:`CheckpointNotFoundError` naming the
+    directory when it or any metadata is missing, :class:`CheckpointFormatError` when the
+    metadata is unreadable or of a newer format version.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
+    global_file = root / METADATA_FILE
+    try:
+        text = global_file.read_bytes()
+    except FileNotFoundError:
+        text = None
+    if text is not None:
+        return metadata_from_json(text, source=str(global_file)), True
+    parts = []
+    for entry in os.scandir(root):
+        match = _RANK_METADATA.match(entry.name)
+        if match:
+            parts.append((int(match.group(1)), metadata_from_json(Path(entry.path).read_bytes(), source=entry.path)))
+    if not parts:
+        raise CheckpointNotFoundError(
+            f"{root} holds no checkpoint: neither {METADATA_FILE} nor any {{rank}}.metadata file "
+            "(an interrupted save leaves none)"
+        )
+    return _merge_rank_metadata(parts), False
+
+
+class FileSystemReader(StorageReader):
+    """Reads a checkpoint directory through ``safetensors.safe_open`` (mmap).
+
+    Only the slice each read item needs is touched; reads go in the global
+    ``(fqn, offset)`` order; up to :data:`FILES_KEPT` files stay open.  ``bytes_read``
+    counts the file bytes the reads span (a column slice spans every row it touches).
+    ``verify`` checks the xxh3 checksum of every stored chunk a read touches (the whole
+    chunk is hashed once per reader).
+    """
+
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, verify: bool = False) -> None:
+        self.path: Optional[Path] = Path(path) if path is not None else None
+        self.verify = verify
+        self.rank = 0
+        self.metadata: Optional[Metadata] = None
+        self._is_global = True
+        self._handles: OrderedDict[str, Any] = OrderedDict()
+        self._verified: set[MetadataIndex] = set()
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self.metadata = None
+        self._close_all()
+        self._verified = set()
+        self.bytes_read = 0
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        return "://" not in str(checkpoint_id)
+
+    def _root(self) -> Path:
+        if self.path is None:
+            raise ValueError("FileSystemReader has no checkpoint path: pass checkpoint_id or a path")
+        return self.path
+
+    def load_metadata(self) -> Metadata:
+        self.metadata, self._is_global = load_checkpoint_metadata(self._root())
+        return self.metadata
+
+    @property
+    def collectives_required(self) -> bool:
+        return self._is_global
+
+    def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
+        self.metadata = metadata
+        self.rank = rank
+
+    # -- file access -----------------------------------------------------------------
+    def _close_all(self) -> None:
+        self._handles.clear()
+
+    def _open(self, name: str) -> Any:
+        handle = self._handles.get(name)
+        if handle is not None:
+            self._handles.move_to_end(name)
+            return handle
+        file = self._root() / name
+        expected = (self.metadata.files if self.metadata else {}).get(name)
+        try:
+            actual = file.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"checkpoint file {file} is missing") from None
+        if expected is not None and actual != expected:
+            raise CorruptCheckpointError(
+                f"checkpoint file {file} has {actual} bytes but the metadata records {expected} (truncated or replaced)"
+            )
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CorruptCheckpointError(f"checkpoint file {file} cannot be opened as safetensors: {exc}") from None
+        self._handles[name] = handle
+        if len(self._handles) > FILES_KEPT:
+            self._handles.popitem(last=False)
+        return handle
+
+    def _storage_info(self, index: MetadataIndex) -> StorageInfo:
+        assert self.metadata is not None and self.metadata.storage_data is not None
+        info = self.metadata.storage_data.get(index)
+        if info is None:
+            raise CheckpointFormatError(
+                f"{index.fqn!r}: the metadata of {self._root()} has no storage entry for the chunk at {index.offset}"
+            )
+        return info
+
+    def _chunk_sizes(self, index: MetadataIndex) -> tuple[int, ...]:
+        assert self.metadata is not None
+        md = self.metadata.state_dict_metadata[index.fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        if index.index is not None and index.index < len(md.chunks) and md.chunks[index.index].offsets == index.offset:
+            return md.chunks[index.index].sizes
+        for chunk in md.chunks:
+            if chunk.offsets == index.offset:
+                return chunk.sizes
+        raise CheckpointFormatError(f"{index.fqn!r}: no stored chunk at offsets {index.offset}")
+
+    def _verify_chunk(self, index: MetadataIndex, info: StorageInfo, handle: Any) -> None:
+        if index in self._verified or info.checksum is None:
+            return
+        assert info.key is not None
+        whole = handle.get_tensor(info.key)
+        digest = xxhash.xxh3_64_hexdigest(tensor_bytes(whole.contiguous()))
+        if digest != info.checksum:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {self._root() / info.relative_path}: {index.fqn!r} chunk at offsets "
+                f"{list(index.offset or ())} (key {info.key!r}) has xxh3 {digest}, metadata records {info.checksum}"
+            )
+        self._verified.add(index)
+
+    def read_tensor(self, item: ReadItem) -> torch.Tensor:
+        """The stored slice ``item`` asks for, as a (usually zero-copy mmap) tensor view."""
+        info = self._storage_info(item.storage_index)
+        handle = self._open(info.relative_path)
+        if info.key is None:
+            raise CheckpointFormatError(f"{item.storage_index.fqn!r}: tensor chunk stored without a key")
+        if self.verify:
+            self._verify_chunk(item.storage_index, info, handle)
+        try:
+            if not item.lengths:
+                tensor = handle.get_tensor(info.key)
+            else:
+                slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+                tensor = handle.get_slice(info.key)[slices]
+        except SafetensorError as exc:
+            raise CorruptCheckpointError(
+                f"{item.storage_index.fqn!r}: cannot read key {info.key!r} from {self._root() / info.relative_path}: {exc}"
+            ) from None
+        chunk_sizes = self._chunk_sizes(item.storage_index)
+        self.bytes_read += span_elements(chunk_sizes, item.storage_offsets, item.lengths) * tensor.element_size()
+        return tensor
+
+    def read_object(self, item: ReadItem) -> Any:
+        info = self._storage_info(item.storage_index)
+        file = self._root() / info.relative_path
+        try:
+            with open(file, "rb") as f:
+                blob = os.pread(f.fileno(), info.length, info.offset)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"checkpoint file {file} is missing") from None
+        if len(blob) != info.length:
+            raise CorruptCheckpointError(
+                f"{item.storage_index.fqn!r}: {file} is truncated ({len(blob)} of {info.length} bytes at offset {info.offset})"
+            )
+        self.bytes_read += len(blob)
+        if self.verify and info.checksum is not None and xxhash.xxh3_64_hexdigest(blob) != info.checksum:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {file}: object {item.storage_index.fqn!r} does not match its recorded xxh3"
+            )
+        return deserialize_object(blob, fqn=item.storage_index.fqn, file=str(file))
+
+    def read_items(self, items: Sequence[ReadItem]) -> Iterator[tuple[ReadItem, Any]]:
+        """Read ``items`` in the order given; yields ``(item, tensor view or object)``."""
+        for item in items:
+            if item.type is LoadItemType.BYTE_IO:
+                yield item, self.read_object(item)
+            else:
+                yield item, self.read_tensor(item)
+
+    @staticmethod
+    def sort_items(items: Sequence[ReadItem]) -> list[ReadItem]:
+        """The global read order: by destination shard, then stored chunk, then offsets."""
+        return sorted(items, key=lambda it: (order_key(it.dest_index), order_key(it.storage_index), it.storage_offsets))
+
+    def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        mine = [it for it in plan.items if it.source is None or it.source == self.rank]
+        for item, data in self.read_items(self.sort_items(mine)):
+            if item.type is LoadItemType.BYTE_IO:
+                planner.load_bytes(item, data)
+            else:
+                target = planner.resolve_tensor(item)
+                target.copy_(data)
+                planner.commit_tensor(item, target)

@@ -1,0 +1,147 @@
+"""The public entry points: ``save``, ``load`` and ``async_save``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional, Union
+
+from hyper_parallel_dcp.core.metadata import Metadata
+from hyper_parallel_dcp.core.pipeline import load_state_dict, process_rank, save_state_dict
+from hyper_parallel_dcp.core.planner import LoadPlanner, SavePlanner
+from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
+
+__all__ = ["async_save", "load", "save"]
+
+CheckpointId = Union[str, os.PathLike]
+
+
+def _writer(checkpoint_id: Optional[CheckpointId], storage_writer: Optional[StorageWriter]) -> StorageWriter:
+    if storage_writer is None:
+        if checkpoint_id is None:
+            raise ValueError("save needs checkpoint_id or storage_writer")
+        return FileSystemWriter(checkpoint_id)
+    if checkpoint_id is not None:
+        storage_writer.reset(checkpoint_id)
+    return storage_writer
+
+
+def _reader(checkpoint_id: Optional[CheckpointId], storage_reader: Optional[StorageReader]) -> StorageReader:
+    if storage_reader is None:
+        if checkpoint_id is None:
+            raise ValueError("load needs checkpoint_id or storage_reader")
+        return FileSystemReader(checkpoint_id)
+    if checkpoint_id is not None:
+        storage_reader.reset(checkpoint_id)
+    return storage_reader
+
+
+def save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: Optional[CheckpointId] = None,
+    storage_writer: Optional[StorageWriter] = None,
+    planner: Optional[SavePlanner] = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+) -> Metadata:
+    """Save a (sharded) state dict; every rank writes only the shards it owns.
+
+    ``state_dict`` is a nested dict whose leaves are DTensors, tensors (treated as
+    replicated), :class:`RaggedShard` or picklable objects; it is not modified.  With
+    ``use_collectives=True`` (default) every rank of the default group must call; the
+    plans are exchanged, replicated chunks are written once, and the coordinator commits
+    ``.metadata`` last (the returned global :class:`Metadata` is the same on every rank).
+    With ``use_collectives=False`` each rank writes ``{rank}.metadata`` on its own.
+    ``no_dist=True`` saves from this process alone.
+
+    Raises ``ValueError`` without a destination, :class:`UnsupportedPlacementError` for a
+    ``Partial`` DTensor, :class:`ConcurrentSaveError` when another save into the same
+    directory is running, and :class:`CheckpointException` (raised on every rank) when
+    any rank fails.
+    """
+    writer = _writer(checkpoint_id, storage_writer)
+    return save_state_dict(state_dict, writer, planner, no_dist=no_dist, use_collectives=use_collectives)
+
+
+def _broadcast_executor(groups: Any, batch_bytes: int) -> Any:
+    from hyper_parallel_dcp import broadcast
+
+    factory = getattr(broadcast, "make_read_executor", None)
+    return None if factory is None else factory(groups=groups, batch_bytes=batch_bytes)
+
+
+def load(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: Optional[CheckpointId] = None,
+    storage_reader: Optional[StorageReader] = None,
+    planner: Optional[LoadPlanner] = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+    broadcast_replicated_tensors: bool = True,
+    broadcast_groups: Optional[dict[tuple[int, ...], Any]] = None,
+    broadcast_batch_bytes: int = 6 * 1024 * 1024,
+) -> None:
+    """Load a checkpoint into ``state_dict`` in place; returns ``None``.
+
+    Tensors (DTensor local shards, plain tensors, :class:`RaggedShard`) are filled in
+    place and must already have the target shape and dtype; the layout may differ from
+    the one saved (the stored chunks are intersected with the target shards).  Only keys
+    present in ``state_dict`` are loaded; non-tensor leaves are replaced in the nested
+    dict.  With collectives, replicated shards are read by one rank of their replica group
+    and broadcast to the others (``broadcast_replicated_tensors``); shards below
+    ``broadcast_batch_bytes`` are batched (must be equal on all ranks; 0 disables).
+
+    Raises ``ValueError`` for ``broadcast_groups`` without
+    ``broadcast_replicated_tensors`` or a negative batch size;
+    :class:`CheckpointNotFoundError` for a missing checkpoint; :class:`MissingKeyError`,
+    :class:`MismatchError`, :class:`CorruptCheckpointError` and
+    :class:`CheckpointFormatError` naming the key or file.
+    """
+    if broadcast_groups is not None and not broadcast_replicated_tensors:
+        raise ValueError("broadcast_groups is only used with broadcast_replicated_tensors=True")
+    if not isinstance(broadcast_batch_bytes, int) or broadcast_batch_bytes < 0:
+        raise ValueError(f"broadcast_batch_bytes must be a non-negative int, got {broadcast_batch_bytes!r}")
+    reader = _reader(checkpoint_id, storage_reader)
+    _, world_size = (0, 1) if no_dist else process_rank()
+    broadcast_on = broadcast_replicated_tensors and use_collectives and not no_dist and world_size > 1
+    executor = _broadcast_executor(broadcast_groups, broadcast_batch_bytes) if broadcast_on else None
+    load_state_dict(
+        state_dict,
+        reader,
+        planner,
+        no_dist=no_dist,
+        use_collectives=use_collectives,
+        assign_readers=executor is not None,
+        read_executor=executor,
+    )
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: Optional[CheckpointId] = None,
+    storage_writer: Optional[StorageWriter] = None,
+    planner: Optional[SavePlanner] = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+    use_gloo: bool = False,
+    callback: Optional[Callable[[], None]] = None,
+) -> Any:
+    """Stage ``state_dict`` to host memory now and persist it in a background process.
+
+    See :func:`hyper_parallel_dcp.async_persist.async_save`.
+    """
+    from hyper_parallel_dcp.async_persist import async_save as _async_save
+
+    return _async_save(
+        state_dict,
+        checkpoint_id=checkpoint_id,
+        storage_writer=storage_writer,
+        planner=planner,
+        no_dist=no_dist,
+        use_collectives=use_collectives,
+        use_gloo=use_gloo,
+        callback=callback,
+    )
