@@ -55,28 +55,38 @@ class SaveLock:
     """An exclusive ``flock`` beside the target; released on close or process death."""
 
     def __init__(self, target: Path):
+        self.target = target
         self.path = _lock_path(target)
         self.fd: Optional[int] = None
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = ""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-            except OSError:
-                pass
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                holder = ""
+                try:
+                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                except OSError:
+                    pass
+                os.close(fd)
+                if exc.errno in (errno.EAGAIN, errno.EACCES):
+                    raise ConcurrentSaveError(
+                        f"another save into {self.target} is in progress ({holder or 'holder unknown'}); "
+                        "two saves into one directory at once are refused"
+                    ) from None
+                raise
+            # The holder unlinks the lock file on release; if we locked an unlinked inode,
+            # the path now names a newer file: start over on that one.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise ConcurrentSaveError(
-                    f"another save into {self.path.parent / self.path.name[1:].removesuffix('.hp-dcp-lock')} "
-                    f"is in progress ({holder or 'holder unknown'}); two saves into one directory at once "
-                    "are refused"
-                ) from None
-            raise
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)
@@ -85,6 +95,10 @@ class SaveLock:
     def release(self) -> None:
         if self.fd is not None:
             try:
+                try:
+                    os.unlink(self.path)  # while still locked: leave no lock file behind
+                except FileNotFoundError:
+                    pass
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             finally:
                 os.close(self.fd)
