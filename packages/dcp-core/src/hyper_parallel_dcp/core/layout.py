@@ -10,7 +10,7 @@ the training process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from .chunks import ChunkBox, Run, boxes_from_runs, full_box, runs_from_indices
 from .errors import UnsupportedPlacementError
 from .ragged import RaggedShard
 
-__all__ = ["TensorShards", "is_tensor_leaf", "to_tensor_shards"]
+__all__ = ["TensorShards", "is_tensor_leaf", "placement_boxes", "to_tensor_shards"]
 
 
 @dataclass
@@ -59,20 +59,30 @@ def _select(runs: list[Run], local_indices: range | list[int]) -> list[Run]:
     return runs_from_indices(flat[i] for i in local_indices)
 
 
-def _dtensor_boxes(dt: Any, fqn: str) -> list[tuple[ChunkBox, tuple[int, ...]]]:
+def placement_boxes(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Any],
+    fqn: str = "<tensor>",
+) -> list[tuple[ChunkBox, tuple[int, ...]]]:
+    """Pure geometry of a DTensor layout: the global boxes one mesh coordinate holds.
+
+    Returns ``(global_box, offsets in the local tensor)`` pairs — one pair for Shard /
+    uneven Shard / Replicate, possibly several for ``_StridedShard`` layouts whose local
+    rows are not contiguous in the global tensor.  Needs no process group, so tools can
+    plan for a layout they do not run (``hp-dcp explain``, planning simulations).
+    Raises :class:`UnsupportedPlacementError` for ``Partial``.
+    """
     from torch.distributed.tensor.placement_types import Partial, Shard
 
     try:
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:  # pragma: no cover
         _StridedShard = ()  # type: ignore[assignment]
-    mesh = dt.device_mesh
-    coord = mesh.get_coordinate()
-    if coord is None:  # this rank is not part of the mesh
-        return []
-    global_shape = tuple(dt.shape)
+    global_shape = tuple(int(d) for d in global_shape)
     per_dim: list[list[Run]] = [[(0, d)] if d else [] for d in global_shape]
-    for mesh_dim, placement in enumerate(dt.placements):
+    for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Partial):
             raise UnsupportedPlacementError(
                 f"{fqn!r} is a DTensor with a Partial placement on mesh dim {mesh_dim}; "
@@ -82,23 +92,31 @@ def _dtensor_boxes(dt: Any, fqn: str) -> list[tuple[ChunkBox, tuple[int, ...]]]:
             continue
         dim = placement.dim if placement.dim >= 0 else placement.dim + len(global_shape)
         current = sum(length for _, length in per_dim[dim])
-        chunks = mesh.size(mesh_dim)
+        chunks = int(mesh_shape[mesh_dim])
         if isinstance(placement, _StridedShard):
             from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
 
             _, offsets = placement._local_shard_size_and_offset(
                 curr_local_size=current,
                 num_chunks=chunks,
-                rank=coord[mesh_dim],
+                rank=coordinate[mesh_dim],
                 offset_mode=_StridedShardOffsetMode.ALL,
             )
             per_dim[dim] = _select(per_dim[dim], list(offsets))
         else:
-            size, offset = placement._local_shard_size_and_offset(current, chunks, coord[mesh_dim])
+            size, offset = placement._local_shard_size_and_offset(current, chunks, coordinate[mesh_dim])
             per_dim[dim] = _select(per_dim[dim], range(offset, offset + size))
     if any(not runs for runs in per_dim):
         return []
     return boxes_from_runs(per_dim)
+
+
+def _dtensor_boxes(dt: Any, fqn: str) -> list[tuple[ChunkBox, tuple[int, ...]]]:
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not part of the mesh
+        return []
+    return placement_boxes(tuple(dt.shape), tuple(mesh.shape), coord, dt.placements, fqn)
 
 
 def to_tensor_shards(leaf: Any, fqn: str = "<tensor>") -> TensorShards:
