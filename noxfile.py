@@ -1,0 +1,102 @@
+"""Sessions for every package of hyper-parallel-dcp.
+
+``nox -s tests``        each package alone, in its own venv (package + siblings + torch)
+``nox -s integration``  everything installed together + the top-level tests
+``nox -s docs``         the documentation, built strictly (warnings fail)
+``nox -s lint``         ruff over the repository, mypy per package
+``nox -s demo``         the end-to-end CPU demo (``python -m hyper_parallel_dcp``)
+``nox -s bench``        benchmarks against torch.distributed.checkpoint
+
+torch is pinned for development and CI (the packages only declare a lower bound): an
+unpinned torch would make pip pull a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests", "integration", "docs"]
+
+TORCH = "torch==2.13.0"
+PYTHON = "3.11"
+
+# package → (folder, local siblings it depends on)
+PACKAGES: dict[str, tuple[str, list[str]]] = {
+    "core": ("packages/dcp-core", []),
+    "storage-fs": ("packages/dcp-storage-fs", ["core"]),
+    "async": ("packages/dcp-async", ["core", "storage-fs"]),
+    "broadcast": ("packages/dcp-broadcast", ["core"]),
+    "hf-convert": ("packages/dcp-hf-convert", ["core", "storage-fs"]),
+}
+TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"]
+PYTEST = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", "-ra"]
+DOCS_DEPS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+
+
+def _siblings(name: str) -> list[str]:
+    folder, deps = PACKAGES[name]
+    return [PACKAGES[d][0] for d in deps]
+
+
+def _has_test_extra(folder: str) -> bool:
+    with open(f"{folder}/pyproject.toml", encoding="utf-8") as f:
+        return "\ntest = [" in f.read()
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """One package alone: only it, its local siblings and torch are installed."""
+    folder, _ = PACKAGES[package]
+    session.install(TORCH)
+    target = f"./{folder}[test]" if _has_test_extra(folder) else f"./{folder}"
+    session.install(*[f"./{s}" for s in _siblings(package)], target, *TEST_TOOLS, TORCH)
+    session.run(*PYTEST, f"{folder}/tests", *session.posargs)
+
+
+def _install_everything(session: nox.Session, *extra: str) -> None:
+    session.install(TORCH)
+    targets = []
+    for folder, _ in PACKAGES.values():
+        targets.append(f"-e./{folder}[test]" if _has_test_extra(folder) else f"-e./{folder}")
+    session.install(*targets, "-e.", *TEST_TOOLS, *extra, TORCH)
+
+
+@nox.session(python=PYTHON)
+def integration(session: nox.Session) -> None:
+    """All packages together: the top-level cross-package, multi-process, end-to-end tests."""
+    _install_everything(session, "matplotlib")
+    session.run(*PYTEST, "tests", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the documentation strictly: a warning fails the build."""
+    _install_everything(session, *DOCS_DEPS)
+    session.run("mkdocs", "build", "--strict", "--site-dir", f"{session.create_tmp()}/site")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff over the repository, mypy over each package's sources."""
+    _install_everything(session, "ruff", "mypy")
+    session.run("ruff", "check", ".")
+    for folder, _ in PACKAGES.values():
+        session.run("mypy", f"{folder}/src")
+    session.run("mypy", "src")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The end-to-end CPU demo: multi-process save, async save, resharded load, HF export."""
+    _install_everything(session)
+    session.run("python", "-m", "hyper_parallel_dcp", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks side by side with torch.distributed.checkpoint (results in docs/benchmarks/)."""
+    _install_everything(session, "matplotlib")
+    session.run("python", "-m", "hyper_parallel_dcp.benchmarks", *session.posargs)
