@@ -14,12 +14,21 @@ import ctypes
 import json
 import os
 import struct
-from typing import BinaryIO, Sequence
+from typing import BinaryIO, NamedTuple, Sequence
 
 import torch
 import xxhash
 
-__all__ = ["SAFETENSORS_DTYPES", "TensorEntry", "tensor_bytes", "write_safetensors"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "HeaderEntry",
+    "SafetensorsHeaderError",
+    "TensorEntry",
+    "entry_mismatch",
+    "read_header",
+    "tensor_bytes",
+    "write_safetensors",
+]
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -108,6 +117,88 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry]) -> list[tuple
         out.append((data_start + begin, entry.nbytes, digest))
         del view, tensor
     return out
+
+
+#: Largest header we accept; a corrupted length field must not make us allocate gigabytes.
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+
+
+class SafetensorsHeaderError(ValueError):
+    """The header of a safetensors file is malformed (the message says how)."""
+
+
+class HeaderEntry(NamedTuple):
+    """One tensor of a safetensors header, with absolute file offsets of its data."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(f: BinaryIO, file_size: int) -> dict[str, HeaderEntry]:
+    """Parse and check the header of the safetensors file open as ``f`` (``file_size`` bytes).
+
+    Reads only the header.  Checks that the length field, JSON, dtypes, shapes and data
+    ranges are consistent and lie inside the file; raises :class:`SafetensorsHeaderError`
+    saying what is wrong otherwise.  Offsets in the result are absolute file offsets.
+    """
+    f.seek(0)
+    raw_len = f.read(8)
+    if len(raw_len) != 8:
+        raise SafetensorsHeaderError(f"file has {file_size} bytes, too short for a safetensors header")
+    (length,) = struct.unpack("<Q", raw_len)
+    if length > min(MAX_HEADER_BYTES, max(0, file_size - 8)):
+        raise SafetensorsHeaderError(f"header length field {length} does not fit a file of {file_size} bytes")
+    raw = f.read(length)
+    if len(raw) != length:
+        raise SafetensorsHeaderError(f"header truncated ({len(raw)} of {length} bytes)")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SafetensorsHeaderError(f"header is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise SafetensorsHeaderError("header is not a JSON object")
+    data_start = 8 + length
+    known = set(SAFETENSORS_DTYPES.values()) | {"F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C128"}
+    out: dict[str, HeaderEntry] = {}
+    for key, entry in doc.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise SafetensorsHeaderError(f"header entry {key!r} is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in known:
+            raise SafetensorsHeaderError(f"header entry {key!r} has an unknown dtype {dtype!r}")
+        if not _int_list(shape) or not _int_list(offsets) or len(offsets) != 2:
+            raise SafetensorsHeaderError(f"header entry {key!r} has a malformed shape or data_offsets")
+        begin, end = offsets
+        if begin > end or data_start + end > file_size:
+            raise SafetensorsHeaderError(
+                f"header entry {key!r}: data range [{begin}, {end}) lies outside the {file_size - data_start} data bytes"
+            )
+        out[key] = HeaderEntry(dtype, tuple(shape), data_start + begin, data_start + end)
+    return out
+
+
+def entry_mismatch(entry: HeaderEntry | None, key: str, dtype: torch.dtype, shape: Sequence[int],
+                   offset: int, length: int) -> str | None:
+    """Why header ``entry`` (for ``key``) is not the chunk the metadata describes; None if it is."""
+    if entry is None:
+        return f"key {key!r} is missing from the file's header"
+    expected = SAFETENSORS_DTYPES.get(dtype)
+    if entry.dtype != expected:
+        return f"key {key!r} is stored as {entry.dtype}, the metadata says {expected}"
+    if entry.shape != tuple(shape):
+        return f"key {key!r} has shape {list(entry.shape)}, the metadata says {list(shape)}"
+    if entry.begin != offset or entry.end - entry.begin != length:
+        return (f"key {key!r} occupies bytes [{entry.begin}, {entry.end}), the metadata says "
+                f"[{offset}, {offset + length})")
+    return None
+
+
+def _int_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

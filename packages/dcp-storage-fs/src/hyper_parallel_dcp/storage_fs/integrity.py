@@ -1,0 +1,324 @@
+"""Is a checkpoint directory complete, is it intact, and which is the newest one.
+
+:func:`check_complete` answers from ``.metadata`` (or the ``{rank}.metadata`` files) and
+``stat`` alone, never reading tensor data, so it is cheap enough to run on every start-up.
+:func:`verify_checkpoint` additionally reads every stored byte once and compares it with
+the xxh3-64 checksum recorded when it was written.  :func:`find_latest_checkpoint` picks the
+newest complete checkpoint among step directories (``step_100``, ``ckpt-2000``, ``300``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import xxhash
+
+from hyper_parallel_dcp.core.errors import CheckpointFormatError
+from hyper_parallel_dcp.core.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+    metadata_from_json,
+)
+
+from .filesystem import METADATA_FILE, _merge_rank_metadata
+from .safetensors_stream import SafetensorsHeaderError, entry_mismatch, read_header
+
+__all__ = [
+    "CompletenessReport",
+    "VerifyReport",
+    "check_complete",
+    "find_latest_checkpoint",
+    "verify_checkpoint",
+]
+
+PathLike = Union[str, os.PathLike]
+_RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
+_STEP = re.compile(r"(\d+)$")
+#: Bytes hashed per read while verifying (bounded memory, large sequential reads).
+_READ_BLOCK = 16 * 1024 * 1024
+#: More problems than this are summarised (a wholly wrong directory would list thousands).
+_MAX_PROBLEMS = 200
+
+
+@dataclass
+class CompletenessReport:
+    """Whether ``path`` holds a complete checkpoint, judged from metadata and file sizes.
+
+    ``problems`` lists every reason it is not (empty when ``complete``);
+    ``format_version`` is the version found in the metadata (``None`` if unreadable);
+    ``metadata`` is the parsed (for a rank-local save, merged) metadata, ``None`` when it
+    could not be read.
+    """
+
+    path: Path
+    complete: bool
+    problems: list[str] = field(default_factory=list)
+    format_version: Optional[int] = None
+    metadata: Optional[Metadata] = None
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify_checkpoint`: ``ok`` when complete and every checksum matches."""
+
+    path: Path
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    chunks_checked: int = 0
+    bytes_checked: int = 0
+
+
+def _peek_version(text: bytes) -> Optional[int]:
+    try:
+        doc = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def _add(problems: list[str], text: str) -> None:
+    if len(problems) < _MAX_PROBLEMS:
+        problems.append(text)
+    elif len(problems) == _MAX_PROBLEMS:
+        problems.append("... further problems omitted")
+
+
+def _read_metadata(root: Path, problems: list[str]) -> tuple[Optional[Metadata], Optional[int]]:
+    """Parse ``.metadata`` or merge the ``{rank}.metadata`` files, recording what fails."""
+    global_file = root / METADATA_FILE
+    if global_file.is_file():
+        try:
+            text = global_file.read_bytes()
+        except OSError as exc:
+            _add(problems, f"{global_file} cannot be read: {exc}")
+            return None, None
+        version = _peek_version(text)
+        try:
+            return metadata_from_json(text, source=str(global_file)), version
+        except CheckpointFormatError as exc:
+            _add(problems, str(exc))
+            return None, version
+    try:
+        names = sorted(e.name for e in os.scandir(root))
+    except OSError as exc:
+        _add(problems, f"{root} cannot be listed: {exc}")
+        return None, None
+    ranks = sorted((int(m.group(1)), n) for n in names if (m := _RANK_METADATA.match(n)))
+    if not ranks:
+        _add(problems, f"{root} holds neither {METADATA_FILE} nor any {{rank}}.metadata file "
+                       "(the save never finished, or this is not a checkpoint)")
+        return None, None
+    # A rank-local save cannot know how many ranks there were; a gap is at least detectable.
+    missing = sorted(set(range(ranks[-1][0] + 1)) - {r for r, _ in ranks})
+    if missing:
+        _add(problems, f"{root}: the rank-local metadata of rank(s) {missing} is missing")
+    parts = []
+    version: Optional[int] = None
+    for rank, name in ranks:
+        file = root / name
+        try:
+            text = file.read_bytes()
+        except OSError as exc:
+            _add(problems, f"{file} cannot be read: {exc}")
+            continue
+        version = _peek_version(text) if version is None else version
+        try:
+            parts.append((rank, metadata_from_json(text, source=str(file))))
+        except CheckpointFormatError as exc:
+            _add(problems, str(exc))
+    if len(parts) != len(ranks):
+        return None, version
+    return _merge_rank_metadata(parts), version
+
+
+def _check_consistency(md: Metadata, source: Path, problems: list[str]) -> None:
+    """Every saved item has a storage entry (the metadata does not contradict itself)."""
+    storage = md.storage_data or {}
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                _add(problems, f"{source}: object {fqn!r} has no storage entry")
+        elif isinstance(entry, TensorStorageMetadata):
+            for chunk in entry.chunks:
+                if MetadataIndex(fqn, chunk.offsets) not in storage:
+                    _add(problems, f"{source}: {fqn!r} chunk at offsets {list(chunk.offsets)} has no storage entry")
+
+
+def check_complete(path: PathLike) -> CompletenessReport:
+    """Say whether ``path`` holds a complete checkpoint, using metadata and ``stat`` only.
+
+    Complete means: ``.metadata`` (or, for a save without collectives, every
+    ``{rank}.metadata`` from 0 up to the highest present) parses, is of a format version
+    this code reads, describes a storage entry for every chunk and object, and every file
+    it names exists with exactly the recorded size and holds the recorded byte ranges.
+    No tensor data is read.  Never raises for a bad checkpoint: every reason it is not
+    complete is in ``problems``.  (Trailing missing ranks of a rank-local save cannot be
+    detected without knowing the world size.)
+    """
+    root = Path(path)
+    problems: list[str] = []
+    if not root.is_dir():
+        return CompletenessReport(root, False, [f"checkpoint directory {root} does not exist"], None, None)
+    md, version = _read_metadata(root, problems)
+    if md is None:
+        return CompletenessReport(root, False, problems or [f"{root}: no readable metadata"], version, None)
+    _check_consistency(md, root, problems)
+    sizes: dict[str, Optional[int]] = {}
+    named = dict(md.files)
+    for info in (md.storage_data or {}).values():
+        named.setdefault(info.relative_path, -1)
+    for name, expected in sorted(named.items()):
+        file = root / name
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            _add(problems, f"{root}: the metadata names an invalid file {name!r}")
+            sizes[name] = None
+            continue
+        try:
+            st = file.stat()
+        except FileNotFoundError:
+            _add(problems, f"{file} is missing")
+            sizes[name] = None
+            continue
+        except OSError as exc:
+            _add(problems, f"{file} cannot be examined: {exc}")
+            sizes[name] = None
+            continue
+        sizes[name] = st.st_size
+        if expected >= 0 and st.st_size != expected:
+            _add(problems, f"{file} has {st.st_size} bytes, the metadata records {expected} (truncated or replaced)")
+        elif expected < 0:
+            _add(problems, f"{root}: the metadata records no size for {name}")
+    for index, info in (md.storage_data or {}).items():
+        size = sizes.get(info.relative_path)
+        if size is not None and info.offset + info.length > size:
+            _add(problems, f"{root / info.relative_path}: {_item_name(index)} needs bytes "
+                           f"[{info.offset}, {info.offset + info.length}) but the file has {size}")
+    return CompletenessReport(root, not problems, problems, version if version is not None else md.format_version, md)
+
+
+def _item_name(index: MetadataIndex) -> str:
+    if index.offset is None:
+        return f"object {index.fqn!r}"
+    return f"{index.fqn!r} chunk at offsets {list(index.offset)}"
+
+
+def find_latest_checkpoint(root: PathLike) -> Optional[Path]:
+    """The complete checkpoint under ``root`` whose directory name ends in the highest step.
+
+    Looks at the direct subdirectories of ``root`` whose names end in an integer
+    (``step_100``, ``global_step2000``, ``300``), newest first, and returns the first that
+    :func:`check_complete` accepts; hidden entries (staging directories) are skipped.
+    Returns ``None`` when ``root`` does not exist or holds no complete checkpoint.
+    """
+    base = Path(root)
+    try:
+        entries = list(os.scandir(base))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    candidates = []
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        match = _STEP.search(entry.name)
+        if match and entry.is_dir():
+            candidates.append((int(match.group(1)), entry.name))
+    for _, name in sorted(candidates, reverse=True):
+        if check_complete(base / name).complete:
+            return base / name
+    return None
+
+
+def _hash_range(f, offset: int, length: int, buf: bytearray) -> tuple[str, int]:
+    """xxh3-64 of ``length`` bytes at ``offset``; returns (hex digest, bytes actually read)."""
+    hasher = xxhash.xxh3_64()
+    view = memoryview(buf)
+    f.seek(offset)
+    done = 0
+    while done < length:
+        n = f.readinto(view[: min(len(buf), length - done)])
+        if not n:
+            break
+        hasher.update(view[:n])
+        done += n
+    return hasher.hexdigest(), done
+
+
+def verify_checkpoint(path: PathLike, *,
+                      progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
+    """Check completeness and every recorded checksum of the checkpoint at ``path``.
+
+    Reads each stored chunk and object once, in file order, and compares its xxh3-64 with
+    the metadata; also checks that each safetensors header agrees with the metadata (key,
+    dtype, shape, byte range).  ``progress(done_bytes, total_bytes)`` is called after each
+    item.  Never raises for a bad checkpoint: every problem (naming file, FQN and chunk) is
+    in the report; ``ok`` is true only when there are none.  Items without a recorded
+    checksum are reported as problems.
+    """
+    report = check_complete(path)
+    root = report.path
+    problems = list(report.problems)
+    md = report.metadata
+    if md is None:
+        return VerifyReport(root, False, problems, 0, 0)
+    by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
+    for index, info in (md.storage_data or {}).items():
+        by_file[info.relative_path].append((index, info))
+    total = sum(info.length for items in by_file.values() for _, info in items)
+    done = chunks = checked = 0
+    buf = bytearray(_READ_BLOCK)
+    for name in sorted(by_file):
+        items = sorted(by_file[name], key=lambda p: p[1].offset)
+        file = root / name
+        try:
+            f = open(file, "rb")
+        except OSError as exc:
+            if not any(str(file) in p for p in problems):
+                _add(problems, f"{file} cannot be opened: {exc}")
+            done += sum(info.length for _, info in items)
+            if progress is not None:
+                progress(done, total)
+            continue
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            header = None
+            if name.endswith(".safetensors"):
+                try:
+                    header = read_header(f, size)
+                except SafetensorsHeaderError as exc:
+                    _add(problems, f"{file}: {exc}")
+            for index, info in items:
+                where = f"{file}: {_item_name(index)}"
+                entry = md.state_dict_metadata.get(index.fqn)
+                if header is not None and index.offset is not None and isinstance(entry, TensorStorageMetadata):
+                    sizes = next((c.sizes for c in entry.chunks if c.offsets == index.offset), None)
+                    key = info.key or ""
+                    why = entry_mismatch(header.get(key), key, entry.properties.dtype, sizes or (),
+                                         info.offset, info.length)
+                    if why is not None:
+                        _add(problems, f"{where}: {why}")
+                if info.checksum is None:
+                    _add(problems, f"{where}: no checksum recorded, cannot be verified")
+                elif info.offset + info.length > size:
+                    _add(problems, f"{where}: truncated (needs bytes up to {info.offset + info.length}, file has {size})")
+                else:
+                    digest, got = _hash_range(f, info.offset, info.length, buf)
+                    chunks += 1
+                    checked += got
+                    if got != info.length:
+                        _add(problems, f"{where}: only {got} of {info.length} bytes could be read")
+                    elif digest != info.checksum:
+                        _add(problems, f"{where}: checksum mismatch (xxh3 {digest}, metadata records {info.checksum})")
+                done += info.length
+                if progress is not None:
+                    progress(done, total)
+    return VerifyReport(root, not problems, problems, chunks, checked)
