@@ -59,15 +59,24 @@ def save_state_dict(
     coordinator_rank: int = 0,
     no_dist: bool = False,
     use_collectives: bool = True,
+    dist_wrapper: Optional[DistWrapper] = None,
 ) -> Metadata:
     """Save ``state_dict`` through ``storage_writer``; returns the metadata.
 
     With collectives the returned metadata is the global one on every rank; without, the
     rank's own.  On any failure every rank raises and ``storage_writer.abort`` runs.
+    ``dist_wrapper`` (ignored with ``no_dist``) replaces the process-group collectives and
+    gives rank and world size: the async writer process has no process group and
+    exchanges through files, or not at all (``use_dist=False``, rank identity only).
     """
     use_collectives = use_collectives and not no_dist
-    rank, world_size = (0, 1) if no_dist else process_rank(process_group)
-    dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1, coordinator_rank=coordinator_rank)
+    if dist_wrapper is not None and not no_dist:
+        dw = dist_wrapper
+        rank, world_size = dw.rank, dw.world_size
+    else:
+        rank, world_size = (0, 1) if no_dist else process_rank(process_group)
+        dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
+                         coordinator_rank=coordinator_rank)
     is_coordinator = rank == coordinator_rank if use_collectives or world_size == 1 else True
     planner = planner if planner is not None else StandardSavePlanner()
 
