@@ -88,12 +88,15 @@ def placement_boxes(
                 f"{fqn!r} is a DTensor with a Partial placement on mesh dim {mesh_dim}; "
                 "reduce it (e.g. dt.redistribute(placements=[Replicate()])) before checkpointing"
             )
-        if not isinstance(placement, Shard):
+        # In recent torch (2.13 here) _StridedShard no longer derives from Shard: test it on
+        # its own, or FSDP2+TP parameters would be taken for replicated ones.
+        is_strided = isinstance(placement, _StridedShard)
+        if not (is_strided or isinstance(placement, Shard)):
             continue
         dim = placement.dim if placement.dim >= 0 else placement.dim + len(global_shape)
         current = sum(length for _, length in per_dim[dim])
         chunks = int(mesh_shape[mesh_dim])
-        if isinstance(placement, _StridedShard):
+        if is_strided:
             from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
 
             _, offsets = placement._local_shard_size_and_offset(
