@@ -9,6 +9,7 @@ rank for a save without collectives.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 from collections import OrderedDict
@@ -17,7 +18,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import xxhash
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
 from hyper_parallel_dcp.core.chunks import span_elements
 from hyper_parallel_dcp.core.errors import (
@@ -50,7 +51,15 @@ from hyper_parallel_dcp.core.planner import (
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult
 
 from .commit import SaveLock, commit_directory, staging_dir
-from .safetensors_stream import TensorEntry, fsync_dir, tensor_bytes, write_safetensors
+from .safetensors_stream import (
+    HeaderEntry,
+    SafetensorsHeaderError,
+    TensorEntry,
+    entry_mismatch,
+    fsync_dir,
+    read_header,
+    write_safetensors,
+)
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata"]
 
@@ -275,6 +284,35 @@ def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, b
     return _merge_rank_metadata(parts), False
 
 
+class _OpenFile:
+    """An open shard file: its checked header, the ``safe_open`` handle, and an mmap for hashing."""
+
+    def __init__(self, path: Path, fobj: Any, size: int, header: dict[str, HeaderEntry], handle: Any):
+        self.path = path
+        self.fobj = fobj
+        self.size = size
+        self.header = header
+        self.handle = handle
+        self._map: Optional[mmap.mmap] = None
+
+    def hash_range(self, offset: int, length: int) -> str:
+        """xxh3-64 of the file's bytes ``[offset, offset + length)``, hashed in place (mmap)."""
+        if length == 0:
+            return xxhash.xxh3_64_hexdigest(b"")
+        if self._map is None:
+            self._map = mmap.mmap(self.fobj.fileno(), 0, access=mmap.ACCESS_READ)
+        with memoryview(self._map) as view:
+            with view[offset:offset + length] as part:
+                return xxhash.xxh3_64_hexdigest(part)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        self.fobj.close()
+        self.handle = None
+
+
 class FileSystemReader(StorageReader):
     """Reads a checkpoint directory through ``safetensors.safe_open`` (mmap).
 
@@ -291,8 +329,9 @@ class FileSystemReader(StorageReader):
         self.rank = 0
         self.metadata: Optional[Metadata] = None
         self._is_global = True
-        self._handles: OrderedDict[str, Any] = OrderedDict()
+        self._handles: OrderedDict[str, _OpenFile] = OrderedDict()
         self._verified: set[MetadataIndex] = set()
+        self._checked: set[MetadataIndex] = set()
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
@@ -301,6 +340,7 @@ class FileSystemReader(StorageReader):
         self.metadata = None
         self._close_all()
         self._verified = set()
+        self._checked = set()
         self.bytes_read = 0
 
     @classmethod
@@ -326,31 +366,43 @@ class FileSystemReader(StorageReader):
 
     # -- file access -----------------------------------------------------------------
     def _close_all(self) -> None:
-        self._handles.clear()
+        while self._handles:
+            self._handles.popitem()[1].close()
 
-    def _open(self, name: str) -> Any:
-        handle = self._handles.get(name)
-        if handle is not None:
+    def _open(self, name: str) -> _OpenFile:
+        opened = self._handles.get(name)
+        if opened is not None:
             self._handles.move_to_end(name)
-            return handle
+            return opened
         file = self._root() / name
         expected = (self.metadata.files if self.metadata else {}).get(name)
         try:
-            actual = file.stat().st_size
+            fobj = open(file, "rb")
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"checkpoint file {file} is missing") from None
-        if expected is not None and actual != expected:
-            raise CorruptCheckpointError(
-                f"checkpoint file {file} has {actual} bytes but the metadata records {expected} (truncated or replaced)"
-            )
         try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CorruptCheckpointError(f"checkpoint file {file} cannot be opened as safetensors: {exc}") from None
-        self._handles[name] = handle
+            actual = os.fstat(fobj.fileno()).st_size
+            if expected is not None and actual != expected:
+                raise CorruptCheckpointError(
+                    f"checkpoint file {file} has {actual} bytes but the metadata records {expected} "
+                    "(truncated or replaced)"
+                )
+            try:
+                header = read_header(fobj, actual)
+            except SafetensorsHeaderError as exc:
+                raise CorruptCheckpointError(f"checkpoint file {file} is not a valid safetensors file: {exc}") from None
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as exc:  # noqa: BLE001 - the library raises several types on bad input
+                raise CorruptCheckpointError(f"checkpoint file {file} cannot be opened as safetensors: {exc}") from None
+        except BaseException:
+            fobj.close()
+            raise
+        opened = _OpenFile(file, fobj, actual, header, handle)
+        self._handles[name] = opened
         if len(self._handles) > FILES_KEPT:
-            self._handles.popitem(last=False)
-        return handle
+            self._handles.popitem(last=False)[1].close()
+        return opened
 
     def _storage_info(self, index: MetadataIndex) -> StorageInfo:
         assert self.metadata is not None and self.metadata.storage_data is not None
@@ -372,38 +424,59 @@ class FileSystemReader(StorageReader):
                 return chunk.sizes
         raise CheckpointFormatError(f"{index.fqn!r}: no stored chunk at offsets {index.offset}")
 
-    def _verify_chunk(self, index: MetadataIndex, info: StorageInfo, handle: Any) -> None:
-        if index in self._verified or info.checksum is None:
+    def _verify_chunk(self, index: MetadataIndex, info: StorageInfo, opened: _OpenFile) -> None:
+        if index in self._verified:
             return
-        assert info.key is not None
-        whole = handle.get_tensor(info.key)
-        digest = xxhash.xxh3_64_hexdigest(tensor_bytes(whole.contiguous()))
+        if info.checksum is None:
+            raise CorruptCheckpointError(
+                f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())} has no recorded "
+                "checksum; load with verify=False to read it unverified"
+            )
+        digest = opened.hash_range(info.offset, info.length)
         if digest != info.checksum:
             raise CorruptCheckpointError(
-                f"checksum mismatch in {self._root() / info.relative_path}: {index.fqn!r} chunk at offsets "
+                f"checksum mismatch in {opened.path}: {index.fqn!r} chunk at offsets "
                 f"{list(index.offset or ())} (key {info.key!r}) has xxh3 {digest}, metadata records {info.checksum}"
             )
         self._verified.add(index)
 
     def read_tensor(self, item: ReadItem) -> torch.Tensor:
-        """The stored slice ``item`` asks for, as a (usually zero-copy mmap) tensor view."""
-        info = self._storage_info(item.storage_index)
-        handle = self._open(info.relative_path)
+        """The stored slice ``item`` asks for, as a (usually zero-copy mmap) tensor view.
+
+        Checks the file's size and safetensors header against the metadata first, and with
+        ``verify`` the checksum of the whole stored chunk (once per chunk); raises
+        :class:`CorruptCheckpointError` naming file, FQN and chunk on any disagreement.
+        """
+        index = item.storage_index
+        info = self._storage_info(index)
+        opened = self._open(info.relative_path)
         if info.key is None:
-            raise CheckpointFormatError(f"{item.storage_index.fqn!r}: tensor chunk stored without a key")
+            raise CheckpointFormatError(f"{index.fqn!r}: tensor chunk stored without a key")
+        chunk_sizes = self._chunk_sizes(index)
+        where = f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
+        if index not in self._checked:
+            md = self.metadata.state_dict_metadata[index.fqn] if self.metadata else None
+            assert isinstance(md, TensorStorageMetadata)
+            why = entry_mismatch(opened.header.get(info.key), info.key, md.properties.dtype, chunk_sizes,
+                                 info.offset, info.length)
+            if why is not None:
+                raise CorruptCheckpointError(f"{where}: {why}")
+            self._checked.add(index)
+        if item.lengths and any(o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, chunk_sizes)):
+            raise CheckpointFormatError(
+                f"{where}: requested region offsets={list(item.storage_offsets)} lengths={list(item.lengths)} "
+                f"exceeds the stored chunk of size {list(chunk_sizes)}"
+            )
         if self.verify:
-            self._verify_chunk(item.storage_index, info, handle)
+            self._verify_chunk(index, info, opened)
         try:
             if not item.lengths:
-                tensor = handle.get_tensor(info.key)
+                tensor = opened.handle.get_tensor(info.key)
             else:
                 slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
-                tensor = handle.get_slice(info.key)[slices]
-        except SafetensorError as exc:
-            raise CorruptCheckpointError(
-                f"{item.storage_index.fqn!r}: cannot read key {info.key!r} from {self._root() / info.relative_path}: {exc}"
-            ) from None
-        chunk_sizes = self._chunk_sizes(item.storage_index)
+                tensor = opened.handle.get_slice(info.key)[slices]
+        except Exception as exc:  # noqa: BLE001 - the library raises several types on bad input
+            raise CorruptCheckpointError(f"{where}: cannot read key {info.key!r}: {exc}") from None
         self.bytes_read += span_elements(chunk_sizes, item.storage_offsets, item.lengths) * tensor.element_size()
         return tensor
 
