@@ -10,10 +10,30 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-__all__ = ["FlatStateDict", "Path", "flatten_state_dict", "set_by_path", "unflatten_state_dict"]
+__all__ = ["FlatStateDict", "Path", "Position", "flatten_state_dict", "set_by_path", "unflatten_state_dict"]
 
 Path = tuple[Any, ...]
 FlatStateDict = dict[str, Any]
+
+
+class Position(int):
+    """A list/tuple position on a path.
+
+    It is an ``int``, so it indexes the sequence and prints as the number; it also
+    remembers the sequence type, because a dict keyed by ints (an optimizer's ``state``)
+    and a list produce the same dotted FQNs and :func:`unflatten_state_dict` must rebuild
+    the right one.
+    """
+
+    container: type
+
+    def __new__(cls, index: int, container: type = list) -> Position:
+        obj = super().__new__(cls, index)
+        obj.container = container
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Position, (int(self), self.container))
 
 
 def _contains(obj: Any, is_tensor: Callable[[Any], bool]) -> bool:
@@ -43,7 +63,7 @@ def flatten_state_dict(
             return
         if isinstance(obj, (list, tuple)) and obj and _contains(obj, is_tensor):
             for i, value in enumerate(obj):
-                visit(value, path + (i,))
+                visit(value, path + (Position(i, type(obj)),))
             return
         fqn = ".".join(str(p) for p in path)
         if fqn in flat:
@@ -74,27 +94,45 @@ def set_by_path(root: Any, path: Path, value: Any) -> Any:
     return root
 
 
+class _Mapping(dict):
+    """A dict built by :func:`unflatten_state_dict` (as opposed to a leaf value)."""
+
+
+class _Sequence(dict):
+    """A list or tuple under construction: position → value, plus the sequence type."""
+
+    def __init__(self, container: type) -> None:
+        super().__init__()
+        self.container = container
+
+
+def _finish(node: Any) -> Any:
+    if isinstance(node, _Sequence):
+        items = [_finish(node.get(i)) for i in range(max(node, default=-1) + 1)]
+        if hasattr(node.container, "_fields"):  # a namedtuple takes its fields as arguments
+            return node.container(*items)
+        return node.container(items)
+    if isinstance(node, _Mapping):
+        return {k: _finish(v) for k, v in node.items()}
+    return node  # a leaf value, returned as is
+
+
 def unflatten_state_dict(flat: Mapping[str, Any], paths: Mapping[str, Path]) -> dict[str, Any]:
-    """Rebuild a nested dict from a flat map and its paths (lists for integer keys)."""
-    out: dict[str, Any] = {}
+    """Rebuild a nested dict from a flat map and the paths :func:`flatten_state_dict` gave.
+
+    A :class:`Position` on a path rebuilds the list or tuple it came from (positions
+    nobody set become ``None``); any other key, ints included, is a dict key.  An FQN
+    missing from ``paths`` becomes a top-level key.
+    """
+    out = _Mapping()
     for fqn, value in flat.items():
         path = paths.get(fqn, (fqn,))
         node: Any = out
         for i, key in enumerate(path[:-1]):
             nxt = path[i + 1]
-            if isinstance(node, list):
-                while len(node) <= key:
-                    node.append(None)
-                if node[key] is None:
-                    node[key] = [] if isinstance(nxt, int) else {}
-                node = node[key]
-            else:
-                node = node.setdefault(key, [] if isinstance(nxt, int) else {})
-        last = path[-1]
-        if isinstance(node, list):
-            while len(node) <= last:
-                node.append(None)
-            node[last] = value
-        else:
-            node[last] = value
-    return out
+            child = node.get(key)
+            if child is None:
+                child = node[key] = _Sequence(nxt.container) if isinstance(nxt, Position) else _Mapping()
+            node = child
+        node[path[-1]] = value
+    return _finish(out)
