@@ -1,4 +1,34 @@
-"""hyper_parallel_dcp.broadcast"""
-from .__about__ import __version__
+"""Read-once + broadcast loading of replicated shards (``hyper_parallel_dcp.broadcast``).
 
-__all__ = ["__version__"]
+``make_read_executor(groups=..., batch_bytes=...)`` builds the read executor that
+``load(..., broadcast_replicated_tensors=True)`` hands to the load pipeline: one member of
+each replica group reads a shard, the others receive it by broadcast, pipelined and
+batched.  The pure scheduling lives in :mod:`.schedule`, group lifetime in
+:mod:`.groups`, the read-ahead thread in :mod:`.prefetch`.
+"""
+
+from .__about__ import __version__
+from .executor import (
+    DEFAULT_BATCH_BYTES,
+    MAX_IN_FLIGHT,
+    BroadcastReadExecutor,
+    BroadcastStats,
+    make_read_executor,
+)
+from .groups import broadcast_groups_for_load
+from .prefetch import ReadAhead
+from .schedule import plan_broadcasts, rank_schedule, required_groups
+
+__all__ = [
+    "DEFAULT_BATCH_BYTES",
+    "MAX_IN_FLIGHT",
+    "BroadcastReadExecutor",
+    "BroadcastStats",
+    "ReadAhead",
+    "__version__",
+    "broadcast_groups_for_load",
+    "make_read_executor",
+    "plan_broadcasts",
+    "rank_schedule",
+    "required_groups",
+]

@@ -1,0 +1,263 @@
+"""The read executor of a read-once + broadcast load.
+
+Called by the load pipeline on every rank instead of ``storage_reader.execute_read``.
+Each replicated shard is read by one member of its replica group (``ReadItem.source``)
+and broadcast to the others; the walk is pipelined — read, launch the async broadcast,
+move on, with at most :data:`MAX_IN_FLIGHT` broadcasts outstanding — and small shards are
+batched into one staging buffer per broadcast.  The reads themselves are the reader's own
+(``read_items`` behind a read-ahead thread, or ``execute_read`` on sub-plans for readers
+without it); only *who* reads changes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from hyper_parallel_dcp.core.storage import StorageReader
+from hyper_parallel_dcp.core.timing import phase
+
+from .groups import broadcast_groups_for_load
+from .prefetch import DEFAULT_DEPTH, ReadAhead
+from .schedule import (
+    BroadcastOp,
+    LaunchStep,
+    ShardInfo,
+    ShardTask,
+    default_sort_items,
+    plan_broadcasts,
+    rank_schedule,
+    required_groups,
+)
+
+__all__ = ["BroadcastReadExecutor", "BroadcastStats", "DEFAULT_BATCH_BYTES", "MAX_IN_FLIGHT", "make_read_executor"]
+
+logger = logging.getLogger(__name__)
+
+#: Broadcasts outstanding at once.  Bounds staging memory to batch bytes × this.
+MAX_IN_FLIGHT = 8
+#: Above the measured crossover (~4.6 MiB) where a broadcast stops being launch-bound.
+DEFAULT_BATCH_BYTES = 6 * 1024 * 1024
+
+
+@dataclass
+class BroadcastStats:
+    """What one load did on this rank (for tests and benchmarks)."""
+
+    replicated_shards: int = 0
+    shards_read_for_group: int = 0
+    broadcasts: int = 0
+    batched_broadcasts: int = 0
+    bytes_broadcast: int = 0
+    tail_items: int = 0
+    groups_used: int = 0
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor: every backend broadcasts bytes, whatever
+    the dtype (bool, bfloat16, float8, complex)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class _Reads:
+    """This rank's reads, in schedule order, through ``read_items`` or ``execute_read``.
+
+    After the first failure further reads are skipped (the broadcasts still go out, so
+    no peer waits forever); the failure is raised once the walk is over.
+    """
+
+    def __init__(self, reader: StorageReader, planner: LoadPlanner, ordered: list[ReadItem], depth: int) -> None:
+        self.reader = reader
+        self.planner = planner
+        self.error: Optional[BaseException] = None
+        read_items = getattr(reader, "read_items", None)
+        self._stream: Optional[ReadAhead] = ReadAhead(read_items, ordered, depth) if callable(read_items) else None
+
+    def read(self, items: Sequence[ReadItem]) -> None:
+        if self.error is not None or not items:
+            return
+        try:
+            if self._stream is None:
+                self.reader.execute_read(LoadPlan(tuple(items)), self.planner)
+                return
+            for expected in items:
+                got, data = next(self._stream)
+                if got is not expected and got != expected:
+                    raise RuntimeError(f"read-ahead returned {got.dest_index.fqn!r} where "
+                                       f"{expected.dest_index.fqn!r} was due (reader reordered items)")
+                if got.type is LoadItemType.BYTE_IO:
+                    self.planner.load_bytes(got, data)
+                else:
+                    target = self.planner.resolve_tensor(got)
+                    target.copy_(data)
+                    self.planner.commit_tensor(got, target)
+        except Exception as exc:  # noqa: BLE001 - raised after the broadcasts are done
+            self.error = exc
+            self.close()
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+
+
+class BroadcastReadExecutor:
+    """Read replicated shards once per replica group and broadcast them.
+
+    ``groups``: caller-built ``{rank tuple: process group}`` used as is and left alive
+    (missing ones are created for the load and destroyed after it).  ``batch_bytes``:
+    shards smaller than this with the same group, source, dtype and device share one
+    broadcast (0 disables; must be equal on all ranks).  ``max_in_flight``: broadcasts
+    outstanding at once.  ``read_ahead``: reader results prepared ahead on a thread.
+    ``stats`` describes the last call on this rank.
+    """
+
+    def __init__(self, groups: Optional[dict[tuple[int, ...], Any]] = None,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: int = MAX_IN_FLIGHT,
+                 read_ahead: int = DEFAULT_DEPTH) -> None:
+        if not isinstance(batch_bytes, int) or batch_bytes < 0:
+            raise ValueError(f"broadcast_batch_bytes must be a non-negative int, got {batch_bytes!r}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self.groups = None if groups is None else {tuple(sorted(k)): v for k, v in groups.items()}
+        self.batch_bytes = batch_bytes
+        self.max_in_flight = max_in_flight
+        self.read_ahead = read_ahead
+        self.stats = BroadcastStats()
+
+    def __call__(self, plan: LoadPlan, global_plans: list[LoadPlan], storage_reader: StorageReader,
+                 planner: LoadPlanner, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        """Run this rank's part of the load; every rank of ``process_group`` must call.
+
+        ``global_plans`` are all ranks' plans after reader assignment (identical on every
+        rank); ``plan`` is this rank's.  Fills the planner's targets in place.  Raises
+        ``ValueError`` (on every rank alike) for inconsistent plans, a process group that
+        is not the whole world, or unusable ``groups``; a read failure is raised after
+        this rank's broadcasts are done, so peers are never left waiting.
+        """
+        world = dist.get_world_size()
+        if process_group is not None and dist.get_world_size(process_group) != world:
+            raise ValueError("read-once + broadcast needs the load to run on all ranks of the default group "
+                             f"({dist.get_world_size(process_group)} of {world} ranks given)")
+        to_global: Callable[[int], int] = (
+            (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
+        )
+        me = dist.get_rank(process_group)
+        me_global = to_global(me)
+        sort_items = getattr(storage_reader, "sort_items", None) or default_sort_items
+        required = sorted({tuple(sorted(to_global(r) for r in ranks)) for ranks in required_groups(global_plans)})
+        schedule = rank_schedule(plan, me, sort_items)
+        self.stats = stats = BroadcastStats(replicated_shards=len(schedule.shards), tail_items=len(schedule.tail))
+
+        shards = [planner.resolve_shard(task.dest_index) for task in schedule.shards]
+        infos = [ShardInfo(task.ranks, task.source, t.dtype, t.numel() * t.element_size(), str(t.device))
+                 for task, t in zip(schedule.shards, shards)]
+        steps = plan_broadcasts(infos, self.batch_bytes)
+        ordered = [it for task in schedule.shards if task.source == me for it in task.items]
+        ordered.extend(schedule.tail)
+
+        with broadcast_groups_for_load(required, me_global, self.groups, process_group) as groups:
+            stats.groups_used = len(groups)
+            reads = _Reads(storage_reader, planner, ordered, self.read_ahead)
+            pending: collections.deque = collections.deque()
+            healthy = False
+            try:
+                with phase("read_and_broadcast", me):
+                    for step in steps:
+                        if isinstance(step, LaunchStep):
+                            while len(pending) >= self.max_in_flight:
+                                self._complete(pending.popleft())
+                            pending.append(self._launch(step.op, schedule.shards, shards, groups, me,
+                                                        to_global, planner))
+                        else:
+                            task = schedule.shards[step.index]
+                            if task.source == me:
+                                stats.shards_read_for_group += 1
+                                reads.read(task.items)
+                    # Nobody waits for these: reading them now overlaps the broadcasts
+                    # still in flight instead of delaying them.
+                    reads.read(schedule.tail)
+                    while pending:
+                        self._complete(pending.popleft())
+                healthy = True
+            finally:
+                reads.close()
+                if not healthy:
+                    # A collective failed (a peer is gone): waiting on the rest could hang.
+                    pending.clear()
+        if reads.error is not None:
+            raise reads.error
+
+    def _launch(self, op: BroadcastOp, tasks: Sequence[ShardTask], shards: list[torch.Tensor],
+                groups: dict[tuple[int, ...], Any], me: int, to_global: Callable[[int], int],
+                planner: LoadPlanner) -> tuple[Any, Optional[Callable[[], None]]]:
+        """Start ``op``'s broadcast; returns ``(work, what to do once it has landed)``."""
+        key = tuple(sorted(to_global(r) for r in op.ranks))
+        group = groups.get(key)
+        if group is None:
+            raise RuntimeError(f"rank {to_global(me)}: no process group for replica group {list(key)}")
+        targets = [shards[i] for i in op.shards]
+        receiving = op.source != me
+        stats = self.stats
+        stats.broadcasts += 1
+        stats.batched_broadcasts += int(op.batched)
+        if op.batched:
+            first = targets[0]
+            staging = torch.empty(sum(t.numel() for t in targets), dtype=first.dtype, device=first.device)
+            views, start = [], 0
+            for t in targets:
+                views.append(staging[start:start + t.numel()].view(t.shape))
+                start += t.numel()
+            if not receiving:
+                torch._foreach_copy_(views, targets)
+            buffer = staging
+        else:
+            views = None
+            target = targets[0]
+            if target.is_contiguous():
+                buffer = target
+            elif receiving:
+                buffer = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+            else:
+                # dist.broadcast needs contiguous memory; a narrowed shard usually is not.
+                buffer = target.contiguous()
+        stats.bytes_broadcast += buffer.numel() * buffer.element_size()
+        work = dist.broadcast(_as_bytes(buffer), src=to_global(op.source), group=group, async_op=True)
+        if not receiving:
+            # The staging copy must live until the broadcast has landed.
+            return work, (lambda: buffer)
+        items = [it for i in op.shards for it in tasks[i].items]
+
+        def land() -> None:
+            if views is not None:
+                torch._foreach_copy_(targets, views)  # one fused scatter instead of a copy per shard
+            elif buffer is not targets[0]:
+                targets[0].copy_(buffer)
+            for it in items:
+                planner.commit_tensor(it, planner.resolve_tensor(it))
+
+        return work, land
+
+    @staticmethod
+    def _complete(entry: tuple[Any, Optional[Callable[[], Any]]]) -> None:
+        work, land = entry
+        work.wait()
+        if land is not None:
+            land()
+
+
+def make_read_executor(*, groups: Optional[dict[tuple[int, ...], Any]] = None,
+                       batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: int = MAX_IN_FLIGHT,
+                       read_ahead: int = DEFAULT_DEPTH) -> BroadcastReadExecutor:
+    """A read executor for ``load_state_dict(..., assign_readers=True, read_executor=...)``.
+
+    See :class:`BroadcastReadExecutor`.  Raises ``ValueError`` for a negative
+    ``batch_bytes`` or ``max_in_flight`` below 1.
+    """
+    return BroadcastReadExecutor(groups=groups, batch_bytes=batch_bytes, max_in_flight=max_in_flight,
+                                 read_ahead=read_ahead)

@@ -1,0 +1,107 @@
+"""The replica groups of one load: created with ``dist.new_group``, used once, destroyed.
+
+Group creation is a collective of *every* rank — also of ranks with no replicated shard
+(a fully sharded pipeline stage): the entry condition is global, not "do I broadcast".
+A rank gets the backend's non-member marker for a group it is not in; such markers are
+never stored and never destroyed.  Groups are created and destroyed in rank-tuple order,
+which every rank computes alike from the same global plans.  ``dist.new_group`` is used
+rather than a mesh-template helper: it accepts any rank list, including a parameter tied
+across non-adjacent pipeline stages (``[0, 1, 6, 7]``), and keeps no process-wide cache.
+Groups the caller passes in belong to the caller: used, never destroyed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Optional, Sequence
+
+import torch.distributed as dist
+
+__all__ = ["broadcast_groups_for_load"]
+
+logger = logging.getLogger(__name__)
+
+RankTuple = tuple[int, ...]
+
+
+def _is_member_group(group: Any) -> bool:
+    return group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER
+
+
+def _check_provided(rank: int, ranks: RankTuple, group: Any) -> Optional[str]:
+    """Why the caller's group for ``ranks`` cannot be used on ``rank`` (``None``: it can)."""
+    if not _is_member_group(group):
+        return f"rank {rank}: broadcast_groups[{ranks}] is not a process group this rank belongs to"
+    try:
+        actual = tuple(sorted(dist.get_process_group_ranks(group)))
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        return f"rank {rank}: broadcast_groups[{ranks}] is not a usable process group ({exc})"
+    if actual != tuple(sorted(ranks)):
+        return f"rank {rank}: broadcast_groups[{ranks}] holds ranks {list(actual)}"
+    return None
+
+
+def _missing_groups(required: Sequence[RankTuple], rank: int, provided: Optional[dict],
+                    process_group: Optional[dist.ProcessGroup]) -> list[RankTuple]:
+    """The required groups to create: all of them, or those some member was not given.
+
+    With caller-provided groups, each rank only knows its own dict, so one small
+    all-gather tells every rank which groups some member lacks (and any invalid entry,
+    raised as ``ValueError`` on every rank before anyone enters ``new_group``).
+    """
+    if provided is None:
+        return list(required)
+    lacking: list[RankTuple] = []
+    errors: list[str] = []
+    for ranks in required:
+        if rank not in ranks:
+            continue
+        group = provided.get(ranks)
+        if group is None:
+            lacking.append(ranks)
+            continue
+        problem = _check_provided(rank, ranks, group)
+        if problem is not None:
+            errors.append(problem)
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, (lacking, errors), group=process_group)
+    all_errors = [e for _, errs in gathered for e in errs]
+    if all_errors:
+        raise ValueError("invalid broadcast_groups: " + "; ".join(all_errors))
+    return sorted({ranks for lack, _ in gathered for ranks in lack})
+
+
+@contextlib.contextmanager
+def broadcast_groups_for_load(
+    required: Sequence[RankTuple],
+    rank: int,
+    provided: Optional[dict[RankTuple, Any]] = None,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> Iterator[dict[RankTuple, Any]]:
+    """Yield ``{rank tuple: group}`` for the required groups ``rank`` (global) belongs to.
+
+    ``required`` (sorted, identical on every rank, global ranks) lists the groups the load
+    needs.  Missing ones are created with ``dist.new_group`` — every rank of the default
+    group must enter, in the same order — and destroyed on exit in rank-tuple order by
+    their members.  Groups from ``provided`` are used as they are and left alive.  Raises
+    ``ValueError`` on every rank when a provided group does not match its key.
+    """
+    to_create = _missing_groups(required, rank, provided, process_group)
+    created: dict[RankTuple, Any] = {}
+    usable: dict[RankTuple, Any] = {}
+    if provided is not None:
+        usable.update({r: provided[r] for r in required if rank in r and r in provided})
+    try:
+        for ranks in to_create:
+            group = dist.new_group(ranks=list(ranks))
+            if rank in ranks and _is_member_group(group):
+                created[ranks] = group
+        usable.update(created)
+        logger.debug("rank %d: %d replica groups needed, %d created here", rank, len(required), len(created))
+        yield usable
+    finally:
+        # Only members destroy, and they all reach this point after the same last
+        # broadcast on the group, so the order below is the same everywhere it matters.
+        for ranks in sorted(created):
+            dist.destroy_process_group(created[ranks])
