@@ -214,9 +214,11 @@ def _parse_v1(doc: dict[str, Any], source: str) -> Metadata:
                         f"does not fit its global size {list(size)}"
                     )
                 chunks.append(ChunkStorageMetadata(offsets, sizes))
-            state_dict_metadata[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype_from_name(entry["dtype"])), torch.Size(size), chunks
-            )
+            try:
+                dtype = dtype_from_name(entry["dtype"])
+            except CheckpointFormatError as exc:
+                raise CheckpointFormatError(f"{source}: {exc} (tensor {fqn!r})") from None
+            state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype), torch.Size(size), chunks)
         elif kind == "bytes":
             state_dict_metadata[fqn] = BytesStorageMetadata()
         else:
