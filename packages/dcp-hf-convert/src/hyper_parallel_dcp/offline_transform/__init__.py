@@ -1,4 +1,39 @@
-"""hyper_parallel_dcp.offline_transform"""
-from .__about__ import __version__
+"""hyper_parallel_dcp.offline_transform: Hugging Face safetensors ⇄ checkpoint, in one process.
 
-__all__ = ["__version__"]
+The five functions of the user guide::
+
+    convert_full_checkpoint_to_dcp(src, dst, src_platform="huggingface")   # HF dir / torch file → DCP
+    full_state_dict_to_dcp_format(state_dict, dst)                        # in-memory dict → DCP
+    dcp_to_full_state_dict(path)                                          # DCP → full dict in memory
+    parse_checkpoint_from_huggingface(path)                               # HF safetensors → dict
+    save_state_dict_as_huggingface_format(dst, state_dict, max_shard_size="5GB")  # dict (or DCP path) → HF
+
+plus :func:`convert_dcp_to_huggingface` (the streaming export behind ``hp-dcp-convert
+dcp-to-hf``).  Conversions between files stream: memory holds about one tensor (HF → DCP)
+or one load batch (DCP → HF), never the model.
+"""
+
+from .__about__ import __version__
+from .from_dcp import convert_dcp_to_huggingface, dcp_to_full_state_dict, save_state_dict_as_huggingface_format
+from .hf_source import parse_checkpoint_from_huggingface, scan_huggingface_checkpoint
+from .hf_writer import plan_huggingface_shards
+from .keymap import prefix_rules, strip_prefixes
+from .progress import ConversionReport
+from .sizes import parse_size
+from .to_dcp import convert_full_checkpoint_to_dcp, full_state_dict_to_dcp_format
+
+__all__ = [
+    "ConversionReport",
+    "__version__",
+    "convert_dcp_to_huggingface",
+    "convert_full_checkpoint_to_dcp",
+    "dcp_to_full_state_dict",
+    "full_state_dict_to_dcp_format",
+    "parse_checkpoint_from_huggingface",
+    "parse_size",
+    "plan_huggingface_shards",
+    "prefix_rules",
+    "save_state_dict_as_huggingface_format",
+    "scan_huggingface_checkpoint",
+    "strip_prefixes",
+]

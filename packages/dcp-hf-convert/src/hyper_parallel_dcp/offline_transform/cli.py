@@ -1,0 +1,116 @@
+"""``hp-dcp-convert``: offline Hugging Face ⇄ checkpoint conversion from the shell.
+
+    hp-dcp-convert hf-to-dcp SRC DST [--src-platform huggingface|torch] [--overwrite]
+    hp-dcp-convert dcp-to-hf SRC DST [--max-shard-size 5GB] [--dtype bf16] [--overwrite]
+
+Exit codes: 0 done, 1 the conversion failed (missing or inconsistent source, ...),
+2 usage error (bad arguments, or a non-empty DST without ``--overwrite``, which is left
+untouched).  ``main(argv)`` is also what the umbrella's ``hp-dcp convert`` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["build_parser", "main"]
+
+PROG = "hp-dcp-convert"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Convert between Hugging Face safetensors and hyper-parallel-dcp checkpoints, streaming "
+                    "(memory holds about one tensor or one load batch, not the model).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{hf-to-dcp,dcp-to-hf}")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("src", metavar="SRC")
+        p.add_argument("dst", metavar="DST")
+        p.add_argument("--overwrite", action="store_true", help="replace what DST holds (default: refuse a non-empty DST)")
+        p.add_argument("--strip-prefix", action="append", default=[], metavar="PREFIX",
+                       help="remove PREFIX from tensor names that start with it (repeatable, applied in order), "
+                            "e.g. --strip-prefix _orig_mod.")
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+
+    to_dcp = sub.add_parser("hf-to-dcp", help="Hugging Face safetensors (or a torch.save file) -> checkpoint directory")
+    common(to_dcp)
+    to_dcp.add_argument("--src-platform", choices=("huggingface", "torch"), default="huggingface",
+                        help="huggingface: a directory with model.safetensors(.index.json) or a .safetensors file; "
+                             "torch: a full PyTorch checkpoint file (torch.save, loaded with weights_only=True)")
+
+    to_hf = sub.add_parser("dcp-to-hf", help="checkpoint directory -> Hugging Face safetensors (weights and index only)")
+    common(to_hf)
+    to_hf.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                       help="largest output file, as bytes or e.g. 500MB, 5GB, 2GiB (default 5GB)")
+    to_hf.add_argument("--dtype", default=None, metavar="DTYPE",
+                       help="cast floating-point tensors to bf16, fp16 or fp32 on export")
+    return parser
+
+
+def _destination_problem(src: Path, dst: Path, overwrite: bool) -> Optional[str]:
+    if dst.exists() and not dst.is_dir():
+        return f"DST {dst} exists and is not a directory"
+    if src.exists() and dst.exists() and os.path.samefile(src, dst):
+        return f"SRC and DST are the same path ({dst})"
+    if not overwrite and dst.is_dir() and any(dst.iterdir()):
+        return f"DST {dst} is not empty; pass --overwrite to replace it (nothing was written)"
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
+    """Run the tool with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    src, dst = Path(args.src), Path(args.dst)
+    problem = _destination_problem(src, dst, args.overwrite)
+    if problem is not None:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+
+    # Imported here so that --help and usage errors answer without loading torch.
+    from hyper_parallel_dcp.core.errors import CheckpointError
+
+    from .dtypes import parse_dtype
+    from .from_dcp import convert_dcp_to_huggingface
+    from .keymap import strip_prefixes
+    from .sizes import parse_size
+    from .to_dcp import convert_full_checkpoint_to_dcp
+
+    mapping = strip_prefixes(*args.strip_prefix) if args.strip_prefix else None
+    show = not args.quiet
+    try:
+        if args.command == "hf-to-dcp":
+            report = convert_full_checkpoint_to_dcp(src, dst, args.src_platform, key_mapping=mapping, progress=show)
+        else:
+            try:
+                parse_size(args.max_shard_size)
+                parse_dtype(args.dtype)
+            except ValueError as exc:
+                print(f"{prog}: error: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+            report = convert_dcp_to_huggingface(src, dst, args.max_shard_size, dtype=args.dtype,
+                                                key_mapping=mapping, progress=show)
+    except (CheckpointError, OSError, ValueError, TypeError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if show:
+        print(f"{prog}: {args.command}: {report.summary()}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Reading Hugging Face safetensors checkpoints one tensor at a time.
+
+A checkpoint is a single ``.safetensors`` file, or a directory holding
+``model.safetensors.index.json`` (``{"metadata": ..., "weight_map": {name: shard file}}``)
+and its shards, or a directory holding one ``.safetensors`` file.  Only the headers are
+parsed up front; each tensor is then read with plain file reads into a fresh buffer, so
+the process never maps the source files and its memory holds one tensor at a time, not
+the touched pages of a multi-GB mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
+from hyper_parallel_dcp.storage_fs.safetensors_stream import SAFETENSORS_DTYPES, tensor_bytes
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "SINGLE_FILE",
+    "SafetensorsEntry",
+    "parse_checkpoint_from_huggingface",
+    "read_entry",
+    "read_safetensors_header",
+    "scan_huggingface_checkpoint",
+]
+
+INDEX_SUFFIX = ".safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+# A header larger than this is not a safetensors header (the format caps it at 100 MB).
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """Where one tensor lives: file, dtype, shape and its byte range in the file."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+def read_safetensors_header(file: Union[str, os.PathLike]) -> list[SafetensorsEntry]:
+    """The tensors of one safetensors file, in file order (by data offset).
+
+    Raises :class:`CheckpointNotFoundError` when the file is missing and
+    :class:`CheckpointFormatError` / :class:`CorruptCheckpointError` naming the file (and
+    tensor) when the header cannot be read or points outside the file.
+    """
+    path = Path(file)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise CorruptCheckpointError(f"{path} is not a safetensors file: only {size} bytes")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(_MAX_HEADER, size - 8):
+                raise CorruptCheckpointError(
+                    f"{path} is not a safetensors file or is truncated: header of {header_len} bytes in a file of {size}"
+                )
+            header = json.loads(f.read(header_len))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"safetensors file {path} is missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointFormatError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{path}: the safetensors header is not a JSON object")
+    data_start = 8 + header_len
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_code, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointFormatError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from None
+        dtype = _DTYPES.get(dtype_code)
+        if dtype is None:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {dtype_code}, which this tool cannot convert")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes or begin < 0 or data_start + end > size:
+            raise CorruptCheckpointError(
+                f"{path}: tensor {name!r} ({dtype_code} {list(shape)}) claims bytes [{begin}, {end}) of a data "
+                f"section of {size - data_start} bytes (expected {nbytes} bytes; file truncated or corrupt)"
+            )
+        entries.append(SafetensorsEntry(name, path, dtype, shape, data_start + begin, nbytes))
+    entries.sort(key=lambda e: e.start)
+    return entries
+
+
+def _find_index(root: Path) -> Union[Path, None]:
+    preferred = root / (SINGLE_FILE.removesuffix(".safetensors") + INDEX_SUFFIX)
+    if preferred.is_file():
+        return preferred
+    found = sorted(p for p in root.iterdir() if p.name.endswith(INDEX_SUFFIX) and p.is_file())
+    if len(found) > 1:
+        raise CheckpointFormatError(
+            f"{root} holds several safetensors indexes ({', '.join(p.name for p in found)}); pass the one to use"
+        )
+    return found[0] if found else None
+
+
+def _scan_index(index: Path) -> dict[str, SafetensorsEntry]:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointFormatError(f"{index} is not valid JSON ({exc})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointFormatError(f"{index} has no \"weight_map\" object naming the shard of each tensor")
+    root = index.parent
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(shard, []).append(name)
+    out: dict[str, SafetensorsEntry] = {}
+    # Shards in file-name order (model-00001-of-…, model-00002-of-…) and tensors in file
+    # order recover the order in which the model was saved (the index itself is sorted).
+    for shard in sorted(shards):
+        file = root / shard
+        if not file.is_file():
+            raise CheckpointNotFoundError(
+                f"shard file {file} is missing: {index.name} maps {len(shards[shard])} tensors to it "
+                f"(e.g. {shards[shard][0]!r})"
+            )
+        entries = {e.name: e for e in read_safetensors_header(file)}
+        for name in shards[shard]:
+            if name not in entries:
+                raise CheckpointFormatError(f"{index.name} maps tensor {name!r} to {shard}, but {file} does not hold it")
+        for name, entry in entries.items():
+            mapped = weight_map.get(name)
+            if mapped != shard:
+                where = f"maps it to {mapped}" if mapped is not None else "has no entry for it"
+                raise CheckpointFormatError(f"{file} holds tensor {name!r} but {index.name} {where}")
+            out[name] = entry
+    return {name: out[name] for name in sorted(out, key=lambda n: (out[n].file.name, out[n].start))}
+
+
+def scan_huggingface_checkpoint(path: Union[str, os.PathLike]) -> dict[str, SafetensorsEntry]:
+    """Every tensor of a Hugging Face safetensors checkpoint (headers only, no data read).
+
+    ``path`` is a ``.safetensors`` file, a ``*.safetensors.index.json`` file, or a directory
+    with an index (``model.safetensors.index.json`` preferred) or with one ``.safetensors``
+    file.  Raises :class:`CheckpointNotFoundError` for a missing path, a missing shard or a
+    directory that holds no such checkpoint, and :class:`CheckpointFormatError` when the
+    index and the shards disagree (a tensor missing from either).
+    """
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"Hugging Face checkpoint {root} does not exist")
+    if root.is_file():
+        if root.name.endswith(INDEX_SUFFIX):
+            return _scan_index(root)
+        return {e.name: e for e in read_safetensors_header(root)}
+    index = _find_index(root)
+    if index is not None:
+        return _scan_index(index)
+    single = root / SINGLE_FILE
+    files = [single] if single.is_file() else sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    if len(files) == 1:
+        return {e.name: e for e in read_safetensors_header(files[0])}
+    if files:
+        raise CheckpointFormatError(
+            f"{root} holds {len(files)} safetensors files but no *{INDEX_SUFFIX} saying which tensor is where"
+        )
+    hint = " (it looks like a hyper-parallel-dcp checkpoint: convert it with dcp-to-hf)" if (root / ".metadata").exists() else ""
+    listing = ", ".join(sorted(p.name for p in root.iterdir())[:8]) or "nothing"
+    raise CheckpointNotFoundError(
+        f"{root} is not a Hugging Face checkpoint: no {SINGLE_FILE}, no *{INDEX_SUFFIX} and no .safetensors file "
+        f"(it holds {listing}){hint}"
+    )
+
+
+def read_entry(entry: SafetensorsEntry) -> torch.Tensor:
+    """The tensor ``entry`` describes, read into a new CPU tensor (no mapping of the file).
+
+    Raises :class:`CorruptCheckpointError` naming the file and tensor when the file ends
+    early.
+    """
+    tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    view = tensor_bytes(tensor)
+    done = 0
+    with open(entry.file, "rb", buffering=0) as f:
+        f.seek(entry.start)
+        while done < entry.nbytes:
+            n = f.readinto(view[done:])
+            if not n:
+                raise CorruptCheckpointError(
+                    f"{entry.file}: tensor {entry.name!r} ends early ({done} of {entry.nbytes} bytes read)"
+                )
+            done += n
+    return tensor
+
+
+def parse_checkpoint_from_huggingface(path: Union[str, os.PathLike], *, key_mapping: Any = None) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face safetensors checkpoint, loaded into memory.
+
+    ``path`` is as for :func:`scan_huggingface_checkpoint`; ``key_mapping`` renames or drops
+    tensors (see :mod:`.keymap`).  Returns ``{name: tensor}`` in file order; the tensors own
+    their memory (nothing stays mapped).  Raises what :func:`scan_huggingface_checkpoint`
+    and :func:`read_entry` raise.
+    """
+    from .keymap import map_keys
+
+    entries = scan_huggingface_checkpoint(path)
+    return {new: read_entry(entries[old]) for old, new in map_keys(entries, key_mapping).items()}

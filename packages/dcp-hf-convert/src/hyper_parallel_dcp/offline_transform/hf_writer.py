@@ -1,0 +1,182 @@
+"""Writing Hugging Face safetensors checkpoints the way ``save_pretrained`` does.
+
+Sharding follows ``huggingface_hub.split_torch_state_dict_into_shards``: tensors in
+state-dict order fill a shard until the next one would push it over ``max_shard_size``;
+a tensor larger than the limit gets a shard of its own.  One shard → ``model.safetensors``
+and no index; several → ``model-0000k-of-0000n.safetensors`` plus
+``model.safetensors.index.json`` (``{"metadata": {"total_parameters", "total_size"},
+"weight_map"}``, keys sorted, indent 2, as transformers writes it).  Each file carries
+``{"format": "pt"}`` in its safetensors metadata, which ``from_pretrained`` checks.
+
+Files are written by the checkpoint library's streaming safetensors writer, which asks
+for each tensor just before writing it: a source that produces tensors lazily keeps only
+what it has produced and not yet written in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, fsync_dir, write_safetensors
+
+from .hf_source import INDEX_SUFFIX, SINGLE_FILE
+from .progress import ConversionReport, Progress
+from .sizes import parse_size
+
+__all__ = ["HFShardPlan", "TensorSpec", "plan_huggingface_shards", "write_huggingface_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = SINGLE_FILE.removesuffix(".safetensors") + INDEX_SUFFIX
+_SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_TMP_SUFFIX = ".hp-dcp-tmp"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to export: its name in the output, shape and (output) dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class HFShardPlan:
+    """Output files (name → tensor names, in write order) and the index metadata."""
+
+    files: dict[str, list[str]]
+    total_size: int
+    total_parameters: int
+
+    @property
+    def is_sharded(self) -> bool:
+        return len(self.files) > 1
+
+    def weight_map(self) -> dict[str, str]:
+        return {name: file for file, names in self.files.items() for name in names}
+
+
+def plan_huggingface_shards(specs: Sequence[TensorSpec], max_shard_size: Union[int, str] = "5GB") -> HFShardPlan:
+    """Split ``specs`` (in their order) into files exactly as ``huggingface_hub`` does.
+
+    Raises ``ValueError`` for an unreadable ``max_shard_size`` or a repeated name.
+    """
+    limit = parse_size(max_shard_size)
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise ValueError(f"tensor name {spec.name!r} appears twice in the export")
+        seen.add(spec.name)
+        size = spec.nbytes
+        if size > limit:
+            shards.append([spec.name])
+            continue
+        if current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(spec.name)
+        current_size += size
+    if current:
+        shards.append(current)
+    if len(shards) <= 1:
+        files = {SINGLE_FILE: shards[0] if shards else []}
+    else:
+        n = len(shards)
+        files = {f"model-{k + 1:05d}-of-{n:05d}.safetensors": names for k, names in enumerate(shards)}
+    return HFShardPlan(files, sum(s.nbytes for s in specs), sum(math.prod(s.shape) for s in specs))
+
+
+def _write_atomic(path: Path, write: Callable, sync: bool) -> None:
+    tmp = path.with_name(path.name + _TMP_SUFFIX)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _remove_stale(dst: Path, plan: HFShardPlan) -> None:
+    """Drop weight files of an earlier export that the new one does not replace (as
+    ``save_pretrained`` does); every other file in ``dst`` (config.json, tokenizer) stays."""
+    keep = set(plan.files)
+    for entry in os.scandir(dst):
+        stale_shard = _SHARD_FILE.match(entry.name) or entry.name == SINGLE_FILE
+        stale_index = entry.name == INDEX_FILE and not plan.is_sharded
+        if (stale_shard or stale_index) and entry.name not in keep and entry.is_file():
+            os.unlink(entry.path)
+            logger.info("removed %s from an earlier export", entry.path)
+
+
+def write_huggingface_checkpoint(
+    dst: Union[str, os.PathLike],
+    specs: Sequence[TensorSpec],
+    fetch: Callable[[str], torch.Tensor],
+    max_shard_size: Union[int, str] = "5GB",
+    *,
+    report: Optional[ConversionReport] = None,
+    progress: bool = False,
+    sync_files: bool = True,
+) -> ConversionReport:
+    """Write the tensors named by ``specs`` as a Hugging Face checkpoint in ``dst``.
+
+    ``fetch(name)`` is called once per tensor, just before it is written, and must return
+    a CPU tensor of the spec's shape and dtype.  Each file is written under a temporary
+    name and renamed into place; the index is written after every shard, and stale weight
+    files of an earlier export are removed last.  ``dst`` is created if needed; files that
+    are not weights (config.json, ...) are left alone.  Raises ``ValueError`` for a bad
+    ``max_shard_size`` and whatever ``fetch`` raises (no partial file is left behind).
+    """
+    root = Path(dst)
+    plan = plan_huggingface_shards(specs, max_shard_size)
+    by_name = {s.name: s for s in specs}
+    report = report if report is not None else ConversionReport("<state_dict>", str(root))
+    root.mkdir(parents=True, exist_ok=True)
+    with Progress(report, plan.total_size, "DCP -> HF", progress) as bar:
+        for file, names in plan.files.items():
+            def produce(name: str) -> torch.Tensor:
+                tensor = fetch(name)
+                bar.advance(by_name[name].nbytes)
+                return tensor
+
+            entries = [
+                TensorEntry(name, by_name[name].dtype, by_name[name].shape, (lambda n=name: produce(n)),
+                            label=f"tensor {name!r} of {file}")
+                for name in names
+            ]
+            _write_atomic(root / file, lambda f, entries=entries: write_safetensors(f, entries), sync_files)
+            report.files.append(file)
+        if plan.is_sharded:
+            index = {
+                "metadata": {"total_parameters": plan.total_parameters, "total_size": plan.total_size},
+                "weight_map": plan.weight_map(),
+            }
+            text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+            _write_atomic(root / INDEX_FILE, lambda f: f.write(text), sync_files)
+            report.files.append(INDEX_FILE)
+        _remove_stale(root, plan)
+        if sync_files:
+            fsync_dir(root)
+    logger.info("wrote Hugging Face checkpoint %s: %s", root, report.summary())
+    return report

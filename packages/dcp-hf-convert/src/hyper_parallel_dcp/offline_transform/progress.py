@@ -1,0 +1,76 @@
+"""Progress bar and the summary of a conversion (tensors, bytes, time, throughput)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["ConversionReport", "Progress", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did: ``tensors`` and ``bytes`` written, wall ``seconds``, ``files``
+    written to ``destination`` (names relative to it)."""
+
+    source: str
+    destination: str
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    files: list[str] = field(default_factory=list)
+    objects: int = 0
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second (0 when nothing was timed)."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        extra = f", {self.objects} non-tensor entries" if self.objects else ""
+        return (
+            f"{self.tensors} tensors{extra}, {format_bytes(self.bytes)} in {self.seconds:.2f} s "
+            f"({format_bytes(self.throughput)}/s) -> {self.destination} ({len(self.files)} files)"
+        )
+
+
+class Progress:
+    """A byte-counting tqdm bar (only when ``enabled``) plus the counters of the report."""
+
+    def __init__(self, report: ConversionReport, total_bytes: int, desc: str, enabled: bool) -> None:
+        self.report = report
+        self._bar: Optional[Any] = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                             file=sys.stderr, dynamic_ncols=True)
+        self._start = time.perf_counter()
+
+    def advance(self, nbytes: int) -> None:
+        self.report.tensors += 1
+        self.report.bytes += nbytes
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        self.report.seconds = time.perf_counter() - self._start
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,163 @@
+"""Full checkpoints (Hugging Face safetensors, ``torch.save`` files, in-memory dicts) → DCP.
+
+One path: the ordinary single-process save (``save_state_dict`` with a
+``FileSystemWriter``, ``no_dist=True``), which writes ``.metadata`` atomically.  For a
+file source the state dict handed to the planner holds only *meta* tensors (shape and
+dtype); :class:`StreamingSavePlanner` reads each tensor from the source when the storage
+writer asks for it, and the writer writes it before asking for the next, so memory holds
+one tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+from hyper_parallel_dcp.core.flatten import flatten_state_dict
+from hyper_parallel_dcp.core.layout import is_tensor_leaf
+from hyper_parallel_dcp.core.pipeline import save_state_dict
+from hyper_parallel_dcp.core.planner import WriteItem, WriteItemType
+from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+from hyper_parallel_dcp.storage_fs.filesystem import FileSystemWriter
+
+from .hf_source import read_entry, read_safetensors_header, scan_huggingface_checkpoint
+from .keymap import KeyMapping, map_keys
+from .progress import ConversionReport, Progress
+from .torch_source import PageReleaser, load_torch_checkpoint
+
+__all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state_dict_to_dcp_format"]
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, os.PathLike]
+
+
+class StreamingSavePlanner(StandardSavePlanner):
+    """A save planner whose tensor data comes from ``fetch(fqn)`` at write time.
+
+    The state dict it plans from may hold meta tensors (only shape and dtype matter);
+    ``resolve_data`` returns ``fetch(fqn)`` instead, checked against the plan.  Without
+    ``fetch`` the data is the state dict's own (an in-memory save with progress).
+    ``on_tensor(nbytes)`` is called for each tensor handed to the writer.
+    """
+
+    def __init__(self, fetch: Optional[Callable[[str], torch.Tensor]] = None,
+                 on_tensor: Optional[Callable[[int], None]] = None) -> None:
+        super().__init__(enable_plan_caching=False, remove_redundancy=False)
+        self._fetch = fetch
+        self._on_tensor = on_tensor
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        if write_item.type is not WriteItemType.TENSOR:
+            return super().resolve_data(write_item)
+        if self._fetch is None:
+            tensor = super().resolve_data(write_item)
+            if self._on_tensor is not None:
+                self._on_tensor(write_item.nbytes)
+            return tensor
+        fqn = write_item.index.fqn
+        tensor = self._fetch(fqn)
+        if write_item.sizes is not None and tuple(tensor.shape) != write_item.sizes:
+            raise ValueError(f"{fqn!r}: the source gave shape {list(tensor.shape)}, planned {list(write_item.sizes)}")
+        if self._on_tensor is not None:
+            self._on_tensor(write_item.nbytes)
+        return tensor
+
+
+def _save(plan_sd: dict[str, Any], dst: PathLike, fetch: Optional[Callable[[str], torch.Tensor]],
+          report: ConversionReport, progress: bool, desc: str) -> ConversionReport:
+    total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
+    report.objects = sum(1 for t in plan_sd.values() if not is_tensor_leaf(t))
+    with Progress(report, total, desc, progress) as bar:
+        planner = StreamingSavePlanner(fetch, bar.advance)
+        metadata = save_state_dict(plan_sd, FileSystemWriter(dst), planner, no_dist=True)
+    report.files = sorted(metadata.files) + [".metadata"]
+    logger.info("converted %s -> %s: %s", report.source, report.destination, report.summary())
+    return report
+
+
+def full_state_dict_to_dcp_format(state_dict: Mapping[str, Any], dst: PathLike, *,
+                                  key_mapping: KeyMapping = None, progress: bool = False) -> ConversionReport:
+    """Save a full (unsharded) in-memory state dict as a checkpoint at ``dst``.
+
+    Nested dicts/lists are flattened to dotted names (then renamed by ``key_mapping``);
+    tensors are written as one chunk each, other leaves as objects.  ``state_dict`` is not
+    modified.  An existing checkpoint at ``dst`` is replaced atomically.  Raises what the
+    save raises (e.g. ``TypeError`` for a dtype safetensors cannot store).
+    """
+    flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
+    names = map_keys(flat, key_mapping)
+    plan_sd = {new: flat[old] for old, new in names.items()}
+    report = ConversionReport("<state_dict>", str(dst))
+    return _save(plan_sd, dst, None, report, progress, "state_dict -> DCP")
+
+
+def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool,
+                      single_file: bool) -> ConversionReport:
+    if single_file:
+        entries = {e.name: e for e in read_safetensors_header(src)}
+    else:
+        entries = scan_huggingface_checkpoint(src)
+    names = map_keys(entries, key_mapping)
+    source_of = {new: old for old, new in names.items()}
+    plan_sd = {new: torch.empty(entries[old].shape, dtype=entries[old].dtype, device="meta") for old, new in names.items()}
+    report = ConversionReport(str(src), str(dst))
+    return _save(plan_sd, dst, lambda fqn: read_entry(entries[source_of[fqn]]), report, progress, "HF -> DCP")
+
+
+def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool) -> ConversionReport:
+    loaded, mapped = load_torch_checkpoint(src)
+    if not isinstance(loaded, Mapping):
+        raise TypeError(f"{src} holds a {type(loaded).__name__}, not a state dict")
+    flat, _ = flatten_state_dict(loaded, is_tensor_leaf)
+    names = map_keys(flat, key_mapping)
+    source = {new: flat[old] for old, new in names.items()}
+    plan_sd = {new: (torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v)
+               for new, v in source.items()}
+    releaser = PageReleaser() if mapped else None
+    previous: list[torch.Tensor] = []
+
+    def fetch(fqn: str) -> torch.Tensor:
+        # The writer asks for the next tensor only after writing the previous one, so the
+        # previous one's pages can go now.
+        if releaser is not None and previous:
+            releaser.release(previous.pop())
+        tensor = source[fqn]
+        previous.append(tensor)
+        return tensor
+
+    report = ConversionReport(str(src), str(dst))
+    try:
+        return _save(plan_sd, dst, fetch, report, progress, "torch -> DCP")
+    finally:
+        if releaser is not None and previous:
+            releaser.release(previous.pop())
+
+
+def convert_full_checkpoint_to_dcp(src: PathLike, dst: PathLike, src_platform: str = "huggingface", *,
+                                   key_mapping: KeyMapping = None, progress: bool = False) -> ConversionReport:
+    """Convert a full checkpoint at ``src`` into a checkpoint directory at ``dst``, streaming.
+
+    ``src_platform="huggingface"``: a Hugging Face safetensors checkpoint (a directory with
+    ``model.safetensors.index.json`` and its shards, or with one ``.safetensors`` file, or
+    a single file).  ``src_platform="torch"``: a full PyTorch checkpoint file written by
+    ``torch.save`` (read with ``weights_only=True``; nested dicts become dotted names) or a
+    ``.safetensors`` file.  ``key_mapping`` renames (or drops) tensors.  Memory holds about
+    one tensor at a time.  ``dst`` is created, or the checkpoint in it replaced atomically.
+
+    Returns a :class:`ConversionReport`.  Raises :class:`CheckpointNotFoundError` /
+    :class:`CheckpointFormatError` naming the file for a missing or inconsistent source, and
+    ``ValueError`` for an unknown ``src_platform``.
+    """
+    platform = src_platform.lower()
+    if platform in ("huggingface", "hf"):
+        return _from_safetensors(src, dst, key_mapping, progress, single_file=False)
+    if platform in ("torch", "pytorch", "pt"):
+        if Path(src).suffix == ".safetensors":
+            return _from_safetensors(src, dst, key_mapping, progress, single_file=True)
+        return _from_torch_file(src, dst, key_mapping, progress)
+    raise ValueError(f"src_platform must be 'huggingface' or 'torch', got {src_platform!r}")
