@@ -4,22 +4,66 @@ Without a process group (or with ``use_dist=False``) each call just runs locally
 one, a step's local function runs inside a try; failures travel with the data, and a
 failure on *any* rank is raised on *every* rank (naming the rank) instead of leaving the
 others waiting in the next collective.
+
+A rank that dies or hangs cannot report a failure, so before each collective every rank
+also checks in at the process group's key-value store and waits (at most
+:func:`collective_timeout` seconds, env ``HP_DCP_COLLECTIVE_TIMEOUT``, default 30 min) for
+the others; when some never arrive, :class:`CheckpointTimeoutError` names the phase and
+those ranks instead of hanging in the collective.
 """
 
 from __future__ import annotations
 
 import builtins
 import importlib
+import logging
+import os
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
-from .errors import CheckpointException
+from .errors import CheckpointException, CheckpointTimeoutError
 from .timing import phase
 
-__all__ = ["DistWrapper"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "DistWrapper", "collective_timeout"]
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable: seconds a rank waits for the others at each checkpoint collective.
+TIMEOUT_ENV = "HP_DCP_COLLECTIVE_TIMEOUT"
+#: Generous by default: a slow filesystem may keep one rank writing for many minutes.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def collective_timeout() -> float:
+    """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check).
+
+    Raises ``ValueError`` naming the variable when it is not a number.
+    """
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    return max(0.0, value)
+
+
+# Per process group (by its global ranks): the store it was last used with and the number
+# of arrival checks made there.  Every member makes the same checks in the same order,
+# so the counter names the same check on every rank.
+_arrivals: dict[tuple[int, ...], tuple[Any, int]] = {}
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API; without it there is no arrival check
+        return None
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -96,11 +140,68 @@ class DistWrapper:
             self.global_coordinator = coordinator_rank
         self.coordinator_rank = coordinator_rank
         self.is_coordinator = self.rank == coordinator_rank
+        self.timeout = collective_timeout()
+        self._step = "collective"
+        self._store: Any = None
+        self._group_ranks: tuple[int, ...] = ()
+        if self.use_dist and self.timeout > 0:
+            self._store = _default_store()
+            self._group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                range(self.world_size))
+
+    # -- arrival check ---------------------------------------------------------------
+    def _arrive(self, collective: str) -> None:
+        """Check in at the store and wait for every rank of the group; raise naming the absent.
+
+        One ``set`` and one ``wait`` on the store per collective; the previous check's key
+        is deleted once everybody has passed the current one.
+        """
+        if self._store is None:
+            return
+        store = self._store
+        gid = self._group_ranks
+        last_store, seq = _arrivals.get(gid, (None, 0))
+        if last_store is not store:
+            seq = 0
+        seq += 1
+        _arrivals[gid] = (store, seq)
+        name = "hp-dcp/arrive/" + ",".join(map(str, gid)) if len(gid) <= 16 else f"hp-dcp/arrive/{hash(gid):x}"
+        keys = [f"{name}/{seq}/{r}" for r in range(self.world_size)]
+        store.set(keys[self.rank], b"1")
+        try:
+            store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception:  # noqa: BLE001 - a store timeout, or the store itself is gone
+            missing = []
+            for r, key in enumerate(keys):
+                try:
+                    present = store.check([key])
+                except Exception:  # noqa: BLE001
+                    present = False
+                if not present:
+                    missing.append(self._group_ranks[r] if self._group_ranks else r)
+            if not missing:
+                raise
+            raise CheckpointTimeoutError(
+                f"checkpoint phase '{self._step}' ({collective}): rank(s) {missing} did not arrive within "
+                f"{self.timeout:g} s (waiting on rank {self._global_rank()}); they died, hang, or are still "
+                f"working. Set {TIMEOUT_ENV} to wait longer.",
+                self._step,
+                tuple(missing),
+            ) from None
+        if seq > 1:
+            try:
+                store.delete_key(f"{name}/{seq - 1}/{self.rank}")
+            except Exception:  # noqa: BLE001 - only housekeeping
+                pass
+
+    def _global_rank(self) -> int:
+        return self._group_ranks[self.rank] if self._group_ranks else self.rank
 
     # -- raw object collectives ------------------------------------------------------
     def all_gather_object(self, obj: T) -> list[T]:
         if not self.use_dist:
             return [obj]
+        self._arrive("all_gather_object")
         with phase("all_gather_object", self.rank):
             out: list[Any] = [None] * self.world_size
             dist.all_gather_object(out, obj, group=self.group)
@@ -109,6 +210,7 @@ class DistWrapper:
     def gather_object(self, obj: T) -> Optional[list[T]]:
         if not self.use_dist:
             return [obj]
+        self._arrive("gather_object")
         with phase("gather_object", self.rank):
             out: Optional[list[Any]] = [None] * self.world_size if self.is_coordinator else None
             dist.gather_object(obj, out, dst=self.global_coordinator, group=self.group)
@@ -118,6 +220,7 @@ class DistWrapper:
         if not self.use_dist:
             assert objs is not None
             return objs[0]
+        self._arrive("scatter_object")
         with phase("scatter_object", self.rank):
             out: list[Any] = [None]
             dist.scatter_object_list(out, objs if self.is_coordinator else None,
@@ -127,6 +230,7 @@ class DistWrapper:
     def broadcast_object(self, obj: Optional[T]) -> T:
         if not self.use_dist:
             return obj  # type: ignore[return-value]
+        self._arrive("broadcast_object")
         with phase("broadcast_object", self.rank):
             box = [obj if self.is_coordinator else None]
             dist.broadcast_object_list(box, src=self.global_coordinator, group=self.group)
@@ -134,6 +238,7 @@ class DistWrapper:
 
     def barrier(self) -> None:
         if self.use_dist:
+            self._arrive("barrier")
             dist.barrier(group=self.group)
 
     # -- steps with failure propagation ----------------------------------------------
@@ -147,6 +252,7 @@ class DistWrapper:
 
     def all_gather(self, step: str, map_fun: Callable[[], T]) -> list[T]:
         """Every rank runs ``map_fun``; every rank gets all results (or every rank raises)."""
+        self._step = step
         local = self._run(map_fun)
         results = self.all_gather_object(local)
         _raise_failures(step, {r: v for r, v in enumerate(results) if isinstance(v, _Failure)})
@@ -155,6 +261,7 @@ class DistWrapper:
     def reduce_scatter(self, step: str, map_fun: Callable[[], T],
                        reduce_fun: Callable[[list[T]], list[R]]) -> R:
         """Map on every rank, reduce on the coordinator, scatter one result per rank."""
+        self._step = step
         local = self._run(map_fun)
         if not self.use_dist:
             return reduce_fun([local])[0]  # type: ignore[list-item]
@@ -178,6 +285,7 @@ class DistWrapper:
 
     def all_reduce(self, step: str, map_fun: Callable[[], T], reduce_fun: Callable[[list[T]], R]) -> R:
         """Map on every rank, reduce on the coordinator, broadcast the one result."""
+        self._step = step
         local = self._run(map_fun)
         if not self.use_dist:
             return reduce_fun([local])  # type: ignore[list-item]
@@ -198,6 +306,7 @@ class DistWrapper:
 
     def check(self, step: str, local_error: Optional[BaseException]) -> None:
         """Collective error check: raise on every rank if any rank reports an error."""
+        self._step = step
         if not self.use_dist:
             if local_error is not None:
                 raise local_error

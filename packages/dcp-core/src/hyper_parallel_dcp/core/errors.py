@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointException",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
     "ConcurrentSaveError",
     "CorruptCheckpointError",
     "MissingKeyError",
@@ -63,6 +64,18 @@ class UnsafeObjectError(CheckpointError):
 
 class ConcurrentSaveError(CheckpointError):
     """Another save into the same checkpoint directory is in progress."""
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """Some ranks did not reach a checkpoint collective in time (``missing_ranks`` names them)."""
+
+    def __init__(self, message: str, phase: str = "", missing_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.phase = phase
+        self.missing_ranks = missing_ranks
+
+    def __reduce__(self):  # picklable across processes
+        return (type(self), (str(self), self.phase, self.missing_ranks))
 
 
 class CheckpointException(CheckpointError):

@@ -29,6 +29,7 @@ __all__ = [
     "SaveLock",
     "commit_directory",
     "is_checkpoint_artifact",
+    "remove_stale_staging",
     "staging_dir",
 ]
 
@@ -45,6 +46,25 @@ def is_checkpoint_artifact(name: str) -> bool:
 
 def staging_dir(target: Path, save_id: str) -> Path:
     return target.parent / f".{target.name}.hp-dcp-staging-{save_id}"
+
+
+def remove_stale_staging(target: Path) -> list[Path]:
+    """Delete staging and trash directories left beside ``target`` by saves that died.
+
+    Only call while holding the :class:`SaveLock` of ``target`` (then no live save owns
+    them).  Returns what was removed.
+    """
+    removed = []
+    prefixes = (f".{target.name}.hp-dcp-staging-", f".{target.name}.hp-dcp-old-")
+    try:
+        entries = list(os.scandir(target.parent))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if entry.name.startswith(prefixes) and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+    return removed
 
 
 def _lock_path(target: Path) -> Path:

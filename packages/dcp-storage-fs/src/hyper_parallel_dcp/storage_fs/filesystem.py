@@ -50,7 +50,8 @@ from hyper_parallel_dcp.core.planner import (
 )
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult
 
-from .commit import SaveLock, commit_directory, staging_dir
+from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
+from .direct_read import read_slice_into
 from .safetensors_stream import (
     HeaderEntry,
     SafetensorsHeaderError,
@@ -73,15 +74,28 @@ FILES_KEPT = 8
 
 
 def _write_file_atomic(path: Path, data_writer, sync: bool) -> int:
-    """Write via ``data_writer(f)`` to a temp name, fsync, rename; returns the size."""
+    """Write via ``data_writer(f)`` to a temp name, fsync, rename; returns the size.
+
+    On any failure the temp file is removed and an ``OSError`` (disk full, quota, I/O
+    error) is re-raised as one of the same class whose message names ``path``.
+    """
     tmp = path.with_name(path.name + _TMP_SUFFIX)
-    with open(tmp, "wb") as f:
-        data_writer(f)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
-        size = f.tell()
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            data_writer(f)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise type(exc)(exc.errno, f"writing checkpoint file {path} failed: {exc.strerror}") from exc
+        raise
     return size
 
 
@@ -129,10 +143,24 @@ class FileSystemWriter(StorageWriter):
         self.atomic = use_collectives or world_size == 1
         if target.exists() and not target.is_dir():
             raise NotADirectoryError(f"checkpoint path {target} exists and is not a directory")
-        if self.atomic and is_coordinator:
-            self._release_lock()
-            self._lock = SaveLock(target)
-            self._lock.acquire()
+        self._release_lock()
+
+    def _ensure_lock(self) -> None:
+        """Take the save lock (coordinator of an atomic save), once per save.
+
+        Called inside the pipeline's failure-propagating steps, so a refused concurrent
+        save is raised on every rank rather than leaving the others waiting.
+        """
+        if not (self.atomic and self.is_coordinator) or self._lock is not None:
+            return
+        lock = SaveLock(self._target())
+        lock.acquire()
+        self._lock = lock
+        remove_stale_staging(self._target())
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._ensure_lock()
+        return plan
 
     def _release_lock(self) -> None:
         if self._lock is not None:
@@ -149,6 +177,7 @@ class FileSystemWriter(StorageWriter):
 
     # -- writing ---------------------------------------------------------------------
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        self._ensure_lock()  # a cached plan skips prepare_local_plan
         self._save_id = plan.save_id or "local"
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -440,13 +469,8 @@ class FileSystemReader(StorageReader):
             )
         self._verified.add(index)
 
-    def read_tensor(self, item: ReadItem) -> torch.Tensor:
-        """The stored slice ``item`` asks for, as a (usually zero-copy mmap) tensor view.
-
-        Checks the file's size and safetensors header against the metadata first, and with
-        ``verify`` the checksum of the whole stored chunk (once per chunk); raises
-        :class:`CorruptCheckpointError` naming file, FQN and chunk on any disagreement.
-        """
+    def _checked_chunk(self, item: ReadItem) -> tuple[StorageInfo, _OpenFile, tuple[int, ...], str]:
+        """Open the item's file, check header/size/bounds (and with ``verify`` the checksum)."""
         index = item.storage_index
         info = self._storage_info(index)
         opened = self._open(info.relative_path)
@@ -469,6 +493,30 @@ class FileSystemReader(StorageReader):
             )
         if self.verify:
             self._verify_chunk(index, info, opened)
+        return info, opened, chunk_sizes, where
+
+    def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
+        """Fill ``dest`` (shape ``item.lengths``) with the stored slice, straight from the file.
+
+        Same checks as :meth:`read_tensor`; the bytes go from the page cache into ``dest``
+        with ``preadv`` when the slice is contiguous in the file (see ``direct_read``).
+        """
+        info, opened, chunk_sizes, _ = self._checked_chunk(item)
+        md = self.metadata.state_dict_metadata[item.storage_index.fqn] if self.metadata else None
+        assert isinstance(md, TensorStorageMetadata)
+        self.bytes_read += read_slice_into(
+            opened.fobj.fileno(), str(opened.path), info.offset, chunk_sizes, md.properties.dtype,
+            item.storage_offsets, item.lengths, dest,
+        )
+
+    def read_tensor(self, item: ReadItem) -> torch.Tensor:
+        """The stored slice ``item`` asks for, as a (usually zero-copy mmap) tensor view.
+
+        Checks the file's size and safetensors header against the metadata first, and with
+        ``verify`` the checksum of the whole stored chunk (once per chunk); raises
+        :class:`CorruptCheckpointError` naming file, FQN and chunk on any disagreement.
+        """
+        info, opened, chunk_sizes, where = self._checked_chunk(item)
         try:
             if not item.lengths:
                 tensor = opened.handle.get_tensor(info.key)
@@ -514,10 +562,10 @@ class FileSystemReader(StorageReader):
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         mine = [it for it in plan.items if it.source is None or it.source == self.rank]
-        for item, data in self.read_items(self.sort_items(mine)):
+        for item in self.sort_items(mine):
             if item.type is LoadItemType.BYTE_IO:
-                planner.load_bytes(item, data)
+                planner.load_bytes(item, self.read_object(item))
             else:
                 target = planner.resolve_tensor(item)
-                target.copy_(data)
+                self.read_into(item, target)
                 planner.commit_tensor(item, target)
