@@ -1,0 +1,255 @@
+"""``hp-dcp diff``: per-tensor differences between two checkpoints, streamed.
+
+Tensors are compared one at a time, in row blocks of at most ``block_bytes`` per side,
+each block read through the normal load path (``StandardLoadPlanner`` +
+``FileSystemReader.execute_read`` into a buffer covering just that block), so memory stays
+near two blocks whatever the checkpoint size, and the two checkpoints may have been saved
+with different layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, print_json, print_table, progress
+
+__all__ = ["DiffResult", "TensorDiff", "diff_checkpoints", "run"]
+
+#: Default bytes per side read at once (a block is whole rows of dim 0).
+DEFAULT_BLOCK_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class TensorDiff:
+    """Comparison of one key.  ``max_abs``/``max_rel`` are over all elements (``None`` when
+    not compared); the relative difference of an element is ``|a-b| / max(|a|, |b|)``
+    (0 where both are 0; NaN equals NaN; NaN against a number is ``inf``).
+    ``differing`` counts elements with ``|a-b| > atol + rtol * |b|``."""
+
+    fqn: str
+    equal: bool
+    reason: str = ""
+    max_abs: Optional[float] = None
+    max_rel: Optional[float] = None
+    differing: int = 0
+    numel: int = 0
+
+
+@dataclass
+class DiffResult:
+    """Result of :func:`diff_checkpoints`."""
+
+    a: Path
+    b: Path
+    keys: list[TensorDiff] = field(default_factory=list)
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not self.only_in_a and not self.only_in_b and all(k.equal for k in self.keys)
+
+
+class _Side:
+    """One checkpoint opened for block reads through the standard load path."""
+
+    def __init__(self, path: Path):
+        from hyper_parallel_dcp.storage_fs import FileSystemReader
+
+        self.path = path
+        self.reader = FileSystemReader(path)
+        self.metadata = self.reader.read_metadata()
+        self.reader.set_up_storage_reader(self.metadata, is_coordinator=True, rank=0)
+
+    def read_block(self, fqn: str, box: Any, global_shape: tuple[int, ...], dtype: Any) -> Any:
+        import torch
+
+        from hyper_parallel_dcp.core.layout import TensorShards
+        from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
+
+        buf = torch.empty(box.sizes, dtype=dtype)
+        planner = StandardLoadPlanner()
+        planner.set_up_planner({fqn: TensorShards(global_shape, dtype, [(box, buf)])}, self.metadata,
+                               is_coordinator=True)
+        self.reader.execute_read(planner.create_local_plan(), planner)
+        return buf
+
+    def read_object(self, fqn: str) -> Any:
+        from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
+
+        planner = StandardLoadPlanner()
+        planner.set_up_planner({fqn: None}, self.metadata, is_coordinator=True)
+        self.reader.execute_read(planner.create_local_plan(), planner)
+        return planner.loaded_objects[fqn]
+
+    def object_blob(self, fqn: str) -> bytes:
+        import os
+
+        from hyper_parallel_dcp.core.metadata import MetadataIndex
+
+        info = (self.metadata.storage_data or {})[MetadataIndex(fqn)]
+        with open(self.path / info.relative_path, "rb") as f:
+            return os.pread(f.fileno(), info.length, info.offset)
+
+
+def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, float, int]:
+    import torch
+
+    wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
+    a = a.to(wide)
+    b = b.to(wide)
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    diff = torch.where(same, torch.zeros((), dtype=torch.float64), (a - b).abs().to(torch.float64))
+    diff = torch.nan_to_num(diff, nan=math.inf)
+    denom = torch.maximum(a.abs(), b.abs()).to(torch.float64)
+    rel = torch.where(diff == 0, torch.zeros((), dtype=torch.float64), diff / denom)
+    rel = torch.nan_to_num(rel, nan=math.inf)
+    limit = atol + rtol * b.abs().to(torch.float64)
+    differing = int(((diff > limit) & ~same).sum()) if diff.numel() else 0
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    max_rel = float(rel.max()) if rel.numel() else 0.0
+    return max_abs, max_rel, differing
+
+
+def _diff_tensor(fqn: str, sa: _Side, sb: _Side, atol: float, rtol: float, block_bytes: int) -> TensorDiff:
+    from hyper_parallel_dcp.core.chunks import ChunkBox
+    from hyper_parallel_dcp.core.metadata import dtype_name
+
+    ma = sa.metadata.state_dict_metadata[fqn]
+    mb = sb.metadata.state_dict_metadata[fqn]
+    shape = tuple(ma.size)
+    numel = math.prod(shape)
+    if shape != tuple(mb.size):
+        return TensorDiff(fqn, False, f"shape {list(shape)} vs {list(mb.size)}", numel=numel)
+    da, db = ma.properties.dtype, mb.properties.dtype
+    reason = "" if da == db else f"dtype {dtype_name(da)} vs {dtype_name(db)}"
+    max_abs = max_rel = 0.0
+    differing = 0
+    if numel:
+        rows = shape[0] if shape else 1
+        row_bytes = max(1, (numel // rows) * max(da.itemsize, db.itemsize))
+        step = max(1, block_bytes // row_bytes)
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            box = ChunkBox((start,) + (0,) * (len(shape) - 1), (n,) + shape[1:]) if shape else ChunkBox((), ())
+            a = sa.read_block(fqn, box, shape, da)
+            b = sb.read_block(fqn, box, shape, db)
+            ba, br, bd = _compare_blocks(a, b, atol, rtol)
+            max_abs, max_rel, differing = max(max_abs, ba), max(max_rel, br), differing + bd
+            del a, b
+    equal = differing == 0 and not reason
+    if differing and not reason:
+        reason = f"{differing} of {numel} elements differ"
+    elif differing:
+        reason += f"; {differing} of {numel} elements differ"
+    return TensorDiff(fqn, equal, reason, max_abs, max_rel, differing, numel)
+
+
+def _objects_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(
+            torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an object whose == does not give a truth value
+        return False
+
+
+def _diff_object(fqn: str, sa: _Side, sb: _Side) -> TensorDiff:
+    if sa.object_blob(fqn) == sb.object_blob(fqn):
+        return TensorDiff(fqn, True, "object")
+    from hyper_parallel_dcp.core.errors import CheckpointError
+
+    try:
+        equal = _objects_equal(sa.read_object(fqn), sb.read_object(fqn))
+    except CheckpointError as exc:  # e.g. a class that is not allow-listed: bytes differ, cannot say more
+        return TensorDiff(fqn, False, f"object bytes differ (not loadable: {exc})")
+    return TensorDiff(fqn, equal, "object" if equal else "object differs")
+
+
+def diff_checkpoints(a: Path, b: Path, *, atol: float = 0.0, rtol: float = 0.0,
+                     block_bytes: int = DEFAULT_BLOCK_BYTES, show_progress: bool = True) -> DiffResult:
+    """Compare every key of the checkpoints at ``a`` and ``b``.
+
+    Tensors are equal when every element satisfies ``|a-b| <= atol + rtol*|b|`` (NaN
+    equal to NaN) and shape and dtype match; objects when their stored bytes or their
+    loaded values are equal.  Reads at most ``block_bytes`` per side at a time.  Raises
+    the load path's errors (:class:`CheckpointNotFoundError`, :class:`CheckpointFormatError`,
+    :class:`CorruptCheckpointError`) for an unreadable checkpoint.
+    """
+    from hyper_parallel_dcp.core.metadata import TensorStorageMetadata
+
+    sa, sb = _Side(a), _Side(b)
+    ka, kb = sa.metadata.state_dict_metadata, sb.metadata.state_dict_metadata
+    result = DiffResult(a, b, only_in_a=sorted(set(ka) - set(kb)), only_in_b=sorted(set(kb) - set(ka)))
+    common = sorted(set(ka) & set(kb))
+    for fqn in progress(common, total=len(common), desc="diff", unit="key", enabled=show_progress):
+        ta = isinstance(ka[fqn], TensorStorageMetadata)
+        tb = isinstance(kb[fqn], TensorStorageMetadata)
+        if ta != tb:
+            kinds = ("tensor" if ta else "object", "tensor" if tb else "object")
+            result.keys.append(TensorDiff(fqn, False, f"{kinds[0]} vs {kinds[1]}"))
+        elif ta:
+            result.keys.append(_diff_tensor(fqn, sa, sb, atol, rtol, block_bytes))
+        else:
+            result.keys.append(_diff_object(fqn, sa, sb))
+    return result
+
+
+def _num(x: Optional[float]) -> Any:
+    if x is None or math.isfinite(x):
+        return x
+    return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
+
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.6g}"
+
+
+def run(args: Any) -> int:
+    """Print the differences; exit 1 when the checkpoints differ."""
+    from ._common import UsageError
+
+    a = existing_dir(args.a, "checkpoint A")
+    b = existing_dir(args.b, "checkpoint B")
+    if args.atol < 0 or args.rtol < 0:
+        raise UsageError("--atol and --rtol must not be negative")
+    if args.block_mib <= 0:
+        raise UsageError("--block-mib must be positive")
+    result = diff_checkpoints(a, b, atol=args.atol, rtol=args.rtol, block_bytes=int(args.block_mib * 1024 * 1024),
+                              show_progress=not args.json)
+    if args.json:
+        print_json({
+            "a": str(a),
+            "b": str(b),
+            "identical": result.identical,
+            "only_in_a": result.only_in_a,
+            "only_in_b": result.only_in_b,
+            "keys": {k.fqn: {"equal": k.equal, "reason": k.reason, "max_abs": _num(k.max_abs),
+                             "max_rel": _num(k.max_rel), "differing": k.differing, "numel": k.numel}
+                     for k in result.keys},
+        })
+    else:
+        print(f"A  {a}")
+        print(f"B  {b}")
+        shown = result.keys if args.all else [k for k in result.keys if not k.equal]
+        if shown:
+            print()
+            print_table(["FQN", "equal", "max abs", "max rel", "differing", "note"],
+                        [[k.fqn, "yes" if k.equal else "NO", _fmt(k.max_abs), _fmt(k.max_rel),
+                          f"{k.differing}/{k.numel}" if k.max_abs is not None else "-", k.reason] for k in shown],
+                        right=(2, 3, 4))
+        for label, keys in (("only in A", result.only_in_a), ("only in B", result.only_in_b)):
+            if keys:
+                print(f"\n{label} ({len(keys)}): " + ", ".join(keys))
+        differ = sum(not k.equal for k in result.keys)
+        numel = sum(k.numel for k in result.keys)
+        print(f"\n{len(result.keys)} common keys ({numel} elements), {differ} differ, "
+              f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B: "
+              f"{'identical' if result.identical else 'DIFFERENT'}")
+    return EXIT_OK if result.identical else EXIT_PROBLEM
