@@ -9,6 +9,7 @@ the training process.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -37,11 +38,10 @@ class TensorShards:
 
 
 def _is_dtensor(obj: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(obj, DTensor)
+    # No DTensor exists before torch.distributed.tensor is imported, and importing it
+    # costs seconds that a plain-tensor save (or an async_save's staging) must not pay.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
 
 
 def is_tensor_leaf(obj: Any) -> bool:
