@@ -1,4 +1,13 @@
-"""hyper_parallel_dcp.async_persist"""
-from .__about__ import __version__
+"""Asynchronous checkpoint persistence for hyper-parallel-dcp.
 
-__all__ = ["__version__"]
+``async_save`` stages a state dict into reusable shared host memory (the only part the
+training process waits for) and hands it to a persistent background writer process that
+runs the ordinary save pipeline.  ``DataCopier`` decides how non-tensor leaves are
+snapshotted.
+"""
+
+from .__about__ import __version__
+from .copier import DataCopier
+from .persist import AsyncSaveError, AsyncSaveResponse, async_save
+
+__all__ = ["AsyncSaveError", "AsyncSaveResponse", "DataCopier", "__version__", "async_save"]

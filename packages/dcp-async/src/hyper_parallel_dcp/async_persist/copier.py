@@ -1,0 +1,137 @@
+"""``DataCopier``: how a non-tensor leaf is snapshotted while staging an async save.
+
+Staging must leave nothing that aliases the caller's state, because training mutates it
+as soon as ``async_save`` returns.  Dispatch is by type: the exact type first, then the
+most derived registered base class (in MRO order), then ``copy.deepcopy`` with a
+warning (once per type).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+import threading
+from typing import Any, Callable, TypeVar
+
+import torch
+
+__all__ = ["DataCopier", "host_copy"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CopyFn = Callable[[Any], Any]
+
+
+def _accelerator_present() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    try:
+        return accelerator is not None and accelerator.is_available()
+    except Exception:  # noqa: BLE001 - a broken accelerator runtime means: none
+        return False
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached host-memory copy of ``tensor`` (pinned where an accelerator exists).
+
+    For a DTensor, the local shard is copied (the device mesh cannot travel to the
+    writer process).  Leaves ``tensor`` untouched.
+    """
+    dtensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+    if dtensor_module is not None and isinstance(tensor, dtensor_module.DTensor):
+        tensor = tensor.to_local()
+    tensor = tensor.detach()
+    pin = tensor.device.type != "cpu" and _accelerator_present()
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    out.copy_(tensor)
+    return out
+
+
+class DataCopier:
+    """Registry of staging copy functions, dispatched by type.
+
+    ``@DataCopier.register(MyState)`` registers ``fn(obj) -> host copy``.
+    ``DataCopier.copy(obj)`` picks the handler of ``type(obj)``, else that of the most
+    derived registered base class, else ``copy.deepcopy`` (with a warning naming the
+    type, logged once).  Tensors (DTensor included) are registered: host copies.
+    """
+
+    _handlers: dict[type, CopyFn] = {}
+    _warned: set[type] = set()
+    _lock = threading.Lock()
+
+    @classmethod
+    def register(cls, obj_type: type) -> Callable[[Callable[[T], T]], Callable[[T], T]]:
+        """Decorator registering ``fn`` as the staging copy of ``obj_type`` (replaces any earlier one).
+
+        Raises ``TypeError`` when ``obj_type`` is not a class.
+        """
+        if not isinstance(obj_type, type):
+            raise TypeError(f"DataCopier.register expects a class, got {obj_type!r}")
+
+        def decorator(fn: Callable[[T], T]) -> Callable[[T], T]:
+            with cls._lock:
+                cls._handlers[obj_type] = fn
+                cls._warned.discard(obj_type)
+            return fn
+
+        return decorator
+
+    @classmethod
+    def handler_for(cls, obj_type: type) -> CopyFn | None:
+        """The registered handler ``copy`` would use for ``obj_type`` (``None``: deepcopy)."""
+        handlers = cls._handlers
+        fn = handlers.get(obj_type)
+        if fn is not None:
+            return fn
+        for base in obj_type.__mro__[1:]:  # most derived first
+            fn = handlers.get(base)
+            if fn is not None:
+                return fn
+        return None
+
+    @classmethod
+    def copy(cls, obj: Any) -> Any:
+        """A copy of ``obj`` that shares no mutable state with it; ``obj`` is not modified."""
+        fn = cls.handler_for(type(obj))
+        if fn is not None:
+            return fn(obj)
+        if type(obj) not in cls._warned:
+            with cls._lock:
+                cls._warned.add(type(obj))
+            logger.warning(
+                "async_save: no DataCopier registered for %s.%s; staging it with copy.deepcopy "
+                "(register one with @DataCopier.register(%s))",
+                type(obj).__module__, type(obj).__qualname__, type(obj).__name__,
+            )
+        return copy.deepcopy(obj)
+
+
+def _immutable(obj: Any) -> Any:
+    return obj
+
+
+for _t in (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size):
+    DataCopier.register(_t)(_immutable)
+DataCopier.register(torch.Tensor)(host_copy)
+
+
+@DataCopier.register(dict)
+def _copy_dict(obj: dict) -> dict:
+    out = copy.copy(obj)  # keeps the dict subclass (OrderedDict, defaultdict)
+    for key, value in obj.items():
+        out[key] = DataCopier.copy(value)
+    return out
+
+
+@DataCopier.register(list)
+def _copy_list(obj: list) -> list:
+    return type(obj)(DataCopier.copy(v) for v in obj) if type(obj) is list else copy.deepcopy(obj)
+
+
+@DataCopier.register(tuple)
+def _copy_tuple(obj: tuple) -> tuple:
+    if type(obj) is tuple:
+        return tuple(DataCopier.copy(v) for v in obj)
+    return copy.deepcopy(obj)  # a namedtuple or other tuple subclass: let its own copy logic run

@@ -1,0 +1,244 @@
+"""Collectives through files in the checkpoint directory (``async_save(use_gloo=False)``).
+
+The writer processes of the ranks have no process group.  They exchange the save's two
+rounds through files beside the checkpoint instead: every rank writes
+``LOCAL_PLAN_{rank}.pkl`` (its local plan) and later ``STORAGE_DATA_{rank}.pkl`` (its
+write results), each followed by a ``.done`` marker; the coordinator reads them with
+parallel polling threads, and answers with hidden ``.hp-dcp-*`` files that the others
+poll for.  Every file carries the save's ``tag`` (the same on all ranks, unique per
+save), so files left by an earlier, killed save are never taken for this one's.  Files
+are read with :mod:`.safe_pickle` — never running code — and removed once the
+checkpoint has landed (the checkpoint commit swaps the directory, and the coordinator
+deletes what is left after every rank acknowledged the result).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+from hyper_parallel_dcp.core.collectives import DistWrapper
+from hyper_parallel_dcp.core.timing import phase
+
+from . import safe_pickle
+
+__all__ = ["FileMailbox", "MailboxTimeoutError", "RankIdentity"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_DONE = ".done"
+_POLL_FIRST_S = 0.001
+_POLL_MAX_S = 0.05
+_MAX_POLL_THREADS = 32
+
+
+class MailboxTimeoutError(TimeoutError):
+    """A rank's mailbox file did not appear in time (that rank's writer is gone or stuck)."""
+
+
+class RankIdentity(DistWrapper):
+    """No exchange at all, but the rank and world size of the training process.
+
+    The writer process has no process group, so without this a save with
+    ``use_collectives=False`` would believe it is rank 0 of 1.
+    """
+
+    def __init__(self, rank: int, world_size: int):
+        self.group = None
+        self.use_dist = False
+        self.rank = rank
+        self.world_size = world_size
+        self.coordinator_rank = 0
+        self.global_coordinator = 0
+        self.is_coordinator = rank == 0
+
+
+class FileMailbox(DistWrapper):
+    """A :class:`DistWrapper` whose object collectives go through files in ``directory``.
+
+    ``tag`` must be equal on all ranks for one save and differ between saves.  A read
+    waits at most ``timeout`` seconds for a rank's file, then raises
+    :class:`MailboxTimeoutError` naming the rank and the file.
+    """
+
+    def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str, *,
+                 coordinator_rank: int = 0, timeout: float = 1800.0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.group = None
+        self.use_dist = world_size > 1
+        self.rank = rank
+        self.world_size = world_size
+        self.coordinator_rank = coordinator_rank
+        self.global_coordinator = coordinator_rank
+        self.is_coordinator = rank == coordinator_rank
+        self.directory = Path(directory)
+        self.tag = tag
+        self.timeout = timeout
+        self._step = "exchange"
+
+    # -- naming ----------------------------------------------------------------------
+    def _gather_name(self, rank: int) -> str:
+        if self._step == "plan":
+            return f"LOCAL_PLAN_{rank}.pkl"
+        if self._step == "write":
+            return f"STORAGE_DATA_{rank}.pkl"
+        return f".hp-dcp-mailbox-{self._step}-{rank}.pkl"
+
+    def _scatter_name(self, rank: int) -> str:
+        return f".hp-dcp-mailbox-{self._step}-to-{rank}.pkl"
+
+    def _result_name(self) -> str:
+        return f".hp-dcp-mailbox-{self._step}-result.pkl"
+
+    # -- file I/O --------------------------------------------------------------------
+    def _post(self, name: str, obj: Any) -> None:
+        """Write ``name`` then its marker, each atomically (temp name + rename)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / name
+        for target, data in ((path, safe_pickle.dumps((self.tag, obj))),
+                             (path.with_name(name + _DONE), self.tag.encode())):
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.hp-dcp-tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)
+
+    def _fetch(self, name: str, rank: int) -> Any:
+        """Poll for ``name`` of this save (its marker carries our tag) and read it safely."""
+        path = self.directory / name
+        marker = path.with_name(name + _DONE)
+        deadline = time.monotonic() + self.timeout
+        delay = _POLL_FIRST_S
+        while True:
+            try:
+                if marker.read_bytes().decode(errors="replace") == self.tag:
+                    tag, obj = safe_pickle.loads(path.read_bytes(), source=str(path))
+                    if tag == self.tag:
+                        return obj
+            except FileNotFoundError:
+                pass  # not written yet, or swapped away by the checkpoint commit meanwhile
+            if time.monotonic() > deadline:
+                raise MailboxTimeoutError(
+                    f"async save mailbox: rank {rank} did not write {path} within {self.timeout:.0f} s "
+                    f"(its writer process died or is stuck); rank {self.rank} gives up"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    def _fetch_all(self, names: list[tuple[str, int]]) -> list[Any]:
+        # One polling thread per rank: reading a slow rank never delays the others' reads.
+        workers = min(_MAX_POLL_THREADS, len(names))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hp-dcp-mailbox") as pool:
+            futures = [pool.submit(self._fetch, name, rank) for name, rank in names]
+            return [f.result() for f in futures]
+
+    # -- the object collectives DistWrapper's steps are made of --------------------------
+    def all_gather_object(self, obj: T) -> list[T]:
+        if not self.use_dist:
+            return [obj]
+        with phase("all_gather_object", self.rank):
+            self._post(self._gather_name(self.rank), obj)
+            return self._fetch_all([(self._gather_name(r), r) for r in range(self.world_size)])
+
+    def gather_object(self, obj: T) -> Optional[list[T]]:
+        if not self.use_dist:
+            return [obj]
+        with phase("gather_object", self.rank):
+            self._post(self._gather_name(self.rank), obj)
+            if not self.is_coordinator:
+                return None
+            return self._fetch_all([(self._gather_name(r), r) for r in range(self.world_size)])
+
+    def scatter_object(self, objs: Optional[list[T]]) -> T:
+        if not self.use_dist:
+            assert objs is not None
+            return objs[0]
+        with phase("scatter_object", self.rank):
+            if self.is_coordinator:
+                assert objs is not None and len(objs) == self.world_size
+                for r, obj in enumerate(objs):
+                    if r != self.rank:
+                        self._post(self._scatter_name(r), obj)
+                return objs[self.rank]
+            return self._fetch(self._scatter_name(self.rank), self.coordinator_rank)
+
+    def broadcast_object(self, obj: Optional[T]) -> T:
+        if not self.use_dist:
+            return obj  # type: ignore[return-value]
+        with phase("broadcast_object", self.rank):
+            if self.is_coordinator:
+                self._post(self._result_name(), obj)
+                return obj  # type: ignore[return-value]
+            return self._fetch(self._result_name(), self.coordinator_rank)
+
+    def barrier(self) -> None:
+        if self.use_dist:
+            saved, self._step = self._step, "barrier"
+            try:
+                self.all_gather_object(None)
+            finally:
+                self._step = saved
+
+    # -- steps: remember the step name, it picks the file names -----------------------------
+    def reduce_scatter(self, step: str, map_fun: Callable[[], T], reduce_fun: Callable[[list[T]], list[R]]) -> R:
+        self._step = step
+        return super().reduce_scatter(step, map_fun, reduce_fun)
+
+    def all_reduce(self, step: str, map_fun: Callable[[], T], reduce_fun: Callable[[list[T]], R]) -> R:
+        self._step = step
+        return super().all_reduce(step, map_fun, reduce_fun)
+
+    def all_gather(self, step: str, map_fun: Callable[[], T]) -> list[T]:
+        self._step = step
+        return super().all_gather(step, map_fun)
+
+    # -- clean-up ------------------------------------------------------------------------
+    def finish(self, ack_timeout: float = 60.0) -> None:
+        """Remove this save's mailbox files once every rank has read the last answer.
+
+        Non-coordinators acknowledge; the coordinator waits for the acknowledgements (at
+        most ``ack_timeout`` s: a rank that died cannot acknowledge) and then deletes every
+        mailbox file of this save.  Never raises for a missing file.
+        """
+        if not self.use_dist:
+            return
+        ack = ".hp-dcp-mailbox-ack-{}.pkl"
+        if not self.is_coordinator:
+            self._post(ack.format(self.rank), None)
+            return
+        saved_timeout, self.timeout = self.timeout, ack_timeout
+        try:
+            self._fetch_all([(ack.format(r), r) for r in range(self.world_size) if r != self.rank])
+        except MailboxTimeoutError as exc:
+            logger.warning("async save mailbox clean-up in %s: %s", self.directory, exc)
+        finally:
+            self.timeout = saved_timeout
+        for step in ("plan", "write", "exchange", "barrier"):
+            self._step = step
+            names = [self._gather_name(r) for r in range(self.world_size)]
+            names += [self._scatter_name(r) for r in range(self.world_size)] + [self._result_name()]
+            for name in names:
+                self._remove_if_ours(name)
+        for r in range(self.world_size):
+            self._remove_if_ours(ack.format(r))
+
+    def _remove_if_ours(self, name: str) -> None:
+        path = self.directory / name
+        marker = path.with_name(name + _DONE)
+        try:
+            if marker.read_bytes().decode(errors="replace") != self.tag:
+                return  # another (newer) save's file: not ours to delete
+        except FileNotFoundError:
+            pass
+        for p in (path, marker):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,423 @@
+"""``async_save``: stage now in the training process, persist in the writer process.
+
+One :class:`_Persister` per training process owns the staging arena, the writer process
+(spawned on first use, reused, restarted after it died) and the save in flight.  A save
+is: wait for the previous one → stage (the only blocking part) → send the staged
+description → a joining thread waits for the writer's reply (or its death), installs the
+plan cache, runs the callback and resolves the future.  Neither the writer process nor
+the joining thread is a daemon; at interpreter exit the save in flight completes before
+the writer is told to stop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing.connection as mp_connection
+import multiprocessing.util as mp_util
+import os
+import signal
+import threading
+import uuid
+from dataclasses import replace
+from typing import Any, Callable, Optional, Union
+
+from hyper_parallel_dcp.core.errors import CheckpointError
+from hyper_parallel_dcp.core.metadata import Metadata
+from hyper_parallel_dcp.core.pipeline import process_rank
+from hyper_parallel_dcp.core.planner import SavePlanner
+from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+from hyper_parallel_dcp.core.storage import StorageWriter
+from hyper_parallel_dcp.core.timing import phase
+
+from .staging import StagingArena, StagingStats
+from .writer import CacheEntry, SaveReply, SaveRequest, cache_key, clean_planner, writer_main
+
+__all__ = ["AsyncSaveError", "AsyncSaveResponse", "async_save", "staging_buffer_ptrs", "writer_pid"]
+
+logger = logging.getLogger(__name__)
+
+CheckpointId = Union[str, os.PathLike]
+
+#: Seconds a writer waits for the other ranks (gloo group timeout, mailbox polling).
+TIMEOUT_ENV = "HP_DCP_ASYNC_TIMEOUT"
+#: Port of the writers' own gloo group; default ``MASTER_PORT + 1``.
+GLOO_PORT_ENV = "HP_DCP_ASYNC_GLOO_PORT"
+_SESSION_KEY = "hp_dcp_async_mailbox_session"
+
+
+class AsyncSaveError(CheckpointError):
+    """The background writer failed without a more specific error (e.g. it was killed)."""
+
+
+class AsyncSaveResponse:
+    """Handle of one async save.
+
+    ``persist_completion`` is a ``concurrent.futures.Future[Metadata]`` resolved once the
+    checkpoint has landed (after ``callback`` ran), or failed with the writer's error.
+    ``staging`` says what staging did (bytes copied, reused, allocated); ``cache_hit``
+    becomes True/False once landed when the standard planner was used; ``writer_pid`` is
+    the writer process's pid.
+    """
+
+    def __init__(self, checkpoint_id: Optional[str], staging: StagingStats, writer_pid: int):
+        self.persist_completion: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
+        self.persist_completion.set_running_or_notify_cancel()  # a landing save cannot be cancelled
+        self.checkpoint_id = checkpoint_id
+        self.staging = staging
+        self.writer_pid = writer_pid
+        self.cache_hit: Optional[bool] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def get_result(self, timeout: Optional[float] = None) -> Metadata:
+        """``persist_completion.result(timeout)``: the global metadata once landed.
+
+        Raises the writer's error (original message), :class:`AsyncSaveError` when the
+        writer died, or ``concurrent.futures.TimeoutError``.
+        """
+        return self.persist_completion.result(timeout)
+
+    def done(self) -> bool:
+        return self.persist_completion.done()
+
+    def __repr__(self) -> str:
+        state = "landed" if self.done() and self.persist_completion.exception() is None else (
+            "failed" if self.done() else "in flight")
+        return f"AsyncSaveResponse({self.checkpoint_id!r}, {state})"
+
+
+def _timeout_s() -> float:
+    return float(os.environ.get(TIMEOUT_ENV, "1800"))
+
+
+def _gloo_init_method() -> str:
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    assert addr and port, (
+        "async_save(use_gloo=True) builds a CPU gloo group in the writer processes and needs the "
+        "MASTER_ADDR and MASTER_PORT environment variables (the writers use MASTER_PORT + 1, or "
+        f"{GLOO_PORT_ENV})"
+    )
+    gloo_port = int(os.environ.get(GLOO_PORT_ENV, int(port) + 1))
+    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+    return f"tcp://{host}:{gloo_port}"
+
+
+def _build_writer(checkpoint_id: Optional[CheckpointId], storage_writer: Optional[StorageWriter]) -> StorageWriter:
+    if storage_writer is None:
+        if checkpoint_id is None:
+            raise ValueError("async_save needs checkpoint_id or storage_writer")
+        from hyper_parallel_dcp.storage_fs import FileSystemWriter
+
+        return FileSystemWriter(checkpoint_id)
+    if checkpoint_id is not None:
+        storage_writer.reset(checkpoint_id)
+    return storage_writer
+
+
+class _Persister:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.arena = StagingArena()
+        self.proc: Any = None
+        self.conn: Any = None
+        self.child_slabs: set[int] = set()
+        self.inflight: Optional[AsyncSaveResponse] = None
+        self.seq = 0
+        self.session: Optional[str] = None
+        self._exit_hook: Any = None
+
+    # -- the writer process --------------------------------------------------------------
+    def _ensure_process(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            return
+        self._discard_process()
+        import torch.multiprocessing as tmp  # registers the shared-memory tensor reductions
+
+        ctx = tmp.get_context("spawn")  # never fork: the child must not inherit CUDA/NCCL state
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=writer_main, args=(child_end,), name="hp-dcp-async-writer", daemon=False)
+        proc.start()
+        child_end.close()
+        self.proc, self.conn = proc, parent_end
+        self.child_slabs = set()
+        if self._exit_hook is None:
+            # Runs inside multiprocessing's exit handler *before* it joins non-daemon
+            # children (which would otherwise wait forever for our idle writer).
+            self._exit_hook = mp_util.Finalize(None, self.shutdown, exitpriority=100)
+
+    def _discard_process(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+        if self.proc is not None:
+            self.proc.join(timeout=0)
+        self.proc = self.conn = None
+        self.child_slabs = set()
+
+    def _wait_inflight(self) -> None:
+        response = self.inflight
+        if response is None:
+            return
+        thread = response._thread
+        if thread is threading.current_thread():
+            raise RuntimeError("async_save cannot be called from the callback of the save in flight")
+        if thread is not None:
+            thread.join()
+        self.inflight = None
+
+    def shutdown(self) -> None:
+        """Wait for the save in flight, then stop the writer process and free the staging memory."""
+        with self._lock:
+            try:
+                self._wait_inflight()
+            except RuntimeError:
+                pass
+            if self.conn is not None and self.proc is not None and self.proc.is_alive():
+                try:
+                    self.conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+                self.proc.join(timeout=60)
+                if self.proc.is_alive():
+                    self.proc.terminate()
+                    self.proc.join(timeout=10)
+            self._discard_process()
+            self.arena.clear()
+
+    def _mailbox_session(self) -> str:
+        """A token equal on all ranks and new for each training job (via the job's store)."""
+        if self.session is None:
+            token = ""
+            try:
+                import torch.distributed as dist
+
+                if dist.is_available() and dist.is_initialized():
+                    store = dist.distributed_c10d._get_default_store()
+                    if dist.get_rank() == 0:
+                        store.set(_SESSION_KEY, uuid.uuid4().hex[:12])
+                    token = store.get(_SESSION_KEY).decode()
+            except Exception as exc:  # noqa: BLE001 - fall back to the launcher's run id
+                logger.debug("async_save: no store for the mailbox session token: %s", exc)
+            self.session = token or os.environ.get("TORCHELASTIC_RUN_ID", "") or "job"
+        return self.session
+
+    # -- one save ------------------------------------------------------------------------
+    def submit(self, state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId],
+               storage_writer: Optional[StorageWriter], planner: Optional[SavePlanner], no_dist: bool,
+               use_collectives: bool, use_gloo: bool, callback: Optional[Callable[[], None]]) -> AsyncSaveResponse:
+        with self._lock:
+            self._wait_inflight()
+            use_collectives = use_collectives and not no_dist
+            rank, world_size = (0, 1) if no_dist else process_rank()
+            gloo_init = mailbox_dir = None
+            if use_gloo and use_collectives:
+                gloo_init = _gloo_init_method()
+            writer = _build_writer(checkpoint_id, storage_writer)
+            if no_dist or world_size == 1:
+                mode = "local"
+            elif not use_collectives:
+                mode = "none"
+            elif use_gloo:
+                mode = "gloo"
+            else:
+                target = checkpoint_id if checkpoint_id is not None else getattr(writer, "path", None)
+                if target is None:
+                    raise ValueError("async_save(use_gloo=False) exchanges plans through the checkpoint "
+                                     "directory and needs checkpoint_id")
+                mailbox_dir = str(target)
+                mode = "files"
+            self.seq += 1
+            tag = f"{self._mailbox_session()}-{self.seq}" if mode == "files" else ""
+
+            self._ensure_process()  # starts first: the child imports torch while we stage
+            with phase("build_staged_state_dict", rank):
+                staged, stats = self.arena.stage(state_dict)
+
+            planner_copy = clean_planner(planner)
+            cache = self._cache_to_send(planner_copy, staged.leaves.keys(), mode, rank, world_size,
+                                        use_collectives)
+            request = SaveRequest(
+                seq=self.seq, staged=staged,
+                new_slabs={i: t for i, t in self.arena.slabs.items() if i not in self.child_slabs},
+                storage_writer=writer, planner=planner_copy, mode=mode,
+                rank=0 if mode == "local" else rank, world_size=1 if mode == "local" else world_size,
+                no_dist=no_dist, use_collectives=use_collectives, gloo_init=gloo_init,
+                mailbox_dir=mailbox_dir, mailbox_tag=tag, timeout_s=_timeout_s(), cache=cache,
+            )
+            with phase("send_to_writer", rank):
+                try:
+                    self.conn.send(request)
+                except (BrokenPipeError, ConnectionError, OSError):
+                    # the writer died between saves: start a fresh one, which needs every slab
+                    self._discard_process()
+                    self._ensure_process()
+                    request.new_slabs = dict(self.arena.slabs)
+                    self.conn.send(request)
+            self.child_slabs = set(staged.slab_ids)
+            response = AsyncSaveResponse(None if checkpoint_id is None else str(checkpoint_id), stats,
+                                         self.proc.pid)
+            response._thread = threading.Thread(
+                target=self._join, args=(response, self.proc, self.conn, request.seq, cache, planner, callback),
+                name=f"hp-dcp-async-join-{self.seq}", daemon=False,
+            )
+            response._thread.start()
+            self.inflight = response
+            return response
+
+    @staticmethod
+    def _cache_to_send(planner: Optional[SavePlanner], keys: Any, mode: str, rank: int, world_size: int,
+                       use_collectives: bool) -> Optional[CacheEntry]:
+        """The parent's plan-cache entry for this save, to mirror into the writer.
+
+        The ``save_id`` of a cached plan gets a suffix from the save sequence number
+        (equal on all ranks), so a writer restarted after a crash never reuses the
+        staging directory name of an earlier save.
+        """
+        if not use_collectives:
+            return None
+        probe = planner if planner is not None else StandardSavePlanner()
+        if not isinstance(probe, StandardSavePlanner) or not probe.enable_plan_caching:
+            return None
+        r, w = (0, 1) if mode == "local" else (rank, world_size)
+        key = cache_key(probe, keys, r, w, use_collectives)
+        with StandardSavePlanner._cache_lock:
+            value = StandardSavePlanner._cache.get(key)
+        if value is not None:
+            plan, metadata, fingerprint = value
+            value = (replace(plan, save_id=f"{plan.save_id}-a{_persister_seq()}"), metadata, fingerprint)
+        return key, value
+
+    def _join(self, response: AsyncSaveResponse, proc: Any, conn: Any, seq: int, sent: Optional[CacheEntry],
+              planner: Optional[SavePlanner], callback: Optional[Callable[[], None]]) -> None:
+        future = response.persist_completion
+        try:
+            reply = _await_reply(proc, conn)
+            if reply is None:
+                proc.join(timeout=5)
+                raise AsyncSaveError(_death_message(proc, response.checkpoint_id))
+            if reply.seq != seq:
+                raise AsyncSaveError(f"async writer answered save #{reply.seq}, expected #{seq}")
+            if reply.metadata is None:
+                exc = reply.error if reply.error is not None else AsyncSaveError(reply.error_text)
+                if reply.error is not None and hasattr(exc, "add_note"):
+                    exc.add_note(f"raised in the async writer process (pid {proc.pid}):\n{reply.error_text}")
+                raise exc
+            response.cache_hit = reply.cache_hit
+            if planner is not None and reply.cache_hit is not None and hasattr(planner, "cache_hit"):
+                planner.cache_hit = reply.cache_hit
+            if reply.cache is not None and not reply.cache_hit:
+                key, value = reply.cache
+                with StandardSavePlanner._cache_lock:
+                    if value is None:
+                        StandardSavePlanner._cache.pop(key, None)
+                    else:
+                        StandardSavePlanner._cache[key] = value
+        except BaseException as exc:  # noqa: BLE001 - every failure goes to the future
+            future.set_exception(exc)
+            return
+        if callback is not None:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - the checkpoint has landed; a callback bug must not hide that
+                logger.exception("async_save callback raised (the checkpoint %s has landed)", response.checkpoint_id)
+        future.set_result(reply.metadata)
+
+
+def _await_reply(proc: Any, conn: Any) -> Optional[SaveReply]:
+    """The writer's reply, or ``None`` if the writer died first."""
+    while True:
+        ready = mp_connection.wait([conn, proc.sentinel])
+        if conn in ready:
+            try:
+                return conn.recv()
+            except (EOFError, OSError):
+                return None
+        if proc.sentinel in ready:
+            try:
+                if conn.poll(0):
+                    return conn.recv()
+            except (EOFError, OSError):
+                pass
+            return None
+
+
+def _death_message(proc: Any, checkpoint_id: Optional[str]) -> str:
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    where = f" into {checkpoint_id}" if checkpoint_id else ""
+    return (f"the async checkpoint writer process (pid {proc.pid}) {how} while saving{where}; "
+            "this checkpoint did not land (no .metadata was committed). The next async_save starts "
+            "a new writer process.")
+
+
+_persister: Optional[_Persister] = None
+_persister_lock = threading.Lock()
+
+
+def _get_persister() -> _Persister:
+    global _persister
+    with _persister_lock:
+        if _persister is None:
+            _persister = _Persister()
+        return _persister
+
+
+def _persister_seq() -> int:
+    return _persister.seq if _persister is not None else 0
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: Optional[CheckpointId] = None,
+    storage_writer: Optional[StorageWriter] = None,
+    planner: Optional[SavePlanner] = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+    use_gloo: bool = False,
+    callback: Optional[Callable[[], None]] = None,
+) -> AsyncSaveResponse:
+    """Stage ``state_dict`` to host memory now; plan, coordinate and write in a background process.
+
+    When this returns every tensor has been copied (device → reusable shared host
+    buffers) and non-tensor leaves have been copied with :class:`DataCopier`: the caller
+    may overwrite anything in ``state_dict``, which is not modified.  The persistent
+    writer process then runs the same save pipeline as :func:`save`; the returned
+    :class:`AsyncSaveResponse` resolves to the global :class:`Metadata` once the
+    checkpoint has landed, after ``callback()`` ran (its exceptions are logged).  A call
+    while an earlier save is in flight first waits for it.  Coordination: ``use_gloo=True``
+    → a CPU gloo group of the writer processes (needs ``MASTER_ADDR``/``MASTER_PORT``, else
+    ``AssertionError``; port ``MASTER_PORT + 1`` or ``$HP_DCP_ASYNC_GLOO_PORT``);
+    ``use_gloo=False`` → ``LOCAL_PLAN_{rank}.pkl`` / ``STORAGE_DATA_{rank}.pkl`` files in
+    the checkpoint directory (needs ``checkpoint_id``); ``use_collectives=False`` → none,
+    ``{rank}.metadata`` each.  With collectives every rank must call.
+
+    Raises here: ``ValueError`` without a destination, ``AssertionError`` as above, and
+    staging errors (e.g. :class:`UnsupportedPlacementError`).  Errors of the writer
+    (with their original message), or :class:`AsyncSaveError` when it died, come through
+    the future.
+    """
+    return _get_persister().submit(
+        state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+        no_dist=no_dist, use_collectives=use_collectives, use_gloo=use_gloo, callback=callback,
+    )
+
+
+def staging_buffer_ptrs() -> dict[Any, int]:
+    """Host address of the staging slot of every known piece (``(fqn, offsets, sizes, dtype)``)."""
+    return _get_persister().arena.buffer_ptrs()
+
+
+def writer_pid() -> Optional[int]:
+    """Pid of the live writer process, or ``None``."""
+    p = _persister
+    return p.proc.pid if p is not None and p.proc is not None and p.proc.is_alive() else None

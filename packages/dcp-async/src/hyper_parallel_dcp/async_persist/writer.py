@@ -1,0 +1,194 @@
+"""The persistent writer process: receives staged saves and runs the one save pipeline.
+
+Started with the ``spawn`` method, so it inherits no CUDA/NCCL/HCCL state and never
+touches an accelerator: it only maps the staging slabs (shared memory) of the training
+process.  It runs :func:`hyper_parallel_dcp.core.pipeline.save_state_dict` unchanged, with
+its own CPU gloo group, the file mailbox, or no coordination, and answers with the
+metadata and the plan-cache entry.  It exits on ``None`` or when the training process's
+end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+from hyper_parallel_dcp.core.metadata import Metadata
+from hyper_parallel_dcp.core.planner import SavePlanner
+from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+from hyper_parallel_dcp.core.storage import StorageWriter
+
+from .staging import StagedStateDict, materialize
+
+__all__ = ["CacheEntry", "SaveReply", "SaveRequest", "writer_main"]
+
+logger = logging.getLogger(__name__)
+
+# (plan-cache key, (final plan, metadata, fingerprint) or None for "no entry")
+CacheEntry = tuple[Any, Optional[tuple]]
+
+
+@dataclass
+class SaveRequest:
+    """One save for the writer process.  ``mode``: ``local`` (one process / no_dist),
+    ``none`` (no coordination), ``gloo`` or ``files``."""
+
+    seq: int
+    staged: StagedStateDict
+    new_slabs: dict[int, torch.Tensor]
+    storage_writer: StorageWriter
+    planner: Optional[SavePlanner]
+    mode: str
+    rank: int
+    world_size: int
+    no_dist: bool
+    use_collectives: bool
+    gloo_init: Optional[str] = None
+    mailbox_dir: Optional[str] = None
+    mailbox_tag: str = ""
+    timeout_s: float = 1800.0
+    cache: Optional[CacheEntry] = None
+
+
+@dataclass
+class SaveReply:
+    seq: int
+    metadata: Optional[Metadata] = None
+    cache: Optional[CacheEntry] = None
+    cache_hit: Optional[bool] = None
+    error: Optional[BaseException] = None
+    error_text: str = ""
+
+
+def clean_planner(planner: Optional[SavePlanner]) -> Optional[SavePlanner]:
+    """A copy of ``planner`` without per-save state (which may reference a state dict's tensors)."""
+    if planner is None or not isinstance(planner, StandardSavePlanner):
+        return planner
+    fresh = copy.copy(planner)
+    fresh.flat = {}
+    fresh._data = {}
+    fresh._local_plan = None
+    fresh.cache_hit = False
+    return fresh
+
+
+def cache_key(planner: StandardSavePlanner, flat_keys: Any, rank: int, world_size: int,
+              use_collectives: bool) -> Any:
+    """The plan-cache key ``planner`` would use for a state dict with ``flat_keys``."""
+    probe = clean_planner(planner)
+    assert isinstance(probe, StandardSavePlanner)
+    probe.set_up_planner(dict.fromkeys(flat_keys), is_coordinator=rank == 0, rank=rank,
+                         world_size=world_size, use_collectives=use_collectives)
+    return probe._cache_key()
+
+
+def _install_cache(entry: CacheEntry) -> None:
+    key, value = entry
+    with StandardSavePlanner._cache_lock:
+        if value is None:
+            StandardSavePlanner._cache.pop(key, None)
+        else:
+            StandardSavePlanner._cache[key] = value
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.slabs: dict[int, torch.Tensor] = {}
+        self.gloo_init: Optional[tuple[str, int, int]] = None
+
+    def _ensure_gloo(self, init_method: str, rank: int, world_size: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        wanted = (init_method, rank, world_size)
+        if self.gloo_init == wanted and dist.is_initialized():
+            return
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        self.gloo_init = wanted
+
+    def save(self, req: SaveRequest) -> SaveReply:
+        from hyper_parallel_dcp.core.pipeline import save_state_dict
+
+        from .mailbox import FileMailbox, RankIdentity
+
+        self.slabs.update(req.new_slabs)
+        for slab_id in [i for i in self.slabs if i not in req.staged.slab_ids]:
+            del self.slabs[slab_id]
+        state_dict = materialize(req.staged, self.slabs)
+        if req.cache is not None:
+            _install_cache(req.cache)
+        planner = req.planner if req.planner is not None else StandardSavePlanner()
+        kwargs: dict[str, Any] = {"no_dist": req.no_dist, "use_collectives": req.use_collectives}
+        mailbox = None
+        if req.mode == "none":
+            kwargs["dist_wrapper"] = RankIdentity(req.rank, req.world_size)
+        elif req.mode == "gloo":
+            assert req.gloo_init is not None
+            self._ensure_gloo(req.gloo_init, req.rank, req.world_size, req.timeout_s)
+        elif req.mode == "files":
+            assert req.mailbox_dir is not None
+            mailbox = FileMailbox(req.mailbox_dir, req.rank, req.world_size, req.mailbox_tag, timeout=req.timeout_s)
+            kwargs["dist_wrapper"] = mailbox
+        try:
+            metadata = save_state_dict(state_dict, req.storage_writer, planner, **kwargs)
+        finally:
+            if mailbox is not None:
+                mailbox.finish()
+        reply = SaveReply(req.seq, metadata)
+        if isinstance(planner, StandardSavePlanner):
+            reply.cache_hit = planner.cache_hit
+            if planner._caching() and not planner.has_ragged:
+                key = planner._cache_key()
+                with StandardSavePlanner._cache_lock:
+                    value = StandardSavePlanner._cache.get(key)
+                reply.cache = (key, value)
+        return reply
+
+
+def _error_reply(seq: int, exc: BaseException) -> SaveReply:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(exc))  # the original class travels only if it round-trips
+        portable: Optional[BaseException] = exc
+    except Exception:  # noqa: BLE001
+        portable = None
+    return SaveReply(seq, error=portable, error_text=f"{type(exc).__qualname__}: {exc}\n\n{text}")
+
+
+def writer_main(conn: Any) -> None:
+    """Entry point of the writer process: serve :class:`SaveRequest` until told to stop."""
+    import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor reductions
+
+    torch.set_num_threads(1)  # the writer hashes and writes; it must not compete with training
+    writer = _Writer()
+    logger.debug("async writer process %d started", os.getpid())
+    while True:
+        try:
+            req = conn.recv()
+        except (EOFError, OSError):
+            return  # the training process is gone
+        if req is None:
+            return
+        try:
+            reply = writer.save(req)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the future
+            reply = _error_reply(getattr(req, "seq", -1), exc)
+            reply.metadata = None
+        if reply.error is None and reply.error_text == "" and reply.metadata is None:
+            reply.error_text = "writer returned no metadata"
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
+        finally:
+            req = None  # drop the staged state dict's views before waiting again
