@@ -1,0 +1,379 @@
+"""Planning in one process: dedup, metadata, load plans, reader assignment, plan cache.
+
+The property test simulates a whole save and load without any storage or process group:
+random save layouts (boxes partitioning each tensor, some held by several ranks), dedup,
+metadata, then random load layouts whose read items are executed against an in-memory
+"storage" (stored chunk → tensor).  Every target element must be written exactly once and
+end up equal to the original tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hyper_parallel_dcp.core.chunks import ChunkBox, full_box
+from hyper_parallel_dcp.core.errors import MismatchError, MissingKeyError, MissingRegionError
+from hyper_parallel_dcp.core.layout import TensorShards
+from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo, TensorStorageMetadata
+from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
+from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from hyper_parallel_dcp.core.standard_planner import (
+    StandardSavePlanner,
+    assign_readers,
+    build_metadata,
+    create_local_load_plan,
+    create_local_save_plan,
+    dedup_save_plans,
+)
+from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult
+
+
+def _slices(offsets, sizes):
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+
+
+# ------------------------------------------------------------------ random layouts
+@st.composite
+def _partition(draw, shape, max_parts=6):
+    """Boxes that partition ``full_box(shape)`` (random guillotine cuts)."""
+    parts = [full_box(shape)]
+    for _ in range(draw(st.integers(0, max_parts - 1))):
+        i = draw(st.integers(0, len(parts) - 1))
+        box = parts[i]
+        dims = [d for d, s in enumerate(box.sizes) if s > 1]
+        if not dims:
+            continue
+        d = draw(st.sampled_from(dims))
+        cut = draw(st.integers(1, box.sizes[d] - 1))
+        lo = ChunkBox(box.offsets, box.sizes[:d] + (cut,) + box.sizes[d + 1:])
+        hi = ChunkBox(box.offsets[:d] + (box.offsets[d] + cut,) + box.offsets[d + 1:],
+                      box.sizes[:d] + (box.sizes[d] - cut,) + box.sizes[d + 1:])
+        parts[i:i + 1] = [lo, hi]
+    return parts
+
+
+@st.composite
+def _placed(draw, shape, world):
+    """Per rank, the boxes it holds: a partition, each part on a non-empty set of ranks."""
+    parts = draw(_partition(shape))
+    per_rank: list[list[ChunkBox]] = [[] for _ in range(world)]
+    for box in parts:
+        holders = draw(st.sets(st.integers(0, world - 1), min_size=1))
+        for r in holders:
+            per_rank[r].append(box)
+    return per_rank
+
+
+@st.composite
+def _scenario(draw):
+    n_tensors = draw(st.integers(1, 3))
+    shapes = [tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))) for _ in range(n_tensors)]
+    save_world = draw(st.integers(1, 4))
+    load_world = draw(st.integers(1, 4))
+    save = [draw(_placed(s, save_world)) for s in shapes]
+    load = [draw(_placed(s, load_world)) for s in shapes]
+    return shapes, save_world, load_world, save, load
+
+
+def _flat_for_rank(rank, tensors, layouts, *, fill=None) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for i, (full, per_rank) in enumerate(zip(tensors, layouts)):
+        pieces = []
+        for box in per_rank[rank]:
+            data = full[_slices(box.offsets, box.sizes)].clone()
+            if fill is not None:
+                data.fill_(fill)
+            pieces.append((box, data))
+        flat[f"t{i}"] = TensorShards(tuple(full.shape), full.dtype, pieces)
+    return flat
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_scenario())
+def test_random_save_and_load_layouts_read_each_target_element_exactly_once(case):
+    shapes, save_world, load_world, save_layouts, load_layouts = case
+    tensors = [torch.arange(math.prod(s), dtype=torch.int64).view(s) * 7 + i for i, s in enumerate(shapes)]
+
+    # save: local plans → dedup → metadata; the owner's data goes to "storage"
+    local = [create_local_save_plan(_flat_for_rank(r, tensors, save_layouts)) for r in range(save_world)]
+    final = dedup_save_plans([plan for plan, _, _ in local])
+    metadata = build_metadata(final)
+    storage: dict[MetadataIndex, torch.Tensor] = {}
+    for rank, plan in enumerate(final):
+        for item in plan.items:
+            assert item.index not in storage, f"{item.index} written twice"
+            storage[item.index] = local[rank][1][item.index]
+    for i, full in enumerate(tensors):
+        md = metadata.state_dict_metadata[f"t{i}"]
+        assert isinstance(md, TensorStorageMetadata)
+        assert tuple(md.size) == tuple(full.shape) and md.properties.dtype == torch.int64
+        distinct = {b for per_rank in save_layouts[i] for b in per_rank}
+        assert sorted((c.offsets, c.sizes) for c in md.chunks) == sorted((b.offsets, b.sizes) for b in distinct)
+        for c in md.chunks:  # the stored bytes are the original values
+            assert torch.equal(storage[MetadataIndex(f"t{i}", c.offsets)], full[_slices(c.offsets, c.sizes)])
+
+    # load: every rank plans against the metadata and executes its reads from "storage"
+    all_plans = []
+    targets = []
+    for rank in range(load_world):
+        flat = _flat_for_rank(rank, tensors, load_layouts, fill=-1)
+        plan, shards = create_local_load_plan(flat, metadata)
+        all_plans.append(plan)
+        targets.append(shards)
+        pieces = {MetadataIndex(fqn, box.offsets): view for fqn, s in shards.items() for box, view in s.pieces}
+        counts = {key: torch.zeros(view.shape, dtype=torch.int64) for key, view in pieces.items()}
+        for item in plan.items:
+            md = metadata.state_dict_metadata[item.storage_index.fqn]
+            assert md.chunks[item.storage_index.index].offsets == item.storage_index.offset  # lookup hint is right
+            src = storage[item.storage_index][_slices(item.storage_offsets, item.lengths)]
+            dst = _slices(item.dest_offsets, item.lengths)
+            pieces[item.dest_index][dst] = src
+            counts[item.dest_index][dst] += 1
+        for key, c in counts.items():
+            assert bool((c == 1).all()), f"rank {rank}: {key} covered {c.tolist()}"
+        for fqn, s in shards.items():
+            full = tensors[int(fqn[1:])]
+            for box, view in s.pieces:
+                assert torch.equal(view, full[_slices(box.offsets, box.sizes)])
+
+    # read-once assignment: one reader per group of identical requests, agreed by all members
+    planned = assign_readers(all_plans, metadata)
+    source_of: dict[tuple[int, MetadataIndex], set[int]] = {}
+    for rank, plan in enumerate(planned):
+        assert [(it.dest_index, it.storage_index, it.lengths) for it in plan.items] == \
+               [(it.dest_index, it.storage_index, it.lengths) for it in all_plans[rank].items]
+        for it in plan.items:
+            source_of.setdefault((rank, it.dest_index), set()).add(it.source)
+        for dest, ranks, src in plan.planner_data["replica_groups"]:
+            assert rank in ranks and src in ranks and len(ranks) > 1
+            for member in ranks:
+                assert source_of.get((member, dest), {src}) <= {src}
+    assert all(len(s) == 1 for s in source_of.values())
+
+
+# ------------------------------------------------------------------ dedup tables
+def _shards(total: int, start: int, length: int) -> TensorShards:
+    return TensorShards((total,), torch.float32, [(ChunkBox((start,), (length,)), torch.zeros(length))])
+
+
+def _owners(final: list[SavePlan]) -> dict[str, int]:
+    return {item.index.fqn: rank for rank, plan in enumerate(final) for item in plan.items
+            if item.index.fqn != "u" or item.sizes == (250,)}
+
+
+def _planned_bytes(final: list[SavePlan]) -> list[int]:
+    return [sum(it.nbytes for it in plan.items) for plan in final]
+
+
+def test_dedup_gives_replicated_chunks_to_the_rank_with_fewest_bytes():
+    # rank 0 holds 1000 unique bytes, rank 1 only 40; A..D (400, 300, 200, 100 bytes) are on both
+    replicated = {"A": torch.zeros(100), "B": torch.zeros(75), "C": torch.zeros(50), "D": torch.zeros(25)}
+    r0 = {"u": _shards(260, 0, 250), **replicated}
+    r1 = {"u": _shards(260, 250, 10), **replicated}
+    plans = [create_local_save_plan(r0)[0], create_local_save_plan(r1)[0]]
+    final = dedup_save_plans(plans)
+    # largest first, each to the rank with fewer planned bytes: 40 → 440 → 740 → 940 → 1040
+    assert {it.index.fqn for it in final[1].items} == {"u", "A", "B", "C", "D"}
+    assert [it.index.fqn for it in final[0].items] == ["u"]
+    assert _planned_bytes(final) == [1000, 1040]
+    minimum = dedup_save_plans(plans, save_to_minimum_rank=True)
+    assert {it.index.fqn for it in minimum[0].items} == {"u", "A", "B", "C", "D"}
+    assert _planned_bytes(minimum) == [2000, 40]
+
+
+def test_dedup_ties_go_to_the_lowest_rank_and_balance_three_ranks():
+    x, y, z, w = torch.zeros(100), torch.zeros(100), torch.zeros(50), torch.zeros(25)
+    plans = [create_local_save_plan(sd)[0] for sd in (
+        {"x": x, "y": y, "z": z},
+        {"x": x, "y": y, "z": z, "w": w},
+        {"x": x, "y": y, "z": z, "w": w},
+    )]
+    final = dedup_save_plans(plans)
+    # x (400 B, tie → rank 0), y (400 B → rank 1), z (200 B → rank 2), w (100 B: ranks 1/2 have 400/200 → 2)
+    assert [[it.index.fqn for it in p.items] for p in final] == [["x"], ["y"], ["z", "w"]]
+    assert dedup_save_plans(plans) == final  # deterministic
+
+
+def test_dedup_refuses_different_pieces_at_the_same_offsets():
+    plans = [create_local_save_plan({"t": _shards(8, 0, 4)})[0], create_local_save_plan({"t": _shards(8, 0, 3)})[0]]
+    with pytest.raises(ValueError, match=r"'t': ranks 0 and 1 hold different pieces"):
+        dedup_save_plans(plans)
+
+
+def test_build_metadata_refuses_overlapping_chunks_and_conflicting_shapes():
+    overlapping = [create_local_save_plan({"t": _shards(8, 0, 5)})[0], create_local_save_plan({"t": _shards(8, 4, 4)})[0]]
+    with pytest.raises(ValueError, match=r"'t': stored chunks overlap"):
+        build_metadata(dedup_save_plans(overlapping))
+    shapes = [create_local_save_plan({"t": _shards(8, 0, 4)})[0], create_local_save_plan({"t": _shards(9, 4, 4)})[0]]
+    with pytest.raises(ValueError, match=r"'t' has global shape \[8\].*\[9\] / float32 on rank 1"):
+        build_metadata(shapes)
+
+
+def test_load_plan_errors_name_the_fqn():
+    metadata = build_metadata([create_local_save_plan({"w": torch.zeros(4, 2), "obj": {"a": 1}, "half": _shards(8, 0, 4)})[0]])
+    with pytest.raises(MissingKeyError, match=r"'nope' is not in the checkpoint"):
+        create_local_load_plan({"nope": torch.zeros(1)}, metadata)
+    with pytest.raises(MismatchError, match=r"'w': shape mismatch: checkpoint has \[4, 2\], target expects \[2, 4\]"):
+        create_local_load_plan({"w": torch.zeros(2, 4)}, metadata)
+    with pytest.raises(MismatchError, match=r"'w': dtype mismatch: checkpoint has float32, target expects bfloat16"):
+        create_local_load_plan({"w": torch.zeros(4, 2, dtype=torch.bfloat16)}, metadata)
+    with pytest.raises(MismatchError, match=r"'obj' is stored as an object"):
+        create_local_load_plan({"obj": torch.zeros(1)}, metadata)
+    with pytest.raises(MismatchError, match=r"'w' is stored as a tensor"):
+        create_local_load_plan({"w": "text"}, metadata)
+    with pytest.raises(MissingRegionError, match=r"'half'.*offsets=\[0\] sizes=\[8\] \(4 of 8"):
+        create_local_load_plan({"half": torch.zeros(8)}, metadata)
+
+
+def test_assign_readers_spreads_equal_shards_over_the_group():
+    metadata = build_metadata([create_local_save_plan({f"p{i}": torch.zeros(10) for i in range(6)})[0]])
+    flat = {f"p{i}": torch.zeros(10) for i in range(6)}
+    plans = [create_local_load_plan(flat, metadata)[0] for _ in range(3)]
+    planned = assign_readers(plans, metadata)
+    readers = {it.dest_index.fqn: it.source for it in planned[0].items}
+    assert sorted(readers.values()) == [0, 0, 1, 1, 2, 2]  # 6 equal shards over 3 ranks: 2 each
+    for plan in planned[1:]:
+        assert {it.dest_index.fqn: it.source for it in plan.items} == readers
+
+
+# ------------------------------------------------------------------ orchestration, no process group
+class MemoryWriter(StorageWriter):
+    """A custom backend: overriding the abstract methods is enough (SPEC §3)."""
+
+    def __init__(self, store: dict[str, Any]):
+        self.store = store
+        self.writes = 0
+
+    def reset(self, checkpoint_id=None) -> None:
+        self.checkpoint_id = checkpoint_id
+
+    def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        results = []
+        for pos, item in enumerate(plan.items):
+            data = planner.resolve_data(item)
+            self.store[("data", item.index)] = data.clone() if isinstance(data, torch.Tensor) else data
+            results.append(WriteResult(item.index, StorageInfo("memory", pos, 0), 0))
+            self.writes += 1
+        return results
+
+    def finalize_checkpoint(self, metadata: Metadata, results) -> None:
+        self.store["metadata"] = metadata
+
+
+class MemoryReader(StorageReader):
+    def __init__(self, store: dict[str, Any]):
+        self.store = store
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    def load_metadata(self) -> Metadata:
+        return self.store["metadata"]
+
+    def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        for item in plan.items:
+            stored = self.store[("data", MetadataIndex(item.storage_index.fqn, item.storage_index.offset))]
+            if item.type is LoadItemType.BYTE_IO:
+                planner.load_bytes(item, stored)
+                continue
+            target = planner.resolve_tensor(item)
+            target.copy_(stored[_slices(item.storage_offsets, item.lengths)])
+            planner.commit_tensor(item, target)
+
+
+class CountingSavePlanner(StandardSavePlanner):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.global_plans = 0
+
+    def create_global_plan(self, all_plans):
+        self.global_plans += 1
+        return super().create_global_plan(all_plans)
+
+
+def _model(scale: float) -> dict[str, Any]:
+    return {"w": torch.arange(12.0).view(3, 4) * scale, "opt": {"step": 3, "m": [torch.ones(2) * scale]}}
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_plan_cache_hit_skips_global_planning_and_writes_current_values():
+    StandardSavePlanner.clear_cache()
+    store: dict[str, Any] = {}
+    first = CountingSavePlanner()
+    md1 = save_state_dict(_model(1.0), MemoryWriter(store), first)
+    assert first.global_plans == 1 and not first.cache_hit
+
+    timing_logger = logging.getLogger("hyper_parallel_dcp.timing")
+    collect = _Collect()
+    old_level = timing_logger.level
+    timing_logger.setLevel(logging.INFO)
+    timing_logger.addHandler(collect)
+    try:
+        second = CountingSavePlanner()
+        md2 = save_state_dict(_model(2.0), MemoryWriter(store), second)
+    finally:
+        timing_logger.removeHandler(collect)
+        timing_logger.setLevel(old_level)
+    assert second.cache_hit and second.global_plans == 0
+    assert "[rank=0] Hit final plan and metadata cache." in collect.lines
+    assert md2.state_dict_metadata == md1.state_dict_metadata
+    # the cached plan still writes the *current* tensors, not the first save's
+    assert torch.equal(store[("data", MetadataIndex("w", (0, 0)))], torch.arange(12.0).view(3, 4) * 2)
+
+    target = {"w": torch.zeros(3, 4), "opt": {"step": None, "m": [torch.zeros(2)]}}
+    load_state_dict(target, MemoryReader(store))
+    assert torch.equal(target["w"], _model(2.0)["w"]) and torch.equal(target["opt"]["m"][0], torch.full((2,), 2.0))
+    assert target["opt"]["step"] == 3
+
+    other_keys = CountingSavePlanner()
+    save_state_dict({"w": torch.zeros(3, 4)}, MemoryWriter(store), other_keys)
+    assert not other_keys.cache_hit and other_keys.global_plans == 1
+
+    no_cache = CountingSavePlanner(enable_plan_caching=False)
+    save_state_dict(_model(3.0), MemoryWriter(store), no_cache)
+    assert not no_cache.cache_hit and no_cache.global_plans == 1
+
+    without_collectives = CountingSavePlanner()
+    save_state_dict(_model(3.0), MemoryWriter(store), without_collectives, use_collectives=False)
+    assert not without_collectives.cache_hit
+
+
+def test_plan_cache_refuses_a_changed_layout_under_the_same_keys():
+    StandardSavePlanner.clear_cache()
+    store: dict[str, Any] = {}
+    save_state_dict({"w": torch.zeros(3, 4)}, MemoryWriter(store), StandardSavePlanner())
+    with pytest.raises(ValueError, match="clear_cache"):
+        save_state_dict({"w": torch.zeros(4, 4)}, MemoryWriter(store), StandardSavePlanner())
+    StandardSavePlanner.clear_cache()
+
+
+def test_single_process_pipeline_reshards_into_other_boxes():
+    """Save two row blocks, load into column blocks and a ragged-looking 3-piece layout."""
+    StandardSavePlanner.clear_cache()
+    full = torch.arange(30.0).view(5, 6)
+    saved = {"w": TensorShards((5, 6), torch.float32, [
+        (ChunkBox((0, 0), (2, 6)), full[0:2].clone()), (ChunkBox((2, 0), (3, 6)), full[2:5].clone())])}
+    store: dict[str, Any] = {}
+    save_state_dict(saved, MemoryWriter(store), StandardSavePlanner(enable_plan_caching=False))
+    md = store["metadata"].state_dict_metadata["w"]
+    assert [(c.offsets, c.sizes) for c in md.chunks] == [((0, 0), (2, 6)), ((2, 0), (3, 6))]
+    left, right, corner = torch.zeros(5, 4), torch.zeros(4, 2), torch.zeros(1, 2)
+    target = {"w": TensorShards((5, 6), torch.float32, [
+        (ChunkBox((0, 0), (5, 4)), left), (ChunkBox((0, 4), (4, 2)), right), (ChunkBox((4, 4), (1, 2)), corner)])}
+    load_state_dict(target, MemoryReader(store))
+    assert torch.equal(left, full[:, :4]) and torch.equal(right, full[:4, 4:]) and torch.equal(corner, full[4:, 4:])
