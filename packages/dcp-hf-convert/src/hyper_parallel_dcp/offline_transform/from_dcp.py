@@ -2,11 +2,11 @@
 
 Reads go through the ordinary single-process load (``load_state_dict`` with a
 ``FileSystemReader``, ``no_dist=True``) into freshly allocated full tensors.  The
-streaming export loads the tensors of the checkpoint in batches of about
-``batch_bytes``, in the order the output files are written, and each batch uses a fresh
-reader: the reader maps its source files, and dropping it at the end of a batch unmaps
-them, so the touched pages of the source never pile up in memory.  Peak memory is about
-one batch plus the largest tensor, whatever the size of the model or of an output shard.
+streaming export assembles one tensor at a time, just before the safetensors writer
+writes it, and drops it after: memory holds about the largest tensor, whatever the size
+of the model or of an output shard.  One reader serves every tensor, so each source
+file's header is parsed once; it fills the destination with ``preadv`` (no mapping whose
+touched pages would stay resident).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from .keymap import KeyMapping, map_keys
 from .progress import ConversionReport
 
 __all__ = [
-    "DEFAULT_BATCH_BYTES",
     "DcpTensorSource",
     "convert_dcp_to_huggingface",
     "dcp_to_full_state_dict",
@@ -40,8 +39,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
-#: Bytes of tensors one streaming load step brings into memory (a larger tensor is loaded alone).
-DEFAULT_BATCH_BYTES = 256 * 1024 * 1024
 
 
 class _KnownMetadataReader(FileSystemReader):
@@ -57,13 +54,13 @@ class _KnownMetadataReader(FileSystemReader):
         return self._known
 
 
-def _load(path: PathLike, metadata: Metadata, fqns: Iterable[str]) -> dict[str, Any]:
+def _load(reader: _KnownMetadataReader, metadata: Metadata, fqns: Iterable[str]) -> dict[str, Any]:
     """Load ``fqns`` whole: tensors into new full CPU tensors, objects as restored."""
     target: dict[str, Any] = {}
     for fqn in fqns:
         md = metadata.state_dict_metadata[fqn]
         target[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-    load_state_dict(target, _KnownMetadataReader(path, metadata), no_dist=True)
+    load_state_dict(target, reader, no_dist=True)
     return target
 
 
@@ -77,48 +74,25 @@ def dcp_to_full_state_dict(path: PathLike, *, key_mapping: KeyMapping = None) ->
     """
     metadata, _ = load_checkpoint_metadata(path)
     names = map_keys(metadata.state_dict_metadata, key_mapping)
-    loaded = _load(path, metadata, names)
+    loaded = _load(_KnownMetadataReader(path, metadata), metadata, names)
     return {new: loaded[old] for old, new in names.items()}
 
 
 class DcpTensorSource:
-    """``source(fqn)`` → the full tensor, loaded in batches along ``order``.
+    """``source(fqn)`` → that tensor of the checkpoint, assembled whole from its chunks.
 
-    The first request for a tensor not yet in memory loads it together with the tensors
-    after it in ``order``, up to ``batch_bytes``; each tensor is handed out once and then
-    forgotten, so asking in ``order`` keeps at most one batch in memory.
+    Each call is one small single-process load into a new tensor (about 0.2 ms of
+    planning per tensor, measured with 2000 tensors); the caller owns the result, so a
+    writer that drops each tensor after writing it holds one tensor at a time.  One reader
+    serves every call, so each source file's header is parsed once.
     """
 
-    def __init__(self, path: PathLike, metadata: Metadata, order: Iterable[str],
-                 batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
-        self.path = path
+    def __init__(self, path: PathLike, metadata: Metadata) -> None:
         self.metadata = metadata
-        self.order = list(order)
-        self._position = {fqn: i for i, fqn in enumerate(self.order)}
-        self.batch_bytes = batch_bytes
-        self._ready: dict[str, torch.Tensor] = {}
-        self.batches = 0
-
-    def _nbytes(self, fqn: str) -> int:
-        md = self.metadata.state_dict_metadata[fqn]
-        assert isinstance(md, TensorStorageMetadata)
-        return md.size.numel() * md.properties.dtype.itemsize
+        self._reader = _KnownMetadataReader(path, metadata)
 
     def __call__(self, fqn: str) -> torch.Tensor:
-        tensor = self._ready.pop(fqn, None)
-        if tensor is not None:
-            return tensor
-        start = self._position[fqn]
-        batch, size = [], 0
-        for name in self.order[start:]:
-            nbytes = self._nbytes(name)
-            if batch and size + nbytes > self.batch_bytes:
-                break
-            batch.append(name)
-            size += nbytes
-        self._ready = _load(self.path, self.metadata, batch)
-        self.batches += 1
-        return self._ready.pop(fqn)
+        return _load(self._reader, self.metadata, [fqn])[fqn]
 
 
 def convert_dcp_to_huggingface(
@@ -129,7 +103,6 @@ def convert_dcp_to_huggingface(
     dtype: Union[None, str, torch.dtype] = None,
     key_mapping: KeyMapping = None,
     progress: bool = False,
-    batch_bytes: int = DEFAULT_BATCH_BYTES,
     sync_files: bool = True,
 ) -> ConversionReport:
     """Export the checkpoint at ``src`` as Hugging Face safetensors in ``dst``, streaming.
@@ -137,8 +110,8 @@ def convert_dcp_to_huggingface(
     Tensors keep the checkpoint's order and names (renamed by ``key_mapping``); floating
     tensors are cast to ``dtype`` when given (``"bf16"``, ``torch.float16``, ...);
     non-tensor entries are skipped (logged).  Files as :func:`write_huggingface_checkpoint`
-    writes them (weights and index only, no config.json).  Memory holds about
-    ``batch_bytes`` plus the largest tensor.  Raises :class:`CheckpointNotFoundError` when
+    writes them (weights and index only, no config.json).  Memory holds about the
+    largest tensor (twice, when it is cast).  Raises :class:`CheckpointNotFoundError` when
     ``src`` holds no checkpoint, ``ValueError`` for a bad size or dtype.
     """
     cast = parse_dtype(dtype)
@@ -154,7 +127,7 @@ def convert_dcp_to_huggingface(
         md = sd_md[fqn]
         assert isinstance(md, TensorStorageMetadata)
         specs.append(TensorSpec(name, tuple(md.size), output_dtype(md.properties.dtype, cast)))
-    source = DcpTensorSource(src, metadata, names, batch_bytes)
+    source = DcpTensorSource(src, metadata)
     fqn_of = {name: fqn for fqn, name in names.items()}
     report = ConversionReport(str(src), str(dst))
     write_huggingface_checkpoint(dst, specs, lambda name: cast_floating(source(fqn_of[name]), cast), max_shard_size,
