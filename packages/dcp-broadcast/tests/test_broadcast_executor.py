@@ -1,0 +1,170 @@
+"""The broadcast read executor on real gloo ranks, driven through the core load pipeline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyper_parallel_dcp.core.storage import StorageReader
+from hyper_parallel_dcp.core.testing import run_distributed
+from hyper_parallel_dcp.storage_fs import FileSystemReader
+
+WORLD = 3
+
+
+def _reference():
+    g = torch.Generator().manual_seed(7)
+    ref = {f"small.{i:02d}": torch.randn(3 + i % 4, generator=g) for i in range(20)}
+    ref["big"] = torch.randn(64, 32, generator=g)
+    ref["half"] = torch.randn(7, 5, generator=g).bfloat16()
+    ref["mask"] = torch.rand(9, generator=g) > 0.5
+    ref["ids"] = torch.randint(0, 1000, (11,), generator=g)
+    ref["transposed"] = torch.randn(6, 10, generator=g)
+    ref["optim"] = {"step": 12, "lr": [0.1, 0.01], "note": "adam"}
+    return ref
+
+
+def _targets(ref):
+    sd = {}
+    for k, v in ref.items():
+        if k == "transposed":
+            # a non-contiguous target view: the broadcast must not write past its strides
+            sd[k] = torch.zeros(v.shape[1], v.shape[0]).t()
+        elif isinstance(v, torch.Tensor):
+            sd[k] = torch.zeros_like(v)
+        else:
+            sd[k] = {"step": 0, "lr": [0.0, 0.0], "note": ""}
+    return sd
+
+
+def _mismatches(sd, ref):
+    bad = []
+    for k, v in ref.items():
+        if isinstance(v, torch.Tensor):
+            if sd[k].dtype != v.dtype or not torch.equal(sd[k], v):
+                bad.append(k)
+        elif sd[k] != v:
+            bad.append(k)
+    return bad
+
+
+def _save(tmp_path, ref):
+    from hyper_parallel_dcp.core.pipeline import save_state_dict
+    from hyper_parallel_dcp.storage_fs import FileSystemWriter
+
+    path = str(tmp_path / "ckpt")
+    save_state_dict(ref, FileSystemWriter(path, sync_files=False), no_dist=True)
+    return path
+
+
+class _NoStreamReader(StorageReader):
+    """A reader with only the required interface (no ``read_items``): the generic path."""
+
+    def __init__(self, path):
+        self.inner = FileSystemReader(path)
+
+    def reset(self, checkpoint_id=None):
+        self.inner.reset(checkpoint_id)
+
+    def load_metadata(self):
+        return self.inner.load_metadata()
+
+    def set_up_storage_reader(self, metadata, *, is_coordinator, rank=0):
+        self.inner.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
+
+    def execute_read(self, plan, planner):
+        self.inner.execute_read(plan, planner)
+
+
+def _load_variants(rank, world_size, path, ref):
+    from hyper_parallel_dcp.broadcast import make_read_executor
+    from hyper_parallel_dcp.core.pipeline import load_state_dict
+
+    out = {}
+    variants = {
+        "off": None,
+        "unbatched": dict(batch_bytes=0),
+        "batched": dict(),
+        "one_in_flight": dict(batch_bytes=0, max_in_flight=1),
+        "tiny_batches": dict(batch_bytes=64),
+    }
+    for name, kwargs in variants.items():
+        sd = _targets(ref)
+        reader = FileSystemReader(path)
+        ex = None if kwargs is None else make_read_executor(**kwargs)
+        load_state_dict(sd, reader, assign_readers=ex is not None, read_executor=ex)
+        stats = None if ex is None else (ex.stats.broadcasts, ex.stats.batched_broadcasts, ex.stats.bytes_broadcast,
+                                         ex.stats.replicated_shards)
+        out[name] = (_mismatches(sd, ref), reader.bytes_read, stats)
+    sd = _targets(ref)
+    plain = _NoStreamReader(path)
+    load_state_dict(sd, plain, assign_readers=True, read_executor=make_read_executor())
+    out["generic_reader"] = (_mismatches(sd, ref), plain.inner.bytes_read, None)
+    return out
+
+
+@pytest.mark.distributed
+def test_replicated_state_is_read_once_and_broadcast(tmp_path):
+    ref = _reference()
+    path = _save(tmp_path, ref)
+    md = FileSystemReader(path).load_metadata()
+    object_bytes = sum(info.length for idx, info in md.storage_data.items() if idx.offset is None)
+    tensor_bytes = sum(v.numel() * v.element_size() for v in ref.values() if isinstance(v, torch.Tensor))
+    n_tensors = sum(isinstance(v, torch.Tensor) for v in ref.values())
+
+    results = run_distributed(_load_variants, WORLD, path, ref, timeout=240)
+
+    for rank, out in enumerate(results):
+        for name, (bad, _, _) in out.items():
+            assert bad == [], f"rank {rank}, {name}: wrong values for {bad}"
+    total = {name: sum(out[name][1] for out in results) for name in results[0]}
+    # every rank reads its own copy of the non-tensor state in every mode
+    assert total["off"] == WORLD * tensor_bytes + WORLD * object_bytes
+    for name in ("unbatched", "batched", "one_in_flight", "tiny_batches", "generic_reader"):
+        assert total[name] == tensor_bytes + WORLD * object_bytes, name
+    for out in results:
+        unbatched, batched = out["unbatched"][2], out["batched"][2]
+        assert unbatched[3] == n_tensors  # every tensor is one replicated shard of group (0, 1, 2)
+        assert unbatched[0] == n_tensors and unbatched[1] == 0  # > 8: the in-flight limit is exercised
+        # same payload, far fewer broadcasts: one per (reader, dtype) at most
+        assert batched[2] == unbatched[2] == tensor_bytes
+        assert 1 <= batched[0] <= WORLD * 4 < n_tensors
+        assert batched[1] >= 1
+        assert out["tiny_batches"][2][2] == tensor_bytes
+
+
+class _FailingReader(FileSystemReader):
+    """Fails to read one FQN, on whichever rank is told to read it."""
+
+    def __init__(self, path, fqn):
+        super().__init__(path)
+        self.failing_fqn = fqn
+
+    def read_tensor(self, item):
+        if item.dest_index.fqn == self.failing_fqn:
+            raise OSError(f"injected read failure for {self.failing_fqn} on rank {self.rank}")
+        return super().read_tensor(item)
+
+
+def _load_with_failing_reader(rank, world_size, path, ref, batch_bytes):
+    from hyper_parallel_dcp.broadcast import make_read_executor
+    from hyper_parallel_dcp.core.pipeline import load_state_dict
+
+    sd = _targets(ref)
+    try:
+        load_state_dict(sd, _FailingReader(path, "big"), assign_readers=True,
+                        read_executor=make_read_executor(batch_bytes=batch_bytes))
+    except Exception as exc:  # noqa: BLE001 - what the test looks at
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("batch_bytes", [0, 1 << 20])
+def test_a_read_failure_on_the_reading_rank_fails_every_rank_without_a_hang(tmp_path, batch_bytes):
+    ref = _reference()
+    path = _save(tmp_path, ref)
+    results = run_distributed(_load_with_failing_reader, WORLD, path, ref, batch_bytes, timeout=180)
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} did not fail"
+        assert "injected read failure for big" in res[1], res
