@@ -48,20 +48,22 @@ def staging_dir(target: Path, save_id: str) -> Path:
     return target.parent / f".{target.name}.hp-dcp-staging-{save_id}"
 
 
-def remove_stale_staging(target: Path) -> list[Path]:
+def remove_stale_staging(target: Path, keep: Optional[str] = None) -> list[Path]:
     """Delete staging and trash directories left beside ``target`` by saves that died.
 
     Only call while holding the :class:`SaveLock` of ``target`` (then no live save owns
-    them).  Returns what was removed.
+    them), except the staging directory of save ``keep``: with a cached plan the other
+    ranks may already be writing into it.  Returns what was removed.
     """
     removed = []
     prefixes = (f".{target.name}.hp-dcp-staging-", f".{target.name}.hp-dcp-old-")
+    kept = staging_dir(target, keep).name if keep is not None else None
     try:
         entries = list(os.scandir(target.parent))
     except FileNotFoundError:
         return removed
     for entry in entries:
-        if entry.name.startswith(prefixes) and entry.is_dir(follow_symlinks=False):
+        if entry.name.startswith(prefixes) and entry.name != kept and entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     return removed

@@ -156,7 +156,7 @@ class FileSystemWriter(StorageWriter):
         lock = SaveLock(self._target())
         lock.acquire()
         self._lock = lock
-        remove_stale_staging(self._target())
+        remove_stale_staging(self._target(), keep=self._save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._ensure_lock()
@@ -177,8 +177,8 @@ class FileSystemWriter(StorageWriter):
 
     # -- writing ---------------------------------------------------------------------
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        self._ensure_lock()  # a cached plan skips prepare_local_plan
         self._save_id = plan.save_id or "local"
+        self._ensure_lock()  # a cached plan skips prepare_local_plan
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         if not self.atomic:
