@@ -167,6 +167,10 @@ def scan_huggingface_checkpoint(path: Union[str, os.PathLike]) -> dict[str, Safe
     index = _find_index(root)
     if index is not None:
         return _scan_index(index)
+    if (root / ".metadata").exists() or any(root.glob("*.metadata")):
+        raise CheckpointNotFoundError(
+            f"{root} is a hyper-parallel-dcp checkpoint, not a Hugging Face one: convert it with dcp-to-hf"
+        )
     single = root / SINGLE_FILE
     files = [single] if single.is_file() else sorted(p for p in root.glob("*.safetensors") if p.is_file())
     if len(files) == 1:
@@ -175,11 +179,10 @@ def scan_huggingface_checkpoint(path: Union[str, os.PathLike]) -> dict[str, Safe
         raise CheckpointFormatError(
             f"{root} holds {len(files)} safetensors files but no *{INDEX_SUFFIX} saying which tensor is where"
         )
-    hint = " (it looks like a hyper-parallel-dcp checkpoint: convert it with dcp-to-hf)" if (root / ".metadata").exists() else ""
     listing = ", ".join(sorted(p.name for p in root.iterdir())[:8]) or "nothing"
     raise CheckpointNotFoundError(
         f"{root} is not a Hugging Face checkpoint: no {SINGLE_FILE}, no *{INDEX_SUFFIX} and no .safetensors file "
-        f"(it holds {listing}){hint}"
+        f"(it holds {listing})"
     )
 
 
