@@ -353,12 +353,19 @@ def test_plan_cache_hit_skips_global_planning_and_writes_current_values():
     assert not without_collectives.cache_hit
 
 
-def test_plan_cache_refuses_a_changed_layout_under_the_same_keys():
+def test_plan_cache_misses_when_the_layout_changes_under_the_same_keys():
+    """Same keys, another shape: plan again (and cache the new plan), never reuse a stale plan."""
     StandardSavePlanner.clear_cache()
     store: dict[str, Any] = {}
-    save_state_dict({"w": torch.zeros(3, 4)}, MemoryWriter(store), StandardSavePlanner())
-    with pytest.raises(ValueError, match="clear_cache"):
-        save_state_dict({"w": torch.zeros(4, 4)}, MemoryWriter(store), StandardSavePlanner())
+    save_state_dict({"w": torch.zeros(3, 4)}, MemoryWriter(store), CountingSavePlanner())
+    changed = CountingSavePlanner()
+    save_state_dict({"w": torch.ones(4, 4)}, MemoryWriter(store), changed)
+    assert not changed.cache_hit and changed.global_plans == 1
+    assert tuple(store["metadata"].state_dict_metadata["w"].size) == (4, 4)
+    again = CountingSavePlanner()
+    save_state_dict({"w": torch.full((4, 4), 2.0)}, MemoryWriter(store), again)
+    assert again.cache_hit and again.global_plans == 0
+    assert torch.equal(store[("data", MetadataIndex("w", (0, 0)))], torch.full((4, 4), 2.0))
     StandardSavePlanner.clear_cache()
 
 

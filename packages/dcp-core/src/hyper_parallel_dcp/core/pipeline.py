@@ -87,7 +87,21 @@ def save_state_dict(
         planner.set_up_planner(flat, is_coordinator=is_coordinator, rank=rank, world_size=world_size,
                                use_collectives=use_collectives)
         global_metadata: list[Optional[Metadata]] = [None]
-        cached = planner.lookup_cached_plan()
+        if dw.use_dist:
+            # Every rank must take the same path: a miss on one rank (other keys or another
+            # layout there) sends all ranks through planning, else the hitting ranks would
+            # wait in the write step for ranks still planning.  A failure in the lookup
+            # (e.g. a Partial DTensor) is raised on every rank too.  One flag per rank.
+            looked_up: list[Optional[tuple[SavePlan, Optional[Metadata]]]] = [None]
+
+            def lookup_step() -> bool:
+                looked_up[0] = planner.lookup_cached_plan()
+                return looked_up[0] is not None
+
+            hits = dw.all_gather("plan_cache", lookup_step)
+            cached = looked_up[0] if all(hits) else None
+        else:
+            cached = planner.lookup_cached_plan()
         if cached is not None:
             final_plan, global_metadata[0] = cached
             assert final_plan.save_id is not None

@@ -258,11 +258,10 @@ class StandardSavePlanner(SavePlanner):
         if self._ragged:
             return None
         if fingerprint != self._fingerprint():
-            raise ValueError(
-                "the state dict has the same keys as a cached save plan but different shapes, dtypes or "
-                "shard layout; call StandardSavePlanner.clear_cache() (or pass "
-                "StandardSavePlanner(enable_plan_caching=False)) when the layout changes"
-            )
+            # Same keys, another layout (a resharded model, a second model with the same
+            # names): plan again; cache_plan then replaces the entry.
+            log_info(self.rank, "Plan cache entry does not match the state dict's layout; planning again.")
+            return None
         self.cache_hit = True
         log_info(self.rank, "Hit final plan and metadata cache.")
         return plan, metadata
