@@ -58,6 +58,13 @@ class RankIdentity(DistWrapper):
         self.coordinator_rank = 0
         self.global_coordinator = 0
         self.is_coordinator = rank == 0
+        self._no_store_checks()
+
+    def _no_store_checks(self) -> None:
+        # DistWrapper's arrival check waits at a process group's store; there is none here
+        self._store = None
+        self._group_ranks = ()
+        self._step = "exchange"
 
 
 class FileMailbox(DistWrapper):
@@ -82,7 +89,7 @@ class FileMailbox(DistWrapper):
         self.directory = Path(directory)
         self.tag = tag
         self.timeout = timeout
-        self._step = "exchange"
+        RankIdentity._no_store_checks(self)  # type: ignore[arg-type]
 
     # -- naming ----------------------------------------------------------------------
     def _gather_name(self, rank: int) -> str:
