@@ -1,0 +1,116 @@
+"""The streaming safetensors writer and the direct slice reader, in one process."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+from hyper_parallel_dcp.core.chunks import span_elements
+from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
+from hyper_parallel_dcp.storage_fs.direct_read import read_slice_into, slice_span
+from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, write_safetensors
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float64]
+
+
+def _tensor(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(-100, 100, shape, generator=gen).to(dtype)
+
+
+def test_stream_writer_keeps_the_given_order_and_safetensors_reads_it(tmp_path):
+    tensors = {f"z{i}" if i % 2 else f"a{i}": _tensor((i + 1, 3), DTYPES[i % len(DTYPES)], i) for i in range(9)}
+    order = list(tensors)  # deliberately not sorted by name or dtype
+    entries = [TensorEntry(k, tensors[k].dtype, tensors[k].shape, (lambda k=k: tensors[k])) for k in order]
+    path = tmp_path / "f.safetensors"
+    with open(path, "wb") as f:
+        placed = write_safetensors(f, entries)
+    offsets = [p[0] for p in placed]
+    assert offsets == sorted(offsets), "data must be laid out in the order given"
+    raw = path.read_bytes()
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(order)
+        for key, (offset, length, digest) in zip(order, placed):
+            assert torch.equal(f.get_tensor(key), tensors[key])
+            assert digest == xxhash.xxh3_64_hexdigest(raw[offset : offset + length])
+    assert os.path.getsize(path) == placed[-1][0] + placed[-1][1]
+
+
+def test_stream_writer_rejects_data_that_differs_from_the_plan(tmp_path):
+    entry = TensorEntry("w", torch.float32, (2, 3), lambda: torch.zeros(3, 2), label="'w' chunk at [0, 0]")
+    with open(tmp_path / "f", "wb") as f, pytest.raises(ValueError, match="'w' chunk at"):
+        write_safetensors(f, [entry])
+
+
+@st.composite
+def slices(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)))
+    offsets, lengths = [], []
+    for d in shape:
+        o = draw(st.integers(0, d - 1))
+        offsets.append(o)
+        lengths.append(draw(st.integers(1, d - o)))
+    return shape, tuple(offsets), tuple(lengths), draw(st.sampled_from(DTYPES)), draw(st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(slices())
+def test_read_slice_into_matches_indexing(tmp_path_factory, case):
+    shape, offsets, lengths, dtype, strided_dest = case
+    chunk = _tensor(shape, dtype, 7)
+    path = tmp_path_factory.mktemp("r") / "chunk.bin"
+    prefix = b"\x01" * 13  # the chunk does not start at offset 0 of the file
+    path.write_bytes(prefix + chunk.contiguous().view(torch.uint8).numpy().tobytes() if dtype is not torch.bool
+                     else prefix + chunk.to(torch.uint8).numpy().tobytes())
+    if strided_dest:
+        dest = torch.zeros(tuple(reversed(lengths)), dtype=dtype).permute(*reversed(range(len(lengths))))
+    else:
+        dest = torch.zeros(lengths, dtype=dtype)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        spanned = read_slice_into(fd, str(path), len(prefix), shape, dtype, offsets, lengths, dest)
+    finally:
+        os.close(fd)
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
+    assert torch.equal(dest, chunk[index])
+    assert spanned == span_elements(shape, offsets, lengths) * dtype.itemsize
+    first, span, contiguous = slice_span(shape, offsets, lengths)
+    assert contiguous == (span == math.prod(lengths))
+
+
+def test_reader_counts_only_the_rows_a_row_slice_needs(tmp_path):
+    full = _tensor((64, 32), torch.float32, 3)
+    save_state_dict({"w": full, "meta": {"step": 5}}, FileSystemWriter(tmp_path / "ck"), no_dist=True)
+    rows = torch.zeros(16, 32)
+    from hyper_parallel_dcp.core import RaggedShard
+
+    target = {"w": RaggedShard.from_rows(rows, (64, 32), row_start=8), "meta": {"step": 0}}
+    reader = FileSystemReader(tmp_path / "ck")
+    load_state_dict(target, reader, no_dist=True)
+    assert torch.equal(rows, full[8:24])
+    assert target["meta"] == {"step": 5}
+    pickled = reader.metadata.storage_data  # the object's bytes are read too
+    object_bytes = sum(info.length for idx, info in pickled.items() if idx.fqn == "meta.step")
+    assert reader.bytes_read == 16 * 32 * 4 + object_bytes
+
+    column = torch.zeros(64, 4)
+    reader = FileSystemReader(tmp_path / "ck")
+    from hyper_parallel_dcp.core.chunks import ChunkBox
+    from hyper_parallel_dcp.core.layout import TensorShards
+
+    load_state_dict({"w": TensorShards((64, 32), torch.float32, [(ChunkBox((0, 4), (64, 4)), column)])}, reader, no_dist=True)
+    assert torch.equal(column, full[:, 4:8])
+    # a column slice spans every row it touches: from (0, 4) to (63, 7)
+    assert reader.bytes_read == (63 * 32 + 8 - 4) * 4
