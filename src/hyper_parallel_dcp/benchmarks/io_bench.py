@@ -1,0 +1,282 @@
+"""Save/load side by side with ``torch.distributed.checkpoint``, in one process tree.
+
+:func:`io_worker` runs on every gloo rank (spawned once per world size by
+:func:`hyper_parallel_dcp.core.testing.run_distributed`, so torch is imported once and
+the processes stay alive across repetitions).  Every case is timed between two barriers
+(wall time of the slowest rank) and repeated; the physical references are measured in
+the same processes on the same bytes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+__all__ = ["broadcast_worker", "feature_available", "io_worker"]
+
+
+def feature_available(name: str) -> bool:
+    """Whether the optional async / broadcast / conversion package is importable and wired."""
+    try:
+        if name == "async":
+            from hyper_parallel_dcp.async_persist import async_save  # noqa: F401
+        elif name == "broadcast":
+            from hyper_parallel_dcp.broadcast import make_read_executor  # noqa: F401
+        elif name == "convert":
+            from hyper_parallel_dcp.offline_transform import (  # noqa: F401
+                convert_dcp_to_huggingface,
+                convert_full_checkpoint_to_dcp,
+            )
+        else:
+            raise ValueError(name)
+    except ImportError:
+        return False
+    return True
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    _barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    _barrier()
+    return time.perf_counter() - t0, out
+
+
+def _files(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()] if path.exists() else []
+
+
+def _rm(path: Path, rank: int) -> None:
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    _barrier()
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+        self.info: dict[str, Any] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.times.setdefault(name, []).append(seconds)
+
+
+def _references(rec: _Recorder, sd: dict, root: Path, rank: int, reps: int) -> None:
+    import torch
+
+    from . import references as ref
+    from .state_dicts import local_tensors
+
+    mine = local_tensors(sd, owned_only=True, rank=rank)
+    nbytes = sum(t.numel() * t.element_size() for t in mine)
+    rec.info["rank_bytes"] = nbytes
+    path = root / f"raw_{rank}.bin"
+    buf = bytearray(nbytes)
+    for _ in range(reps):
+        rec.add("ref.raw_write_fsync", _timed(lambda: ref.raw_write(path, mine))[0])
+        rec.add("ref.raw_read_page_cache", _timed(lambda: ref.raw_read(path, buf))[0])
+        _barrier()
+        ref.drop_page_cache([path])
+        rec.add("ref.raw_read_cold", _timed(lambda: ref.raw_read(path, buf))[0])
+    everything = local_tensors(sd)
+    prealloc = [torch.empty_like(t) for t in everything]
+    for _ in range(reps):
+        rec.add("ref.clone", _timed(lambda: ref.timed_clone(everything))[0])
+        rec.add("ref.copy_into_prealloc", _timed(lambda: ref.timed_copy_into(prealloc, everything))[0])
+    rec.info["staging_bytes"] = sum(t.numel() * t.element_size() for t in everything)
+    path.unlink(missing_ok=True)
+
+
+def _check_equal(target: dict, source: dict, what: str) -> None:
+    """Loaded values must equal the saved ones (a benchmark of a wrong load is worthless)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    for fqn, t in target.items():
+        a = t.full_tensor() if isinstance(t, DTensor) else t
+        b = source[fqn].full_tensor() if isinstance(source[fqn], DTensor) else source[fqn]
+        if not torch.equal(a, b):
+            raise AssertionError(f"{what}: {fqn!r} differs after load")
+
+
+def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """All save/load cases for one state dict kind on this rank; returns times by case."""
+    import torch
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hyper_parallel_dcp as hp
+    from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+    from hyper_parallel_dcp.storage_fs import FileSystemReader
+
+    from . import references as ref
+    from .state_dicts import dense_shapes, make_state_dict, small_shapes
+
+    torch.set_num_threads(1)
+    # torch's "overwriting an existing checkpoint" / "loading in a single process" notices
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint")
+    root = Path(cfg["root"])
+    root.mkdir(parents=True, exist_ok=True)
+    reps = cfg["reps"]
+    shapes = dense_shapes(cfg["dense_mib"]) if cfg["kind"] == "dense" else small_shapes(cfg["small_count"], cfg["small_kib"])
+    mesh = init_device_mesh("cpu", (world_size,))
+    sd = make_state_dict(shapes, mesh=mesh)
+    target = make_state_dict(shapes, mesh=mesh, fill=False)
+    flipped = make_state_dict(shapes, mesh=mesh, flip=True, fill=False)
+    rec = _Recorder()
+    rec.info["tensors"] = len(shapes)
+    rec.info["pieces_per_rank"] = len(shapes)
+    rec.info["global_bytes"] = sum(2 * _numel(s) for _, s, _ in shapes)
+    _references(rec, sd, root, rank, reps)
+
+    ours, theirs = root / "ours", root / "torch"
+    for _ in range(reps):
+        StandardSavePlanner.clear_cache()
+        _rm(ours, rank)
+        rec.add("ours.save", _timed(lambda: hp.save(sd, checkpoint_id=ours))[0])
+        _rm(theirs, rank)
+        rec.add("torch.save", _timed(lambda: tdcp.save(
+            sd, storage_writer=tdcp.FileSystemWriter(theirs),
+            planner=DefaultSavePlanner(enable_plan_caching=False)))[0])
+    # repeated save: the plan cache is warm (ours: class-level; torch: enable_plan_caching)
+    hp.save(sd, checkpoint_id=ours)
+    tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(theirs), planner=DefaultSavePlanner(enable_plan_caching=True))
+    for _ in range(reps):
+        rec.add("ours.save_cached_plan", _timed(lambda: hp.save(sd, checkpoint_id=ours))[0])
+        rec.add("torch.save_cached_plan", _timed(lambda: tdcp.save(
+            sd, storage_writer=tdcp.FileSystemWriter(theirs),
+            planner=DefaultSavePlanner(enable_plan_caching=True)))[0])
+
+    readers: list[Any] = []
+
+    def our_load(dest: dict, **kw: Any) -> None:
+        reader = FileSystemReader(ours)
+        readers.append(reader)
+        hp.load(dest, storage_reader=reader, **kw)
+
+    for _ in range(reps):
+        rec.add("ours.load", _timed(lambda: our_load(target))[0])
+        rec.add("torch.load", _timed(lambda: tdcp.load(target, storage_reader=tdcp.FileSystemReader(theirs)))[0])
+        rec.add("ours.load_resharded", _timed(lambda: our_load(flipped))[0])
+        rec.add("torch.load_resharded", _timed(lambda: tdcp.load(
+            flipped, storage_reader=tdcp.FileSystemReader(theirs)))[0])
+    needed = sum(t.to_local().numel() * 2 for t in target.values())
+    rec.info["ours.load.bytes_read"] = readers[0].bytes_read
+    rec.info["ours.load_resharded.bytes_read"] = readers[1].bytes_read
+    rec.info["bytes_needed"] = needed
+    _check_equal(target, sd, "same-layout load")
+    _check_equal(flipped, sd, "resharded load")
+    for _ in range(reps):
+        _barrier()
+        ref.drop_page_cache(_files(ours) + _files(theirs))
+        rec.add("ours.load_cold", _timed(lambda: our_load(target))[0])
+        rec.add("torch.load_cold", _timed(lambda: tdcp.load(target, storage_reader=tdcp.FileSystemReader(theirs)))[0])
+
+    # world N -> 1: rank 0 alone loads everything into whole tensors, the others wait
+    whole = make_state_dict(shapes, fill=False) if rank == 0 else {}
+    for _ in range(reps):
+        rec.add("ours.load_n_to_1", _timed(lambda: our_load(whole, no_dist=True) if rank == 0 else None)[0])
+        rec.add("torch.load_n_to_1", _timed(
+            lambda: tdcp.load(whole, storage_reader=tdcp.FileSystemReader(theirs), no_dist=True)
+            if rank == 0 else None)[0])
+    rec.info["n_to_1_bytes"] = rec.info["global_bytes"]
+
+    if cfg.get("async", True):
+        _async_cases(rec, sd, root, rank, reps)
+    _rm(ours, rank)
+    _rm(theirs, rank)
+    return {"times": rec.times, "info": rec.info}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _async_cases(rec: _Recorder, sd: dict, root: Path, rank: int, reps: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as tdcp
+
+    # torch's background thread runs collectives: give it its own group so the
+    # benchmark's barriers never interleave with them
+    group = dist.new_group(backend="gloo")
+    for i in range(reps + 1):
+        path = root / f"torch_async_{i}"
+        t0 = time.perf_counter()
+        _barrier()
+        resp = tdcp.async_save(sd, storage_writer=tdcp.FileSystemWriter(path), process_group=group)
+        blocking = time.perf_counter() - t0
+        fut = getattr(resp, "upload_completion", resp)
+        fut.result()
+        landed = time.perf_counter() - t0
+        rec.add("torch.async_blocking" + ("_first" if i == 0 else ""), blocking)
+        rec.add("torch.async_landed", landed)
+        _rm(path, rank)
+    if not feature_available("async"):
+        rec.info["ours.async"] = "not available"
+        return
+    import hyper_parallel_dcp as hp
+
+    for i in range(reps + 1):
+        path = root / f"ours_async_{i}"
+        _barrier()
+        t0 = time.perf_counter()
+        resp = hp.async_save(sd, checkpoint_id=path)
+        blocking = time.perf_counter() - t0
+        resp.get_result()
+        landed = time.perf_counter() - t0
+        rec.add("ours.async_blocking" + ("_first" if i == 0 else ""), blocking)
+        rec.add("ours.async_landed", landed)
+        _rm(path, rank)
+
+
+def broadcast_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Replicated state dict, every rank loads all of it through one shared bandwidth cap:
+    with read-once + broadcast (when available) and without."""
+    import torch
+
+    import hyper_parallel_dcp as hp
+
+    from .state_dicts import dense_shapes, make_state_dict
+    from .throttle import SharedBandwidth, ThrottledFileSystemReader
+
+    torch.set_num_threads(1)
+    root = Path(cfg["root"])
+    root.mkdir(parents=True, exist_ok=True)
+    shapes = dense_shapes(cfg["bcast_mib"])
+    sd = make_state_dict(shapes, replicated=True)
+    path = root / "bcast"
+    _rm(path, rank)
+    hp.save(sd, checkpoint_id=path)
+    target = make_state_dict(shapes, replicated=True, fill=False)
+    bw = SharedBandwidth(root / "bandwidth.state", cfg["cap_mb_s"] * 1e6)
+    rec = _Recorder()
+    modes = [("ours.load_no_broadcast", False)]
+    if feature_available("broadcast"):
+        modes.append(("ours.load_broadcast", True))
+    else:
+        rec.info["ours.load_broadcast"] = "not available"
+    for _ in range(cfg["reps"]):
+        for name, on in modes:
+            reader: Optional[ThrottledFileSystemReader] = ThrottledFileSystemReader(path, bw)
+            rec.add(name, _timed(lambda reader=reader, on=on: hp.load(
+                target, storage_reader=reader, broadcast_replicated_tensors=on))[0])
+            rec.info[name + ".bytes_read"] = reader.bytes_read
+    _check_equal(target, sd, "broadcast load")
+    rec.info["global_bytes"] = sum(2 * _numel(s) for _, s, _ in shapes)
+    _rm(path, rank)
+    return {"times": rec.times, "info": rec.info}

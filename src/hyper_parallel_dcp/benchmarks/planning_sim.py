@@ -1,0 +1,362 @@
+"""Planning at scale, simulated in one process.
+
+For a synthetic LLM-like state dict laid out on a device mesh of ``world`` ranks we build
+each rank's save plan from pure geometry (:func:`placement_boxes`, no process group),
+then time what the coordinator does with all of them — dedup and metadata build — with
+this project's planner and with ``torch.distributed.checkpoint``'s default planner on
+the same input.  Load planning is timed for a resharded target: one rank's local plan
+(every rank does this in parallel) and, for the dense layout, the global reader
+assignment over all ranks' plans.
+
+Two layouts:
+
+- ``dense``: a 7B-like decoder on a ``(dp, tp=8)`` mesh, DDP × TP (replicated over dp),
+  so dedup collapses ``dp`` copies of every chunk; resharded target: ``tp=4``.
+- ``moe``: an MoE decoder (64 experts per layer) on a ``(dp, ep=64)`` mesh, FSDP × EP,
+  so every rank owns unique expert chunks and the metadata grows with the world size;
+  resharded target: ``ep=32``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["LAYOUTS", "TensorSpec", "fit_exponent", "rank_boxes", "run_planning", "simulate_world"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the synthetic model and its placements on a 2-D mesh."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    placements: tuple[Any, ...]
+
+
+def _dense_specs(tp_dim: int = 1, layers: int = 32, hidden: int = 4096, inter: int = 11008,
+                 vocab: int = 32000) -> list[TensorSpec]:
+    """A Llama-7B-like decoder; mesh ``(dp, tp)``, Replicate over dp, TP over tp."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    rep = (Replicate(), Replicate())
+    col = (Replicate(), Shard(0))
+    row = (Replicate(), Shard(1))
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), col)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [
+            TensorSpec(p + "self_attn.q_proj.weight", (hidden, hidden), col),
+            TensorSpec(p + "self_attn.k_proj.weight", (hidden, hidden), col),
+            TensorSpec(p + "self_attn.v_proj.weight", (hidden, hidden), col),
+            TensorSpec(p + "self_attn.o_proj.weight", (hidden, hidden), row),
+            TensorSpec(p + "mlp.gate_proj.weight", (inter, hidden), col),
+            TensorSpec(p + "mlp.up_proj.weight", (inter, hidden), col),
+            TensorSpec(p + "mlp.down_proj.weight", (hidden, inter), row),
+            TensorSpec(p + "input_layernorm.weight", (hidden,), rep),
+            TensorSpec(p + "post_attention_layernorm.weight", (hidden,), rep),
+        ]
+    specs += [TensorSpec("model.norm.weight", (hidden,), rep), TensorSpec("lm_head.weight", (vocab, hidden), col)]
+    return specs
+
+
+def _moe_specs(layers: int = 24, hidden: int = 2048, experts: int = 64, inter: int = 1408,
+               vocab: int = 102400) -> list[TensorSpec]:
+    """An MoE decoder; mesh ``(dp, ep)``: FSDP over dp for everything, experts over ep."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    fsdp = (Shard(0), Replicate())
+    rep = (Replicate(), Replicate())
+    expert = (Shard(1), Shard(0))
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), fsdp)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [
+            TensorSpec(p + "self_attn.q_proj.weight", (hidden, hidden), fsdp),
+            TensorSpec(p + "self_attn.k_proj.weight", (hidden, hidden), fsdp),
+            TensorSpec(p + "self_attn.v_proj.weight", (hidden, hidden), fsdp),
+            TensorSpec(p + "self_attn.o_proj.weight", (hidden, hidden), fsdp),
+            TensorSpec(p + "mlp.gate.weight", (experts, hidden), rep),
+            TensorSpec(p + "mlp.experts.w1", (experts, inter, hidden), expert),
+            TensorSpec(p + "mlp.experts.w2", (experts, hidden, inter), expert),
+            TensorSpec(p + "mlp.experts.w3", (experts, inter, hidden), expert),
+            TensorSpec(p + "input_layernorm.weight", (hidden,), rep),
+            TensorSpec(p + "post_attention_layernorm.weight", (hidden,), rep),
+        ]
+    specs += [TensorSpec("model.norm.weight", (hidden,), rep), TensorSpec("lm_head.weight", (vocab, hidden), fsdp)]
+    return specs
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A synthetic model, its save mesh and a resharded load mesh for ``world`` ranks."""
+
+    name: str
+    specs: Callable[[], list[TensorSpec]]
+    save_mesh: Callable[[int], tuple[int, int]]
+    load_mesh: Callable[[int], tuple[int, int]]
+
+
+LAYOUTS: dict[str, Layout] = {
+    "dense": Layout("dense", _dense_specs, lambda w: (w // 8, 8), lambda w: (w // 4, 4)),
+    "moe": Layout("moe", _moe_specs, lambda w: (max(1, w // 64), min(w, 64)), lambda w: (max(1, w // 32), min(w, 32))),
+}
+
+
+def rank_boxes(specs: Sequence[TensorSpec], mesh: tuple[int, int], rank: int,
+               cache: Optional[dict] = None) -> list[tuple[TensorSpec, Any]]:
+    """The ``(spec, ChunkBox)`` pieces rank ``rank`` (row-major on ``mesh``) holds.
+
+    ``cache`` memoises boxes per (spec, coordinate on the mesh dims the spec is sharded
+    on): replicas share them, which keeps generating 8192 plans cheap.
+    """
+    from torch.distributed.tensor import Shard
+
+    from hyper_parallel_dcp.core.layout import placement_boxes
+
+    coord = (rank // mesh[1], rank % mesh[1])
+    out = []
+    for spec in specs:
+        key = (spec.fqn, mesh, tuple(c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec.placements)))
+        boxes = None if cache is None else cache.get(key)
+        if boxes is None:
+            boxes = [b for b, _ in placement_boxes(spec.shape, mesh, coord, spec.placements, spec.fqn)]
+            if cache is not None:
+                cache[key] = boxes
+        for box in boxes:
+            out.append((spec, box))
+    return out
+
+
+# ------------------------------------------------------------------ our planner's input
+def _our_save_plans(specs, mesh, world):
+    from hyper_parallel_dcp.core.metadata import MetadataIndex
+    from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType
+
+    cache: dict = {}
+    plans = []
+    for rank in range(world):
+        items = tuple(
+            WriteItem(MetadataIndex(spec.fqn, box.offsets), WriteItemType.TENSOR, box.sizes, spec.shape,
+                      "bfloat16", box.volume * 2)
+            for spec, box in rank_boxes(specs, mesh, rank, cache)
+        )
+        plans.append(SavePlan(items))
+    return plans
+
+
+def _our_storage_data(plans):
+    """Synthetic write results (file, offset, length, checksum, key) like a real save's."""
+    from hyper_parallel_dcp.core.metadata import StorageInfo, chunk_key
+
+    storage = {}
+    files = {}
+    for rank, plan in enumerate(plans):
+        name = f"_rank{rank}_.safetensors"
+        offset = 0
+        for item in plan.items:
+            storage[item.index] = StorageInfo(name, offset, item.nbytes, "0123456789abcdef",
+                                              chunk_key(item.index.fqn, item.index.offset))
+            offset += item.nbytes
+        if plan.items:
+            files[name] = offset
+    return storage, files
+
+
+def _torch_save_plans(specs, mesh, world):
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    props = TensorProperties(dtype=torch.bfloat16)
+    cache: dict = {}
+    plans = []
+    for rank in range(world):
+        items = [
+            WriteItem(
+                index=MetadataIndex(spec.fqn, torch.Size(box.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)),
+                    properties=props,
+                    size=torch.Size(spec.shape),
+                ),
+            )
+            for spec, box in rank_boxes(specs, mesh, rank, cache)
+        ]
+        plans.append(SavePlan(items))
+    return plans
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_ranks: int = 4,
+                   torch_budget_s: float = 60.0) -> dict[str, Any]:
+    """Simulate one world size; returns a dict of timings (seconds) and sizes (bytes)."""
+    import torch
+
+    from hyper_parallel_dcp.core.layout import TensorShards
+    from hyper_parallel_dcp.core.metadata import metadata_to_json
+    from hyper_parallel_dcp.core.standard_planner import (
+        assign_readers,
+        build_metadata,
+        create_local_load_plan,
+        dedup_save_plans,
+    )
+
+    specs = layout.specs()
+    mesh = layout.save_mesh(world)
+    row: dict[str, Any] = {"layout": layout.name, "world": world, "save_mesh": list(mesh),
+                           "load_mesh": list(layout.load_mesh(world))}
+    t_gen, plans = _timed(lambda: _our_save_plans(specs, mesh, world))
+    row["items_total"] = sum(len(p.items) for p in plans)
+    row["generate_s"] = t_gen
+    t_dedup, deduped = _timed(lambda: dedup_save_plans(plans))
+    t_md, metadata = _timed(lambda: build_metadata(deduped))
+    row["ours_dedup_s"] = t_dedup
+    row["ours_build_metadata_s"] = t_md
+    row["ours_global_save_s"] = t_dedup + t_md
+    row["chunks_stored"] = sum(len(md.chunks) for md in metadata.state_dict_metadata.values())
+    metadata.storage_data, metadata.files = _our_storage_data(deduped)
+    t_json, text = _timed(lambda: metadata_to_json(metadata))
+    row["ours_metadata_json_bytes"] = len(text)
+    row["ours_metadata_json_s"] = t_json
+    plans = deduped = text = None  # free before the load phase
+
+    # load: a resharded target, built from geometry alone (views are never touched)
+    lmesh = layout.load_mesh(world)
+    dummy = torch.empty(0)
+    cache: dict = {}
+
+    def target(rank: int) -> dict[str, TensorShards]:
+        flat: dict[str, TensorShards] = {}
+        for spec, box in rank_boxes(specs, lmesh, rank, cache):
+            flat.setdefault(spec.fqn, TensorShards(spec.shape, torch.bfloat16, [])).pieces.append((box, dummy))
+        return flat
+
+    sample = sorted({(world - 1) * i // max(1, load_ranks - 1) for i in range(load_ranks)})
+    local_times = []
+    for rank in sample:
+        flat = target(rank)
+        t, _ = _timed(lambda flat=flat: create_local_load_plan(flat, metadata))
+        local_times.append(t)
+    row["ours_local_load_plan_s"] = max(local_times)
+    if layout.name == "dense":
+        # replicas over dp have identical targets: build one plan per tp coordinate
+        by_coord: dict[int, Any] = {}
+        all_load = []
+        for rank in range(world):
+            c = rank % lmesh[1]
+            if c not in by_coord:
+                by_coord[c] = create_local_load_plan(target(rank), metadata)[0]
+            all_load.append(by_coord[c])
+        t_assign, _ = _timed(lambda: assign_readers(all_load, metadata))
+        row["ours_assign_readers_s"] = t_assign
+        all_load = []
+
+    if with_torch:
+        row.update(_torch_world(specs, mesh, lmesh, world, sample, torch_budget_s))
+    return row
+
+
+def _torch_world(specs, mesh, lmesh, world, sample, budget_s) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    row: dict[str, Any] = {}
+    plans = _torch_save_plans(specs, mesh, world)
+    planner = DefaultSavePlanner(flatten_state_dict=False, enable_plan_caching=False)
+    t_dedup, deduped = _timed(lambda: planner._dedup_save_plans(plans))
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan, create_default_global_save_plan
+
+    t_md, (global_plan, metadata) = _timed(lambda: create_default_global_save_plan(deduped))
+    t_val, _ = _timed(lambda: _validate_global_plan(global_plan, metadata))
+    row["torch_dedup_s"] = t_dedup
+    row["torch_build_metadata_s"] = t_md
+    row["torch_validate_s"] = t_val
+    row["torch_global_save_s"] = t_dedup + t_md + t_val
+    storage = {}
+    for rank, plan in enumerate(global_plan):
+        offset = 0
+        for item in plan.items:
+            n = math.prod(item.tensor_data.chunk.sizes) * 2
+            storage[item.index] = _StorageInfo(f"__{rank}_0.distcp", offset, n)
+            offset += n
+    metadata.storage_data = storage
+    row["torch_metadata_pickle_bytes"] = len(pickle.dumps(metadata))
+    plans = deduped = global_plan = None
+    local_times = []
+    cache: dict = {}
+    for rank in sample:
+        chunks: dict[str, list] = {}
+        for spec, box in rank_boxes(specs, lmesh, rank, cache):
+            chunks.setdefault(spec.fqn, []).append(
+                ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)))
+
+        def plan_rank(chunks=chunks) -> list:
+            items = []
+            for fqn, local in chunks.items():
+                items.extend(create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], local))
+            return items
+
+        t, _ = _timed(plan_rank)
+        local_times.append(t)
+    row["torch_local_load_plan_s"] = max(local_times)
+    return row
+
+
+def fit_exponent(worlds: Sequence[float], times: Sequence[float]) -> float:
+    """Least-squares slope of log(time) against log(world): time ∝ world ** slope.
+
+    Raises ``ValueError`` with fewer than two points or a non-positive value.
+    """
+    if len(worlds) != len(times) or len(worlds) < 2:
+        raise ValueError("fit_exponent needs at least two (world, time) pairs of equal length")
+    if any(w <= 0 for w in worlds) or any(t <= 0 for t in times):
+        raise ValueError("fit_exponent needs positive worlds and times")
+    xs = [math.log(w) for w in worlds]
+    ys = [math.log(t) for t in times]
+    mx = sum(xs) / len(xs)
+    my = sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("fit_exponent needs at least two distinct world sizes")
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+
+
+def run_planning(worlds: Sequence[int], layouts: Sequence[str] = ("dense", "moe"), *, with_torch: bool = True,
+                 log: Callable[[str], None] = print, torch_budget_s: float = 60.0) -> dict[str, Any]:
+    """Simulate every (layout, world); stop torch for a layout once it exceeds the budget."""
+    rows = []
+    for name in layouts:
+        layout = LAYOUTS[name]
+        torch_on = with_torch
+        for world in worlds:
+            row = simulate_world(layout, world, with_torch=torch_on, torch_budget_s=torch_budget_s)
+            if torch_on and row.get("torch_global_save_s", 0) + row.get("torch_local_load_plan_s", 0) > torch_budget_s:
+                torch_on = False
+            rows.append(row)
+            log(f"planning {name} world={world}: ours global {row['ours_global_save_s']:.3f}s"
+                + (f", torch {row['torch_global_save_s']:.3f}s" if "torch_global_save_s" in row else "")
+                + f", metadata {row['ours_metadata_json_bytes'] / 1e6:.1f} MB")
+    fits: dict[str, Any] = {}
+    for name in layouts:
+        sub = [r for r in rows if r["layout"] == name]
+        for key in ("ours_global_save_s", "torch_global_save_s", "ours_local_load_plan_s",
+                    "torch_local_load_plan_s", "ours_assign_readers_s"):
+            pts = [(r["world"], r[key]) for r in sub if r.get(key)]
+            if len(pts) >= 2:
+                fits[f"{name}.{key}"] = fit_exponent([p[0] for p in pts], [p[1] for p in pts])
+    return {"rows": rows, "exponents": fits}

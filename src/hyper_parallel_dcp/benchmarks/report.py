@@ -1,0 +1,266 @@
+"""Turn raw timings into figures, goal verdicts, a markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+__all__ = ["evaluate_goals", "nlogn_exponent", "summarize", "write_markdown", "write_plots"]
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of repeated timings (seconds)."""
+    if not values:
+        raise ValueError("summarize needs at least one value")
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def nlogn_exponent(worlds: Sequence[int]) -> float:
+    """The exponent a pure ``n·log n`` curve shows when fitted over ``worlds``."""
+    from .planning_sim import fit_exponent
+
+    return fit_exponent(worlds, [w * math.log(w) for w in worlds])
+
+
+def _med(io: dict, key: str) -> Optional[float]:
+    entry = io.get(key)
+    return None if entry is None else entry["median"]
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def _per_tensor_ms(dense: dict, small: dict, key: str) -> Optional[float]:
+    """Cost per tensor beyond the byte rate of the dense case: (t_small − bytes·rate)/pieces."""
+    t_small, t_dense = _med(small["summary"], key), _med(dense["summary"], key)
+    if t_small is None or t_dense is None:
+        return None
+    rate = t_dense / dense["info"]["rank_bytes"]
+    extra = t_small - rate * small["info"]["rank_bytes"]
+    return 1000.0 * extra / small["info"]["pieces_per_rank"]
+
+
+def evaluate_goals(io: dict[str, Any], planning: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each performance goal of the project with its measured figure and met / not met."""
+    goals: list[dict[str, Any]] = []
+
+    def goal(name: str, value: Optional[float], limit: float, fmt: str, higher_is_better: bool = False) -> None:
+        if value is None:
+            goals.append({"goal": name, "measured": "not measured", "met": None})
+            return
+        met = value >= limit if higher_is_better else value <= limit
+        goals.append({"goal": name, "measured": fmt.format(value), "value": value, "limit": limit, "met": met})
+
+    for kind, save_limit, load_limit in (("dense", 1.1, 2.0), ("small", 1.3, 4.0)):
+        d = io.get(kind)
+        if d is None:
+            continue
+        s = d["summary"]
+        goal(f"{kind}: save ≤ {save_limit}× raw write+fsync", _ratio(_med(s, "ours.save"), _med(s, "ref.raw_write_fsync")),
+             save_limit, "{:.2f}×")
+        goal(f"{kind}: load ≥ {load_limit}× faster than torch (page cache)",
+             _ratio(_med(s, "torch.load"), _med(s, "ours.load")), load_limit, "{:.2f}×", True)
+        goal(f"{kind}: resharded load Shard(0)→Shard(1) ≤ 1.3× same-layout load",
+             _ratio(_med(s, "ours.load_resharded"), _med(s, "ours.load")), 1.3, "{:.2f}×")
+        goal(f"{kind}: async blocking (first save) ≤ 1.3× fresh host copy",
+             _ratio(_med(s, "ours.async_blocking_first"), _med(s, "ref.clone")), 1.3, "{:.2f}×")
+        goal(f"{kind}: async blocking (later saves) ≤ 2× copy into preallocated buffers",
+             _ratio(_med(s, "ours.async_blocking"), _med(s, "ref.copy_into_prealloc")), 2.0, "{:.2f}×")
+    if "dense" in io and "small" in io:
+        goal("per-tensor cost on save ≤ 0.1 ms", _per_tensor_ms(io["dense"], io["small"], "ours.save"), 0.1, "{:.3f} ms")
+        goal("per-tensor cost on load ≤ 0.1 ms", _per_tensor_ms(io["dense"], io["small"], "ours.load"), 0.1, "{:.3f} ms")
+    if planning and planning.get("rows"):
+        rows = planning["rows"]
+        top = max(r["world"] for r in rows)
+        for layout in sorted({r["layout"] for r in rows}):
+            at_top = [r for r in rows if r["layout"] == layout and r["world"] == top]
+            goal(f"global planning ({layout}) at {top} simulated ranks < 2 s",
+                 at_top[0]["ours_global_save_s"] if at_top else None, 2.0, "{:.2f} s")
+            worlds = sorted({r["world"] for r in rows if r["layout"] == layout})
+            exp = planning["exponents"].get(f"{layout}.ours_global_save_s")
+            if len(worlds) >= 2:
+                limit = nlogn_exponent(worlds)
+                goal(f"global planning ({layout}) grows no worse than n·log n (fitted exponent ≤ {limit:.2f})",
+                     exp, limit, "{:.2f}")
+    return goals
+
+
+_ROWS = [
+    ("ref.raw_write_fsync", "raw write + fsync (rank's bytes)"),
+    ("ref.raw_read_page_cache", "raw read, page cache"),
+    ("ref.raw_read_cold", "raw read, cold (fadvise DONTNEED)"),
+    ("ref.clone", "host copy: clone"),
+    ("ref.copy_into_prealloc", "host copy: into preallocated"),
+    ("save", "save"),
+    ("save_cached_plan", "save, plan cache warm"),
+    ("load", "load, same layout (page cache)"),
+    ("load_cold", "load, same layout (cold)"),
+    ("load_resharded", "load, Shard(0)→Shard(1)"),
+    ("load_n_to_1", "load, world N→1 (rank 0 loads all)"),
+    ("async_blocking_first", "async save: blocking, first"),
+    ("async_blocking", "async save: blocking, later"),
+    ("async_landed", "async save: landed"),
+]
+
+
+def _fmt(entry: Optional[dict]) -> str:
+    if entry is None:
+        return "—"
+    return f"{entry['median']:.3f} ({entry['min']:.3f}–{entry['max']:.3f})"
+
+
+def write_markdown(path: Path, result: dict[str, Any]) -> None:
+    """The human-readable results page."""
+    lines = [
+        "# Benchmarks: hyper-parallel-dcp vs torch.distributed.checkpoint",
+        "",
+        f"- date: {result['date']}",
+        f"- command: `{result['command']}`",
+        f"- machine: {result['machine']}",
+        f"- torch {result['versions']['torch']}, python {result['versions']['python']}",
+        f"- repetitions: {result['config']['reps']}; times in seconds, median (min–max); "
+        "every case timed between barriers (slowest rank).",
+        "",
+        "## Goals",
+        "",
+        "| goal | measured | met |",
+        "|---|---|---|",
+    ]
+    for g in result["goals"]:
+        met = {True: "met", False: "**not met**", None: "not measured"}[g["met"]]
+        lines.append(f"| {g['goal']} | {g['measured']} | {met} |")
+    for kind, d in result["io"].items():
+        info = d["info"]
+        lines += ["", f"## State dict `{kind}` — world {d['world']}, {info['tensors']} tensors, "
+                  f"{info['global_bytes'] / 2**20:.0f} MiB bf16, {info['rank_bytes'] / 2**20:.0f} MiB written per rank", "",
+                  "| case | hyper-parallel-dcp | torch.distributed.checkpoint | ours / reference |", "|---|---|---|---|"]
+        s = d["summary"]
+        for key, label in _ROWS:
+            if key.startswith("ref."):
+                lines.append(f"| {label} | {_fmt(s.get(key))} | | |")
+                continue
+            o, t = s.get("ours." + key), s.get("torch." + key)
+            refkey = {"save": "ref.raw_write_fsync", "save_cached_plan": "ref.raw_write_fsync",
+                      "load": "ref.raw_read_page_cache", "load_resharded": "ref.raw_read_page_cache",
+                      "load_cold": "ref.raw_read_cold", "async_blocking_first": "ref.clone",
+                      "async_blocking": "ref.copy_into_prealloc"}.get(key)
+            r = _ratio(_med(s, "ours." + key), _med(s, refkey)) if refkey else None
+            ours_cell = _fmt(o) if o else str(info.get("ours." + key.split("_")[0], "—"))
+            lines.append(f"| {label} | {ours_cell} | {_fmt(t)} | {'' if r is None else f'{r:.2f}×'} |")
+        lines.append("")
+        lines.append(f"Bytes read from storage vs needed (same layout): {info.get('ours.load.bytes_read', 0):,} vs "
+                     f"{info.get('bytes_needed', 0):,}; resharded: {info.get('ours.load_resharded.bytes_read', 0):,}.")
+        for note in d.get("notes", []):
+            lines.append(f"\n{note}")
+    b = result.get("broadcast")
+    if b:
+        lines += ["", "## Read-once + broadcast under a shared storage bandwidth cap", "",
+                  f"Cap: {b['cap_mb_s']} MB/s shared by all readers; every rank loads the whole "
+                  f"{b['mib']} MiB replicated state dict.", "",
+                  "| replication (world) | without broadcast | with broadcast | bytes read per rank (without / with) |",
+                  "|---|---|---|---|"]
+        for world, d in sorted(b["runs"].items()):
+            s, info = d["summary"], d["info"]
+            with_b = _fmt(s.get("ours.load_broadcast")) if "ours.load_broadcast" in s else info.get(
+                "ours.load_broadcast", "—")
+            lines.append(f"| {world} | {_fmt(s.get('ours.load_no_broadcast'))} | {with_b} | "
+                         f"{info.get('ours.load_no_broadcast.bytes_read', 0):,} / "
+                         f"{info.get('ours.load_broadcast.bytes_read', '—')} |")
+    c = result.get("convert")
+    if c:
+        lines += ["", "## Hugging Face conversion (one process)", ""]
+        if "status" in c:
+            lines.append(c["status"])
+        else:
+            lines += ["| case | seconds | ratio to raw read+write |", "|---|---|---|"]
+            for key in ("hf_to_dcp", "dcp_to_hf", "ref.raw_read_write"):
+                e = c["summary"].get(key)
+                r = _ratio(_med(c["summary"], key), _med(c["summary"], "ref.raw_read_write"))
+                lines.append(f"| {key} | {_fmt(e)} | {'' if r is None else f'{r:.2f}×'} |")
+    p = result.get("planning")
+    if p:
+        lines += ["", "## Planning at scale (simulated, one process)", "",
+                  "Global save planning = dedup + metadata build on the coordinator (torch: `_dedup_save_plans` + "
+                  "`create_default_global_save_plan` + `_validate_global_plan`). Local load plan = one rank's plan "
+                  "for a resharded target (slowest of a sample of ranks). Metadata: our JSON with storage entries; "
+                  "torch's pickle.", "",
+                  "| layout | world | items | stored chunks | ours global (s) | torch global (s) | ours local load (s) "
+                  "| torch local load (s) | ours reader assignment (s) | ours metadata (MB) | torch metadata (MB) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+        def cell(r: dict, k: str, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+            return fmt.format(r[k] / scale) if k in r else "—"
+
+        for r in p["rows"]:
+            lines.append(
+                f"| {r['layout']} | {r['world']} | {r['items_total']:,} | {r['chunks_stored']:,} | "
+                f"{cell(r, 'ours_global_save_s')} | {cell(r, 'torch_global_save_s')} | "
+                f"{cell(r, 'ours_local_load_plan_s')} | {cell(r, 'torch_local_load_plan_s')} | "
+                f"{cell(r, 'ours_assign_readers_s')} | {cell(r, 'ours_metadata_json_bytes', 1e6, '{:.1f}')} | "
+                f"{cell(r, 'torch_metadata_pickle_bytes', 1e6, '{:.1f}')} |")
+        lines += ["", "Fitted exponents (time ∝ world^k):", ""]
+        for k, v in sorted(p["exponents"].items()):
+            lines.append(f"- `{k}`: {v:.2f}")
+    lines += ["", "![save and load](bench_io.png)", "", "![planning](bench_planning.png)", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plots(out_dir: Path, result: dict[str, Any]) -> list[str]:
+    """``bench_io.png`` (bars, ratio to references) and ``bench_planning.png`` (log-log)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    cases = ["save", "save_cached_plan", "load", "load_cold", "load_resharded", "load_n_to_1", "async_blocking"]
+    kinds = list(result["io"])
+    if kinds:
+        fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
+        for ax, kind in zip(axes[0], kinds):
+            s = result["io"][kind]["summary"]
+            xs = range(len(cases))
+            for off, lib in ((-0.2, "ours"), (0.2, "torch")):
+                meds = [(_med(s, f"{lib}.{c}") or 0.0) for c in cases]
+                lo = [m - (s[f"{lib}.{c}"]["min"] if f"{lib}.{c}" in s else 0.0) for m, c in zip(meds, cases)]
+                hi = [(s[f"{lib}.{c}"]["max"] if f"{lib}.{c}" in s else 0.0) - m for m, c in zip(meds, cases)]
+                ax.bar([x + off for x in xs], meds, width=0.4, yerr=[lo, hi],
+                       label="hyper-parallel-dcp" if lib == "ours" else "torch DCP")
+            for key, style in (("ref.raw_write_fsync", "--"), ("ref.raw_read_page_cache", ":")):
+                if key in s:
+                    ax.axhline(s[key]["median"], linestyle=style, color="gray", label=key[4:])
+            ax.set_xticks(list(xs))
+            ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel("seconds (median, min–max)")
+            ax.set_title(kind)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "bench_io.png", dpi=100)
+        plt.close(fig)
+        written.append("bench_io.png")
+    p = result.get("planning")
+    if p and p.get("rows"):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for layout in sorted({r["layout"] for r in p["rows"]}):
+            rows = [r for r in p["rows"] if r["layout"] == layout]
+            for key, style in (("ours_global_save_s", "-o"), ("torch_global_save_s", "--s")):
+                pts = [(r["world"], r[key]) for r in rows if key in r]
+                if pts:
+                    ax.plot([a for a, _ in pts], [b for _, b in pts], style,
+                            label=f"{layout} {'ours' if key.startswith('ours') else 'torch'}")
+        ax.axhline(2.0, color="gray", linestyle=":", label="goal 2 s")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("simulated world size")
+        ax.set_ylabel("global save planning (s)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "bench_planning.png", dpi=100)
+        plt.close(fig)
+        written.append("bench_planning.png")
+    return written

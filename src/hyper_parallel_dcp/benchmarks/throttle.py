@@ -1,0 +1,79 @@
+"""A storage bandwidth cap shared by every reading process: stands in for shared storage.
+
+:class:`SharedBandwidth` is a virtual-time token bucket kept in a small file: a read of
+``n`` bytes reserves the next ``n / bytes_per_s`` seconds of the one shared "link" under
+``flock`` and sleeps until its slot ends, so N processes together never exceed the cap.
+:class:`ThrottledFileSystemReader` charges every byte the reader takes from storage
+(``bytes_read``) to it; pass it to ``load(..., storage_reader=...)``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Any, Union
+
+from hyper_parallel_dcp.core.planner import ReadItem
+from hyper_parallel_dcp.storage_fs import FileSystemReader
+
+__all__ = ["SharedBandwidth", "ThrottledFileSystemReader"]
+
+_SLOT = struct.Struct("d")
+
+
+class SharedBandwidth:
+    """``bytes_per_s`` shared through ``state_file`` by every process that opens it."""
+
+    def __init__(self, state_file: Union[str, os.PathLike], bytes_per_s: float) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError(f"bytes_per_s must be positive, got {bytes_per_s}")
+        self.state_file = Path(state_file)
+        self.bytes_per_s = float(bytes_per_s)
+        self.state_file.touch(exist_ok=True)
+
+    def consume(self, nbytes: int) -> float:
+        """Block until ``nbytes`` fit under the shared cap; returns the seconds waited."""
+        if nbytes <= 0:
+            return 0.0
+        with open(self.state_file, "r+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                raw = f.read(_SLOT.size)
+                free_at = _SLOT.unpack(raw)[0] if len(raw) == _SLOT.size else 0.0
+                now = time.time()
+                end = max(now, free_at) + nbytes / self.bytes_per_s
+                f.seek(0)
+                f.write(_SLOT.pack(end))
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+        wait = end - time.time()
+        if wait > 0:
+            time.sleep(wait)
+        return max(0.0, wait)
+
+
+class ThrottledFileSystemReader(FileSystemReader):
+    """A :class:`FileSystemReader` whose every storage byte passes the shared cap."""
+
+    def __init__(self, path: Union[str, os.PathLike, None], bandwidth: SharedBandwidth, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.bandwidth = bandwidth
+        self.throttled_s = 0.0
+
+    def _charge(self, before: int) -> None:
+        self.throttled_s += self.bandwidth.consume(self.bytes_read - before)
+
+    def read_tensor(self, item: ReadItem) -> Any:
+        before = self.bytes_read
+        tensor = super().read_tensor(item)
+        self._charge(before)
+        return tensor
+
+    def read_object(self, item: ReadItem) -> Any:
+        before = self.bytes_read
+        value = super().read_object(item)
+        self._charge(before)
+        return value
