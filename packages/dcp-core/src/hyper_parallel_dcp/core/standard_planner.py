@@ -132,15 +132,8 @@ def dedup_save_plans(plans: Sequence[SavePlan], save_to_minimum_rank: bool = Fal
     return out
 
 
-def _check_disjoint(fqn: str, chunks: list[ChunkStorageMetadata]) -> None:
-    """Raise when two stored chunks of one tensor overlap (a sweep along the busiest dim)."""
-    if len(chunks) < 2:
-        return
-    ndim = len(chunks[0].offsets)
-    if ndim == 0:
-        raise ValueError(f"{fqn!r}: {len(chunks)} different chunks stored for a scalar")
-    dim = max(range(ndim), key=lambda d: len({c.offsets[d] for c in chunks}))
-    order = sorted(chunks, key=lambda c: c.offsets[dim])
+def _sweep_overlap(order: list[ChunkStorageMetadata], dim: int) -> Optional[tuple[ChunkStorageMetadata, ...]]:
+    """Pairwise sweep along ``dim`` over boxes sorted by their start on ``dim``."""
     active: list[ChunkStorageMetadata] = []
     for chunk in order:
         start = chunk.offsets[dim]
@@ -148,16 +141,67 @@ def _check_disjoint(fqn: str, chunks: list[ChunkStorageMetadata]) -> None:
         box = ChunkBox(chunk.offsets, chunk.sizes)
         for other in active:
             if box.intersect(ChunkBox(other.offsets, other.sizes)) is not None:
-                raise ValueError(
-                    f"{fqn!r}: stored chunks overlap: offsets {list(other.offsets)} sizes {list(other.sizes)} "
-                    f"and offsets {list(chunk.offsets)} sizes {list(chunk.sizes)}"
-                )
+                return other, chunk
         active.append(chunk)
+    return None
+
+
+def _find_overlap(chunks: list[ChunkStorageMetadata], dims: Sequence[int]) -> Optional[tuple[ChunkStorageMetadata, ...]]:
+    """Two chunks that overlap on every dim of ``dims``, or ``None``.
+
+    Chunks with the same interval on the first dim form a slab, checked on the remaining
+    dims; slabs with disjoint intervals cannot overlap.  Every DTensor layout is such a
+    grid, so this is O(n log n) where a plain sweep is O(n · chunks per slab) — 2.7 s of
+    3.6 s of global planning for the simulated 1024-rank MoE layout.  Intervals that
+    partly overlap (ragged boxes) fall back to the pairwise sweep.
+    """
+    if len(chunks) < 2:
+        return None
+    if not dims:
+        return chunks[0], chunks[1]
+    dim = dims[0]
+    order = sorted(chunks, key=lambda c: (c.offsets[dim], c.sizes[dim]))
+    slabs: list[list[ChunkStorageMetadata]] = []
+    reach = None
+    for chunk in order:
+        start, size = chunk.offsets[dim], chunk.sizes[dim]
+        last = slabs[-1][0] if slabs else None
+        if last is not None and last.offsets[dim] == start and last.sizes[dim] == size:
+            slabs[-1].append(chunk)
+            continue
+        if reach is not None and start < reach:
+            return _sweep_overlap(order, dim)
+        slabs.append([chunk])
+        reach = start + size
+    for members in slabs:
+        hit = _find_overlap(members, dims[1:])
+        if hit is not None:
+            return hit
+    return None
+
+
+def _check_disjoint(fqn: str, chunks: list[ChunkStorageMetadata]) -> None:
+    """Raise when two stored chunks of one tensor overlap."""
+    if len(chunks) < 2:
+        return
+    ndim = len(chunks[0].offsets)
+    if ndim == 0:
+        raise ValueError(f"{fqn!r}: {len(chunks)} different chunks stored for a scalar")
+    hit = _find_overlap(chunks, range(ndim))
+    if hit is not None:
+        other, chunk = hit
+        raise ValueError(
+            f"{fqn!r}: stored chunks overlap: offsets {list(other.offsets)} sizes {list(other.sizes)} "
+            f"and offsets {list(chunk.offsets)} sizes {list(chunk.sizes)}"
+        )
 
 
 def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
     """The global metadata (without storage data) for deduplicated plans."""
     sd: dict[str, Any] = {}
+    # fqn -> (global shape, dtype name) of the first item seen: the per-item check stays a
+    # tuple compare (dtype_name() per item was 0.5 s of 3.6 s at 1024 simulated ranks)
+    first: dict[str, tuple] = {}
     for rank, plan in enumerate(plans):
         for item in plan.items:
             fqn = item.index.fqn
@@ -172,9 +216,10 @@ def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
                 existing = sd[fqn] = TensorStorageMetadata(
                     TensorProperties(dtype_from_name(item.dtype)), torch.Size(item.global_shape), []
                 )
+                first[fqn] = (item.global_shape, item.dtype)
             elif isinstance(existing, BytesStorageMetadata):
                 raise ValueError(f"{fqn!r} is an object on some ranks and a tensor on rank {rank}")
-            elif tuple(existing.size) != item.global_shape or dtype_name(existing.properties.dtype) != item.dtype:
+            elif first[fqn] != (item.global_shape, item.dtype):
                 raise ValueError(
                     f"{fqn!r} has global shape {list(existing.size)} / {dtype_name(existing.properties.dtype)} "
                     f"on one rank but {list(item.global_shape)} / {item.dtype} on rank {rank}"
@@ -425,10 +470,13 @@ def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata) -> list[Lo
         ranks = groups[(dest, sig)]
         reader = min(ranks, key=lambda r: (assigned[r], r))
         assigned[reader] -= neg_bytes
+        # one shared tuple per group: building it per member was O(members²) time and
+        # memory (40 s and >4 GB for 2048 simulated ranks with 512-way replication)
+        members = tuple(ranks)
         for r in ranks:
             source_of[(r, dest)] = reader
-            if len(ranks) > 1:
-                membership[r].append((key, dest, tuple(ranks), reader))
+            if len(members) > 1:
+                membership[r].append((key, dest, members, reader))
     out = []
     for rank, plan in enumerate(all_plans):
         items = tuple(
