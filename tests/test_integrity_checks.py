@@ -291,14 +291,25 @@ def test_bytes_file_with_code_does_not_run(tmp_path: Path, kind: str) -> None:
         torch.save({"x": _Evil(str(marker))}, buf)
         blob = buf.getvalue()
     else:
-        blob = pickle.dumps(_Evil(str(marker)))
+        blob = pickle.dumps(_Evil(str(marker)), protocol=2)  # the legacy torch.save format
     _plant_object(path, "nested.name", blob)
     assert verify_checkpoint(path).ok  # consistent metadata: only the content is hostile
     for verify in (False, True):
         with pytest.raises(UnsafeObjectError) as info:
             load(_blank(), checkpoint_id=path, no_dist=True, verify=verify)
         assert "'nested.name'" in str(info.value) and "_rank0_.bytes" in str(info.value)
-        assert "mkdir" in str(info.value) or "not allow-listed" in str(info.value)
+        assert "mkdir" in str(info.value) and "not allow-listed" in str(info.value)
+    assert not marker.exists()
+
+
+def test_foreign_pickle_protocol_in_bytes_file(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    save(_state(), checkpoint_id=path, no_dist=True)
+    marker = tmp_path / "pwned"
+    _plant_object(path, "nested.name", pickle.dumps(_Evil(str(marker)), protocol=5))
+    with pytest.raises(CorruptCheckpointError, match="nothing was executed") as info:
+        load(_blank(), checkpoint_id=path, no_dist=True)
+    assert "'nested.name'" in str(info.value)
     assert not marker.exists()
 
 

@@ -173,7 +173,7 @@ def metadata_from_json(text: str | bytes, *, source: str = "<metadata>") -> Meta
     """Parse ``.metadata`` JSON; raises :class:`CheckpointFormatError` naming ``source``."""
     try:
         doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
         raise CheckpointFormatError(f"{source} is not valid checkpoint metadata JSON: {exc}") from None
     if not isinstance(doc, dict) or "format_version" not in doc:
         raise CheckpointFormatError(f"{source} is not checkpoint metadata (no 'format_version')")
@@ -189,7 +189,7 @@ def metadata_from_json(text: str | bytes, *, source: str = "<metadata>") -> Meta
         return _parse_v1(doc, source)
     except CheckpointFormatError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RuntimeError) as exc:
         raise CheckpointFormatError(f"{source} is malformed: {type(exc).__name__}: {exc}") from None
 
 
