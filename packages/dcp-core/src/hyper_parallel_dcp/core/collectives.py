@@ -18,6 +18,7 @@ import builtins
 import importlib
 import logging
 import os
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,6 +58,27 @@ def collective_timeout() -> float:
 # of arrival checks made there.  Every member makes the same checks in the same order,
 # so the counter names the same check on every rank.
 _arrivals: dict[tuple[int, ...], tuple[Any, int]] = {}
+
+
+def _polls_slowly(store: Any) -> bool:
+    """A FileStore's ``wait`` sleeps 10 ms between looks: poll it ourselves instead."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, dist.FileStore)
+
+
+def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
+    """Until every key is set, at most ``timeout`` s; raises ``TimeoutError`` after that."""
+    if not _polls_slowly(store):
+        store.wait(keys, timedelta(seconds=timeout))  # server-side wait: no polling traffic
+        return
+    deadline = time.monotonic() + timeout
+    delay = 5e-5
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"keys not set within {timeout} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
 
 
 def _default_store() -> Any:
@@ -169,7 +191,7 @@ class DistWrapper:
         keys = [f"{name}/{seq}/{r}" for r in range(self.world_size)]
         store.set(keys[self.rank], b"1")
         try:
-            store.wait(keys, timedelta(seconds=self.timeout))
+            _wait_all(store, keys, self.timeout)
         except Exception:  # noqa: BLE001 - a store timeout, or the store itself is gone
             missing = []
             for r, key in enumerate(keys):
