@@ -109,7 +109,9 @@ def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
                 )
     if doc["objects"]:
         print()
-        print("objects: " + ", ".join(doc["objects"]))
+        print(f"objects ({len(doc['objects'])}):")
+        for fqn in doc["objects"]:
+            print(f"  {fqn}")
     if doc["ranks"]:
         print()
         print_table(["rank", "files", "bytes", "size"],
