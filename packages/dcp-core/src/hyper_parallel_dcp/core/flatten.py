@@ -73,8 +73,14 @@ def flatten_state_dict(
         flat[fqn] = obj
         paths[fqn] = path
 
-    for key, value in state_dict.items():
-        visit(value, (key,))
+    try:
+        for key, value in state_dict.items():
+            visit(value, (key,))
+    finally:
+        # ``visit`` refers to itself through its closure: a reference cycle that would keep
+        # ``flat`` (and every tensor in it) alive until the next gc run — the offline
+        # converter measured ~10 tensors held extra that way.  Break it.
+        visit = None  # type: ignore[assignment]
     return flat, paths
 
 
