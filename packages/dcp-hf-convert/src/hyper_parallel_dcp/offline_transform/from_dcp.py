@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
@@ -28,6 +28,7 @@ from .dtypes import cast_floating, output_dtype, parse_dtype
 from .hf_writer import TensorSpec, write_huggingface_checkpoint
 from .keymap import KeyMapping, map_keys
 from .progress import ConversionReport
+from .staging import StagingBuffer
 
 __all__ = [
     "DcpTensorSource",
@@ -54,12 +55,19 @@ class _KnownMetadataReader(FileSystemReader):
         return self._known
 
 
-def _load(reader: _KnownMetadataReader, metadata: Metadata, fqns: Iterable[str]) -> dict[str, Any]:
-    """Load ``fqns`` whole: tensors into new full CPU tensors, objects as restored."""
+def _load(reader: _KnownMetadataReader, metadata: Metadata, fqns: Iterable[str],
+          into: Optional[StagingBuffer] = None) -> dict[str, Any]:
+    """Load ``fqns`` whole: tensors into new full CPU tensors (or, for one tensor, into a
+    view of ``into``), objects as restored."""
     target: dict[str, Any] = {}
     for fqn in fqns:
         md = metadata.state_dict_metadata[fqn]
-        target[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        if not isinstance(md, TensorStorageMetadata):
+            target[fqn] = None
+        elif into is not None:
+            target[fqn] = into.view(tuple(md.size), md.properties.dtype)
+        else:
+            target[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     load_state_dict(target, reader, no_dist=True)
     return target
 
@@ -81,18 +89,22 @@ def dcp_to_full_state_dict(path: PathLike, *, key_mapping: KeyMapping = None) ->
 class DcpTensorSource:
     """``source(fqn)`` → that tensor of the checkpoint, assembled whole from its chunks.
 
-    Each call is one small single-process load into a new tensor (about 0.2 ms of
-    planning per tensor, measured with 2000 tensors); the caller owns the result, so a
-    writer that drops each tensor after writing it holds one tensor at a time.  One reader
-    serves every call, so each source file's header is parsed once.
+    Each call is one small single-process load (about 0.2 ms of planning per tensor,
+    measured with 2000 tensors) into one reused buffer sized for the largest tensor: the
+    result is valid until the next call, which is what a writer that writes each tensor
+    before asking for the next needs.  One reader serves every call, so each source
+    file's header is parsed once.
     """
 
-    def __init__(self, path: PathLike, metadata: Metadata) -> None:
+    def __init__(self, path: PathLike, metadata: Metadata, fqns: Iterable[str]) -> None:
         self.metadata = metadata
         self._reader = _KnownMetadataReader(path, metadata)
+        sizes = [md.size.numel() * md.properties.dtype.itemsize for fqn in fqns
+                 if isinstance(md := metadata.state_dict_metadata[fqn], TensorStorageMetadata)]
+        self._buffer = StagingBuffer(max(sizes, default=0))
 
     def __call__(self, fqn: str) -> torch.Tensor:
-        return _load(self._reader, self.metadata, [fqn])[fqn]
+        return _load(self._reader, self.metadata, [fqn], self._buffer)[fqn]
 
 
 def convert_dcp_to_huggingface(
@@ -127,7 +139,7 @@ def convert_dcp_to_huggingface(
         md = sd_md[fqn]
         assert isinstance(md, TensorStorageMetadata)
         specs.append(TensorSpec(name, tuple(md.size), output_dtype(md.properties.dtype, cast)))
-    source = DcpTensorSource(src, metadata)
+    source = DcpTensorSource(src, metadata, names)
     fqn_of = {name: fqn for fqn, name in names.items()}
     report = ConversionReport(str(src), str(dst))
     write_huggingface_checkpoint(dst, specs, lambda name: cast_floating(source(fqn_of[name]), cast), max_shard_size,

@@ -16,7 +16,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -186,13 +186,19 @@ def scan_huggingface_checkpoint(path: Union[str, os.PathLike]) -> dict[str, Safe
     )
 
 
-def read_entry(entry: SafetensorsEntry) -> torch.Tensor:
-    """The tensor ``entry`` describes, read into a new CPU tensor (no mapping of the file).
+def read_entry(entry: SafetensorsEntry, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The tensor ``entry`` describes, read with plain file reads (no mapping of the file)
+    into ``out`` (a contiguous CPU tensor of the entry's shape and dtype) or a new tensor.
 
     Raises :class:`CorruptCheckpointError` naming the file and tensor when the file ends
-    early.
+    early, ``ValueError`` when ``out`` does not fit.
     """
-    tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    if out is None:
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    elif tuple(out.shape) != entry.shape or out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu":
+        raise ValueError(f"{entry.name!r}: cannot read {entry.dtype} {list(entry.shape)} into {out.dtype} {list(out.shape)}")
+    else:
+        tensor = out
     view = tensor_bytes(tensor)
     done = 0
     with open(entry.file, "rb", buffering=0) as f:

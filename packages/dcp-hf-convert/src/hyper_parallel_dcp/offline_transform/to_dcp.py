@@ -4,8 +4,8 @@ One path: the ordinary single-process save (``save_state_dict`` with a
 ``FileSystemWriter``, ``no_dist=True``), which writes ``.metadata`` atomically.  For a
 file source the state dict handed to the planner holds only *meta* tensors (shape and
 dtype); :class:`StreamingSavePlanner` reads each tensor from the source when the storage
-writer asks for it, and the writer writes it before asking for the next, so memory holds
-one tensor, not the model.
+writer asks for it, and the writer writes it before asking for the next, so one reused
+buffer sized for the largest tensor holds every tensor in turn — not the model.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from hyper_parallel_dcp.storage_fs.filesystem import FileSystemWriter
 from .hf_source import read_entry, read_safetensors_header, scan_huggingface_checkpoint
 from .keymap import KeyMapping, map_keys
 from .progress import ConversionReport, Progress
+from .staging import StagingBuffer
 from .torch_source import PageReleaser, load_torch_checkpoint
 
 __all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state_dict_to_dcp_format"]
@@ -105,8 +106,15 @@ def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, pro
     names = map_keys(entries, key_mapping)
     source_of = {new: old for old, new in names.items()}
     plan_sd = {new: torch.empty(entries[old].shape, dtype=entries[old].dtype, device="meta") for old, new in names.items()}
+    # The writer writes each tensor before it asks for the next: one buffer serves all.
+    buffer = StagingBuffer(max((e.nbytes for e in entries.values()), default=0))
+
+    def fetch(fqn: str) -> torch.Tensor:
+        entry = entries[source_of[fqn]]
+        return read_entry(entry, out=buffer.view(entry.shape, entry.dtype))
+
     report = ConversionReport(str(src), str(dst))
-    return _save(plan_sd, dst, lambda fqn: read_entry(entries[source_of[fqn]]), report, progress, "HF -> DCP")
+    return _save(plan_sd, dst, fetch, report, progress, "HF -> DCP")
 
 
 def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool) -> ConversionReport:
