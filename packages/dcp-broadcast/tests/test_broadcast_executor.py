@@ -76,6 +76,12 @@ class _NoStreamReader(StorageReader):
         self.inner.execute_read(plan, planner)
 
 
+class _ViewsReader(FileSystemReader):
+    """Only ``read_items`` (mmap views, copied into place by the executor): the second path."""
+
+    read_into = None
+
+
 def _load_variants(rank, world_size, path, ref):
     from hyper_parallel_dcp.broadcast import make_read_executor
     from hyper_parallel_dcp.core.pipeline import load_state_dict
@@ -100,6 +106,10 @@ def _load_variants(rank, world_size, path, ref):
     plain = _NoStreamReader(path)
     load_state_dict(sd, plain, assign_readers=True, read_executor=make_read_executor())
     out["generic_reader"] = (_mismatches(sd, ref), plain.inner.bytes_read, None)
+    sd = _targets(ref)
+    views = _ViewsReader(path)
+    load_state_dict(sd, views, assign_readers=True, read_executor=make_read_executor(batch_bytes=0))
+    out["views_reader"] = (_mismatches(sd, ref), views.bytes_read, None)
     return out
 
 
@@ -120,7 +130,7 @@ def test_replicated_state_is_read_once_and_broadcast(tmp_path):
     total = {name: sum(out[name][1] for out in results) for name in results[0]}
     # every rank reads its own copy of the non-tensor state in every mode
     assert total["off"] == WORLD * tensor_bytes + WORLD * object_bytes
-    for name in ("unbatched", "batched", "one_in_flight", "tiny_batches", "generic_reader"):
+    for name in ("unbatched", "batched", "one_in_flight", "tiny_batches", "generic_reader", "views_reader"):
         assert total[name] == tensor_bytes + WORLD * object_bytes, name
     for out in results:
         unbatched, batched = out["unbatched"][2], out["batched"][2]
@@ -140,10 +150,17 @@ class _FailingReader(FileSystemReader):
         super().__init__(path)
         self.failing_fqn = fqn
 
-    def read_tensor(self, item):
+    def _maybe_fail(self, item):
         if item.dest_index.fqn == self.failing_fqn:
             raise OSError(f"injected read failure for {self.failing_fqn} on rank {self.rank}")
+
+    def read_tensor(self, item):
+        self._maybe_fail(item)
         return super().read_tensor(item)
+
+    def read_into(self, item, dest):
+        self._maybe_fail(item)
+        return super().read_into(item, dest)
 
 
 def _load_with_failing_reader(rank, world_size, path, ref, batch_bytes):

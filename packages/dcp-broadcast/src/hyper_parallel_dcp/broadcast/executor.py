@@ -5,14 +5,15 @@ Each replicated shard is read by one member of its replica group (``ReadItem.sou
 and broadcast to the others; the walk is pipelined — read, launch the async broadcast,
 move on, with at most :data:`MAX_IN_FLIGHT` broadcasts outstanding — and small shards are
 batched into one staging buffer per broadcast.  The reads themselves are the reader's own
-(``read_items`` behind a read-ahead thread, or ``execute_read`` on sub-plans for readers
-without it); only *who* reads changes.
+(``read_into`` or ``read_items`` behind a read-ahead thread, or ``execute_read`` on
+sub-plans for readers with neither); only *who* reads changes.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -57,6 +58,8 @@ class BroadcastStats:
     bytes_broadcast: int = 0
     tail_items: int = 0
     groups_used: int = 0
+    #: main-thread time spent launching broadcasts and waiting for them to land
+    broadcast_seconds: float = 0.0
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,19 +68,39 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-class _Reads:
-    """This rank's reads, in schedule order, through ``read_items`` or ``execute_read``.
+def _direct_reads(reader: Any, pairs: Sequence[tuple[ReadItem, Optional[torch.Tensor]]]):
+    """``(item, target or object)`` for each pair, the bytes read straight into the target."""
+    for item, target in pairs:
+        if target is None:
+            yield item, reader.read_object(item)
+        else:
+            reader.read_into(item, target)
+            yield item, target
 
-    After the first failure further reads are skipped (the broadcasts still go out, so
-    no peer waits forever); the failure is raised once the walk is over.
+
+class _Reads:
+    """This rank's reads, in schedule order, on a read-ahead thread where the reader allows.
+
+    Three ways, best first: a reader with ``read_into`` fills the destination views
+    itself (``preadv`` for FileSystemReader, no mmap page faults); one with ``read_items``
+    yields source tensors that are copied into place here; any other reader gets
+    ``execute_read`` on a sub-plan per shard (no read-ahead).  The destinations are
+    resolved here, on the calling thread: the read-ahead thread touches only the reader.
+    After the first failure further reads are skipped (the broadcasts still go out, so no
+    peer waits forever); the failure is raised once the walk is over.
     """
 
     def __init__(self, reader: StorageReader, planner: LoadPlanner, ordered: list[ReadItem], depth: int) -> None:
         self.reader = reader
         self.planner = planner
         self.error: Optional[BaseException] = None
-        read_items = getattr(reader, "read_items", None)
-        self._stream: Optional[ReadAhead] = ReadAhead(read_items, ordered, depth) if callable(read_items) else None
+        self._direct = callable(getattr(reader, "read_into", None)) and callable(getattr(reader, "read_object", None))
+        self._stream: Optional[ReadAhead] = None
+        if self._direct:
+            pairs = [(it, None if it.type is LoadItemType.BYTE_IO else planner.resolve_tensor(it)) for it in ordered]
+            self._stream = ReadAhead(lambda p: _direct_reads(reader, p), pairs, depth)
+        elif callable(getattr(reader, "read_items", None)):
+            self._stream = ReadAhead(reader.read_items, ordered, depth)  # type: ignore[attr-defined]
 
     def read(self, items: Sequence[ReadItem]) -> None:
         if self.error is not None or not items:
@@ -93,6 +116,8 @@ class _Reads:
                                        f"{expected.dest_index.fqn!r} was due (reader reordered items)")
                 if got.type is LoadItemType.BYTE_IO:
                     self.planner.load_bytes(got, data)
+                elif self._direct:
+                    self.planner.commit_tensor(got, data)
                 else:
                     target = self.planner.resolve_tensor(got)
                     target.copy_(data)
@@ -170,10 +195,12 @@ class BroadcastReadExecutor:
                 with phase("read_and_broadcast", me):
                     for step in steps:
                         if isinstance(step, LaunchStep):
+                            started = time.perf_counter()
                             while len(pending) >= self.max_in_flight:
                                 self._complete(pending.popleft())
                             pending.append(self._launch(step.op, schedule.shards, shards, groups, me,
                                                         to_global, planner))
+                            stats.broadcast_seconds += time.perf_counter() - started
                         else:
                             task = schedule.shards[step.index]
                             if task.source == me:
@@ -182,8 +209,10 @@ class BroadcastReadExecutor:
                     # Nobody waits for these: reading them now overlaps the broadcasts
                     # still in flight instead of delaying them.
                     reads.read(schedule.tail)
+                    started = time.perf_counter()
                     while pending:
                         self._complete(pending.popleft())
+                    stats.broadcast_seconds += time.perf_counter() - started
                 healthy = True
             finally:
                 reads.close()

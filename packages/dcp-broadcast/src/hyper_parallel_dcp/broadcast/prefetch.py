@@ -1,12 +1,14 @@
-"""A background read-ahead over a storage reader's ``read_items`` generator.
+"""A background read-ahead over a storage reader's reads.
 
-The thread runs the reader's generator — opening files, slicing mmap views — a couple of
-items ahead of the main thread, which copies them into place and drives the broadcasts.
+The thread runs a generator of reads — ``preadv`` straight into the destination views,
+or opening files and slicing mmap views — a couple of items ahead of the main thread,
+which drives the broadcasts.
 Results come back strictly in the order given: the read order is the broadcast order,
 and splitting the two was measured slower (see the user guide), so this is a FIFO, not a
-completion table.  Building a view touches the mapping, which lets the kernel's own
-read-ahead pull small tensors into the page cache before the main thread needs them.
-The thread touches only the reader, never the planner or a device.
+completion table.  With mmap views, building a view touches the mapping, which lets the kernel's
+own read-ahead pull small tensors into the page cache before the main thread needs them.
+The thread touches only the reader (the destinations are resolved beforehand), never
+the planner.
 """
 
 from __future__ import annotations
@@ -33,14 +35,15 @@ class _Failed:
 class ReadAhead:
     """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead.
 
-    Yields exactly what ``read_items`` yields, in its order; an exception raised by the
+    ``read_items`` is a reader's ``read_items`` or any function returning an iterator over
+    ``items``.  Yields exactly what it yields, in its order; an exception raised by the
     reader is re-raised in the consuming thread at the position where it happened.
     ``close()`` (also on ``with`` exit) stops the thread; the generator is closed on the
     thread that ran it.
     """
 
-    def __init__(self, read_items: Callable[[Sequence[ReadItem]], Iterator[tuple[ReadItem, Any]]],
-                 items: Sequence[ReadItem], depth: int = DEFAULT_DEPTH) -> None:
+    def __init__(self, read_items: Callable[[Sequence[Any]], Iterator[tuple[ReadItem, Any]]],
+                 items: Sequence[Any], depth: int = DEFAULT_DEPTH) -> None:
         if depth < 1:
             raise ValueError(f"read-ahead depth must be at least 1, got {depth}")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -59,7 +62,7 @@ class ReadAhead:
                 continue
         return False
 
-    def _run(self, read_items: Callable, items: list[ReadItem]) -> None:
+    def _run(self, read_items: Callable, items: list[Any]) -> None:
         gen = read_items(items) if items else iter(())
         try:
             for result in gen:

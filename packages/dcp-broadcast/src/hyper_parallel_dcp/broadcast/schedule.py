@@ -143,7 +143,7 @@ def rank_schedule(plan: LoadPlan, rank: int, sort_items=default_sort_items) -> R
         items = by_dest.get(dest, [])
         if not items or any(it.type is not LoadItemType.TENSOR for it in items):
             raise ValueError(f"{dest.fqn!r}: rank {rank} is in a replica group for a shard it does not read")
-        shards.append(ShardTask(dest, ranks, source, tuple(sort_items(items))))
+        shards.append(ShardTask(dest, ranks, source, tuple(sort_items(items) if len(items) > 1 else items)))
         grouped.add(dest)
     tail: list[ReadItem] = []
     for dest, items in by_dest.items():
