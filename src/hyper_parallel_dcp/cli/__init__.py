@@ -52,7 +52,7 @@ example:  hp-dcp explain /ckpt/step_1000 --target tp2.json
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hp-dcp`` (sub-commands inspect, verify, explain, diff, latest, convert)."""
-    from hyper_parallel_dcp import __version__
+    from hyper_parallel_dcp import __version__  # type: ignore[attr-defined]  # namespace package seen by mypy
 
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(

@@ -116,10 +116,11 @@ def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, fl
 
 def _diff_tensor(fqn: str, sa: _Side, sb: _Side, atol: float, rtol: float, block_bytes: int) -> TensorDiff:
     from hyper_parallel_dcp.core.chunks import ChunkBox
-    from hyper_parallel_dcp.core.metadata import dtype_name
+    from hyper_parallel_dcp.core.metadata import TensorStorageMetadata, dtype_name
 
     ma = sa.metadata.state_dict_metadata[fqn]
     mb = sb.metadata.state_dict_metadata[fqn]
+    assert isinstance(ma, TensorStorageMetadata) and isinstance(mb, TensorStorageMetadata)
     shape = tuple(ma.size)
     numel = math.prod(shape)
     if shape != tuple(mb.size):
