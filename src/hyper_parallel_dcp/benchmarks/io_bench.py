@@ -172,10 +172,11 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
         rec.add("ours.load_resharded", _timed(lambda: our_load(flipped))[0])
         rec.add("torch.load_resharded", _timed(lambda: tdcp.load(
             flipped, storage_reader=tdcp.FileSystemReader(theirs)))[0])
-    needed = sum(t.to_local().numel() * 2 for t in target.values())
-    rec.info["ours.load.bytes_read"] = readers[0].bytes_read
-    rec.info["ours.load_resharded.bytes_read"] = readers[1].bytes_read
-    rec.info["bytes_needed"] = needed
+    # totals over all ranks: with read-once + broadcast one rank reads a replicated
+    # shard for the others, so only the sums are comparable
+    rec.info["ours.load.bytes_read"] = _sum_over_ranks(readers[0].bytes_read)
+    rec.info["ours.load_resharded.bytes_read"] = _sum_over_ranks(readers[1].bytes_read)
+    rec.info["bytes_needed"] = rec.info["global_bytes"]
     _check_equal(target, sd, "same-layout load")
     _check_equal(flipped, sd, "resharded load")
     for _ in range(reps):
@@ -198,6 +199,15 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     _rm(ours, rank)
     _rm(theirs, rank)
     return {"times": rec.times, "info": rec.info}
+
+
+def _sum_over_ranks(value: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -151,8 +151,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
             ours_cell = _fmt(o) if o else str(info.get("ours." + key.split("_")[0], "—"))
             lines.append(f"| {label} | {ours_cell} | {_fmt(t)} | {'' if r is None else f'{r:.2f}×'} |")
         lines.append("")
-        lines.append(f"Bytes read from storage vs needed (same layout): {info.get('ours.load.bytes_read', 0):,} vs "
-                     f"{info.get('bytes_needed', 0):,}; resharded: {info.get('ours.load_resharded.bytes_read', 0):,}.")
+        lines.append(f"Bytes read from storage by all ranks vs the checkpoint's bytes: same layout "
+                     f"{info.get('ours.load.bytes_read', 0):,} vs {info.get('bytes_needed', 0):,}; "
+                     f"Shard(0)→Shard(1): {info.get('ours.load_resharded.bytes_read', 0):,}.")
         for note in d.get("notes", []):
             lines.append(f"\n{note}")
     b = result.get("broadcast")
@@ -160,7 +161,7 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         lines += ["", "## Read-once + broadcast under a shared storage bandwidth cap", "",
                   f"Cap: {b['cap_mb_s']} MB/s shared by all readers; every rank loads the whole "
                   f"{b['mib']} MiB replicated state dict.", "",
-                  "| replication (world) | without broadcast | with broadcast | bytes read per rank (without / with) |",
+                  "| replication (world) | without broadcast | with broadcast | bytes read by rank 0 (without / with) |",
                   "|---|---|---|---|"]
         for world, d in sorted(b["runs"].items()):
             s, info = d["summary"], d["info"]

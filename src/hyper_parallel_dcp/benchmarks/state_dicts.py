@@ -21,12 +21,21 @@ __all__ = ["dense_shapes", "local_tensors", "make_state_dict", "small_shapes"]
 Shapes = list[tuple[str, tuple[int, ...], str]]
 
 
-def dense_shapes(total_mib: float, hidden: int = 1024, vocab: int = 32000) -> Shapes:
-    """A Llama-like decoder whose bf16 size is about ``total_mib`` MiB (≥ 1 layer)."""
+def dense_shapes(total_mib: float, hidden: int = 0, vocab: int = 0) -> Shapes:
+    """A Llama-like decoder whose bf16 size is about ``total_mib`` MiB (≥ 1 layer).
+
+    By default ``hidden`` is 1024 from 256 MiB up (512 / 256 below) and the embedding
+    and LM head take about 5 % of the bytes each, as in a 7B model.
+    """
+    total = total_mib * 2**20
+    if not hidden:
+        hidden = 1024 if total_mib >= 256 else 512 if total_mib >= 32 else 256
+    if not vocab:
+        vocab = max(256, int(0.05 * total / (hidden * 2)))
     inter = hidden * 11 // 4
     per_layer = (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) * 2
     fixed = 2 * vocab * hidden * 2 + hidden * 2
-    layers = max(1, int((total_mib * 2**20 - fixed) // per_layer))
+    layers = max(1, int((total - fixed) // per_layer))
     shapes: Shapes = [("model.embed_tokens.weight", (vocab, hidden), "col")]
     for i in range(layers):
         p = f"model.layers.{i}."
