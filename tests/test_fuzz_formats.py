@@ -36,7 +36,7 @@ def _state() -> dict:
 
 
 def _blank() -> dict:
-    return {"a": torch.zeros(8, 5), "b": torch.zeros(6, dtype=torch.int16), "obj": None}
+    return {"a": torch.zeros(8, 5), "b": torch.zeros(6, dtype=torch.int16), "obj": {"lr": 0.0, "tags": ["", ""]}}
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,15 @@ def _load_or_clean_error(path: Path, verify: bool):
     except CheckpointError:
         return None
     return target
+
+
+def test_undamaged_copy_loads(good: Path) -> None:
+    """The baseline of the property below: the intact checkpoint loads, verified, exactly."""
+    loaded = _load_or_clean_error(good, verify=True)
+    assert loaded is not None
+    ref = _state()
+    assert torch.equal(loaded["a"], ref["a"]) and torch.equal(loaded["b"], ref["b"]) and loaded["obj"] == ref["obj"]
+    assert verify_checkpoint(good).ok
 
 
 @FUZZ_FILES
