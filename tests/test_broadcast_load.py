@@ -174,8 +174,9 @@ def _tpdp_worker(rank, world_size, path, ref):
     probe = torch.tensor([float(rank)])
     dist.all_reduce(probe, group=mine)
     out["probe"] = probe.item()
-    # Only the ranks of (0, 2) pass their group; (1, 3) is created on demand for the load.
-    run("partial", broadcast_groups=built if rank in (0, 2) else {})
+    # Only the ranks of (0, 2) pass their group (the others pass None); (1, 3) is created
+    # on demand for the load.
+    run("partial", broadcast_groups=built if rank in (0, 2) else None)
 
     # A wrong group on one rank is refused on every rank (nobody is left in new_group).
     bad = {(0, 2): dist.group.WORLD} if rank == 0 else built

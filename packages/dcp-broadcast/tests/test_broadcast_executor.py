@@ -100,8 +100,17 @@ def _load_variants(rank, world_size, path, ref):
         ex = None if kwargs is None else make_read_executor(**kwargs)
         load_state_dict(sd, reader, assign_readers=ex is not None, read_executor=ex)
         stats = None if ex is None else (ex.stats.broadcasts, ex.stats.batched_broadcasts, ex.stats.bytes_broadcast,
-                                         ex.stats.replicated_shards)
+                                         ex.stats.replicated_shards, ex.stats.groups_created)
         out[name] = (_mismatches(sd, ref), reader.bytes_read, stats)
+    # caller-built group: used, not re-created
+    import torch.distributed as dist
+
+    group = dist.new_group(ranks=list(range(world_size)))
+    ex = make_read_executor(groups={tuple(range(world_size)): group})
+    sd = _targets(ref)
+    reader = FileSystemReader(path)
+    load_state_dict(sd, reader, assign_readers=True, read_executor=ex)
+    out["prebuilt"] = (_mismatches(sd, ref), reader.bytes_read, (ex.stats.groups_used, ex.stats.groups_created))
     sd = _targets(ref)
     plain = _NoStreamReader(path)
     load_state_dict(sd, plain, assign_readers=True, read_executor=make_read_executor())
@@ -130,7 +139,8 @@ def test_replicated_state_is_read_once_and_broadcast(tmp_path):
     total = {name: sum(out[name][1] for out in results) for name in results[0]}
     # every rank reads its own copy of the non-tensor state in every mode
     assert total["off"] == WORLD * tensor_bytes + WORLD * object_bytes
-    for name in ("unbatched", "batched", "one_in_flight", "tiny_batches", "generic_reader", "views_reader"):
+    for name in ("unbatched", "batched", "one_in_flight", "tiny_batches", "generic_reader", "views_reader",
+                 "prebuilt"):
         assert total[name] == tensor_bytes + WORLD * object_bytes, name
     for out in results:
         unbatched, batched = out["unbatched"][2], out["batched"][2]
@@ -141,6 +151,8 @@ def test_replicated_state_is_read_once_and_broadcast(tmp_path):
         assert 1 <= batched[0] <= WORLD * 4 < n_tensors
         assert batched[1] >= 1
         assert out["tiny_batches"][2][2] == tensor_bytes
+        assert batched[4] == 1  # the load created the one replica group (0, 1, 2) itself
+        assert out["prebuilt"][2] == (1, 0)  # ... and used the caller's instead when given
 
 
 class _FailingReader(FileSystemReader):

@@ -58,6 +58,7 @@ class BroadcastStats:
     bytes_broadcast: int = 0
     tail_items: int = 0
     groups_used: int = 0
+    groups_created: int = 0
     #: main-thread time spent launching broadcasts and waiting for them to land
     broadcast_seconds: float = 0.0
 
@@ -188,6 +189,7 @@ class BroadcastReadExecutor:
 
         with broadcast_groups_for_load(required, me_global, self.groups, process_group) as groups:
             stats.groups_used = len(groups)
+            stats.groups_created = sum(1 for k, g in groups.items() if (self.groups or {}).get(k) is not g)
             reads = _Reads(storage_reader, planner, ordered, self.read_ahead)
             pending: collections.deque = collections.deque()
             healthy = False

@@ -44,14 +44,16 @@ def _check_provided(rank: int, ranks: RankTuple, group: Any) -> Optional[str]:
 
 def _missing_groups(required: Sequence[RankTuple], rank: int, provided: Optional[dict],
                     process_group: Optional[dist.ProcessGroup]) -> list[RankTuple]:
-    """The required groups to create: all of them, or those some member was not given.
+    """The required groups to create: those some member was not given.
 
-    With caller-provided groups, each rank only knows its own dict, so one small
-    all-gather tells every rank which groups some member lacks (and any invalid entry,
-    raised as ``ValueError`` on every rank before anyone enters ``new_group``).
+    Each rank only knows its own ``provided`` dict (possibly ``None`` on a rank in no
+    group while others pass theirs), so whenever the load needs groups one small
+    all-gather tells every rank which ones some member lacks, and reports any invalid
+    entry as a ``ValueError`` on every rank before anyone enters ``new_group``.
     """
-    if provided is None:
-        return list(required)
+    if not required:
+        return []
+    provided = provided or {}
     lacking: list[RankTuple] = []
     errors: list[str] = []
     for ranks in required:
@@ -82,9 +84,9 @@ def broadcast_groups_for_load(
     """Yield ``{rank tuple: group}`` for the required groups ``rank`` (global) belongs to.
 
     ``required`` (sorted, identical on every rank, global ranks) lists the groups the load
-    needs.  Missing ones are created with ``dist.new_group`` — every rank of the default
-    group must enter, in the same order — and destroyed on exit in rank-tuple order by
-    their members.  Groups from ``provided`` are used as they are and left alive.  Raises
+    needs.  Groups some member was not given are created with ``dist.new_group`` — every
+    rank of the default group enters, in the same order — and destroyed on exit in
+    rank-tuple order by their members.  Groups from ``provided`` are used as they are and left alive.  Raises
     ``ValueError`` on every rank when a provided group does not match its key.
     """
     to_create = _missing_groups(required, rank, provided, process_group)
