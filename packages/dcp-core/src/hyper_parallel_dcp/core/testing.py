@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -43,7 +44,10 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, store_path: str,
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
-        results.put((rank, "ok", value))
+        # Plain pickle, not the queue's ForkingPickler: torch would move a returned tensor
+        # into shared memory owned by this process, which exits right after, and the
+        # parent's unpickling then hangs.  By value, tensors come back safely.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))))
 
@@ -104,4 +108,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         if missing:
             parts.append(f"--- rank(s) {missing} did not finish within {timeout:.0f} s")
         raise DistributedTestError(f"{fn.__name__} on {world_size} ranks:\n" + "\n".join(parts))
-    return [outcome[r][1] for r in range(world_size)]
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
