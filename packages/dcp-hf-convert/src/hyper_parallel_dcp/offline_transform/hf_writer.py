@@ -153,7 +153,7 @@ def write_huggingface_checkpoint(
     by_name = {s.name: s for s in specs}
     report = report if report is not None else ConversionReport("<state_dict>", str(root))
     root.mkdir(parents=True, exist_ok=True)
-    with Progress(report, plan.total_size, "DCP -> HF", progress) as bar:
+    with Progress(report, plan.total_size, "-> HF safetensors", progress) as bar:
         for file, names in plan.files.items():
             def produce(name: str) -> torch.Tensor:
                 tensor = fetch(name)
