@@ -1,0 +1,192 @@
+"""Every error of SPEC §8 is a clear exception naming the FQN / file — and, with several
+ranks, an error on one rank is raised on every rank instead of leaving the others hanging."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyper_parallel_dcp.core.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MismatchError,
+    MissingKeyError,
+)
+from hyper_parallel_dcp.core.metadata import FORMAT_VERSION
+from hyper_parallel_dcp.core.testing import run_distributed
+
+
+def _state() -> dict:
+    return {"layer": {"weight": torch.arange(24.0).view(4, 6), "bias": torch.ones(6)}, "step": 3}
+
+
+@pytest.fixture()
+def ckpt(tmp_path) -> Path:
+    import hyper_parallel_dcp as dcp
+
+    path = tmp_path / "ckpt"
+    dcp.save(_state(), checkpoint_id=path, no_dist=True)
+    return path
+
+
+def test_missing_directory_names_it(tmp_path):
+    import hyper_parallel_dcp as dcp
+
+    missing = tmp_path / "does-not-exist"
+    with pytest.raises(CheckpointNotFoundError, match=str(missing)) as info:
+        dcp.load({"x": torch.zeros(1)}, checkpoint_id=missing)
+    assert isinstance(info.value, FileNotFoundError)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointNotFoundError, match=rf"{empty}.*no checkpoint"):
+        dcp.load({"x": torch.zeros(1)}, checkpoint_id=empty)
+
+
+def test_missing_key_names_it_and_loads_nothing_silently(ckpt):
+    import hyper_parallel_dcp as dcp
+
+    with pytest.raises(MissingKeyError, match=r"'layer\.gamma' is not in the checkpoint") as info:
+        dcp.load({"layer": {"weight": torch.zeros(4, 6), "gamma": torch.zeros(6)}}, checkpoint_id=ckpt)
+    assert isinstance(info.value, KeyError)
+
+
+def test_shape_and_dtype_mismatch_name_fqn_and_both_sides(ckpt):
+    import hyper_parallel_dcp as dcp
+
+    with pytest.raises(MismatchError, match=r"'layer\.weight': shape mismatch: checkpoint has \[4, 6\], target expects \[6, 4\]"):
+        dcp.load({"layer": {"weight": torch.zeros(6, 4)}}, checkpoint_id=ckpt)
+    with pytest.raises(MismatchError, match=r"'layer\.bias': dtype mismatch: checkpoint has float32, target expects float16"):
+        dcp.load({"layer": {"bias": torch.zeros(6, dtype=torch.float16)}}, checkpoint_id=ckpt)
+
+
+def test_truncated_shard_file_is_named(ckpt):
+    import hyper_parallel_dcp as dcp
+
+    shard = ckpt / "_rank0_.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])
+    target = {"layer": {"weight": torch.zeros(4, 6), "bias": torch.zeros(6)}}
+    with pytest.raises(CorruptCheckpointError, match=r"_rank0_\.safetensors"):
+        dcp.load(target, checkpoint_id=ckpt)
+
+
+def test_corrupted_chunk_is_named_on_a_verified_load(ckpt):
+    import hyper_parallel_dcp as dcp
+
+    shard = ckpt / "_rank0_.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # flip bits inside the last chunk's data; the size is unchanged
+    shard.write_bytes(bytes(data))
+    target = {"layer": {"weight": torch.zeros(4, 6), "bias": torch.zeros(6)}}
+    with pytest.raises(CorruptCheckpointError, match=r"_rank0_\.safetensors.*'layer\.weight'"):
+        dcp.load(target, checkpoint_id=ckpt, verify=True)
+
+
+def test_newer_format_version_gives_both_versions(ckpt):
+    import hyper_parallel_dcp as dcp
+
+    meta = ckpt / ".metadata"
+    doc = json.loads(meta.read_text())
+    doc["format_version"] = FORMAT_VERSION + 1
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointFormatError) as info:
+        dcp.load({"step": None}, checkpoint_id=ckpt)
+    text = str(info.value)
+    assert str(meta) in text and f"format_version {FORMAT_VERSION + 1}" in text and str(FORMAT_VERSION) in text
+
+
+def test_partial_placement_on_save_names_the_fqn_single_rank():
+    """One process, world 1 (no process group): Partial still refused with the FQN."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp.core.errors import UnsupportedPlacementError
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        partial = DTensor.from_local(torch.ones(4), mesh, [Partial()])
+        with pytest.raises(UnsupportedPlacementError, match=r"'grad\.acc'.*Partial"):
+            dcp.save({"grad": {"acc": partial}}, checkpoint_id="/nonexistent/never-written", no_dist=True)
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ several ranks
+def _one_rank_fails(rank: int, world_size: int, root: str) -> dict[str, tuple[bool, str]]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    import hyper_parallel_dcp as dcp
+
+    good = {"layer": {"weight": torch.zeros(4, 6), "bias": torch.zeros(6)}}
+    cases = {
+        "missing_key": {"layer": {"weight": torch.zeros(4, 6), "ghost": torch.zeros(2)}},
+        "shape": {"layer": {"weight": torch.zeros(4, 7)}},
+        "dtype": {"layer": {"bias": torch.zeros(6, dtype=torch.bfloat16)}},
+    }
+    out = {}
+    for name, bad in cases.items():
+        target = bad if rank == 1 else good
+        out[name] = _caught(lambda target=target: dcp.load(target, checkpoint_id=f"{root}/good"))
+    # a rank with nothing to load passes {}; only rank 1 touches the truncated file
+    target = {"layer": {"weight": torch.zeros(4, 6)}} if rank == 1 else {}
+    out["truncated"] = _caught(lambda: dcp.load(target, checkpoint_id=f"{root}/truncated"))
+    mesh = init_device_mesh("cpu", (world_size,))
+    placement = Partial() if rank == 1 else Replicate()
+    grads = {"acc": DTensor.from_local(torch.ones(4), mesh, [placement], run_check=False)}
+    out["partial"] = _caught(lambda: dcp.save(grads, checkpoint_id=f"{root}/partial"))
+    # the group is still in step: a normal save and load work afterwards
+    dcp.save({"w": torch.full((3,), float(world_size))}, checkpoint_id=f"{root}/after")
+    after = {"w": torch.zeros(3)}
+    dcp.load(after, checkpoint_id=f"{root}/after")
+    dist.barrier()
+    out["after"] = (bool(torch.equal(after["w"], torch.full((3,), float(world_size)))), "")
+    return out
+
+
+def _caught(fn) -> tuple[bool, str]:
+    """(raised a CheckpointError, message)."""
+    try:
+        fn()
+    except CheckpointError as exc:
+        return True, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a non-library error is a failure of the test
+        return False, f"{type(exc).__name__}: {exc}"
+    return False, "no error"
+
+
+@pytest.mark.distributed
+def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
+    import hyper_parallel_dcp as dcp
+
+    dcp.save(_state(), checkpoint_id=tmp_path / "good", no_dist=True)
+    dcp.save(_state(), checkpoint_id=tmp_path / "truncated", no_dist=True)
+    shard = tmp_path / "truncated" / "_rank0_.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+    results = run_distributed(_one_rank_fails, 2, str(tmp_path), timeout=240)
+    expected = {
+        "missing_key": r"MissingKeyError.*rank\(s\) 1.*'layer\.ghost'",
+        "shape": r"MismatchError.*rank\(s\) 1.*'layer\.weight': shape mismatch.*\[4, 6\].*\[4, 7\]",
+        "dtype": r"MismatchError.*rank\(s\) 1.*'layer\.bias': dtype mismatch",
+        "truncated": r"rank\(s\) 1.*_rank0_\.safetensors",
+        "partial": r"UnsupportedPlacementError.*rank\(s\) 1.*'acc'.*Partial",
+    }
+    for rank, out in enumerate(results):
+        for case, pattern in expected.items():
+            raised, message = out[case]
+            assert raised, f"rank {rank}, {case}: {message}"
+            assert re.search(pattern, message, re.S), f"rank {rank}, {case}: {message}"
+        assert out["after"] == (True, "")
+
