@@ -66,7 +66,7 @@ def _sharded(reference: dict[str, torch.Tensor], world_size: int, layout: str, z
     for name, full in reference.items():
         src = torch.zeros_like(full) if zeros else full
         model[name] = distribute_tensor(src, mesh, [_tp_placement(name, layout)])
-        moment = torch.zeros_like(full) if zeros else full.float() * 0.5
+        moment = torch.zeros_like(full, dtype=torch.float32) if zeros else full.float() * 0.5
         optim[name] = {"exp_avg": distribute_tensor(moment, mesh, [_tp_placement(name, layout)]), "step": 0 if zeros else 7}
     return {"model": model, "optim": {"state": optim, "param_groups": [{"lr": 0.0 if zeros else 3e-4, "betas": (0.9, 0.95)}]},
             "train": {"step": 0 if zeros else 1000, "data_cursor": "" if zeros else "shard-17:offset-4096"}}
