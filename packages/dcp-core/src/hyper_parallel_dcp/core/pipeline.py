@@ -22,7 +22,7 @@ from .metadata import Metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner
 from .storage import StorageReader, StorageWriter, WriteResult
-from .timing import phase
+from .timing import log_info, phase
 
 __all__ = ["ReadExecutor", "load_state_dict", "process_rank", "save_state_dict"]
 
@@ -100,9 +100,12 @@ def save_state_dict(
 
             hits = dw.all_gather("plan_cache", lookup_step)
             cached = looked_up[0] if all(hits) else None
+            if cached is None and looked_up[0] is not None and getattr(planner, "cache_hit", False):
+                planner.cache_hit = False  # type: ignore[attr-defined] - this rank's hit was not used
         else:
             cached = planner.lookup_cached_plan()
         if cached is not None:
+            log_info(rank, "Hit final plan and metadata cache.")
             final_plan, global_metadata[0] = cached
             assert final_plan.save_id is not None
             uses = next(_cache_uses.setdefault(final_plan.save_id, itertools.count(1)))

@@ -307,8 +307,9 @@ class StandardSavePlanner(SavePlanner):
             # names): plan again; cache_plan then replaces the entry.
             log_info(self.rank, "Plan cache entry does not match the state dict's layout; planning again.")
             return None
+        # The save pipeline logs the hit once every rank agrees on it (and resets
+        # cache_hit when another rank missed).
         self.cache_hit = True
-        log_info(self.rank, "Hit final plan and metadata cache.")
         return plan, metadata
 
     def cache_plan(self, final_plan: SavePlan, metadata: Optional[Metadata]) -> None:
