@@ -88,11 +88,13 @@ def _save_worker(rank: int, world_size: int, sync_dir: str, async_dir: str) -> d
     sd = _sharded(reference_state_dict(), world_size, "tp", zeros=False)
     _timed(timings, "save (sync)", dcp.save, sd, checkpoint_id=sync_dir)
     _timed(timings, "save (sync, plan cache hit)", dcp.save, sd, checkpoint_id=sync_dir)
-    response = _timed(timings, "async_save: blocking part", dcp.async_save, sd, checkpoint_id=async_dir)
-    # training would go on here; the staged copy is independent of these tensors
+    first = _timed(timings, "async_save #1: blocking (starts the writer)", dcp.async_save, sd, checkpoint_id=async_dir)
+    _timed(timings, "async_save #1: until landed", first.get_result, 300)
+    second = _timed(timings, "async_save #2: blocking (buffers reused)", dcp.async_save, sd, checkpoint_id=async_dir)
+    # training goes on here: the staged copy is independent of these tensors
     for leaf in sd["model"].values():
         leaf.to_local().zero_()
-    _timed(timings, "async_save: wait until landed", response.get_result, 300)
+    _timed(timings, "async_save #2: until landed", second.get_result, 300)
     dist.barrier()
     return timings
 
