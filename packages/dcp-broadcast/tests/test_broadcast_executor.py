@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
 from hyper_parallel_dcp.core.storage import StorageReader
 from hyper_parallel_dcp.core.testing import run_distributed
 from hyper_parallel_dcp.storage_fs import FileSystemReader
@@ -197,3 +198,38 @@ def test_a_read_failure_on_the_reading_rank_fails_every_rank_without_a_hang(tmp_
     for rank, res in enumerate(results):
         assert res is not None, f"rank {rank} did not fail"
         assert "injected read failure for big" in res[1], res
+
+
+class _PlannerWithoutShards(StandardLoadPlanner):
+    """A planner that cannot hand out whole shards on one rank (``resolve_shard`` fails)."""
+
+    def __init__(self, failing_rank):
+        super().__init__()
+        self.failing_rank = failing_rank
+
+    def resolve_shard(self, dest_index):
+        if self.rank == self.failing_rank:
+            raise NotImplementedError(f"no shard views on rank {self.rank}")
+        return super().resolve_shard(dest_index)
+
+
+def _load_with_failing_planner(rank, world_size, path, ref):
+    from hyper_parallel_dcp.broadcast import make_read_executor
+    from hyper_parallel_dcp.core.pipeline import load_state_dict
+
+    try:
+        load_state_dict(_targets(ref), FileSystemReader(path), _PlannerWithoutShards(1), assign_readers=True,
+                        read_executor=make_read_executor())
+    except Exception as exc:  # noqa: BLE001 - what the test looks at
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.distributed
+def test_a_planner_failure_on_one_rank_before_the_groups_exist_fails_every_rank(tmp_path):
+    ref = _reference()
+    path = _save(tmp_path, ref)
+    results = run_distributed(_load_with_failing_planner, WORLD, path, ref, timeout=180)
+    for rank, res in enumerate(results):
+        assert res is not None, f"rank {rank} did not fail"
+        assert "no shard views on rank 1" in res[1], res

@@ -29,6 +29,7 @@ from .prefetch import DEFAULT_DEPTH, ReadAhead
 from .schedule import (
     BroadcastOp,
     LaunchStep,
+    RankSchedule,
     ShardInfo,
     ShardTask,
     default_sort_items,
@@ -97,11 +98,15 @@ class _Reads:
         self.error: Optional[BaseException] = None
         self._direct = callable(getattr(reader, "read_into", None)) and callable(getattr(reader, "read_object", None))
         self._stream: Optional[ReadAhead] = None
-        if self._direct:
-            pairs = [(it, None if it.type is LoadItemType.BYTE_IO else planner.resolve_tensor(it)) for it in ordered]
-            self._stream = ReadAhead(lambda p: _direct_reads(reader, p), pairs, depth)
-        elif callable(getattr(reader, "read_items", None)):
-            self._stream = ReadAhead(reader.read_items, ordered, depth)  # type: ignore[attr-defined]
+        try:
+            if self._direct:
+                pairs = [(it, None if it.type is LoadItemType.BYTE_IO else planner.resolve_tensor(it))
+                         for it in ordered]
+                self._stream = ReadAhead(lambda p: _direct_reads(reader, p), pairs, depth)
+            elif callable(getattr(reader, "read_items", None)):
+                self._stream = ReadAhead(reader.read_items, ordered, depth)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - raised after the broadcasts are done
+            self.error = exc
 
     def read(self, items: Sequence[ReadItem]) -> None:
         if self.error is not None or not items:
@@ -130,6 +135,15 @@ class _Reads:
     def close(self) -> None:
         if self._stream is not None:
             self._stream.close()
+
+
+def _synchronize(devices: set) -> None:
+    for device in devices:
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None and hasattr(accelerator, "synchronize"):
+            accelerator.synchronize(device)
+        elif device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 class BroadcastReadExecutor:
@@ -163,8 +177,10 @@ class BroadcastReadExecutor:
         ``global_plans`` are all ranks' plans after reader assignment (identical on every
         rank); ``plan`` is this rank's.  Fills the planner's targets in place.  Raises
         ``ValueError`` (on every rank alike) for inconsistent plans, a process group that
-        is not the whole world, or unusable ``groups``; a read failure is raised after
-        this rank's broadcasts are done, so peers are never left waiting.
+        is not the whole world, or unusable ``groups``; an error of this rank's planner
+        before the groups exist is raised here and as ``ValueError`` on the other ranks;
+        a read failure is raised after this rank's broadcasts are done, so peers are
+        never left waiting.
         """
         world = dist.get_world_size()
         if process_group is not None and dist.get_world_size(process_group) != world:
@@ -177,17 +193,25 @@ class BroadcastReadExecutor:
         me_global = to_global(me)
         sort_items = getattr(storage_reader, "sort_items", None) or default_sort_items
         required = sorted({tuple(sorted(to_global(r) for r in ranks)) for ranks in required_groups(global_plans)})
-        schedule = rank_schedule(plan, me, sort_items)
+        # Everything that can fail on one rank alone happens before the groups are
+        # created, and a failure travels with the group exchange: no rank is left
+        # inside new_group or a broadcast waiting for a rank that gave up.
+        local_error: Optional[Exception] = None
+        try:
+            schedule = rank_schedule(plan, me, sort_items)
+            shards = [planner.resolve_shard(task.dest_index) for task in schedule.shards]
+            infos = [ShardInfo(task.ranks, task.source, t.dtype, t.numel() * t.element_size(), str(t.device))
+                     for task, t in zip(schedule.shards, shards)]
+            steps = plan_broadcasts(infos, self.batch_bytes)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the group exchange
+            local_error = exc
+            schedule, shards, steps = RankSchedule((), ()), [], []
         self.stats = stats = BroadcastStats(replicated_shards=len(schedule.shards), tail_items=len(schedule.tail))
-
-        shards = [planner.resolve_shard(task.dest_index) for task in schedule.shards]
-        infos = [ShardInfo(task.ranks, task.source, t.dtype, t.numel() * t.element_size(), str(t.device))
-                 for task, t in zip(schedule.shards, shards)]
-        steps = plan_broadcasts(infos, self.batch_bytes)
         ordered = [it for task in schedule.shards if task.source == me for it in task.items]
         ordered.extend(schedule.tail)
 
-        with broadcast_groups_for_load(required, me_global, self.groups, process_group) as groups:
+        with broadcast_groups_for_load(required, me_global, self.groups, process_group,
+                                       local_error=local_error) as groups:
             stats.groups_used = len(groups)
             stats.groups_created = sum(1 for k, g in groups.items() if (self.groups or {}).get(k) is not g)
             reads = _Reads(storage_reader, planner, ordered, self.read_ahead)
@@ -214,6 +238,9 @@ class BroadcastReadExecutor:
                     started = time.perf_counter()
                     while pending:
                         self._complete(pending.popleft())
+                    # On an accelerator, wait() only orders streams: let the broadcasts
+                    # finish on the device before their groups are destroyed below.
+                    _synchronize({t.device for t in shards if t.device.type not in ("cpu", "meta")})
                     stats.broadcast_seconds += time.perf_counter() - started
                 healthy = True
             finally:
@@ -226,7 +253,7 @@ class BroadcastReadExecutor:
 
     def _launch(self, op: BroadcastOp, tasks: Sequence[ShardTask], shards: list[torch.Tensor],
                 groups: dict[tuple[int, ...], Any], me: int, to_global: Callable[[int], int],
-                planner: LoadPlanner) -> tuple[Any, Optional[Callable[[], None]]]:
+                planner: LoadPlanner) -> tuple[Any, Optional[Callable[[], Any]]]:
         """Start ``op``'s broadcast; returns ``(work, what to do once it has landed)``."""
         key = tuple(sorted(to_global(r) for r in op.ranks))
         group = groups.get(key)

@@ -43,7 +43,8 @@ def _check_provided(rank: int, ranks: RankTuple, group: Any) -> Optional[str]:
 
 
 def _missing_groups(required: Sequence[RankTuple], rank: int, provided: Optional[dict],
-                    process_group: Optional[dist.ProcessGroup]) -> list[RankTuple]:
+                    process_group: Optional[dist.ProcessGroup],
+                    local_error: Optional[Exception] = None) -> list[RankTuple]:
     """The required groups to create: those some member was not given.
 
     Each rank only knows its own ``provided`` dict (possibly ``None`` on a rank in no
@@ -52,10 +53,14 @@ def _missing_groups(required: Sequence[RankTuple], rank: int, provided: Optional
     entry as a ``ValueError`` on every rank before anyone enters ``new_group``.
     """
     if not required:
+        if local_error is not None:
+            raise local_error  # no collective follows: the pipeline's check spreads it
         return []
     provided = provided or {}
     lacking: list[RankTuple] = []
     errors: list[str] = []
+    if local_error is not None:
+        errors.append(f"rank {rank}: {type(local_error).__name__}: {local_error}")
     for ranks in required:
         if rank not in ranks:
             continue
@@ -69,8 +74,10 @@ def _missing_groups(required: Sequence[RankTuple], rank: int, provided: Optional
     gathered: list[Any] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(gathered, (lacking, errors), group=process_group)
     all_errors = [e for _, errs in gathered for e in errs]
+    if local_error is not None:
+        raise local_error
     if all_errors:
-        raise ValueError("invalid broadcast_groups: " + "; ".join(all_errors))
+        raise ValueError("cannot set up the broadcast load: " + "; ".join(all_errors))
     return sorted({ranks for lack, _ in gathered for ranks in lack})
 
 
@@ -80,6 +87,7 @@ def broadcast_groups_for_load(
     rank: int,
     provided: Optional[dict[RankTuple, Any]] = None,
     process_group: Optional[dist.ProcessGroup] = None,
+    local_error: Optional[Exception] = None,
 ) -> Iterator[dict[RankTuple, Any]]:
     """Yield ``{rank tuple: group}`` for the required groups ``rank`` (global) belongs to.
 
@@ -88,8 +96,10 @@ def broadcast_groups_for_load(
     rank of the default group enters, in the same order — and destroyed on exit in
     rank-tuple order by their members.  Groups from ``provided`` are used as they are and left alive.  Raises
     ``ValueError`` on every rank when a provided group does not match its key.
+    ``local_error`` (this rank could not prepare its part) is raised here and, as a
+    ``ValueError`` naming this rank, on every other rank — before any group exists.
     """
-    to_create = _missing_groups(required, rank, provided, process_group)
+    to_create = _missing_groups(required, rank, provided, process_group, local_error)
     created: dict[RankTuple, Any] = {}
     usable: dict[RankTuple, Any] = {}
     if provided is not None:
