@@ -21,6 +21,7 @@ def _reference():
     ref["mask"] = torch.rand(9, generator=g) > 0.5
     ref["ids"] = torch.randint(0, 1000, (11,), generator=g)
     ref["transposed"] = torch.randn(6, 10, generator=g)
+    ref["scale"] = torch.tensor(3.5)  # 0-dim
     ref["optim"] = {"step": 12, "lr": [0.1, 0.01], "note": "adam"}
     return ref
 
