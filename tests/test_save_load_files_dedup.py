@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -92,6 +93,14 @@ def _load_fallback_on_two(rank: int, world_size: int, root: str) -> None:
         target = model_state(world_size, empty=True)
         dcp.load(target, checkpoint_id=f"{root}/{name}")
         check_model_state(target)
+    # 2 ranks save without collectives over the 4-rank per-rank checkpoint: the result
+    # must be the new checkpoint, not a mix with the old ranks 2 and 3
+    newer = model_state(world_size)
+    newer["sh"].to_local().mul_(-1.0)
+    dcp.save(newer, checkpoint_id=f"{root}/local_again", use_collectives=False)
+    target = model_state(world_size, empty=True)
+    dcp.load(target, checkpoint_id=f"{root}/local_again")
+    assert torch.equal(target["sh"].full_tensor(), -sharded_value()), "old per-rank chunks leaked into the load"
 
 
 def _rank_of(file: str) -> int:
@@ -170,6 +179,7 @@ def test_no_collectives_writes_rank_metadata_and_loads_on_another_world_size(sav
         # no dedup without collectives: each rank's own metadata lists its own chunks
         assert local["chunks"]["sh"] == [([rank * 10, 0], [10, 8])]
         assert {_rank_of(file) for _, _, file, _ in local["where"]} == {rank}
+    shutil.copytree(f"{root}/local", f"{root}/local_again")
     run_distributed(_load_fallback_on_two, 2, root, timeout=240)
     single = {name: torch.zeros(n) for name, n in REPLICATED.items()} | {"sh": torch.zeros(SHARD_ROWS, 8)}
     dcp.load(single, checkpoint_id=f"{root}/local", no_dist=True)

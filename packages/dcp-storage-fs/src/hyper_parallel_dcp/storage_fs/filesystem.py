@@ -182,7 +182,15 @@ class FileSystemWriter(StorageWriter):
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         if not self.atomic:
-            for stale in (out_dir / METADATA_FILE, out_dir / f"{self.rank}.metadata"):
+            stale_files = [out_dir / METADATA_FILE, out_dir / f"{self.rank}.metadata"]
+            if self.rank == 0:
+                # Per-rank metadata of ranks this save does not have (an earlier save on
+                # more ranks) would be merged into this checkpoint by a loader.
+                for entry in os.scandir(out_dir):
+                    match = _RANK_METADATA.match(entry.name)
+                    if match and int(match.group(1)) >= self.world_size:
+                        stale_files.append(Path(entry.path))
+            for stale in stale_files:
                 try:
                     stale.unlink()  # the directory no longer holds that checkpoint
                 except FileNotFoundError:
