@@ -7,6 +7,8 @@ concerned.  Several also derive from the built-in type a caller would naturally 
 
 from __future__ import annotations
 
+import sys
+
 __all__ = [
     "CheckpointError",
     "CheckpointException",
@@ -95,5 +97,21 @@ class CheckpointException(CheckpointError):
         ranks = ", ".join(str(r) for r in sorted(failures))
         super().__init__(f"checkpoint phase '{phase}' failed on rank(s) {ranks}:\n" + "\n".join(parts))
 
-    def __reduce__(self):  # picklable across processes
-        return (type(self), (self.phase, {r: (e if isinstance(e, str) else f"{type(e).__name__}: {e}") for r, e in self.failures.items()}))
+    def __reduce__(self):  # picklable across processes (the async writer ships errors back)
+        failures = {r: (e if isinstance(e, str) else f"{type(e).__name__}: {e}") for r, e in self.failures.items()}
+        state = {"remote_tracebacks": self.remote_tracebacks} if hasattr(self, "remote_tracebacks") else None
+        cls = type(self)
+        if getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls:
+            return (cls, (self.phase, failures), state)
+        # A class made on the fly to also be the remote error's class (``except KeyError``
+        # keeps working) cannot be found by name: rebuild it from that original class.
+        original = next((b for b in cls.__bases__ if b is not CheckpointException), None)
+        return (_rebuild_checkpoint_exception, (original, self.phase, failures), state)
+
+
+def _rebuild_checkpoint_exception(original: type | None, phase: str, failures: dict) -> CheckpointException:
+    if original is None:
+        return CheckpointException(phase, failures)
+    combined = type(original.__name__, (CheckpointException, original),
+                    {"__module__": original.__module__, "__str__": CheckpointException.__str__})
+    return combined(phase, failures)

@@ -1,0 +1,66 @@
+"""The collective wrapper without a process group, and how remote failures are re-raised."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from hyper_parallel_dcp.core.collectives import DistWrapper, _Failure, _raise_failures
+from hyper_parallel_dcp.core.errors import CheckpointException, MismatchError
+
+
+def test_without_a_group_every_step_runs_locally():
+    dw = DistWrapper(None, use_dist=True)  # no process group initialised: a no-op wrapper
+    assert not dw.use_dist and (dw.rank, dw.world_size) == (0, 1)
+    assert dw.all_gather("plan", lambda: 7) == [7]
+    assert dw.reduce_scatter("plan", lambda: 3, lambda xs: [sum(xs) * 10]) == 30
+    assert dw.all_reduce("write", lambda: 2, lambda xs: xs + ["done"]) == [2, "done"]
+    assert dw.all_gather_object("x") == ["x"] and dw.broadcast_object("y") == "y"
+    dw.check("read", None)
+    dw.barrier()
+
+
+def test_without_a_group_the_original_exception_comes_through():
+    dw = DistWrapper(None, use_dist=False)
+    with pytest.raises(MismatchError, match="'w'"):
+        dw.all_gather("plan", lambda: (_ for _ in ()).throw(MismatchError("'w': shape")))
+    with pytest.raises(KeyError):
+        dw.check("read", KeyError("gone"))
+
+
+def _capture(exc: BaseException) -> _Failure:
+    try:
+        raise exc
+    except BaseException as caught:  # noqa: BLE001
+        return _Failure.capture(caught)
+
+
+def test_remote_failures_are_raised_as_their_class_naming_every_rank():
+    failures = {3: _capture(KeyError("'layer.w' missing")), 1: _capture(MismatchError("'b': dtype mismatch"))}
+    failures = pickle.loads(pickle.dumps(failures))  # they travel between processes
+    with pytest.raises(CheckpointException) as info:
+        _raise_failures("plan", failures)
+    exc = info.value
+    # the lowest failing rank's class is kept, so `except MismatchError` still works
+    assert isinstance(exc, MismatchError)
+    text = str(exc)
+    assert "phase 'plan' failed on rank(s) 1, 3" in text
+    assert "[rank 1] MismatchError: 'b': dtype mismatch" in text and "[rank 3] KeyError" in text
+    assert set(exc.remote_tracebacks) == {1, 3} and "Traceback" in exc.remote_tracebacks[1]
+    # it crosses processes too (the async writer process ships its errors back), class kept
+    back = pickle.loads(pickle.dumps(exc))
+    assert isinstance(back, CheckpointException) and isinstance(back, MismatchError)
+    assert str(back) == text and back.failures.keys() == {1, 3}
+    assert back.remote_tracebacks == exc.remote_tracebacks
+    plain = pickle.loads(pickle.dumps(CheckpointException("read", {0: "OSError: disk"})))
+    assert type(plain) is CheckpointException and "[rank 0] OSError: disk" in str(plain)
+
+
+def test_foreign_exception_classes_are_not_imported():
+    """Only builtins and our own classes are re-created; anything else is a CheckpointException."""
+    failure = _Failure("some.module", "Evil", "boom", "trace")
+    with pytest.raises(CheckpointException, match=r"\[rank 0\] Evil: boom") as info:
+        _raise_failures("write", {0: failure})
+    assert type(info.value) is CheckpointException
+    _raise_failures("write", {})  # nothing failed: nothing raised
