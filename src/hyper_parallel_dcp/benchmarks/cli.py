@@ -16,11 +16,11 @@ from typing import Any, Optional, Sequence
 
 __all__ = ["main"]
 
-# name -> (dense MiB, small count, small KiB, broadcast MiB, reps, planning worlds)
-PRESETS: dict[str, tuple[float, int, float, float, int, tuple[int, ...]]] = {
-    "quick": (32, 200, 64, 16, 1, (64, 256)),
-    "default": (256, 2000, 128, 64, 3, (64, 256, 1024, 4096, 8192)),
-    "full": (1024, 2000, 512, 256, 5, (64, 128, 256, 512, 1024, 2048, 4096, 8192)),
+# name -> (dense MiB, small count, small KiB, broadcast MiB, reps, secondary reps, planning worlds)
+PRESETS: dict[str, tuple[float, int, float, float, int, int, tuple[int, ...]]] = {
+    "quick": (32, 200, 64, 16, 1, 1, (64, 256)),
+    "default": (256, 2000, 128, 64, 3, 1, (64, 256, 1024, 4096, 8192)),
+    "full": (1024, 2000, 512, 256, 5, 3, (64, 128, 256, 512, 1024, 2048, 4096, 8192)),
 }
 
 
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bcast-mib", type=float, help="size of the replicated state dict for broadcast loads")
     p.add_argument("--bcast-worlds", default="2,4", help="replication factors for broadcast loads (default 2,4)")
     p.add_argument("--cap-mb-s", type=float, default=200.0, help="shared storage bandwidth cap for broadcast loads")
-    p.add_argument("--reps", type=int, help="repetitions per case")
+    p.add_argument("--reps", type=int, help="repetitions per case (secondary cases too)")
     p.add_argument("--plan-worlds", help="comma-separated simulated world sizes for planning")
     p.add_argument("--sections", default="io,broadcast,convert,planning",
                    help="comma-separated subset of io,broadcast,convert,planning")
@@ -153,13 +153,14 @@ def _run_convert(root: Path, mib: float, reps: int, log) -> dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    dense_mib, small_count, small_kib, bcast_mib, reps, plan_worlds = PRESETS[args.preset]
+    dense_mib, small_count, small_kib, bcast_mib, reps, reps2, plan_worlds = PRESETS[args.preset]
     cfg = {
         "dense_mib": args.dense_mib or dense_mib,
         "small_count": args.small_count or small_count,
         "small_kib": args.small_kib or small_kib,
         "bcast_mib": args.bcast_mib or bcast_mib,
         "reps": args.reps or reps,
+        "reps_secondary": args.reps or reps2,
         "cap_mb_s": args.cap_mb_s,
     }
     worlds = tuple(int(w) for w in args.plan_worlds.split(",")) if args.plan_worlds else plan_worlds

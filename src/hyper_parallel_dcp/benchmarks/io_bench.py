@@ -130,6 +130,8 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     root = Path(cfg["root"])
     root.mkdir(parents=True, exist_ok=True)
     reps = cfg["reps"]
+    # secondary cases (plan cache, cold, N->1, async) run fewer times to fit the budget
+    reps2 = min(reps, cfg.get("reps_secondary", reps))
     shapes = dense_shapes(cfg["dense_mib"]) if cfg["kind"] == "dense" else small_shapes(cfg["small_count"], cfg["small_kib"])
     mesh = init_device_mesh("cpu", (world_size,))
     sd = make_state_dict(shapes, mesh=mesh)
@@ -153,7 +155,7 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     # repeated save: the plan cache is warm (ours: class-level; torch: enable_plan_caching)
     hp.save(sd, checkpoint_id=ours)
     tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(theirs), planner=DefaultSavePlanner(enable_plan_caching=True))
-    for _ in range(reps):
+    for _ in range(reps2):
         rec.add("ours.save_cached_plan", _timed(lambda: hp.save(sd, checkpoint_id=ours))[0])
         rec.add("torch.save_cached_plan", _timed(lambda: tdcp.save(
             sd, storage_writer=tdcp.FileSystemWriter(theirs),
@@ -179,7 +181,7 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     rec.info["bytes_needed"] = rec.info["global_bytes"]
     _check_equal(target, sd, "same-layout load")
     _check_equal(flipped, sd, "resharded load")
-    for _ in range(reps):
+    for _ in range(reps2):
         _barrier()
         ref.drop_page_cache(_files(ours) + _files(theirs))
         rec.add("ours.load_cold", _timed(lambda: our_load(target))[0])
@@ -187,7 +189,7 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
 
     # world N -> 1: rank 0 alone loads everything into whole tensors, the others wait
     whole = make_state_dict(shapes, fill=False) if rank == 0 else {}
-    for _ in range(reps):
+    for _ in range(reps2):
         rec.add("ours.load_n_to_1", _timed(lambda: our_load(whole, no_dist=True) if rank == 0 else None)[0])
         rec.add("torch.load_n_to_1", _timed(
             lambda: tdcp.load(whole, storage_reader=tdcp.FileSystemReader(theirs), no_dist=True)
@@ -195,7 +197,7 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     rec.info["n_to_1_bytes"] = rec.info["global_bytes"]
 
     if cfg.get("async", True):
-        _async_cases(rec, sd, root, rank, reps)
+        _async_cases(rec, sd, root, rank, max(1, reps2))
     _rm(ours, rank)
     _rm(theirs, rank)
     return {"times": rec.times, "info": rec.info}

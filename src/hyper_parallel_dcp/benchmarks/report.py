@@ -121,7 +121,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         f"- command: `{result['command']}`",
         f"- machine: {result['machine']}",
         f"- torch {result['versions']['torch']}, python {result['versions']['python']}",
-        f"- repetitions: {result['config']['reps']}; times in seconds, median (min–max); "
+        f"- repetitions: {result['config']['reps']} (plan cache, cold, N→1, async: "
+        f"{result['config'].get('reps_secondary', result['config']['reps'])}, async one more for the first save); "
+        "times in seconds, median (min–max); "
         "every case timed between barriers (slowest rank).",
         "",
         "## Goals",
@@ -184,6 +186,7 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     p = result.get("planning")
     if p:
         lines += ["", "## Planning at scale (simulated, one process)", "",
+                  "CPU seconds of the planning process (`time.process_time`). "
                   "Global save planning = dedup + metadata build on the coordinator (torch: `_dedup_save_plans` + "
                   "`create_default_global_save_plan` + `_validate_global_plan`). Local load plan = one rank's plan "
                   "for a resharded target (slowest of a sample of ranks). Metadata: our JSON with storage entries; "
