@@ -104,7 +104,7 @@ def _load_variants(rank, world_size, path, ref):
         stats = None if ex is None else (ex.stats.broadcasts, ex.stats.batched_broadcasts, ex.stats.bytes_broadcast,
                                          ex.stats.replicated_shards, ex.stats.groups_created)
         out[name] = (_mismatches(sd, ref), reader.bytes_read, stats)
-    # caller-built group: used, not re-created
+    # a caller's entry for the whole world: the default group is used (the same on every rank)
     import torch.distributed as dist
 
     group = dist.new_group(ranks=list(range(world_size)))
@@ -113,6 +113,14 @@ def _load_variants(rank, world_size, path, ref):
     reader = FileSystemReader(path)
     load_state_dict(sd, reader, assign_readers=True, read_executor=ex)
     out["prebuilt"] = (_mismatches(sd, ref), reader.bytes_read, (ex.stats.groups_used, ex.stats.groups_created))
+    # Rank 2 loads only "big": the other keys form the replica group (0, 1).
+    subset = {k: v for k, v in ref.items() if k == "big" or rank < 2}
+    pair = dist.new_group(ranks=[0, 1])
+    for name, groups in (("subset_lazy", None), ("subset_prebuilt", {(0, 1): pair} if rank < 2 else None)):
+        ex = make_read_executor(groups=groups)
+        sd = _targets(subset)
+        load_state_dict(sd, FileSystemReader(path), assign_readers=True, read_executor=ex)
+        out[name] = (_mismatches(sd, subset), 0, (ex.stats.groups_used, ex.stats.groups_created))
     sd = _targets(ref)
     plain = _NoStreamReader(path)
     load_state_dict(sd, plain, assign_readers=True, read_executor=make_read_executor())
@@ -153,8 +161,12 @@ def test_replicated_state_is_read_once_and_broadcast(tmp_path):
         assert 1 <= batched[0] <= WORLD * 4 < n_tensors
         assert batched[1] >= 1
         assert out["tiny_batches"][2][2] == tensor_bytes
-        assert batched[4] == 1  # the load created the one replica group (0, 1, 2) itself
-        assert out["prebuilt"][2] == (1, 0)  # ... and used the caller's instead when given
+        assert batched[4] == 0  # the one replica group (0, 1, 2) is the default group: nothing created
+        assert out["prebuilt"][2] == (1, 0)
+    for rank, out in enumerate(results):
+        # (0, 1) is created for the load unless the caller passes it; rank 2 is in no such group
+        assert out["subset_lazy"][2] == ((2, 1) if rank < 2 else (1, 0)), rank
+        assert out["subset_prebuilt"][2] == ((2, 0) if rank < 2 else (1, 0)), rank
 
 
 class _FailingReader(FileSystemReader):

@@ -213,7 +213,8 @@ class BroadcastReadExecutor:
         with broadcast_groups_for_load(required, me_global, self.groups, process_group,
                                        local_error=local_error) as groups:
             stats.groups_used = len(groups)
-            stats.groups_created = sum(1 for k, g in groups.items() if (self.groups or {}).get(k) is not g)
+            stats.groups_created = sum(1 for k, g in groups.items()
+                                       if g is not dist.group.WORLD and (self.groups or {}).get(k) is not g)
             reads = _Reads(storage_reader, planner, ordered, self.read_ahead)
             pending: collections.deque = collections.deque()
             healthy = False

@@ -61,8 +61,9 @@ def _missing_groups(required: Sequence[RankTuple], rank: int, provided: Optional
     errors: list[str] = []
     if local_error is not None:
         errors.append(f"rank {rank}: {type(local_error).__name__}: {local_error}")
+    whole = _whole_world()
     for ranks in required:
-        if rank not in ranks:
+        if rank not in ranks or ranks == whole:
             continue
         group = provided.get(ranks)
         if group is None:
@@ -81,6 +82,10 @@ def _missing_groups(required: Sequence[RankTuple], rank: int, provided: Optional
     return sorted({ranks for lack, _ in gathered for ranks in lack})
 
 
+def _whole_world() -> RankTuple:
+    return tuple(range(dist.get_world_size()))
+
+
 @contextlib.contextmanager
 def broadcast_groups_for_load(
     required: Sequence[RankTuple],
@@ -92,10 +97,12 @@ def broadcast_groups_for_load(
     """Yield ``{rank tuple: group}`` for the required groups ``rank`` (global) belongs to.
 
     ``required`` (sorted, identical on every rank, global ranks) lists the groups the load
-    needs.  Groups some member was not given are created with ``dist.new_group`` — every
-    rank of the default group enters, in the same order — and destroyed on exit in
-    rank-tuple order by their members.  Groups from ``provided`` are used as they are and left alive.  Raises
-    ``ValueError`` on every rank when a provided group does not match its key.
+    needs.  A group of every rank is the default group itself (nothing to create, on
+    every rank alike).  Other groups some member was not given are created with
+    ``dist.new_group`` — every rank of the default group enters, in the same order — and
+    destroyed on exit in rank-tuple order by their members.  Groups from ``provided`` are
+    used as they are and left alive.  Raises ``ValueError`` on every rank when a provided
+    group does not match its key.
     ``local_error`` (this rank could not prepare its part) is raised here and, as a
     ``ValueError`` naming this rank, on every other rank — before any group exists.
     """
@@ -104,6 +111,11 @@ def broadcast_groups_for_load(
     usable: dict[RankTuple, Any] = {}
     if provided is not None:
         usable.update({r: provided[r] for r in required if rank in r and r in provided})
+    whole = _whole_world()
+    if whole in required:
+        # The default group already joins every rank: creating a copy would only cost a
+        # rendezvous (tens of ms on gloo) and a communicator.
+        usable[whole] = dist.group.WORLD
     try:
         for ranks in to_create:
             group = dist.new_group(ranks=list(ranks))
