@@ -18,6 +18,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
+from hyper_parallel_dcp.core.timing import phase
+
 __all__ = ["broadcast_groups_for_load"]
 
 logger = logging.getLogger(__name__)
@@ -117,15 +119,18 @@ def broadcast_groups_for_load(
         # rendezvous (tens of ms on gloo) and a communicator.
         usable[whole] = dist.group.WORLD
     try:
-        for ranks in to_create:
-            group = dist.new_group(ranks=list(ranks))
-            if rank in ranks and _is_member_group(group):
-                created[ranks] = group
+        with phase("create_broadcast_groups", rank):
+            for ranks in to_create:
+                group = dist.new_group(ranks=list(ranks))
+                if rank in ranks and _is_member_group(group):
+                    created[ranks] = group
         usable.update(created)
         logger.debug("rank %d: %d replica groups needed, %d created here", rank, len(required), len(created))
         yield usable
     finally:
         # Only members destroy, and they all reach this point after the same last
         # broadcast on the group, so the order below is the same everywhere it matters.
-        for ranks in sorted(created):
-            dist.destroy_process_group(created[ranks])
+        if created:
+            with phase("destroy_broadcast_groups", rank):
+                for ranks in sorted(created):
+                    dist.destroy_process_group(created[ranks])
