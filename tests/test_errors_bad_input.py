@@ -139,6 +139,9 @@ def _one_rank_fails(rank: int, world_size: int, root: str) -> dict[str, tuple[bo
     for name, bad in cases.items():
         target = bad if rank == 1 else good
         out[name] = _caught(lambda target=target: dcp.load(target, checkpoint_id=f"{root}/good"))
+    # rank 1 looks in the wrong directory: rank 0 must not wait for it in the plan exchange
+    path = f"{root}/good" if rank == 0 else f"{root}/not-there"
+    out["missing_dir"] = _caught(lambda: dcp.load({"layer": {"bias": torch.zeros(6)}}, checkpoint_id=path))
     # a rank with nothing to load passes {}; only rank 1 touches the truncated file
     target = {"layer": {"weight": torch.zeros(4, 6)}} if rank == 1 else {}
     out["truncated"] = _caught(lambda: dcp.load(target, checkpoint_id=f"{root}/truncated"))
@@ -148,10 +151,11 @@ def _one_rank_fails(rank: int, world_size: int, root: str) -> dict[str, tuple[bo
     out["partial"] = _caught(lambda: dcp.save(grads, checkpoint_id=f"{root}/partial"))
     # the group is still in step: a normal save and load work afterwards
     dcp.save({"w": torch.full((3,), float(world_size))}, checkpoint_id=f"{root}/after")
-    after = {"w": torch.zeros(3)}
+    after = {"w": torch.zeros(3)} if rank == 1 else {}  # rank 0 has nothing to load
     dcp.load(after, checkpoint_id=f"{root}/after")
     dist.barrier()
-    out["after"] = (bool(torch.equal(after["w"], torch.full((3,), float(world_size)))), "")
+    ok = rank == 0 or bool(torch.equal(after["w"], torch.full((3,), float(world_size))))
+    out["after"] = (ok, "")
     return out
 
 
@@ -177,6 +181,7 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
 
     results = run_distributed(_one_rank_fails, 2, str(tmp_path), timeout=240)
     expected = {
+        "missing_dir": r"CheckpointNotFoundError.*rank\(s\) 1.*not-there",
         "missing_key": r"MissingKeyError.*rank\(s\) 1.*'layer\.ghost'",
         "shape": r"MismatchError.*rank\(s\) 1.*'layer\.weight': shape mismatch.*\[4, 6\].*\[4, 7\]",
         "dtype": r"MismatchError.*rank\(s\) 1.*'layer\.bias': dtype mismatch",

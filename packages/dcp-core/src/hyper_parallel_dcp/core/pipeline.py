@@ -169,10 +169,24 @@ def load_state_dict(
     planner = planner if planner is not None else StandardLoadPlanner()
 
     with phase("load", rank):
-        with phase("read_metadata", rank):
-            metadata = storage_reader.read_metadata()
-        if not storage_reader.collectives_required:
+        read: list[Metadata] = []
+
+        def read_step() -> bool:
+            with phase("read_metadata", rank):
+                read.append(storage_reader.read_metadata())
+            return storage_reader.collectives_required
+
+        first = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
+                            coordinator_rank=coordinator_rank)
+        if first.use_dist:
+            # A rank that cannot read the metadata (wrong path, no shared filesystem) must
+            # fail every rank, and all ranks must agree whether collectives follow: one
+            # rank falling back to {rank}.metadata alone would leave the others waiting.
+            if not all(first.all_gather("read_metadata", read_step)):
+                use_collectives = False
+        elif not read_step():
             use_collectives = False
+        metadata = read[0]
         dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
                          coordinator_rank=coordinator_rank)
         is_coordinator = rank == coordinator_rank
