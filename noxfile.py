@@ -22,13 +22,13 @@ nox.options.sessions = ["tests", "integration", "docs"]
 TORCH = "torch==2.13.0"
 PYTHON = "3.11"
 
-# package → (folder, local siblings it depends on)
-PACKAGES: dict[str, tuple[str, list[str]]] = {
-    "core": ("packages/dcp-core", []),
-    "storage-fs": ("packages/dcp-storage-fs", ["core"]),
-    "async": ("packages/dcp-async", ["core", "storage-fs"]),
-    "broadcast": ("packages/dcp-broadcast", ["core"]),
-    "hf-convert": ("packages/dcp-hf-convert", ["core", "storage-fs"]),
+# package → (folder, local siblings it depends on, local siblings its tests also need)
+PACKAGES: dict[str, tuple[str, list[str], list[str]]] = {
+    "core": ("packages/dcp-core", [], []),
+    "storage-fs": ("packages/dcp-storage-fs", ["core"], []),
+    "async": ("packages/dcp-async", ["core", "storage-fs"], []),
+    "broadcast": ("packages/dcp-broadcast", ["core"], ["storage-fs"]),  # tests read real files
+    "hf-convert": ("packages/dcp-hf-convert", ["core", "storage-fs"], []),
 }
 TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"]
 PYTEST = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", "-ra"]
@@ -38,8 +38,8 @@ INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", *DOCS_DEPS]
 
 
 def _siblings(name: str) -> list[str]:
-    folder, deps = PACKAGES[name]
-    return [PACKAGES[d][0] for d in deps]
+    _, deps, test_deps = PACKAGES[name]
+    return [PACKAGES[d][0] for d in [*deps, *test_deps]]
 
 
 def _has_test_extra(folder: str) -> bool:
@@ -51,7 +51,7 @@ def _has_test_extra(folder: str) -> bool:
 @nox.parametrize("package", list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
     """One package alone: only it, its local siblings and torch are installed."""
-    folder, _ = PACKAGES[package]
+    folder = PACKAGES[package][0]
     session.install(TORCH)
     target = f"./{folder}[test]" if _has_test_extra(folder) else f"./{folder}"
     session.install(*[f"./{s}" for s in _siblings(package)], target, *TEST_TOOLS, TORCH)
@@ -61,7 +61,7 @@ def tests(session: nox.Session, package: str) -> None:
 def _install_everything(session: nox.Session, *extra: str) -> None:
     session.install(TORCH)
     targets = []
-    for folder, _ in PACKAGES.values():
+    for folder, _, _ in PACKAGES.values():
         targets.append(f"-e./{folder}[test]" if _has_test_extra(folder) else f"-e./{folder}")
     session.install(*targets, "-e.", *TEST_TOOLS, *extra, TORCH)
 
@@ -86,7 +86,7 @@ def lint(session: nox.Session) -> None:
     """ruff over the repository, mypy over each package's sources."""
     _install_everything(session, "ruff", "mypy")
     session.run("ruff", "check", ".")
-    for folder, _ in PACKAGES.values():
+    for folder, _, _ in PACKAGES.values():
         session.run("mypy", f"{folder}/src")
     session.run("mypy", "src")
 
