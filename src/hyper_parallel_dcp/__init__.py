@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "save": "hyper_parallel_dcp.api",
     "load": "hyper_parallel_dcp.api",
-    "async_save": "hyper_parallel_dcp.api",
+    "async_save": "hyper_parallel_dcp.async_persist",
     "Metadata": "hyper_parallel_dcp.core.metadata",
     "TensorStorageMetadata": "hyper_parallel_dcp.core.metadata",
     "BytesStorageMetadata": "hyper_parallel_dcp.core.metadata",

@@ -1,9 +1,9 @@
-"""The public entry points: ``save``, ``load`` and ``async_save``."""
+"""The public entry points ``save`` and ``load`` (``async_save`` comes from ``hyper_parallel_dcp.async_persist``)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict, process_rank, save_state_dict
@@ -11,7 +11,7 @@ from hyper_parallel_dcp.core.planner import LoadPlanner, SavePlanner
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
 
-__all__ = ["async_save", "load", "save"]
+__all__ = ["load", "save"]
 
 CheckpointId = Union[str, os.PathLike]
 
@@ -126,31 +126,3 @@ def load(
         read_executor=executor,
     )
 
-
-def async_save(
-    state_dict: dict[str, Any],
-    *,
-    checkpoint_id: Optional[CheckpointId] = None,
-    storage_writer: Optional[StorageWriter] = None,
-    planner: Optional[SavePlanner] = None,
-    no_dist: bool = False,
-    use_collectives: bool = True,
-    use_gloo: bool = False,
-    callback: Optional[Callable[[], None]] = None,
-) -> Any:
-    """Stage ``state_dict`` to host memory now and persist it in a background process.
-
-    See :func:`hyper_parallel_dcp.async_persist.async_save`.
-    """
-    from hyper_parallel_dcp.async_persist import async_save as _async_save
-
-    return _async_save(
-        state_dict,
-        checkpoint_id=checkpoint_id,
-        storage_writer=storage_writer,
-        planner=planner,
-        no_dist=no_dist,
-        use_collectives=use_collectives,
-        use_gloo=use_gloo,
-        callback=callback,
-    )
