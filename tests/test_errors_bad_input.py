@@ -20,6 +20,7 @@ from hyper_parallel_dcp.core.errors import (
 )
 from hyper_parallel_dcp.core.metadata import FORMAT_VERSION
 from hyper_parallel_dcp.core.testing import run_distributed
+from hyper_parallel_dcp.storage_fs.commit import SaveLock
 
 
 def _state() -> dict:
@@ -149,6 +150,9 @@ def _one_rank_fails(rank: int, world_size: int, root: str) -> dict[str, tuple[bo
     placement = Partial() if rank == 1 else Replicate()
     grads = {"acc": DTensor.from_local(torch.ones(4), mesh, [placement], run_check=False)}
     out["partial"] = _caught(lambda: dcp.save(grads, checkpoint_id=f"{root}/partial"))
+    # another save (the test process) holds the directory: the coordinator's refusal is
+    # raised on rank 1 too, which would otherwise wait in the plan exchange
+    out["locked"] = _caught(lambda: dcp.save({"w": torch.ones(2)}, checkpoint_id=f"{root}/locked"))
     # the group is still in step: a normal save and load work afterwards
     dcp.save({"w": torch.full((3,), float(world_size))}, checkpoint_id=f"{root}/after")
     after = {"w": torch.zeros(3)} if rank == 1 else {}  # rank 0 has nothing to load
@@ -179,7 +183,12 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
     shard = tmp_path / "truncated" / "_rank0_.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])
 
-    results = run_distributed(_one_rank_fails, 2, str(tmp_path), timeout=240)
+    lock = SaveLock(tmp_path / "locked")
+    lock.acquire()
+    try:
+        results = run_distributed(_one_rank_fails, 2, str(tmp_path), timeout=240)
+    finally:
+        lock.release()
     expected = {
         "missing_dir": r"CheckpointNotFoundError.*rank\(s\) 1.*not-there",
         "missing_key": r"MissingKeyError.*rank\(s\) 1.*'layer\.ghost'",
@@ -187,6 +196,7 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
         "dtype": r"MismatchError.*rank\(s\) 1.*'layer\.bias': dtype mismatch",
         "truncated": r"rank\(s\) 1.*_rank0_\.safetensors",
         "partial": r"UnsupportedPlacementError.*rank\(s\) 1.*'acc'.*Partial",
+        "locked": r"ConcurrentSaveError.*rank\(s\) 0.*another save into \S*locked is in progress",
     }
     for rank, out in enumerate(results):
         for case, pattern in expected.items():

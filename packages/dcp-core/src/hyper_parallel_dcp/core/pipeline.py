@@ -81,69 +81,76 @@ def save_state_dict(
     planner = planner if planner is not None else StandardSavePlanner()
 
     with phase("save", rank):
+        try:
+            return _save(state_dict, storage_writer, planner, dw, rank, world_size, is_coordinator, use_collectives)
+        except BaseException as exc:
+            storage_writer.abort(exc)
+            raise
+
+
+def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: SavePlanner, dw: DistWrapper,
+          rank: int, world_size: int, is_coordinator: bool, use_collectives: bool) -> Metadata:
+    global_metadata: list[Optional[Metadata]] = [None]
+    looked_up: list[Optional[tuple[SavePlan, Optional[Metadata]]]] = [None]
+
+    def set_up_step() -> bool:
         flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
         storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
                                              use_collectives=use_collectives)
         planner.set_up_planner(flat, is_coordinator=is_coordinator, rank=rank, world_size=world_size,
                                use_collectives=use_collectives)
-        global_metadata: list[Optional[Metadata]] = [None]
-        if dw.use_dist:
-            # Every rank must take the same path: a miss on one rank (other keys or another
-            # layout there) sends all ranks through planning, else the hitting ranks would
-            # wait in the write step for ranks still planning.  A failure in the lookup
-            # (e.g. a Partial DTensor) is raised on every rank too.  One flag per rank.
-            looked_up: list[Optional[tuple[SavePlan, Optional[Metadata]]]] = [None]
+        looked_up[0] = planner.lookup_cached_plan()
+        return looked_up[0] is not None
 
-            def lookup_step() -> bool:
-                looked_up[0] = planner.lookup_cached_plan()
-                return looked_up[0] is not None
+    if dw.use_dist:
+        # One collective step before anything else, so that every rank takes the same
+        # path: a failure in the set-up on one rank (the coordinator finding another save
+        # holding the directory, a Partial DTensor, colliding FQNs) is raised on every
+        # rank, and a plan-cache miss on one rank (other keys or another layout there)
+        # sends all ranks through planning; otherwise the others would wait forever.
+        hits = dw.all_gather("plan_cache", set_up_step)
+        cached = looked_up[0] if all(hits) else None
+        if cached is None and looked_up[0] is not None and getattr(planner, "cache_hit", False):
+            planner.cache_hit = False  # type: ignore[attr-defined] - this rank's hit was not used
+    else:
+        set_up_step()
+        cached = looked_up[0]
+    if cached is not None:
+        log_info(rank, "Hit final plan and metadata cache.")
+        final_plan, global_metadata[0] = cached
+        assert final_plan.save_id is not None
+        uses = next(_cache_uses.setdefault(final_plan.save_id, itertools.count(1)))
+        final_plan = replace(final_plan, save_id=f"{final_plan.save_id}-{uses}")
+    else:
+        def local_step() -> SavePlan:
+            with phase("build_local_plan", rank):
+                return storage_writer.prepare_local_plan(planner.create_local_plan())
 
-            hits = dw.all_gather("plan_cache", lookup_step)
-            cached = looked_up[0] if all(hits) else None
-            if cached is None and looked_up[0] is not None and getattr(planner, "cache_hit", False):
-                planner.cache_hit = False  # type: ignore[attr-defined] - this rank's hit was not used
-        else:
-            cached = planner.lookup_cached_plan()
-        if cached is not None:
-            log_info(rank, "Hit final plan and metadata cache.")
-            final_plan, global_metadata[0] = cached
-            assert final_plan.save_id is not None
-            uses = next(_cache_uses.setdefault(final_plan.save_id, itertools.count(1)))
-            final_plan = replace(final_plan, save_id=f"{final_plan.save_id}-{uses}")
-        else:
-            def local_step() -> SavePlan:
-                with phase("build_local_plan", rank):
-                    return storage_writer.prepare_local_plan(planner.create_local_plan())
+        def global_step(all_plans: list[SavePlan]) -> list[SavePlan]:
+            with phase("build_global_plan", rank):
+                plans, metadata = planner.create_global_plan(all_plans)
+                plans = storage_writer.prepare_global_plan(plans)
+                save_id = uuid.uuid4().hex[:16]
+                global_metadata[0] = metadata
+                return [replace(p, save_id=save_id) for p in plans]
 
-            def global_step(all_plans: list[SavePlan]) -> list[SavePlan]:
-                with phase("build_global_plan", rank):
-                    plans, metadata = planner.create_global_plan(all_plans)
-                    plans = storage_writer.prepare_global_plan(plans)
-                    save_id = uuid.uuid4().hex[:16]
-                    global_metadata[0] = metadata
-                    return [replace(p, save_id=save_id) for p in plans]
+        central = dw.reduce_scatter("plan", local_step, global_step)
+        final_plan = planner.finish_plan(central)
+        planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
 
-            central = dw.reduce_scatter("plan", local_step, global_step)
-            final_plan = planner.finish_plan(central)
-            planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
+    def write_step() -> list[WriteResult]:
+        with phase("execute_write", rank):
+            return storage_writer.execute_write(final_plan, planner)
 
-        def write_step() -> list[WriteResult]:
-            with phase("execute_write", rank):
-                return storage_writer.execute_write(final_plan, planner)
+    def finish_step(all_results: list[list[WriteResult]]) -> Metadata:
+        assert global_metadata[0] is not None
+        metadata = _attach_results(global_metadata[0], all_results)
+        with phase("finalize_checkpoint", rank):
+            storage_writer.finalize_checkpoint(metadata, all_results)
+        return metadata
 
-        def finish_step(all_results: list[list[WriteResult]]) -> Metadata:
-            assert global_metadata[0] is not None
-            metadata = _attach_results(global_metadata[0], all_results)
-            with phase("finalize_checkpoint", rank):
-                storage_writer.finalize_checkpoint(metadata, all_results)
-            return metadata
-
-        try:
-            with phase("_save_impl", rank):
-                return dw.all_reduce("write", write_step, finish_step)
-        except BaseException as exc:
-            storage_writer.abort(exc)
-            raise
+    with phase("_save_impl", rank):
+        return dw.all_reduce("write", write_step, finish_step)
 
 
 def load_state_dict(
