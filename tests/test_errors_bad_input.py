@@ -135,6 +135,7 @@ def _one_rank_fails(rank: int, world_size: int, root: str) -> dict[str, tuple[bo
         "missing_key": {"layer": {"weight": torch.zeros(4, 6), "ghost": torch.zeros(2)}},
         "shape": {"layer": {"weight": torch.zeros(4, 7)}},
         "dtype": {"layer": {"bias": torch.zeros(6, dtype=torch.bfloat16)}},
+        "colliding_fqns": {"layer.bias": torch.zeros(6), "layer": {"bias": torch.zeros(6)}},
     }
     out = {}
     for name, bad in cases.items():
@@ -194,6 +195,7 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
         "missing_key": r"MissingKeyError.*rank\(s\) 1.*'layer\.ghost'",
         "shape": r"MismatchError.*rank\(s\) 1.*'layer\.weight': shape mismatch.*\[4, 6\].*\[4, 7\]",
         "dtype": r"MismatchError.*rank\(s\) 1.*'layer\.bias': dtype mismatch",
+        "colliding_fqns": r"ValueError.*rank\(s\) 1.*both flatten to the FQN 'layer\.bias'",
         "truncated": r"rank\(s\) 1.*_rank0_\.safetensors",
         "partial": r"UnsupportedPlacementError.*rank\(s\) 1.*'acc'.*Partial",
         "locked": r"ConcurrentSaveError.*rank\(s\) 0.*another save into \S*locked is in progress",

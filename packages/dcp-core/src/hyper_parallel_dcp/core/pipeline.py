@@ -197,13 +197,17 @@ def load_state_dict(
         dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
                          coordinator_rank=coordinator_rank)
         is_coordinator = rank == coordinator_rank
-        flat, paths = flatten_state_dict(state_dict, is_tensor_leaf)
-        storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
-        planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
-        if isinstance(planner, StandardLoadPlanner):
-            planner.assign_readers = assign_readers and dw.use_dist
+        paths: dict[str, Any] = {}
 
         def local_step() -> LoadPlan:
+            # The set-up runs inside the gathered step: a failure on one rank (e.g. two
+            # paths flattening to one FQN) is raised on every rank instead of hanging them.
+            flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
+            paths.update(found)
+            storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
+            planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
+            if isinstance(planner, StandardLoadPlanner):
+                planner.assign_readers = assign_readers and dw.use_dist
             with phase("build_local_plan", rank):
                 return storage_reader.prepare_local_plan(planner.create_local_plan())
 
