@@ -98,6 +98,13 @@ def test_set_by_path_replaces_leaves_in_place_through_tuples():
     assert sd["a"]["b"][1][1] == "new" and type(sd["a"]["b"][1]) is tuple
     assert type(sd["p"]) is Point and sd["p"].y == 6
 
+    class Pair(tuple):  # a tuple subclass that is not a namedtuple
+        pass
+
+    holder = {"pair": Pair((torch.zeros(1), "a"))}
+    holder["pair"] = set_by_path(holder["pair"], (1,), "b")
+    assert type(holder["pair"]) is Pair and holder["pair"][1] == "b"
+
 
 def test_colliding_fqns_are_refused_naming_both_paths():
     sd = {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}

@@ -95,7 +95,8 @@ def set_by_path(root: Any, path: Path, value: Any) -> Any:
     if isinstance(root, tuple):
         items = list(root)
         items[head] = set_by_path(items[head], rest, value)
-        return type(root)(items) if type(root) is tuple else type(root)(*items)
+        # a namedtuple takes its fields as arguments, any other tuple type an iterable
+        return type(root)(*items) if hasattr(type(root), "_fields") else type(root)(items)
     root[head] = set_by_path(root[head], rest, value)
     return root
 
