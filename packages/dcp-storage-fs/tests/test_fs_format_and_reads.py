@@ -16,7 +16,7 @@ from hyper_parallel_dcp.core.chunks import span_elements
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
 from hyper_parallel_dcp.storage_fs.direct_read import read_slice_into, slice_span
-from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, write_safetensors
+from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, tensor_bytes, write_safetensors
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float64]
 
@@ -72,8 +72,7 @@ def test_read_slice_into_matches_indexing(tmp_path_factory, case):
     chunk = _tensor(shape, dtype, 7)
     path = tmp_path_factory.mktemp("r") / "chunk.bin"
     prefix = b"\x01" * 13  # the chunk does not start at offset 0 of the file
-    path.write_bytes(prefix + chunk.contiguous().view(torch.uint8).numpy().tobytes() if dtype is not torch.bool
-                     else prefix + chunk.to(torch.uint8).numpy().tobytes())
+    path.write_bytes(prefix + bytes(tensor_bytes(chunk.contiguous())))
     if strided_dest:
         dest = torch.zeros(tuple(reversed(lengths)), dtype=dtype).permute(*reversed(range(len(lengths))))
     else:
