@@ -96,10 +96,10 @@ class SlowWriter(FileSystemWriter):
 
 
 def modes_worker(rank: int, world_size: int, root: str, mode: str) -> dict:
+    import async_test_api as dcp
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import hyper_parallel_dcp as dcp
     from hyper_parallel_dcp.async_persist import AsyncSaveError
     from hyper_parallel_dcp.async_persist.persist import staging_buffer_ptrs
 
@@ -163,10 +163,9 @@ def modes_worker(rank: int, world_size: int, root: str, mode: str) -> dict:
 
 def load_worker(rank: int, world_size: int, paths: list, steps: list) -> list:
     """Load each checkpoint into a fresh layout of ``world_size`` ranks; report mismatches."""
+    import async_test_api as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-
-    import hyper_parallel_dcp as dcp
 
     mesh = init_device_mesh("cpu", (world_size,))
     problems = []
@@ -202,7 +201,7 @@ def _compare(target: dict, step: int, path, full) -> list:
 
 
 def load_single_process(path: Path, step: int) -> list:
-    import hyper_parallel_dcp as dcp
+    import async_test_api as dcp
 
     target = {
         "model": {"w": torch.zeros(_W[0], dtype=_W[1]), "b": torch.zeros(_B[0], dtype=_B[1])},

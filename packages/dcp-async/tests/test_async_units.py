@@ -10,10 +10,10 @@ import pickle
 import threading
 from pathlib import Path
 
+import async_test_api as dcp
 import pytest
 import torch
 
-import hyper_parallel_dcp as dcp
 from hyper_parallel_dcp.async_persist import AsyncSaveError, DataCopier, safe_pickle
 from hyper_parallel_dcp.async_persist.mailbox import FileMailbox
 from hyper_parallel_dcp.async_persist.staging import StagingArena, materialize
