@@ -19,7 +19,7 @@ __all__ = ["main"]
 # name -> (dense MiB, small count, small KiB, broadcast MiB, reps, secondary reps, planning worlds)
 PRESETS: dict[str, tuple[float, int, float, float, int, int, tuple[int, ...]]] = {
     "quick": (32, 200, 64, 16, 1, 1, (64, 256)),
-    "default": (256, 2000, 128, 64, 3, 1, (64, 256, 1024, 4096, 8192)),
+    "default": (256, 2000, 128, 64, 3, 1, (64, 256, 1024, 8192)),
     "full": (1024, 2000, 512, 256, 5, 3, (64, 128, 256, 512, 1024, 2048, 4096, 8192)),
 }
 
@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="where checkpoints are written (default: a temp dir; needs ~3x the sizes)")
     p.add_argument("--out", default="docs/benchmarks", help="output folder (default docs/benchmarks)")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for each multi-process run (s)")
+    p.add_argument("--render", metavar="RESULTS_JSON",
+                   help="only re-render README.md and the plots from an earlier results.json into --out")
     return p
 
 
@@ -153,6 +155,15 @@ def _run_convert(root: Path, mib: float, reps: int, log) -> dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.render:
+        from .report import write_markdown, write_plots
+
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        result = json.loads(Path(args.render).read_text())
+        write_markdown(out_dir / "README.md", result)
+        write_plots(out_dir, result)
+        return 0
     dense_mib, small_count, small_kib, bcast_mib, reps, reps2, plan_worlds = PRESETS[args.preset]
     cfg = {
         "dense_mib": args.dense_mib or dense_mib,

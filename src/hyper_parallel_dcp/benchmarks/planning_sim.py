@@ -202,7 +202,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_ranks: int = 4,
-                   torch_budget_s: float = 60.0, assign_max_world: int = 2048) -> dict[str, Any]:
+                   assign_max_world: int = 2048) -> dict[str, Any]:
     """Simulate one world size; returns a dict of CPU timings (seconds) and sizes (bytes).
 
     The reader assignment over all ranks' load plans (dense only) is skipped above
@@ -270,11 +270,11 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
         all_load = []
 
     if with_torch:
-        row.update(_torch_world(specs, mesh, lmesh, world, sample, torch_budget_s))
+        row.update(_torch_world(specs, mesh, lmesh, world, sample))
     return row
 
 
-def _torch_world(specs, mesh, lmesh, world, sample, budget_s) -> dict[str, Any]:
+def _torch_world(specs, mesh, lmesh, world, sample) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -343,16 +343,21 @@ def fit_exponent(worlds: Sequence[float], times: Sequence[float]) -> float:
 
 
 def run_planning(worlds: Sequence[int], layouts: Sequence[str] = ("dense", "moe"), *, with_torch: bool = True,
-                 log: Callable[[str], None] = print, torch_budget_s: float = 60.0) -> dict[str, Any]:
-    """Simulate every (layout, world); stop torch for a layout once it exceeds the budget."""
+                 log: Callable[[str], None] = print, torch_budget_s: float = 20.0) -> dict[str, Any]:
+    """Simulate every (layout, world).
+
+    torch's side is skipped for a world once its time at the previous world, scaled
+    linearly, would pass ``torch_budget_s`` (its plans cost more to build than ours too).
+    """
     rows = []
     for name in layouts:
         layout = LAYOUTS[name]
-        torch_on = with_torch
+        last: Optional[tuple[int, float]] = None
         for world in worlds:
-            row = simulate_world(layout, world, with_torch=torch_on, torch_budget_s=torch_budget_s)
-            if torch_on and row.get("torch_global_save_s", 0) + row.get("torch_local_load_plan_s", 0) > torch_budget_s:
-                torch_on = False
+            torch_on = with_torch and (last is None or last[1] * world / last[0] <= torch_budget_s)
+            row = simulate_world(layout, world, with_torch=torch_on)
+            if "torch_global_save_s" in row:
+                last = (world, row["torch_global_save_s"] + row["torch_local_load_plan_s"])
             rows.append(row)
             log(f"planning {name} world={world}: ours global {row['ours_global_save_s']:.3f}s"
                 + (f", torch {row['torch_global_save_s']:.3f}s" if "torch_global_save_s" in row else "")

@@ -121,10 +121,18 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         f"- command: `{result['command']}`",
         f"- machine: {result['machine']}",
         f"- torch {result['versions']['torch']}, python {result['versions']['python']}",
+        f"- sizes: dense {result['config']['dense_mib']} MiB, {result['config']['small_count']} small tensors of "
+        f"{result['config']['small_kib']} KiB, broadcast {result['config']['bcast_mib']} MiB at "
+        f"{result['config']['cap_mb_s']} MB/s shared cap",
         f"- repetitions: {result['config']['reps']} (plan cache, cold, N→1, async: "
         f"{result['config'].get('reps_secondary', result['config']['reps'])}, async one more for the first save); "
         "times in seconds, median (min–max); "
         "every case timed between barriers (slowest rank).",
+        "",
+        "Reproduce: `python -m hyper_parallel_dcp.benchmarks` (default sizes, < 10 min on 2 cores), "
+        "`--quick` (smoke test), `--full` (1 GiB / 2000 × 0.5 MiB, 5 repetitions), or set sizes with "
+        "`--dense-mib`, `--small-count`, `--small-kib`, `--world`, `--plan-worlds`; `--help` lists all. "
+        "`nox -s bench` runs the default.",
         "",
         "## Goals",
         "",
@@ -190,7 +198,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
                   "Global save planning = dedup + metadata build on the coordinator (torch: `_dedup_save_plans` + "
                   "`create_default_global_save_plan` + `_validate_global_plan`). Local load plan = one rank's plan "
                   "for a resharded target (slowest of a sample of ranks). Metadata: our JSON with storage entries; "
-                  "torch's pickle.", "",
+                  "torch's pickle. — : not run (torch: its time at the previous world, scaled linearly, was over "
+                  "budget; reader assignment: above 2048 ranks, where it is O(world × items)).", "",
                   "| layout | world | items | stored chunks | ours global (s) | torch global (s) | ours local load (s) "
                   "| torch local load (s) | ours reader assignment (s) | ours metadata (MB) | torch metadata (MB) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -4,7 +4,8 @@
 ``n`` bytes reserves the next ``n / bytes_per_s`` seconds of the one shared "link" under
 ``flock`` and sleeps until its slot ends, so N processes together never exceed the cap.
 :class:`ThrottledFileSystemReader` charges every byte the reader takes from storage
-(``bytes_read``) to it; pass it to ``load(..., storage_reader=...)``.
+(``bytes_read``) to it, whichever read path the load takes (``read_into``,
+``read_tensor``, ``read_object``); pass it to ``load(..., storage_reader=...)``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ class ThrottledFileSystemReader(FileSystemReader):
 
     def _charge(self, before: int) -> None:
         self.throttled_s += self.bandwidth.consume(self.bytes_read - before)
+
+    def read_into(self, item: ReadItem, dest: Any) -> None:
+        before = self.bytes_read
+        super().read_into(item, dest)
+        self._charge(before)
 
     def read_tensor(self, item: ReadItem) -> Any:
         before = self.bytes_read
