@@ -469,7 +469,7 @@ def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata) -> list[Lo
     groups = replica_groups(all_plans)
     assigned = [0] * len(all_plans)
     sizes: list[tuple[int, str, tuple, MetadataIndex]] = []
-    for (dest, sig), ranks in groups.items():
+    for dest, sig in groups:
         md = metadata.state_dict_metadata[dest.fqn]
         itemsize = md.properties.dtype.itemsize if isinstance(md, TensorStorageMetadata) else 1
         nbytes = sum(math.prod(req[3]) for req in sig) * itemsize
