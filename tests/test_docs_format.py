@@ -22,7 +22,7 @@ import xxhash
 jsonschema = pytest.importorskip("jsonschema")
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
-KEY = re.compile(r"^(?P<fqn>.+)@(?P<offsets>\d{12}(?:_\d{12})*)?$")
+KEY = re.compile(r"^(?P<fqn>.+) (?P<offsets>\d{12}(?:_\d{12})*)?$")
 
 
 def documented_schema() -> dict:

@@ -161,9 +161,9 @@ def test_shard_files_are_plain_safetensors_in_global_order(saved):
     expected = {name: replicated_value(name) for name in REPLICATED}
     expected["rdt"] = torch.linspace(0, 1, 64)
     for fqn, value in expected.items():
-        [key] = [k for k in seen if k.split("@")[0] == fqn]
+        [key] = [k for k in seen if k.rsplit(" ", 1)[0] == fqn]
         assert torch.equal(seen[key], value), fqn
-    shards = sorted((k, v) for k, v in seen.items() if k.split("@")[0] == "sh")
+    shards = sorted((k, v) for k, v in seen.items() if k.rsplit(" ", 1)[0] == "sh")
     assert torch.equal(torch.cat([v for _, v in shards]), sharded_value())
 
 

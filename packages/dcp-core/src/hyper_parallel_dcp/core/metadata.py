@@ -49,9 +49,12 @@ def dtype_from_name(name: str) -> torch.dtype:
 def chunk_key(fqn: str, offsets: tuple[int, ...]) -> str:
     """The storage key of a chunk; the sort order of keys is the global read/write order.
 
-    Offsets are zero-padded so that string order equals numeric order within an FQN.
+    Offsets are zero-padded so that string order equals numeric order within an FQN, and
+    the separator is a space, which sorts before every character an FQN uses in practice
+    (letters, digits, ``.``, ``_``): ``"blocks.1 …" < "blocks.10 …" < "blocks.1a …"``
+    exactly as the tuples ``("blocks.1", …) < ("blocks.10", …)`` do.
     """
-    return fqn + "@" + "_".join(f"{o:012d}" for o in offsets)
+    return fqn + " " + "_".join(f"{o:012d}" for o in offsets)
 
 
 @dataclass(frozen=True)
