@@ -127,7 +127,7 @@ def _raise_failures(step: str, failures: dict[int, _Failure]) -> None:
     """
     if not failures:
         return
-    described = {r: f"{f.qualname}: {f.message}" for r, f in failures.items()}
+    described: dict[int, BaseException | str] = {r: f"{f.qualname}: {f.message}" for r, f in failures.items()}
     first = failures[min(failures)]
     cls = first.exception_type()
     exc: CheckpointException
@@ -256,7 +256,7 @@ class DistWrapper:
         with phase("broadcast_object", self.rank):
             box = [obj if self.is_coordinator else None]
             dist.broadcast_object_list(box, src=self.global_coordinator, group=self.group)
-        return box[0]
+        return box[0]  # type: ignore[return-value]  # every rank holds the coordinator's object now
 
     def barrier(self) -> None:
         if self.use_dist:

@@ -79,7 +79,7 @@ def placement_boxes(
     try:
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:  # pragma: no cover
-        _StridedShard = ()  # type: ignore[assignment]
+        _StridedShard = ()  # type: ignore[assignment,misc]
     global_shape = tuple(int(d) for d in global_shape)
     per_dim: list[list[Run]] = [[(0, d)] if d else [] for d in global_shape]
     for mesh_dim, placement in enumerate(placements):

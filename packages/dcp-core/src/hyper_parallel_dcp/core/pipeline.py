@@ -111,7 +111,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         hits = dw.all_gather("plan_cache", set_up_step)
         cached = looked_up[0] if all(hits) else None
         if cached is None and looked_up[0] is not None and getattr(planner, "cache_hit", False):
-            planner.cache_hit = False  # type: ignore[attr-defined] - this rank's hit was not used
+            # this rank's hit was not used
+            planner.cache_hit = False  # type: ignore[attr-defined]
     else:
         set_up_step()
         cached = looked_up[0]
