@@ -55,7 +55,7 @@ def remove_stale_staging(target: Path, keep: Optional[str] = None) -> list[Path]
     them), except the staging directory of save ``keep``: with a cached plan the other
     ranks may already be writing into it.  Returns what was removed.
     """
-    removed = []
+    removed: list[Path] = []
     prefixes = (f".{target.name}.hp-dcp-staging-", f".{target.name}.hp-dcp-old-")
     kept = staging_dir(target, keep).name if keep is not None else None
     try:

@@ -216,8 +216,8 @@ class FileSystemWriter(StorageWriter):
                 placed.extend(write_safetensors(f, entries))
 
             size = _write_file_atomic(out_dir / name, write_tensors, self.sync_files)
-            for it, entry, (offset, length, digest) in zip(tensors, entries, placed):
-                results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest, entry.key), size))
+            for it, tensor_entry, (offset, length, digest) in zip(tensors, entries, placed):
+                results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest, tensor_entry.key), size))
         if objects:
             name = f"_rank{self.rank}_.bytes"
             placed_objs: list[tuple[int, int, str]] = []

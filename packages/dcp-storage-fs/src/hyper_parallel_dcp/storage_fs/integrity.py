@@ -123,7 +123,7 @@ def _read_metadata(root: Path, problems: list[str]) -> tuple[Optional[Metadata],
     if missing:
         _add(problems, f"{root}: the rank-local metadata of rank(s) {missing} is missing")
     parts = []
-    version: Optional[int] = None
+    version = None  # typed Optional[int] by the single-file branch above
     for rank, name in ranks:
         file = root / name
         try:

@@ -14,7 +14,7 @@ import ctypes
 import json
 import os
 import struct
-from typing import BinaryIO, NamedTuple, Sequence
+from typing import BinaryIO, NamedTuple, Sequence, TypeGuard
 
 import torch
 import xxhash
@@ -197,7 +197,7 @@ def entry_mismatch(entry: HeaderEntry | None, key: str, dtype: torch.dtype, shap
     return None
 
 
-def _int_list(value: object) -> bool:
+def _int_list(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
