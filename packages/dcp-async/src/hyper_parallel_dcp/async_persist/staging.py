@@ -180,18 +180,18 @@ class StagingArena:
 
         staged = StagedStateDict(slab_ids=frozenset(self._slabs))
         for fqn, leaf in flat.items():
-            ts = shards.get(fqn)
-            if ts is None:
+            leaf_shards = shards.get(fqn)
+            if leaf_shards is None:
                 staged.leaves[fqn] = ("object", DataCopier.copy(leaf))
                 continue
             refs: list[PieceRef] = []
-            for box, _ in ts.pieces:
+            for box, _ in leaf_shards.pieces:
                 if box.is_empty():
                     refs.append((box.offsets, box.sizes, -1, 0))
                 else:
-                    slab_id, offset = self._slots[(fqn, box.offsets, box.sizes, ts.dtype)]
+                    slab_id, offset = self._slots[(fqn, box.offsets, box.sizes, leaf_shards.dtype)]
                     refs.append((box.offsets, box.sizes, slab_id, offset))
-            staged.leaves[fqn] = ("tensor", (tuple(ts.global_shape), ts.dtype, ts.ragged, refs))
+            staged.leaves[fqn] = ("tensor", (tuple(leaf_shards.global_shape), leaf_shards.dtype, leaf_shards.ragged, refs))
         stats = StagingStats(sum(n for _, n, _ in wanted), reused, allocated,
                              any(s.pinned for s in self._slabs.values()))
         return staged, stats
