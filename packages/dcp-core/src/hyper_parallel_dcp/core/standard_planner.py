@@ -8,6 +8,8 @@ items; globally, replica groups and one byte-balanced reader per replicated shar
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import math
 import threading
 from dataclasses import replace
@@ -243,6 +245,23 @@ def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
     return Metadata(state_dict_metadata=sd)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Any:
+    """Pause the cyclic garbage collector (re-enabled after, unless it was off before).
+
+    Global planning allocates millions of small acyclic objects while millions of gathered
+    plan items are alive, so full collections keep re-traversing them: at 8192 simulated
+    MoE ranks they were 2.2 of 5.4 CPU seconds of dedup + metadata build.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class StandardSavePlanner(SavePlanner):
     """Default save planner: cross-rank dedup and a class-level plan cache.
 
@@ -332,9 +351,10 @@ class StandardSavePlanner(SavePlanner):
         return self._ensure_local()
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if self.remove_redundancy and self.use_collectives:
-            all_plans = dedup_save_plans(all_plans, self.save_to_minimum_rank)
-        return all_plans, build_metadata(all_plans)
+        with _gc_paused():
+            if self.remove_redundancy and self.use_collectives:
+                all_plans = dedup_save_plans(all_plans, self.save_to_minimum_rank)
+            return all_plans, build_metadata(all_plans)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         return new_plan
