@@ -9,6 +9,7 @@ the training process.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -114,12 +115,24 @@ def placement_boxes(
     return boxes_from_runs(per_dim)
 
 
-def _dtensor_boxes(dt: Any, fqn: str) -> list[tuple[ChunkBox, tuple[int, ...]]]:
+@functools.lru_cache(maxsize=1 << 16)
+def _cached_placement_boxes(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+                            placements: tuple[Any, ...]) -> tuple[tuple[ChunkBox, tuple[int, ...]], ...]:
+    # Models repeat a handful of (shape, layout) pairs thousands of times; the geometry
+    # is pure, so each pair is computed once (the per-tensor budget is ~0.1 ms in all).
+    return tuple(placement_boxes(global_shape, mesh_shape, coordinate, placements))
+
+
+def _dtensor_boxes(dt: Any, fqn: str) -> Sequence[tuple[ChunkBox, tuple[int, ...]]]:
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not part of the mesh
         return []
-    return placement_boxes(tuple(dt.shape), tuple(mesh.shape), coord, dt.placements, fqn)
+    args = (tuple(dt.shape), tuple(mesh.shape), tuple(coord), tuple(dt.placements))
+    try:
+        return _cached_placement_boxes(*args)
+    except UnsupportedPlacementError:
+        return placement_boxes(*args, fqn=fqn)  # raise again, naming the tensor
 
 
 def to_tensor_shards(leaf: Any, fqn: str = "<tensor>") -> TensorShards:
@@ -134,7 +147,8 @@ def to_tensor_shards(leaf: Any, fqn: str = "<tensor>") -> TensorShards:
         pieces = [(box, flat[pos : pos + box.volume].view(box.sizes)) for box, pos in leaf.boxes()]
         return TensorShards(leaf.global_shape, leaf.dtype, pieces, ragged=True)
     if _is_dtensor(leaf):
-        local = leaf.to_local()
+        # the attribute, not to_local(): that goes through autograd dispatch (~10 us a call)
+        local = leaf._local_tensor
         pieces = []
         for box, local_offsets in _dtensor_boxes(leaf, fqn):
             view = local

@@ -20,7 +20,7 @@ from .flatten import flatten_state_dict, set_by_path
 from .layout import is_tensor_leaf
 from .metadata import Metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from .standard_planner import StandardLoadPlanner, StandardSavePlanner
+from .standard_planner import StandardLoadPlanner, StandardSavePlanner, _gc_paused
 from .storage import StorageReader, StorageWriter, WriteResult
 from .timing import log_info, phase
 
@@ -80,7 +80,10 @@ def save_state_dict(
     is_coordinator = rank == coordinator_rank if use_collectives or world_size == 1 else True
     planner = planner if planner is not None else StandardSavePlanner()
 
-    with phase("save", rank):
+    # A save or load allocates many small objects (plan items, metadata) while the
+    # caller's large heap is alive: full collections re-traversing it cost more than the
+    # planning itself (2000 tensors: ~0.2 s of a 0.3 s load), so the collector pauses.
+    with phase("save", rank), _gc_paused():
         try:
             return _save(state_dict, storage_writer, planner, dw, rank, world_size, is_coordinator, use_collectives)
         except BaseException as exc:
@@ -176,7 +179,7 @@ def load_state_dict(
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
     planner = planner if planner is not None else StandardLoadPlanner()
 
-    with phase("load", rank):
+    with phase("load", rank), _gc_paused():
         read: list[Metadata] = []
 
         def read_step() -> bool:
