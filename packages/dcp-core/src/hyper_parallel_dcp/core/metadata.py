@@ -165,6 +165,10 @@ def metadata_to_json(metadata: Metadata) -> str:
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
+    # Called for every chunk of every tensor: the common valid case is checked with C-level
+    # builtins (json gives exact ints; bool is a different type), the slow path explains.
+    if type(value) is list and (not value or (set(map(type, value)) == {int} and min(value) >= 0)):
+        return tuple(value)
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise CheckpointFormatError(f"{what} must be a list of integers, got {value!r}")
     if any(v < 0 for v in value):

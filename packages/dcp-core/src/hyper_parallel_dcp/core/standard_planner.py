@@ -487,6 +487,9 @@ def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata) -> list[Lo
     ranks, source), ...)}`` for the groups this rank belongs to, in global order.
     """
     groups = replica_groups(all_plans)
+    if all(len(ranks) == 1 for ranks in groups.values()):
+        # Nothing is replicated: every rank reads its own items (``source`` None = itself).
+        return [replace(plan, planner_data={"replica_groups": ()}) for plan in all_plans]
     assigned = [0] * len(all_plans)
     sizes: list[tuple[int, str, tuple, MetadataIndex]] = []
     for dest, sig in groups:
