@@ -35,7 +35,12 @@ R = TypeVar("R")
 
 _DONE = ".done"
 _POLL_FIRST_S = 0.001
+# The back-off cap grows with the job: a few ranks poll often (the save lands within a few
+# ms of the last file, where a fixed 50 ms cap added ~0.1 s per save on 2 ranks), while a
+# large job on shared storage keeps the total rate of metadata lookups bounded.
 _POLL_MAX_S = 0.05
+_POLL_MAX_PER_RANK_S = 0.001
+_POLL_MIN_CAP_S = 0.004
 _MAX_POLL_THREADS = 32
 
 
@@ -89,6 +94,7 @@ class FileMailbox(DistWrapper):
         self.directory = Path(directory)
         self.tag = tag
         self.timeout = timeout
+        self.max_poll_s = min(_POLL_MAX_S, max(_POLL_MIN_CAP_S, _POLL_MAX_PER_RANK_S * world_size))
         RankIdentity._no_store_checks(self)  # type: ignore[arg-type]
 
     # -- naming ----------------------------------------------------------------------
@@ -137,7 +143,7 @@ class FileMailbox(DistWrapper):
                     f"(its writer process died or is stuck); rank {self.rank} gives up"
                 )
             time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
+            delay = min(delay * 2, self.max_poll_s)
 
     def _fetch_all(self, names: list[tuple[str, int]]) -> list[Any]:
         # One polling thread per rank: reading a slow rank never delays the others' reads.
