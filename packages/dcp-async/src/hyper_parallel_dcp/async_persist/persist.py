@@ -128,9 +128,10 @@ class _Persister:
         self._exit_hook: Any = None
 
     # -- the writer process --------------------------------------------------------------
-    def _ensure_process(self) -> None:
+    def _ensure_process(self) -> bool:
+        """Start the writer process unless one is alive; True when it was just started."""
         if self.proc is not None and self.proc.is_alive():
-            return
+            return False
         self._discard_process()
         import torch.multiprocessing as tmp  # registers the shared-memory tensor reductions
 
@@ -145,6 +146,7 @@ class _Persister:
             # Runs inside multiprocessing's exit handler *before* it joins non-daemon
             # children (which would otherwise wait forever for our idle writer).
             self._exit_hook = mp_util.Finalize(None, self.shutdown, exitpriority=100)
+        return True
 
     def _discard_process(self) -> None:
         if self.conn is not None:
@@ -232,7 +234,7 @@ class _Persister:
             self.seq += 1
             tag = f"{self._mailbox_session()}-{self.seq}" if mode == "files" else ""
 
-            self._ensure_process()  # starts first: the child imports torch while we stage
+            started = self._ensure_process()  # starts first: the child imports torch while we stage
             with phase("build_staged_state_dict", rank):
                 staged, stats = self.arena.stage(state_dict)
 
@@ -247,20 +249,28 @@ class _Persister:
                 no_dist=no_dist, use_collectives=use_collectives, gloo_init=gloo_init,
                 mailbox_dir=mailbox_dir, mailbox_tag=tag, timeout_s=_timeout_s(), cache=cache,
             )
-            with phase("send_to_writer", rank):
-                try:
-                    self.conn.send(request)
-                except (BrokenPipeError, ConnectionError, OSError):
-                    # the writer died between saves: start a fresh one, which needs every slab
-                    self._discard_process()
-                    self._ensure_process()
-                    request.new_slabs = dict(self.arena.slabs)
-                    self.conn.send(request)
+            # A request larger than the pipe buffer blocks until the writer reads it; a writer
+            # started by this save is still importing torch (1-2 s), so the joining thread
+            # sends it instead of the caller (2000 tensors: first-save blocking 1.4 s -> the
+            # staging copy alone).
+            deferred: Optional[SaveRequest] = request if started else None
+            if not started:
+                with phase("send_to_writer", rank):
+                    try:
+                        self.conn.send(request)
+                    except (BrokenPipeError, ConnectionError, OSError):
+                        # the writer died between saves: start a fresh one, which needs every
+                        # slab, and let the joining thread send to it
+                        self._discard_process()
+                        self._ensure_process()
+                        request.new_slabs = dict(self.arena.slabs)
+                        deferred = request
             self.child_slabs = set(staged.slab_ids)
             response = AsyncSaveResponse(None if checkpoint_id is None else str(checkpoint_id), stats,
                                          self.proc.pid)
             response._thread = threading.Thread(
-                target=self._join, args=(response, self.proc, self.conn, request.seq, cache, planner, callback),
+                target=self._join,
+                args=(response, self.proc, self.conn, request.seq, cache, planner, callback, deferred),
                 name=f"hp-dcp-async-join-{self.seq}", daemon=False,
             )
             response._thread.start()
@@ -291,9 +301,16 @@ class _Persister:
         return key, value
 
     def _join(self, response: AsyncSaveResponse, proc: Any, conn: Any, seq: int, sent: Optional[CacheEntry],
-              planner: Optional[SavePlanner], callback: Optional[Callable[[], None]]) -> None:
+              planner: Optional[SavePlanner], callback: Optional[Callable[[], None]],
+              deferred: Optional[SaveRequest] = None) -> None:
         future = response.persist_completion
         try:
+            if deferred is not None:
+                try:
+                    conn.send(deferred)
+                except (BrokenPipeError, ConnectionError, OSError):
+                    proc.join(timeout=5)
+                    raise AsyncSaveError(_death_message(proc, response.checkpoint_id)) from None
             reply = _await_reply(proc, conn)
             if reply is None:
                 proc.join(timeout=5)
