@@ -16,6 +16,14 @@ INDEX = "benchmarks/index.md"
 def on_files(files, config):
     if files.get_file_from_path(INDEX) is not None:
         return files
+    readme = files.get_file_from_path("benchmarks/README.md")
+    if readme is not None:
+        # the benchmark tool's own report becomes the section's page (same folder, so its
+        # relative links to the plots stay valid)
+        content = readme.content_string
+        files.remove(readme)
+        files.append(File.generated(config, INDEX, content=content))
+        return files
     pages = sorted(f.src_uri for f in files if f.src_uri.startswith("benchmarks/") and f.src_uri.endswith(".md"))
     plots = sorted(f.src_uri for f in files if f.src_uri.startswith("benchmarks/") and f.src_uri.endswith(".png"))
     lines = ["# Benchmarks", ""]
