@@ -160,9 +160,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
-        result = json.loads(Path(args.render).read_text())
-        write_markdown(out_dir / "README.md", result)
-        write_plots(out_dir, result)
+        rendered = json.loads(Path(args.render).read_text())
+        write_markdown(out_dir / "README.md", rendered)
+        write_plots(out_dir, rendered)
         return 0
     dense_mib, small_count, small_kib, bcast_mib, reps, reps2, plan_worlds = PRESETS[args.preset]
     cfg = {

@@ -9,11 +9,12 @@ the same processes on the same bytes.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 __all__ = ["broadcast_worker", "feature_available", "io_worker"]
 
@@ -233,7 +234,7 @@ def _async_cases(rec: _Recorder, sd: dict, root: Path, rank: int, reps: int) -> 
         resp = tdcp.async_save(sd, storage_writer=tdcp.FileSystemWriter(path), process_group=group)
         blocking = time.perf_counter() - t0
         fut = getattr(resp, "upload_completion", resp)
-        fut.result()
+        fut.result()  # type: ignore[union-attr]  # upload_completion, or the Future of synchronous staging
         landed = time.perf_counter() - t0
         rec.add("torch.async_blocking" + ("_first" if i == 0 else ""), blocking)
         rec.add("torch.async_landed", landed)
@@ -284,9 +285,9 @@ def broadcast_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[st
         rec.info["ours.load_broadcast"] = "not available"
     for _ in range(cfg["reps"]):
         for name, on in modes:
-            reader: Optional[ThrottledFileSystemReader] = ThrottledFileSystemReader(path, bw)
-            rec.add(name, _timed(lambda reader=reader, on=on: hp.load(
-                target, storage_reader=reader, broadcast_replicated_tensors=on))[0])
+            reader = ThrottledFileSystemReader(path, bw)
+            rec.add(name, _timed(functools.partial(
+                hp.load, target, storage_reader=reader, broadcast_replicated_tensors=on))[0])
             rec.info[name + ".bytes_read"] = reader.bytes_read
     _check_equal(target, sd, "broadcast load")
     rec.info["global_bytes"] = sum(2 * _numel(s) for _, s, _ in shapes)

@@ -19,6 +19,7 @@ Two layouts:
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import pickle
@@ -250,7 +251,7 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
     local_times = []
     for rank in sample:
         flat = target(rank)
-        t, _ = _timed(lambda flat=flat: create_local_load_plan(flat, metadata))
+        t, _ = _timed(functools.partial(create_local_load_plan, flat, metadata))
         local_times.append(t)
     row["ours_local_load_plan_s"] = max(local_times)
     if layout.name == "dense" and world <= assign_max_world:

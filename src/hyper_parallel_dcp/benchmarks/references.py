@@ -20,7 +20,7 @@ __all__ = ["drop_page_cache", "raw_read", "raw_write", "tensor_memoryview", "tim
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
     """The raw bytes of ``t`` (made contiguous first) as a memoryview, without a copy."""
     flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray exports the buffer protocol
 
 
 def raw_write(path: Path, tensors: Sequence[torch.Tensor]) -> float:
