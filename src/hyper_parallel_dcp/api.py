@@ -9,21 +9,11 @@ from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict, process_rank, save_state_dict
 from hyper_parallel_dcp.core.planner import LoadPlanner, SavePlanner
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
+from hyper_parallel_dcp.storage_fs import FileSystemReader, storage_writer_for
 
 __all__ = ["load", "save"]
 
 CheckpointId = Union[str, os.PathLike]
-
-
-def _writer(checkpoint_id: Optional[CheckpointId], storage_writer: Optional[StorageWriter]) -> StorageWriter:
-    if storage_writer is None:
-        if checkpoint_id is None:
-            raise ValueError("save needs checkpoint_id or storage_writer")
-        return FileSystemWriter(checkpoint_id)
-    if checkpoint_id is not None:
-        storage_writer.reset(checkpoint_id)
-    return storage_writer
 
 
 def _reader(checkpoint_id: Optional[CheckpointId], storage_reader: Optional[StorageReader],
@@ -65,7 +55,7 @@ def save(
     directory is running, and :class:`CheckpointException` (raised on every rank) when
     any rank fails.
     """
-    writer = _writer(checkpoint_id, storage_writer)
+    writer = storage_writer_for(checkpoint_id, storage_writer)
     return save_state_dict(state_dict, writer, planner, no_dist=no_dist, use_collectives=use_collectives)
 
 

@@ -29,6 +29,7 @@ from hyper_parallel_dcp.core.planner import SavePlanner
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from hyper_parallel_dcp.core.storage import StorageWriter
 from hyper_parallel_dcp.core.timing import phase
+from hyper_parallel_dcp.storage_fs import storage_writer_for
 
 from .staging import StagingArena, StagingStats
 from .writer import CacheEntry, SaveReply, SaveRequest, cache_key, clean_planner, writer_main
@@ -101,18 +102,6 @@ def _gloo_init_method() -> str:
     gloo_port = int(os.environ.get(GLOO_PORT_ENV, int(port) + 1))
     host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
     return f"tcp://{host}:{gloo_port}"
-
-
-def _build_writer(checkpoint_id: Optional[CheckpointId], storage_writer: Optional[StorageWriter]) -> StorageWriter:
-    if storage_writer is None:
-        if checkpoint_id is None:
-            raise ValueError("async_save needs checkpoint_id or storage_writer")
-        from hyper_parallel_dcp.storage_fs import FileSystemWriter
-
-        return FileSystemWriter(checkpoint_id)
-    if checkpoint_id is not None:
-        storage_writer.reset(checkpoint_id)
-    return storage_writer
 
 
 class _Persister:
@@ -217,7 +206,7 @@ class _Persister:
             gloo_init = mailbox_dir = None
             if use_gloo and use_collectives:
                 gloo_init = _gloo_init_method()
-            writer = _build_writer(checkpoint_id, storage_writer)
+            writer = storage_writer_for(checkpoint_id, storage_writer, caller="async_save")
             if no_dist or world_size == 1:
                 mode = "local"
             elif not use_collectives:

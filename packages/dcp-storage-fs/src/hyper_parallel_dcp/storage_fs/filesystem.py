@@ -62,7 +62,7 @@ from .safetensors_stream import (
     write_safetensors,
 )
 
-__all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata"]
+__all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata", "storage_writer_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +262,22 @@ class FileSystemWriter(StorageWriter):
         except Exception:  # noqa: BLE001
             pass
 
+
+
+def storage_writer_for(checkpoint_id: Union[str, os.PathLike, None], storage_writer: Optional[StorageWriter],
+                       *, caller: str = "save") -> StorageWriter:
+    """The writer a save uses: ``storage_writer`` (reset to ``checkpoint_id`` when both are
+    given), else a :class:`FileSystemWriter` for ``checkpoint_id``.
+
+    Raises ``ValueError`` naming ``caller`` when neither is given.
+    """
+    if storage_writer is None:
+        if checkpoint_id is None:
+            raise ValueError(f"{caller} needs checkpoint_id or storage_writer")
+        return FileSystemWriter(checkpoint_id)
+    if checkpoint_id is not None:
+        storage_writer.reset(checkpoint_id)
+    return storage_writer
 
 # ------------------------------------------------------------------------------ reading
 def _merge_rank_metadata(parts: Sequence[tuple[int, Metadata]]) -> Metadata:
