@@ -8,6 +8,7 @@ written last by the coordinator; its presence means the checkpoint is complete.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -46,15 +47,30 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+# Characters at or below "!" are escaped as "!" + two hex digits, so every character of an
+# escaped FQN sorts above the space that ends it: the space then sorts before whatever
+# continues a longer FQN, whichever characters the FQNs use.  "!" is below every character
+# left unescaped, and two hex digits keep the escapes in code point order.
+_KEY_ESCAPE = re.compile(r"[\x00-\x21]")
+
+
+def _escape_fqn(fqn: str) -> str:
+    return _KEY_ESCAPE.sub(lambda m: f"!{ord(m.group()):02x}", fqn)
+
+
 def chunk_key(fqn: str, offsets: tuple[int, ...]) -> str:
     """The storage key of a chunk; the sort order of keys is the global read/write order.
 
-    Offsets are zero-padded so that string order equals numeric order within an FQN, and
-    the separator is a space, which sorts before every character an FQN uses in practice
-    (letters, digits, ``.``, ``_``): ``"blocks.1 …" < "blocks.10 …" < "blocks.1a …"``
-    exactly as the tuples ``("blocks.1", …) < ("blocks.10", …)`` do.
+    ``<fqn> <o0>_<o1>_...``: offsets zero-padded to 12 digits so that string order equals
+    numeric order within an FQN; in the FQN every character at or below ``"!"`` (space,
+    control characters, ``"!"`` itself) is written ``"!"`` + two hex digits, so the space
+    separator sorts before every character of an FQN and the string order of keys is
+    exactly the order of ``(fqn, offsets)`` tuples for any FQNs:
+    ``"blocks.1 …" < "blocks.10 …" < "blocks.1a …"``, ``"a …" < "a!20!21 …"`` (FQN ``"a !"``).
+    FQNs without such characters keep their name unchanged in the key.
     """
-    return fqn + " " + "_".join(f"{o:012d}" for o in offsets)
+    name = _escape_fqn(fqn) if _KEY_ESCAPE.search(fqn) else fqn
+    return name + " " + "_".join(f"{o:012d}" for o in offsets)
 
 
 @dataclass(frozen=True)
