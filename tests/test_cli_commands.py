@@ -128,7 +128,7 @@ def test_inspect_json_matches_saved_state_dict(ckpts: Path) -> None:
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     tensors, objects = reference("a")
-    assert doc["complete"] is True and doc["format_version"] == 1 and doc["problems"] == []
+    assert doc["complete"] is True and doc["format_version"] == 2 and doc["problems"] == []
     assert sorted(doc["tensors"]) == sorted(tensors)
     for fqn, full in tensors.items():
         got = doc["tensors"][fqn]

@@ -1,10 +1,13 @@
 """docs/format.md describes the files a save really writes.
 
 A real save (one process; a ragged leaf gives several chunks per tensor) is checked
-against the page: ``.metadata`` validates against the JSON schema printed there (and the
-schema rejects broken documents), chunk keys have the documented form, chunks lie in each
-safetensors file in ``(fqn, offset)`` order with no holes, and every recorded byte range,
-checksum (xxh3-64) and file size matches the bytes on disk.
+against the page: ``.metadata`` validates against the format-2 JSON schema printed there
+(and the schema rejects broken documents), chunk keys follow the documented rule (escaped
+FQN, space, padded offsets; derived, not stored), chunks lie in each safetensors file in
+``(fqn, offset)`` order with no holes, and every recorded byte range, checksum (xxh3-64)
+and file size matches the bytes on disk — all read from the JSON as the page describes it,
+without the library.  The checked-in format-1 checkpoint validates against the format-1
+schema.
 """
 
 from __future__ import annotations
@@ -22,12 +25,19 @@ import xxhash
 jsonschema = pytest.importorskip("jsonschema")
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "format.md"
-KEY = re.compile(r"^(?P<fqn>.+) (?P<offsets>\d{12}(?:_\d{12})*)?$")
+V1_CHECKPOINT = Path(__file__).resolve().parent / "fixtures" / "format_v1"
+KEY = re.compile(r"^(?P<name>[^ ]+) (?P<offsets>\d{12}(?:_\d{12})*)?$")
 
 
-def documented_schema() -> dict:
+def documented_key(fqn: str, offsets: list[int]) -> str:
+    """The key rule of the page, written from its text: escape U+0000..U+0021 as "!xx"."""
+    name = "".join(f"!{ord(c):02x}" if ord(c) <= 0x21 else c for c in fqn)
+    return name + " " + "_".join(f"{o:012d}" for o in offsets)
+
+
+def documented_schema(marker: str = "test_docs_format.py validates real") -> dict:
     text = DOC.read_text()
-    start = text.index("test_docs_format.py validates")
+    start = text.index(marker)
     block = re.search(r"```json\n(.*?)\n```", text[start:], re.S)
     assert block is not None, "no JSON schema block after the marker in docs/format.md"
     return json.loads(block.group(1))
@@ -45,6 +55,7 @@ def checkpoint(tmp_path_factory) -> Path:
         "layer.ragged": RaggedShard(full.reshape(-1)[3:17].clone(), (4, 5), [(3, 17)]),  # 3 boxes
         "layer.bf": torch.randn(3, 2, generator=gen).to(torch.bfloat16),
         "scalar": torch.tensor(3, dtype=torch.int64),
+        "name with space!": torch.arange(4, dtype=torch.int32),
         "extra": {"epoch": 2, "name": "x"},
     }
     path = tmp_path_factory.mktemp("format") / "ckpt"
@@ -57,15 +68,18 @@ def test_metadata_validates_against_the_documented_schema(checkpoint: Path) -> N
     validator = jsonschema.Draft202012Validator(schema)
     doc = json.loads((checkpoint / ".metadata").read_text())
     validator.validate(doc)
-    assert len(doc["state_dict_metadata"]["layer.ragged"]["chunks"]) == 3
+    assert doc["format_version"] == 2
+    assert doc["tensors"]["layer.ragged"]["count"] == 3
     # the schema is not vacuous: each of these breaks it
     broken = []
     for mutate in (
-        lambda d: d.update(format_version=2),
-        lambda d: d["storage_data"][0].update(checksum=d["storage_data"][0]["checksum"].upper()),
-        lambda d: d["storage_data"][0].update(file="../escape"),
-        lambda d: d["state_dict_metadata"]["layer.w"].update(type="array"),
-        lambda d: d["state_dict_metadata"]["layer.w"]["chunks"][0].update(offsets=[-1, 0]),
+        lambda d: d.update(format_version=3),
+        lambda d: d["tensors"]["layer.w"]["checksum"].__setitem__(0, d["tensors"]["layer.w"]["checksum"][0].upper()),
+        lambda d: d["files"][0].__setitem__(0, "../escape"),
+        lambda d: d["tensors"]["layer.w"].update(type="array"),
+        lambda d: d["tensors"]["layer.w"]["offsets"].__setitem__(0, -1),
+        lambda d: d["tensors"]["layer.w"].pop("offset"),
+        lambda d: d["objects"]["extra.epoch"].update(file="_rank0_.bytes"),
         lambda d: d.pop("files"),
     ):
         bad = copy.deepcopy(doc)
@@ -82,17 +96,38 @@ def _safetensors_entries(path: Path) -> tuple[int, dict]:
     return 8 + header_len, header
 
 
+def _stored_items(doc: dict) -> list[dict]:
+    """Every stored chunk and object, read from the format-2 columns as the page describes them."""
+    names = [name for name, _ in doc["files"]]
+    out = []
+    for fqn, t in doc["tensors"].items():
+        ndim = len(t["size"])
+        assert len(t["offsets"]) == len(t["sizes"]) == t["count"] * ndim
+        for i in range(t["count"]):
+            offsets = t["offsets"][i * ndim:(i + 1) * ndim]
+            out.append({"fqn": fqn, "offsets": offsets, "file": names[t["file"][i]], "offset": t["offset"][i],
+                        "length": t["length"][i], "checksum": t["checksum"][i],
+                        "key": t.get("keys", {}).get(str(i), documented_key(fqn, offsets))})
+    for fqn, o in doc["objects"].items():
+        out.append({"fqn": fqn, "file": names[o["file"]], "offset": o["offset"], "length": o["length"],
+                    "checksum": o["checksum"]})
+    return out
+
+
 def test_files_ordering_offsets_and_checksums(checkpoint: Path) -> None:
     doc = json.loads((checkpoint / ".metadata").read_text())
     on_disk = {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.name != ".metadata"}
-    assert doc["files"] == on_disk
+    assert dict(doc["files"]) == on_disk
     assert set(on_disk) == {"_rank0_.safetensors", "_rank0_.bytes"}
+    assert "keys" not in doc["tensors"]["name with space!"]  # derivable, so not stored
     data_start, header = _safetensors_entries(checkpoint / "_rank0_.safetensors")
     by_offset = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
     keys = [k for k, _ in by_offset]
-    parsed = [KEY.match(k) for k in keys]
-    assert all(parsed), keys
-    order = [(m.group("fqn"), tuple(int(o) for o in (m.group("offsets") or "").split("_") if o)) for m in parsed]
+    items = {item["key"]: item for item in _stored_items(doc) if "key" in item}
+    assert sorted(items) == sorted(keys)
+    assert "name!20with!20space!21 000000000000" in keys
+    order = [(items[k]["fqn"], tuple(items[k]["offsets"])) for k in keys]
+    assert all(KEY.match(k) for k in keys), keys
     assert order == sorted(order) and keys == sorted(keys)  # string order = (fqn, offsets) order = file order
     position = 0
     for _, entry in by_offset:  # back to back, no holes
@@ -100,7 +135,7 @@ def test_files_ordering_offsets_and_checksums(checkpoint: Path) -> None:
         position = entry["data_offsets"][1]
     assert data_start + position == on_disk["_rank0_.safetensors"]
     raw = {name: (checkpoint / name).read_bytes() for name in on_disk}
-    for item in doc["storage_data"]:
+    for item in _stored_items(doc):
         blob = raw[item["file"]][item["offset"]:item["offset"] + item["length"]]
         assert len(blob) == item["length"]
         assert xxhash.xxh3_64_hexdigest(blob) == item["checksum"], item
@@ -108,6 +143,14 @@ def test_files_ordering_offsets_and_checksums(checkpoint: Path) -> None:
             entry = header[item["key"]]
             assert item["offset"] == data_start + entry["data_offsets"][0]
             assert item["length"] == entry["data_offsets"][1] - entry["data_offsets"][0]
-            assert KEY.match(item["key"]).group("fqn") == item["fqn"]
-    objects = sorted(item["fqn"] for item in doc["storage_data"] if "key" not in item)
-    assert objects == ["extra.epoch", "extra.name"]
+    assert sorted(doc["objects"]) == ["extra.epoch", "extra.name"]
+
+
+def test_format_1_fixture_validates_against_the_format_1_schema() -> None:
+    validator = jsonschema.Draft202012Validator(documented_schema("test_docs_format.py validates the format-1"))
+    doc = json.loads((V1_CHECKPOINT / ".metadata").read_text())
+    validator.validate(doc)
+    assert doc["format_version"] == 1
+    v2 = copy.deepcopy(doc)
+    v2["format_version"] = 2
+    assert not validator.is_valid(v2)

@@ -6,7 +6,7 @@ import json
 import os
 import pickle
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,14 @@ from hyper_parallel_dcp.core.errors import (
     CorruptCheckpointError,
     UnsafeObjectError,
 )
-from hyper_parallel_dcp.core.metadata import MetadataIndex
+from hyper_parallel_dcp.core.metadata import (
+    FORMAT_VERSION,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    metadata_from_json,
+    metadata_to_json,
+)
 from hyper_parallel_dcp.core.planner import LoadItemType, ReadItem
 from hyper_parallel_dcp.core.testing import run_distributed
 from hyper_parallel_dcp.storage_fs import FileSystemReader
@@ -49,16 +56,24 @@ def _flip(file: Path, pos: int) -> None:
     file.write_bytes(bytes(data))
 
 
-def _entry(path: Path, fqn: str) -> dict:
-    doc = json.loads((path / ".metadata").read_text())
-    return next(e for e in doc["storage_data"] if e["fqn"] == fqn)
+def _metadata(path: Path) -> Metadata:
+    return metadata_from_json((path / ".metadata").read_bytes())
+
+
+def _write_metadata(path: Path, md: Metadata) -> None:
+    """Doctor a checkpoint through the metadata API, whichever format version it writes."""
+    (path / ".metadata").write_text(metadata_to_json(md))
+
+
+def _entry(path: Path, fqn: str) -> StorageInfo:
+    return next(info for index, info in _metadata(path).storage_data.items() if index.fqn == fqn)
 
 
 # ------------------------------------------------------------------- completeness
 def test_check_complete_accepts_a_saved_checkpoint(tmp_path: Path) -> None:
     save(_state(), checkpoint_id=tmp_path / "c", no_dist=True)
     report = check_complete(tmp_path / "c")
-    assert report.complete and report.problems == [] and report.format_version == 1
+    assert report.complete and report.problems == [] and report.format_version == FORMAT_VERSION == 2
     assert report.metadata is not None
     expected = {n: (tmp_path / "c" / n).stat().st_size for n in os.listdir(tmp_path / "c") if not n.startswith(".")}
     assert report.metadata.files == expected
@@ -124,17 +139,17 @@ def test_verify_checkpoint_names_the_corrupt_chunk(tmp_path: Path) -> None:
     path = tmp_path / "c"
     save(_state(), checkpoint_id=path, no_dist=True)
     entry = _entry(path, "b")
-    _flip(path / entry["file"], entry["offset"] + 3)
+    _flip(path / entry.relative_path, entry.offset + 3)
     report = verify_checkpoint(path)
     assert not report.ok and len(report.problems) == 1
-    assert f"{path / entry['file']}: 'b' chunk at offsets [0, 0]: checksum mismatch" in report.problems[0]
+    assert f"{path / entry.relative_path}: 'b' chunk at offsets [0, 0]: checksum mismatch" in report.problems[0]
 
 
 def test_verified_load_names_file_fqn_and_chunk(tmp_path: Path) -> None:
     path = tmp_path / "c"
     save(_state(), checkpoint_id=path, no_dist=True)
     entry = _entry(path, "nested.c")
-    _flip(path / entry["file"], entry["offset"] + 10)
+    _flip(path / entry.relative_path, entry.offset + 10)
     with pytest.raises(CorruptCheckpointError) as info:
         load(_blank(), checkpoint_id=path, no_dist=True, verify=True)
     text = str(info.value)
@@ -145,7 +160,7 @@ def test_verified_load_of_an_object_detects_a_flip(tmp_path: Path) -> None:
     path = tmp_path / "c"
     save(_state(), checkpoint_id=path, no_dist=True)
     entry = _entry(path, "nested.name")
-    _flip(path / "_rank0_.bytes", entry["offset"] + entry["length"] - 30)
+    _flip(path / "_rank0_.bytes", entry.offset + entry.length - 30)
     with pytest.raises(CorruptCheckpointError, match="nested.name"):
         load(_blank(), checkpoint_id=path, no_dist=True, verify=True)
 
@@ -164,9 +179,9 @@ def test_partial_read_of_a_corrupt_chunk_is_detected(tmp_path: Path) -> None:
     """A resharded load reading only the intact half of a chunk still hashes the whole chunk."""
     path = tmp_path / "c"
     run_distributed(_save_sharded, 2, str(path), timeout=180)
-    entry = next(e for e in json.loads((path / ".metadata").read_text())["storage_data"] if e["offsets"] == [4, 0])
-    assert entry["file"] == "_rank1_.safetensors"
-    _flip(path / entry["file"], entry["offset"] + entry["length"] - 1)  # last row of rows 4..7
+    entry = _metadata(path).storage_data[MetadataIndex("w", (4, 0))]
+    assert entry.relative_path == "_rank1_.safetensors"
+    _flip(path / entry.relative_path, entry.offset + entry.length - 1)  # last row of rows 4..7
     full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
 
     def read_rows_4_5(verify: bool) -> torch.Tensor:
@@ -204,9 +219,9 @@ def test_truncated_shard_with_doctored_sizes_is_still_refused(tmp_path: Path) ->
     shard = path / "_rank0_.safetensors"
     new_size = shard.stat().st_size - 8
     os.truncate(shard, new_size)
-    doc = json.loads((path / ".metadata").read_text())
-    doc["files"]["_rank0_.safetensors"] = new_size
-    (path / ".metadata").write_text(json.dumps(doc))
+    md = _metadata(path)
+    md.files["_rank0_.safetensors"] = new_size
+    _write_metadata(path, md)
     with pytest.raises(CorruptCheckpointError, match="outside") as info:
         load(_blank(), checkpoint_id=path, no_dist=True)
     assert str(shard) in str(info.value)
@@ -245,7 +260,7 @@ def test_metadata_of_a_future_version(tmp_path: Path) -> None:
     (path / ".metadata").write_text(json.dumps(doc))
     with pytest.raises(CheckpointFormatError) as info:
         load(_blank(), checkpoint_id=path, no_dist=True)
-    assert "format_version 99" in str(info.value) and "the 1 this" in str(info.value)
+    assert "format_version 99" in str(info.value) and f"the {FORMAT_VERSION} this" in str(info.value)
     report = check_complete(path)
     assert not report.complete and report.format_version == 99
     assert find_latest_checkpoint(tmp_path) is None
@@ -263,20 +278,21 @@ class _Evil:
 
 def _plant_object(path: Path, fqn: str, blob: bytes) -> None:
     """Replace the stored object ``fqn`` with ``blob`` and make .metadata agree (sizes, checksum)."""
-    doc = json.loads((path / ".metadata").read_text())
-    entry = next(e for e in doc["storage_data"] if e["fqn"] == fqn)
-    file = path / entry["file"]
+    md = _metadata(path)
+    storage = dict(md.storage_data)
+    entry = storage[MetadataIndex(fqn)]
+    file = path / entry.relative_path
     data = file.read_bytes()
-    data = data[: entry["offset"]] + blob + data[entry["offset"] + entry["length"]:]
-    shift = len(blob) - entry["length"]
-    for other in doc["storage_data"]:
-        if other["file"] == entry["file"] and other["offset"] > entry["offset"]:
-            other["offset"] += shift
-    entry["length"] = len(blob)
-    entry["checksum"] = xxhash.xxh3_64_hexdigest(blob)
-    doc["files"][entry["file"]] = len(data)
+    data = data[: entry.offset] + blob + data[entry.offset + entry.length:]
+    shift = len(blob) - entry.length
+    for index, other in storage.items():
+        if other.relative_path == entry.relative_path and other.offset > entry.offset:
+            storage[index] = replace(other, offset=other.offset + shift)
+    storage[MetadataIndex(fqn)] = replace(entry, length=len(blob), checksum=xxhash.xxh3_64_hexdigest(blob))
+    md.storage_data = storage
+    md.files[entry.relative_path] = len(data)
     file.write_bytes(data)
-    (path / ".metadata").write_text(json.dumps(doc))
+    _write_metadata(path, md)
 
 
 @pytest.mark.parametrize("kind", ["torch_zip", "raw_pickle"])

@@ -1,11 +1,18 @@
-"""``.metadata`` as versioned JSON: round trip, and clear refusals of what it cannot read."""
+"""``.metadata`` as versioned JSON: round trip, and clear refusals of what it cannot read.
+
+Format 2 (column-shaped) is written; format 1 (one object per chunk) is still read.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hyper_parallel_dcp.core.errors import CheckpointFormatError
 from hyper_parallel_dcp.core.metadata import (
@@ -61,6 +68,79 @@ def test_chunk_key_string_order_is_numeric_order_within_an_fqn():
     assert keys == [chunk_key("w", o) for o in sorted(offsets)]
 
 
+def test_format_2_is_column_shaped_with_no_string_per_chunk():
+    doc = json.loads(metadata_to_json(_sample()))
+    assert doc["format_version"] == 2
+    assert [name for name, _ in doc["files"]] == ["_rank0_.safetensors", "_rank1_.safetensors", "_rank0_.bytes"]
+    w = doc["tensors"]["w"]
+    assert w == {"dtype": "bfloat16", "size": [4, 6], "count": 2, "offsets": [0, 0, 2, 0], "sizes": [2, 6, 2, 6],
+                 "file": [0, 1], "offset": [128, 128], "length": [24, 24],
+                 "checksum": ["00ff00ff00ff00ff", "0123456789abcdef"]}  # keys derived: none stored
+    assert doc["objects"] == {"optim.param_groups": {"file": 2, "offset": 0, "length": 345,
+                                                     "checksum": "abcdefabcdefabcd"}}
+    assert "other_storage" not in doc
+
+
+def test_keys_that_are_not_derivable_and_stray_entries_round_trip():
+    md = _sample()
+    md.storage_data[MetadataIndex("w", (2, 0))] = StorageInfo("_rank1_.safetensors", 128, 24, None, "renamed")
+    md.storage_data[MetadataIndex("ghost", (1,))] = StorageInfo("_rank1_.safetensors", 0, 4, None, "g")
+    md.storage_data[MetadataIndex("w", (1, 1))] = StorageInfo("x.safetensors", 0, 4, "ffffffffffffffff", None)
+    doc = json.loads(metadata_to_json(md))
+    assert doc["tensors"]["w"]["keys"] == {"1": "renamed"}
+    assert len(doc["other_storage"]) == 2
+    back = metadata_from_json(json.dumps(doc))
+    assert back == md and dict(back.storage_data) == md.storage_data
+
+
+def test_storage_view_lookups_and_lazy_chunks():
+    back = metadata_from_json(metadata_to_json(_sample()))
+    w = back.state_dict_metadata["w"]
+    assert "chunks" not in vars(w)  # not built until used
+    assert w.chunks == [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6))]
+    assert isinstance(w, TensorStorageMetadata) and type(w.chunks) is list
+    storage = back.storage_data
+    assert len(storage) == 4 and MetadataIndex("w", (2, 0)) in storage and MetadataIndex("w", (1, 0)) not in storage
+    assert storage[MetadataIndex("w", (2, 0), index=0)].checksum == "0123456789abcdef"  # a wrong hint is checked
+    assert storage.get(MetadataIndex("w")) is None and storage.get(MetadataIndex("nope", (0,))) is None
+    assert storage[MetadataIndex("w", (0, 0))].key == chunk_key("w", (0, 0))
+    assert pickle.loads(pickle.dumps(back)) == back  # sent over collectives as is
+
+
+# A format-1 document as the format-1 writer produced it (tests/fixtures/format_v1 has a
+# whole checkpoint written by it).
+V1 = {
+    "format_version": 1,
+    "state_dict_metadata": {
+        "w": {"type": "tensor", "dtype": "bfloat16", "size": [4, 6],
+              "chunks": [{"offsets": [0, 0], "sizes": [2, 6]}, {"offsets": [2, 0], "sizes": [2, 6]}]},
+        "optim.state.w.step": {"type": "tensor", "dtype": "float32", "size": [], "chunks": [{"offsets": [], "sizes": []}]},
+        "e": {"type": "tensor", "dtype": "int64", "size": [0, 3], "chunks": []},
+        "optim.param_groups": {"type": "bytes"},
+    },
+    "storage_data": [
+        {"fqn": "w", "file": "_rank0_.safetensors", "offset": 128, "length": 24, "offsets": [0, 0],
+         "key": "w 000000000000_000000000000", "checksum": "00ff00ff00ff00ff"},
+        {"fqn": "w", "file": "_rank1_.safetensors", "offset": 128, "length": 24, "offsets": [2, 0],
+         "key": "w 000000000002_000000000000", "checksum": "0123456789abcdef"},
+        {"fqn": "optim.state.w.step", "file": "_rank0_.safetensors", "offset": 152, "length": 4, "offsets": [],
+         "key": "optim.state.w.step "},
+        {"fqn": "optim.param_groups", "file": "_rank0_.bytes", "offset": 0, "length": 345, "checksum": "abcdefabcdefabcd"},
+    ],
+    "files": {"_rank0_.safetensors": 156, "_rank1_.safetensors": 152, "_rank0_.bytes": 345},
+    "planner_data": {"note": [1, 2]},
+}
+
+
+def test_format_1_still_reads_to_the_same_metadata():
+    back = metadata_from_json(json.dumps(V1))
+    expected = _sample()
+    expected.format_version = 1
+    assert back == expected
+    again = metadata_from_json(metadata_to_json(back))  # a format-1 checkpoint re-saved is format 2
+    assert again.format_version == 2 and again.storage_data == back.storage_data
+
+
 def _doc(**changes):
     doc = json.loads(metadata_to_json(_sample()))
     doc.update(changes)
@@ -75,15 +155,15 @@ def test_newer_format_version_is_refused_giving_both_versions():
     assert "upgrade" in text
 
 
-def _tensor_entry(**changes):
-    doc = json.loads(metadata_to_json(_sample()))
-    doc["state_dict_metadata"]["w"].update(changes)
+def _v1(mutate):
+    doc = copy.deepcopy(V1)
+    mutate(doc)
     return json.dumps(doc)
 
 
-def _storage_entry(**changes):
+def _v2_tensor(**changes):
     doc = json.loads(metadata_to_json(_sample()))
-    doc["storage_data"][0].update(changes)
+    doc["tensors"]["w"].update(changes)
     return json.dumps(doc)
 
 
@@ -94,16 +174,40 @@ MALFORMED = [
     (_doc(format_version=True), r"invalid format_version"),
     (_doc(format_version="1"), r"invalid format_version"),
     (_doc(format_version=0), r"invalid format_version"),
-    (_doc(state_dict_metadata=[]), r"state_dict_metadata must be an object"),
-    (_tensor_entry(dtype="float99"), r"unknown dtype 'float99'.*'w'"),
-    (_tensor_entry(type="sparse"), r"unknown item type 'sparse' for 'w'"),
-    (_tensor_entry(size=[4, -6]), r"size of 'w'"),
-    (_tensor_entry(chunks=[{"offsets": [3, 0], "sizes": [2, 6]}]), r"'w' does not fit its global size \[4, 6\]"),
-    (_tensor_entry(chunks=[{"offsets": [0], "sizes": [4]}]), r"'w' does not fit"),
-    (_tensor_entry(chunks=[{"offsets": [0, 0]}]), r"malformed: KeyError"),
-    (_storage_entry(file="../../etc/passwd"), r"invalid file name '../../etc/passwd'"),
-    (_storage_entry(offset=-1), r"byte range"),
-    (_doc(files={"_rank0_.safetensors": "big"}), r"'files' must map file names to sizes"),
+    # format 1
+    (_v1(lambda d: d.update(state_dict_metadata=[])), r"state_dict_metadata must be an object"),
+    (_v1(lambda d: d["state_dict_metadata"]["w"].update(dtype="float99")), r"unknown dtype 'float99'.*'w'"),
+    (_v1(lambda d: d["state_dict_metadata"]["w"].update(type="sparse")), r"unknown item type 'sparse' for 'w'"),
+    (_v1(lambda d: d["state_dict_metadata"]["w"].update(size=[4, -6])), r"size of 'w'"),
+    (_v1(lambda d: d["state_dict_metadata"]["w"].update(chunks=[{"offsets": [3, 0], "sizes": [2, 6]}])),
+     r"'w' does not fit its global size \[4, 6\]"),
+    (_v1(lambda d: d["state_dict_metadata"]["w"].update(chunks=[{"offsets": [0, 0]}])), r"malformed: KeyError"),
+    (_v1(lambda d: d["storage_data"][0].update(file="../../etc/passwd")), r"invalid file name '../../etc/passwd'"),
+    (_v1(lambda d: d["storage_data"][0].update(offset=-1)), r"byte range"),
+    (_v1(lambda d: d.update(files={"_rank0_.safetensors": "big"})), r"'files' must map file names to sizes"),
+    # format 2
+    (_doc(files={"_rank0_.safetensors": 1}), r"'files' must be a list of \[name, size\] pairs"),
+    (_doc(files=[["../../etc/passwd", 1]]), r"invalid file name '../../etc/passwd'"),
+    (_doc(files=[["a", 1], ["a", 2]]), r"names a file twice"),
+    (_doc(files=[["a", -1]]), r"size of 'a' must be an integer >= 0"),
+    (_doc(tensors=[]), r"'tensors' and 'objects' must be objects"),
+    (_v2_tensor(dtype="float99"), r"unknown dtype 'float99'.*'w'"),
+    (_v2_tensor(size=[4, -6]), r"tensor 'w': size"),
+    (_v2_tensor(count=3), r"tensor 'w': offsets must be a list of 6 integers"),
+    (_v2_tensor(offsets=[0, 0, 3, 0]), r"offsets=\[3, 0\] sizes=\[2, 6\] does not fit its global size \[4, 6\]"),
+    (_v2_tensor(sizes=[2, 6, 2, -1]), r"sizes must hold integers >= 0, found -1"),
+    (_v2_tensor(offsets=[0, 0, 2, 0.5]), r"offsets must hold integers >= 0, found 0.5"),
+    (_v2_tensor(offsets=[0, 0, 2, True]), r"offsets must hold integers >= 0, found True"),
+    (_v2_tensor(file=[0, 7]), r"file index 7 is not in the file table of 3"),
+    (_v2_tensor(offset=[0]), r"offset must be a list of 2 integers"),
+    (_v2_tensor(checksum=["a", 5]), r"checksum must be a list of 2 strings or nulls"),
+    (_v2_tensor(keys={"9": "k"}), r"invalid key entry '9'"),
+    (_v2_tensor(count=None), r"count must be an integer >= 0"),
+    (_v2_tensor(offsets=None), r"offsets must be a list"),
+    (_doc(objects={"o": {"file": 9, "offset": 0, "length": 1}}), r"object 'o' names file 9"),
+    (_doc(objects={"o": {"file": 0, "offset": -1, "length": 1}}), r"byte range of object 'o'"),
+    (_doc(objects={"w": {}}), r"'w' is both a tensor and an object"),
+    (_doc(tensors={"w": {"dtype": "float32", "size": [2], "offsets": [0], "sizes": [2]}}), r"malformed: KeyError: 'count'"),
 ]
 
 
@@ -113,3 +217,57 @@ def test_malformed_metadata_is_refused_clearly(text, pattern):
         metadata_from_json(text, source="/ckpt/.metadata")
     assert "/ckpt/.metadata" in str(info.value)
     assert isinstance(info.value, ValueError)  # callers may catch it as a ValueError
+
+
+# ---------------------------------------------------------------- any Metadata round-trips
+_NAMES = st.text(alphabet="ab .!_\x00\u00e9", min_size=1, max_size=5)
+_FILES = st.sampled_from(["_rank0_.safetensors", "_rank1_.safetensors", "_rank0_.bytes", "x y"])
+_CHECKSUMS = st.one_of(st.none(), st.text(alphabet="0123456789abcdef", min_size=16, max_size=16), st.text(max_size=3))
+_INFOS = st.builds(StorageInfo, _FILES, st.integers(0, 2**40), st.integers(0, 2**33), _CHECKSUMS,
+                   st.one_of(st.none(), st.text(max_size=4)))
+
+
+@st.composite
+def _metadata(draw) -> Metadata:
+    sd = {}
+    storage = {}
+    for fqn in draw(st.lists(_NAMES, unique=True, max_size=6)):
+        if draw(st.booleans()):
+            sd[fqn] = BytesStorageMetadata()
+            if draw(st.booleans()):
+                storage[MetadataIndex(fqn)] = draw(_INFOS)
+            continue
+        shape = tuple(draw(st.lists(st.integers(0, 6), max_size=3)))
+        boxes = draw(st.lists(st.tuples(*[st.integers(0, d) for d in shape]), unique=True, max_size=5))
+        chunks = []
+        for offsets in boxes:
+            sizes = tuple(draw(st.integers(0, d - o)) for o, d in zip(offsets, shape))
+            chunks.append(ChunkStorageMetadata(offsets, sizes))
+            stored = draw(st.sampled_from(["derived", "other key", "none"]))
+            if stored != "none":
+                info = draw(_INFOS)
+                key = chunk_key(fqn, offsets) if stored == "derived" else info.key
+                storage[MetadataIndex(fqn, offsets)] = StorageInfo(info.relative_path, info.offset, info.length,
+                                                                   info.checksum, key)
+        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.bool]))
+        sd[fqn] = TensorStorageMetadata(TensorProperties(dtype), torch.Size(shape), chunks)
+    for _ in range(draw(st.integers(0, 2))):  # entries that name no saved item
+        offsets = draw(st.one_of(st.none(), st.lists(st.integers(0, 9), max_size=2).map(tuple)))
+        storage[MetadataIndex(draw(_NAMES), offsets)] = draw(_INFOS)
+    files = draw(st.dictionaries(_FILES, st.integers(0, 2**40), max_size=3))
+    planner_data = draw(st.one_of(st.none(), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)))
+    return Metadata(sd, planner_data=planner_data, storage_data=storage, files=files)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_metadata())
+def test_any_metadata_round_trips_exactly(md):
+    text = metadata_to_json(md)
+    back = metadata_from_json(text)
+    assert back == md
+    assert dict(back.storage_data) == md.storage_data and len(back.storage_data) == len(md.storage_data)
+    for index, info in md.storage_data.items():
+        assert back.storage_data[index] == info
+    for fqn, entry in md.state_dict_metadata.items():
+        assert type(back.state_dict_metadata[fqn].chunks if isinstance(entry, TensorStorageMetadata) else []) is list
+    assert metadata_from_json(metadata_to_json(back)) == md  # writing what was read changes nothing
