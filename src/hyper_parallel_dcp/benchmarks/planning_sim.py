@@ -234,6 +234,7 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
     t_json, text = _timed(lambda: metadata_to_json(metadata))
     row["ours_metadata_json_bytes"] = len(text)
     row["ours_metadata_json_s"] = t_json
+    row.update(_metadata_figures(text, metadata, deduped))
     plans = deduped = text = None  # free before the load phase
 
     # load: a resharded target, built from geometry alone (views are never touched)
@@ -272,10 +273,48 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
     return row
 
 
+def _metadata_figures(text: str, metadata, deduped) -> dict[str, Any]:
+    """Parse time of our ``.metadata`` (format 2) and size and unpickle time of torch's.
+
+    ``ours_metadata_parse_s``: bytes → ``Metadata`` as a load gets it (per-chunk objects
+    are built on first use); ``ours_metadata_all_chunks_s``: that plus building every
+    tensor's chunk list, what a rank touching every tensor pays.  torch's metadata is
+    built from the same chunks and file assignment (what its planner would produce,
+    without running it at worlds where its planning is over budget).
+    """
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as TorchChunk
+    from torch.distributed.checkpoint.metadata import Metadata as TorchMetadata
+    from torch.distributed.checkpoint.metadata import MetadataIndex as TorchIndex
+    from torch.distributed.checkpoint.metadata import TensorProperties as TorchProperties
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata as TorchTensor
+
+    from hyper_parallel_dcp.core.metadata import metadata_from_json
+
+    data = text.encode()
+    t_parse, parsed = _timed(lambda: metadata_from_json(data))
+    t_chunks, _ = _timed(lambda: sum(len(md.chunks) for md in parsed.state_dict_metadata.values()))
+    props = TorchProperties(dtype=torch.bfloat16)
+    sd = {fqn: TorchTensor(props, torch.Size(md.size),
+                           [TorchChunk(torch.Size(c.offsets), torch.Size(c.sizes)) for c in md.chunks])
+          for fqn, md in metadata.state_dict_metadata.items()}
+    storage = {}
+    for rank, plan in enumerate(deduped):
+        offset = 0
+        for item in plan.items:
+            storage[TorchIndex(item.index.fqn, torch.Size(item.index.offset))] = _StorageInfo(
+                f"__{rank}_0.distcp", offset, item.nbytes)
+            offset += item.nbytes
+    blob = pickle.dumps(TorchMetadata(state_dict_metadata=sd, storage_data=storage))
+    t_unpickle, _ = _timed(lambda: pickle.loads(blob))
+    return {"ours_metadata_parse_s": t_parse, "ours_metadata_all_chunks_s": t_parse + t_chunks,
+            "torch_metadata_pickle_bytes": len(blob), "torch_metadata_unpickle_s": t_unpickle}
+
+
 def _torch_world(specs, mesh, lmesh, world, sample) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -291,15 +330,6 @@ def _torch_world(specs, mesh, lmesh, world, sample) -> dict[str, Any]:
     row["torch_build_metadata_s"] = t_md
     row["torch_validate_s"] = t_val
     row["torch_global_save_s"] = t_dedup + t_md + t_val
-    storage = {}
-    for rank, plan in enumerate(global_plan):
-        offset = 0
-        for item in plan.items:
-            n = math.prod(item.tensor_data.chunk.sizes) * 2
-            storage[item.index] = _StorageInfo(f"__{rank}_0.distcp", offset, n)
-            offset += n
-    metadata.storage_data = storage
-    row["torch_metadata_pickle_bytes"] = len(pickle.dumps(metadata))
     plans = deduped = global_plan = None
     local_times = []
     cache: dict = {}
