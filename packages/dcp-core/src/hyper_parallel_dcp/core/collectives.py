@@ -280,6 +280,20 @@ class DistWrapper:
         _raise_failures(step, {r: v for r, v in enumerate(results) if isinstance(v, _Failure)})
         return results  # type: ignore[return-value]
 
+    def broadcast_step(self, step: str, fun: Callable[[], T]) -> T:
+        """The coordinator runs ``fun``; every rank gets its result (or every rank raises)."""
+        self._step = step
+        if not self.use_dist:
+            return fun()
+        payload: Any = None
+        if self.is_coordinator:
+            result = self._run(fun)
+            payload = ("fail", {self.rank: result}) if isinstance(result, _Failure) else ("ok", result)
+        tag, value = self.broadcast_object(payload)
+        if tag == "fail":
+            _raise_failures(step, value)
+        return value
+
     def reduce_scatter(self, step: str, map_fun: Callable[[], T],
                        reduce_fun: Callable[[list[T]], list[R]]) -> R:
         """Map on every rank, reduce on the coordinator, scatter one result per rank."""

@@ -157,6 +157,42 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         return dw.all_reduce("write", write_step, finish_step)
 
 
+def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
+                    rank: int) -> tuple[Callable[[], Metadata], bool]:
+    """The checkpoint's metadata for every rank, read from storage once per job.
+
+    Returns ``(metadata_of, collectives_required)``: ``metadata_of()`` gives the parsed
+    metadata (call it inside a failure-propagating step: it parses there), and whether the
+    checkpoint allows collectives (not for merged ``{rank}.metadata`` files).  With
+    collectives the coordinator alone reads (``read_metadata_payload``) and broadcasts:
+    8192 ranks each reading a 35 MB file from a shared filesystem is 290 GB of reads before
+    the first tensor moves; a broadcast sends it once over the network.  A failure to read
+    is raised on every rank, naming the file.  Without collectives each rank reads itself.
+    """
+    if not dw.use_dist:
+        with phase("read_metadata", rank):
+            metadata = storage_reader.read_metadata()
+        return (lambda: metadata), storage_reader.collectives_required
+
+    def read_step() -> tuple[Any, bool]:
+        with phase("read_metadata", rank):
+            payload = storage_reader.read_metadata_payload()
+        return payload, storage_reader.collectives_required
+
+    # Every rank agrees whether collectives follow: one rank falling back to
+    # {rank}.metadata alone would leave the others waiting.
+    payload, collectives_required = dw.broadcast_step("read_metadata", read_step)
+    parsed: list[Metadata] = []
+
+    def metadata_of() -> Metadata:
+        if not parsed:
+            with phase("parse_metadata", rank):
+                parsed.append(storage_reader.metadata_from_payload(payload))
+        return parsed[0]
+
+    return metadata_of, collectives_required
+
+
 def load_state_dict(
     state_dict: dict[str, Any],
     storage_reader: StorageReader,
@@ -180,24 +216,10 @@ def load_state_dict(
     planner = planner if planner is not None else StandardLoadPlanner()
 
     with phase("load", rank), _gc_paused():
-        read: list[Metadata] = []
-
-        def read_step() -> bool:
-            with phase("read_metadata", rank):
-                read.append(storage_reader.read_metadata())
-            return storage_reader.collectives_required
-
         first = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
                             coordinator_rank=coordinator_rank)
-        if first.use_dist:
-            # A rank that cannot read the metadata (wrong path, no shared filesystem) must
-            # fail every rank, and all ranks must agree whether collectives follow: one
-            # rank falling back to {rank}.metadata alone would leave the others waiting.
-            if not all(first.all_gather("read_metadata", read_step)):
-                use_collectives = False
-        elif not read_step():
-            use_collectives = False
-        metadata = read[0]
+        metadata_of, collectives_required = _share_metadata(storage_reader, first, rank)
+        use_collectives = use_collectives and collectives_required
         dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
                          coordinator_rank=coordinator_rank)
         is_coordinator = rank == coordinator_rank
@@ -205,7 +227,9 @@ def load_state_dict(
 
         def local_step() -> LoadPlan:
             # The set-up runs inside the gathered step: a failure on one rank (e.g. two
-            # paths flattening to one FQN) is raised on every rank instead of hanging them.
+            # paths flattening to one FQN, metadata that does not parse) is raised on
+            # every rank instead of hanging them.
+            metadata = metadata_of()
             flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
             paths.update(found)
             storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)

@@ -68,6 +68,23 @@ class StorageReader(abc.ABC):
     def read_metadata(self) -> Metadata:
         return self.load_metadata()
 
+    def read_metadata_payload(self) -> Any:
+        """Read the metadata for the whole job: with collectives, only the coordinator calls
+        this, and the load broadcasts the result to every rank, which passes it to
+        :meth:`metadata_from_payload`.  Return something picklable and cheap to send — a
+        file backend returns the stored bytes, so the metadata is read from storage once
+        per job and parsed on every rank in parallel.  The default sends the parsed
+        :class:`Metadata`.  Raise as :meth:`read_metadata` does; after the call,
+        :attr:`collectives_required` must be known.
+        """
+        return self.read_metadata()
+
+    def metadata_from_payload(self, payload: Any) -> Metadata:
+        """On every rank: the :class:`Metadata` from what :meth:`read_metadata_payload`
+        returned on the coordinator (raise :class:`CheckpointFormatError` naming the source
+        when it cannot be parsed).  The default returns ``payload`` as is."""
+        return payload
+
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
         """Called on every rank once the metadata is known."""
 

@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -62,7 +63,15 @@ from .safetensors_stream import (
     write_safetensors,
 )
 
-__all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata", "storage_writer_for"]
+__all__ = [
+    "METADATA_FILE",
+    "FileSystemReader",
+    "FileSystemWriter",
+    "StoredMetadata",
+    "load_checkpoint_metadata",
+    "read_stored_metadata",
+    "storage_writer_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +316,39 @@ def _merge_rank_metadata(parts: Sequence[tuple[int, Metadata]]) -> Metadata:
     return Metadata(state_dict_metadata=sd, storage_data=storage, files=files)
 
 
+@dataclass(frozen=True)
+class StoredMetadata:
+    """A checkpoint's ``.metadata`` as stored: what one rank reads and broadcasts to the rest.
+
+    ``data`` is the JSON; ``source`` names the file(s) in errors; ``is_global`` is false
+    when it is the merge of ``{rank}.metadata`` files (re-encoded as one document).
+    """
+
+    data: bytes
+    source: str
+    is_global: bool
+
+    def parse(self) -> Metadata:
+        return metadata_from_json(self.data, source=self.source)
+
+
+def read_stored_metadata(path: Union[str, os.PathLike]) -> StoredMetadata:
+    """The bytes of ``.metadata`` or, failing that, every ``{rank}.metadata`` merged.
+
+    Raises as :func:`load_checkpoint_metadata` does (the merge parses the per-rank files).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
+    global_file = root / METADATA_FILE
+    try:
+        return StoredMetadata(global_file.read_bytes(), str(global_file), True)
+    except FileNotFoundError:
+        pass
+    merged = _merge_rank_files(root)
+    return StoredMetadata(metadata_to_json(merged).encode(), f"{root}/{{rank}}.metadata (merged)", False)
+
+
 def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, bool]:
     """Read ``.metadata`` or, failing that, merge every ``{rank}.metadata``.
 
@@ -324,6 +366,10 @@ def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, b
         text = None
     if text is not None:
         return metadata_from_json(text, source=str(global_file)), True
+    return _merge_rank_files(root), False
+
+
+def _merge_rank_files(root: Path) -> Metadata:
     parts = []
     for entry in os.scandir(root):
         match = _RANK_METADATA.match(entry.name)
@@ -334,7 +380,7 @@ def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, b
             f"{root} holds no checkpoint: neither {METADATA_FILE} nor any {{rank}}.metadata file "
             "(an interrupted save leaves none)"
         )
-    return _merge_rank_metadata(parts), False
+    return _merge_rank_metadata(parts)
 
 
 class _OpenFile:
@@ -407,6 +453,17 @@ class FileSystemReader(StorageReader):
 
     def load_metadata(self) -> Metadata:
         self.metadata, self._is_global = load_checkpoint_metadata(self._root())
+        return self.metadata
+
+    def read_metadata_payload(self) -> StoredMetadata:
+        """The stored bytes (read once per job, broadcast by the load, parsed on every rank)."""
+        stored = read_stored_metadata(self._root())
+        self._is_global = stored.is_global
+        return stored
+
+    def metadata_from_payload(self, payload: StoredMetadata) -> Metadata:
+        self.metadata = payload.parse()
+        self._is_global = payload.is_global
         return self.metadata
 
     @property
