@@ -175,13 +175,13 @@ def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
         return (lambda: metadata), storage_reader.collectives_required
 
     def read_step() -> tuple[Any, bool]:
-        with phase("read_metadata", rank):
-            payload = storage_reader.read_metadata_payload()
-        return payload, storage_reader.collectives_required
+        return storage_reader.read_metadata_payload(), storage_reader.collectives_required
 
     # Every rank agrees whether collectives follow: one rank falling back to
-    # {rank}.metadata alone would leave the others waiting.
-    payload, collectives_required = dw.broadcast_step("read_metadata", read_step)
+    # {rank}.metadata alone would leave the others waiting.  The phase is the read and
+    # broadcast on the coordinator, the wait for the bytes on the others.
+    with phase("read_metadata", rank):
+        payload, collectives_required = dw.broadcast_step("read_metadata", read_step)
     parsed: list[Metadata] = []
 
     def metadata_of() -> Metadata:
