@@ -303,8 +303,9 @@ def metadata_to_json(metadata: Metadata) -> str:
             entry["offset"] = [0 if i is None else i.offset for i in infos]
             entry["length"] = [0 if i is None else i.length for i in infos]
             entry["checksum"] = [None if i is None else i.checksum for i in infos]
+            prefix = chunk_key(fqn, ())  # the escaped name and the space, once per tensor
             keys = {str(pos): i.key for pos, (i, o) in enumerate(zip(infos, offsets))
-                    if i is not None and i.key != chunk_key(fqn, o)}
+                    if i is not None and i.key != prefix + "_".join(f"{v:012d}" for v in o)}
             if keys:
                 entry["keys"] = keys
         tensors[fqn] = entry
