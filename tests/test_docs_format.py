@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import struct
 from pathlib import Path
@@ -79,6 +80,7 @@ def test_metadata_validates_against_the_documented_schema(checkpoint: Path) -> N
         lambda d: d["tensors"]["layer.w"].update(type="array"),
         lambda d: d["tensors"]["layer.w"]["offsets"].__setitem__(0, -1),
         lambda d: d["tensors"]["layer.w"].pop("offset"),
+        lambda d: d["tensors"]["layer.w"].update(length=[-1]),
         lambda d: d["objects"]["extra.epoch"].update(file="_rank0_.bytes"),
         lambda d: d.pop("files"),
     ):
@@ -99,14 +101,17 @@ def _safetensors_entries(path: Path) -> tuple[int, dict]:
 def _stored_items(doc: dict) -> list[dict]:
     """Every stored chunk and object, read from the format-2 columns as the page describes them."""
     names = [name for name, _ in doc["files"]]
+    itemsize = {"float32": 4, "bfloat16": 2, "int64": 8, "int32": 4}
     out = []
     for fqn, t in doc["tensors"].items():
         ndim = len(t["size"])
+        lengths = t.get("length") or [math.prod(t["sizes"][i * ndim:(i + 1) * ndim]) * itemsize[t["dtype"]]
+                                      for i in range(t["count"])]
         assert len(t["offsets"]) == len(t["sizes"]) == t["count"] * ndim
         for i in range(t["count"]):
             offsets = t["offsets"][i * ndim:(i + 1) * ndim]
             out.append({"fqn": fqn, "offsets": offsets, "file": names[t["file"][i]], "offset": t["offset"][i],
-                        "length": t["length"][i], "checksum": t["checksum"][i],
+                        "length": lengths[i], "checksum": t["checksum"][i],
                         "key": t.get("keys", {}).get(str(i), documented_key(fqn, offsets))})
     for fqn, o in doc["objects"].items():
         out.append({"fqn": fqn, "file": names[o["file"]], "offset": o["offset"], "length": o["length"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import pickle
 
 import pytest
@@ -74,8 +75,8 @@ def test_format_2_is_column_shaped_with_no_string_per_chunk():
     assert [name for name, _ in doc["files"]] == ["_rank0_.safetensors", "_rank1_.safetensors", "_rank0_.bytes"]
     w = doc["tensors"]["w"]
     assert w == {"dtype": "bfloat16", "size": [4, 6], "count": 2, "offsets": [0, 0, 2, 0], "sizes": [2, 6, 2, 6],
-                 "file": [0, 1], "offset": [128, 128], "length": [24, 24],
-                 "checksum": ["00ff00ff00ff00ff", "0123456789abcdef"]}  # keys derived: none stored
+                 "file": [0, 1], "offset": [128, 128],
+                 "checksum": ["00ff00ff00ff00ff", "0123456789abcdef"]}  # keys and lengths derived: not stored
     assert doc["objects"] == {"optim.param_groups": {"file": 2, "offset": 0, "length": 345,
                                                      "checksum": "abcdefabcdefabcd"}}
     assert "other_storage" not in doc
@@ -86,8 +87,11 @@ def test_keys_that_are_not_derivable_and_stray_entries_round_trip():
     md.storage_data[MetadataIndex("w", (2, 0))] = StorageInfo("_rank1_.safetensors", 128, 24, None, "renamed")
     md.storage_data[MetadataIndex("ghost", (1,))] = StorageInfo("_rank1_.safetensors", 0, 4, None, "g")
     md.storage_data[MetadataIndex("w", (1, 1))] = StorageInfo("x.safetensors", 0, 4, "ffffffffffffffff", None)
+    md.storage_data[MetadataIndex("optim.state.w.step", ())] = StorageInfo("_rank0_.safetensors", 152, 2, None,
+                                                                           chunk_key("optim.state.w.step", ()))
     doc = json.loads(metadata_to_json(md))
     assert doc["tensors"]["w"]["keys"] == {"1": "renamed"}
+    assert "length" not in doc["tensors"]["w"] and doc["tensors"]["optim.state.w.step"]["length"] == [2]
     assert len(doc["other_storage"]) == 2
     back = metadata_from_json(json.dumps(doc))
     assert back == md and dict(back.storage_data) == md.storage_data
@@ -238,6 +242,7 @@ def _metadata(draw) -> Metadata:
                 storage[MetadataIndex(fqn)] = draw(_INFOS)
             continue
         shape = tuple(draw(st.lists(st.integers(0, 6), max_size=3)))
+        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.bool]))
         boxes = draw(st.lists(st.tuples(*[st.integers(0, d) for d in shape]), unique=True, max_size=5))
         chunks = []
         for offsets in boxes:
@@ -247,9 +252,9 @@ def _metadata(draw) -> Metadata:
             if stored != "none":
                 info = draw(_INFOS)
                 key = chunk_key(fqn, offsets) if stored == "derived" else info.key
-                storage[MetadataIndex(fqn, offsets)] = StorageInfo(info.relative_path, info.offset, info.length,
+                length = math.prod(sizes) * dtype.itemsize if stored == "derived" else info.length
+                storage[MetadataIndex(fqn, offsets)] = StorageInfo(info.relative_path, info.offset, length,
                                                                    info.checksum, key)
-        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.bool]))
         sd[fqn] = TensorStorageMetadata(TensorProperties(dtype), torch.Size(shape), chunks)
     for _ in range(draw(st.integers(0, 2))):  # entries that name no saved item
         offsets = draw(st.one_of(st.none(), st.lists(st.integers(0, 9), max_size=2).map(tuple)))

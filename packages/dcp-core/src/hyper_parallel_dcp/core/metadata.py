@@ -17,6 +17,7 @@ for the tensors it loads.  Format 1 (one JSON object per chunk) still loads.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
@@ -301,7 +302,12 @@ def metadata_to_json(metadata: Metadata) -> str:
         if any(i is not None for i in infos):
             entry["file"] = [-1 if i is None else file_of(i.relative_path) for i in infos]
             entry["offset"] = [0 if i is None else i.offset for i in infos]
-            entry["length"] = [0 if i is None else i.length for i in infos]
+            itemsize = md.properties.dtype.itemsize
+            lengths = [0 if i is None else i.length for i in infos]
+            # A chunk's length is its elements times the dtype's size (safetensors); the
+            # column is written only when some chunk is stored otherwise (6 bytes a chunk).
+            if lengths != [0 if i is None else math.prod(z) * itemsize for i, z in zip(infos, sizes)]:
+                entry["length"] = lengths
             entry["checksum"] = [None if i is None else i.checksum for i in infos]
             prefix = chunk_key(fqn, ())  # the escaped name and the space, once per tensor
             keys = {str(pos): i.key for pos, (i, o) in enumerate(zip(infos, offsets))
@@ -341,7 +347,7 @@ class _TensorColumns:
 
     def __init__(self, fqn: str, ndim: int, count: int, offsets: list[int], sizes: list[int],
                  file: Optional[list[int]], offset: Optional[list[int]], length: Optional[list[int]],
-                 checksum: Optional[list[Optional[str]]], keys: dict[int, Optional[str]]) -> None:
+                 checksum: Optional[list[Optional[str]]], keys: dict[int, Optional[str]], itemsize: int) -> None:
         self.fqn = fqn
         self.ndim = ndim
         self.count = count
@@ -352,6 +358,7 @@ class _TensorColumns:
         self.length = length
         self.checksum = checksum
         self.keys = keys
+        self.itemsize = itemsize
         self._positions: Optional[dict[tuple[int, ...], int]] = None
 
     def _tuples(self, flat: list[int]) -> list[tuple[int, ...]]:
@@ -381,10 +388,13 @@ class _TensorColumns:
         return None if pos is None or self.file[pos] < 0 else pos
 
     def info(self, pos: int, names: list[str]) -> StorageInfo:
-        assert self.file is not None and self.offset is not None and self.length is not None
-        assert self.checksum is not None
+        assert self.file is not None and self.offset is not None and self.checksum is not None
         key = self.keys[pos] if pos in self.keys else chunk_key(self.fqn, self.offsets_at(pos))
-        return StorageInfo(names[self.file[pos]], self.offset[pos], self.length[pos], self.checksum[pos], key)
+        if self.length is not None:
+            length = self.length[pos]
+        else:
+            length = math.prod(self.sizes[pos * self.ndim:(pos + 1) * self.ndim]) * self.itemsize
+        return StorageInfo(names[self.file[pos]], self.offset[pos], length, self.checksum[pos], key)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_positions": None}  # the lookup index is rebuilt on demand
@@ -538,7 +548,8 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
             if file and max(file) >= nfiles:
                 raise CheckpointFormatError(f"{where}: file index {max(file)} is not in the file table of {nfiles}")
             byte_offset = _flat_ints(entry["offset"], f"{where}: offset", count)
-            length = _flat_ints(entry["length"], f"{where}: length", count)
+            if "length" in entry:
+                length = _flat_ints(entry["length"], f"{where}: length", count)
             checksum = entry["checksum"]
             if type(checksum) is not list or len(checksum) != count or not set(map(type, checksum)) <= {str, type(None)}:
                 raise CheckpointFormatError(f"{where}: checksum must be a list of {count} strings or nulls")
@@ -551,7 +562,7 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
                     raise CheckpointFormatError(f"{where}: invalid key entry {pos_text!r}: {key!r}")
                 keys[pos] = key
         cols = columns[fqn] = _TensorColumns(fqn, ndim, count, offsets, sizes, file, byte_offset, length,
-                                             checksum, keys)
+                                             checksum, keys, dtype.itemsize)
         state_dict_metadata[fqn] = _ColumnarTensorStorageMetadata._from_columns(
             TensorProperties(dtype), torch.Size(size), cols)
     objects: dict[str, StorageInfo] = {}
