@@ -296,9 +296,10 @@ def _metadata_figures(text: str, metadata, deduped) -> dict[str, Any]:
     t_parse, parsed = _timed(lambda: metadata_from_json(data))
     t_chunks, _ = _timed(lambda: sum(len(md.chunks) for md in parsed.state_dict_metadata.values()))
     props = TorchProperties(dtype=torch.bfloat16)
-    sd = {fqn: TorchTensor(props, torch.Size(md.size),
-                           [TorchChunk(torch.Size(c.offsets), torch.Size(c.sizes)) for c in md.chunks])
-          for fqn, md in metadata.state_dict_metadata.items()}
+    sd: dict[str, Any] = {fqn: TorchTensor(props, torch.Size(md.size),
+                                           [TorchChunk(torch.Size(c.offsets), torch.Size(c.sizes))
+                                            for c in md.chunks])
+                          for fqn, md in metadata.state_dict_metadata.items()}
     storage = {}
     for rank, plan in enumerate(deduped):
         offset = 0

@@ -151,7 +151,9 @@ class Metadata:
 
     state_dict_metadata: dict[str, StorageMetadata]
     planner_data: Any = None
-    storage_data: dict[MetadataIndex, StorageInfo] | None = None
+    #: A dict, or for a parsed format-2 checkpoint a read-only mapping that builds each
+    #: entry on lookup; replace it (do not mutate it) to change a loaded checkpoint's.
+    storage_data: Mapping[MetadataIndex, StorageInfo] | None = None
     files: dict[str, int] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
@@ -273,16 +275,16 @@ def metadata_to_json(metadata: Metadata) -> str:
     for name, size in metadata.files.items():
         file_table[file_of(name)][1] = size
     # One pass over the storage entries, grouped by FQN: no MetadataIndex built per chunk.
-    by_fqn: dict[str, dict[Optional[tuple[int, ...]], StorageInfo]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        by_fqn.setdefault(index.fqn, {})[index.offset] = info
+    by_fqn: dict[str, dict[Optional[tuple[int, ...]], Optional[StorageInfo]]] = {}
+    for index, entry_info in (metadata.storage_data or {}).items():
+        by_fqn.setdefault(index.fqn, {})[index.offset] = entry_info
     tensors: dict[str, Any] = {}
     objects: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         stored = by_fqn.get(fqn, {})
         if not isinstance(md, TensorStorageMetadata):
-            info = stored.pop(None, None)
-            objects[fqn] = {} if info is None else _v2_entry(info, file_of, with_key=True)
+            found = stored.pop(None, None)
+            objects[fqn] = {} if found is None else _v2_entry(found, file_of, with_key=True)
             continue
         ndim = len(md.size)
         chunks = md.chunks
@@ -317,8 +319,9 @@ def metadata_to_json(metadata: Metadata) -> str:
         tensors[fqn] = entry
     other = []
     for fqn, rest in by_fqn.items():
-        for offset, info in rest.items():
-            item = {"fqn": fqn, **_v2_entry(info, file_of, with_key=True)}
+        for offset, stray in rest.items():
+            assert stray is not None  # entries come from storage_data, which maps to StorageInfo
+            item = {"fqn": fqn, **_v2_entry(stray, file_of, with_key=True)}
             if offset is not None:
                 item["offsets"] = list(offset)
             other.append(item)

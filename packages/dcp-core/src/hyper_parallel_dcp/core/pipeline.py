@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .collectives import DistWrapper
 from .flatten import flatten_state_dict, set_by_path
 from .layout import is_tensor_leaf
-from .metadata import Metadata
+from .metadata import Metadata, MetadataIndex, StorageInfo
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, _gc_paused
 from .storage import StorageReader, StorageWriter, WriteResult
@@ -41,12 +41,13 @@ def process_rank(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
 
 def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
     md = copy.copy(metadata)
-    md.storage_data = {}
+    storage_data: dict[MetadataIndex, StorageInfo] = {}
     md.files = {}
     for rank_results in results:
         for res in rank_results:
-            md.storage_data[res.index] = res.storage_data
+            storage_data[res.index] = res.storage_data
             md.files[res.storage_data.relative_path] = res.file_size
+    md.storage_data = storage_data
     return md
 
 

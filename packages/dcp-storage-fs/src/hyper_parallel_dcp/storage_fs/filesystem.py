@@ -462,6 +462,17 @@ class FileSystemReader(StorageReader):
         return stored
 
     def metadata_from_payload(self, payload: StoredMetadata) -> Metadata:
+        """Parse the coordinator's bytes, after a ``stat`` that this rank sees the same
+        checkpoint (a rank given another path, or without the shared filesystem, fails
+        here, naming its path, instead of reading nothing or the wrong files later)."""
+        root = self._root()
+        if not root.is_dir():
+            raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
+        if payload.is_global and not (root / METADATA_FILE).is_file():
+            raise CheckpointNotFoundError(
+                f"{root / METADATA_FILE} does not exist on this rank, but the coordinator read "
+                f"{payload.source}: every rank must see the same checkpoint"
+            )
         self.metadata = payload.parse()
         self._is_global = payload.is_global
         return self.metadata
