@@ -74,9 +74,10 @@ def test_format_2_is_column_shaped_with_no_string_per_chunk():
     assert doc["format_version"] == 2
     assert [name for name, _ in doc["files"]] == ["_rank0_.safetensors", "_rank1_.safetensors", "_rank0_.bytes"]
     w = doc["tensors"]["w"]
-    assert w == {"dtype": "bfloat16", "size": [4, 6], "count": 2, "offsets": [0, 0, 2, 0], "sizes": [2, 6, 2, 6],
-                 "file": [0, 1], "offset": [128, 128],
-                 "checksum": ["00ff00ff00ff00ff", "0123456789abcdef"]}  # keys and lengths derived: not stored
+    # one size for both chunks; digests back to back; keys and lengths derived, not stored
+    assert w == {"dtype": "bfloat16", "size": [4, 6], "count": 2, "offsets": [0, 0, 2, 0], "sizes": [2, 6],
+                 "file": [0, 1], "offset": [128, 128], "checksum": "00ff00ff00ff00ff0123456789abcdef"}
+    assert doc["tensors"]["optim.state.w.step"]["checksum"] == [None]  # not all digests: a list
     assert doc["objects"] == {"optim.param_groups": {"file": 2, "offset": 0, "length": 345,
                                                      "checksum": "abcdefabcdefabcd"}}
     assert "other_storage" not in doc
@@ -200,6 +201,10 @@ MALFORMED = [
     (_v2_tensor(count=3), r"tensor 'w': offsets must be a list of 6 integers"),
     (_v2_tensor(offsets=[0, 0, 3, 0]), r"offsets=\[3, 0\] sizes=\[2, 6\] does not fit its global size \[4, 6\]"),
     (_v2_tensor(sizes=[2, 6, 2, -1]), r"sizes must hold integers >= 0, found -1"),
+    (_v2_tensor(sizes=[2, 6, 2]), r"sizes must be a list of 4 integers"),
+    (_v2_tensor(sizes=[3, 6]), r"offsets=\[2, 0\] sizes=\[3, 6\] does not fit"),
+    (_v2_tensor(checksum="00ff00ff00ff00ff"), r"checksum must be 2 xxh3 digests of 16 hex digits"),
+    (_v2_tensor(checksum="00ff00ff00ff00ff0123456789ABCDEF"), r"checksum must be 2 xxh3 digests"),
     (_v2_tensor(offsets=[0, 0, 2, 0.5]), r"offsets must hold integers >= 0, found 0.5"),
     (_v2_tensor(offsets=[0, 0, 2, True]), r"offsets must hold integers >= 0, found True"),
     (_v2_tensor(file=[0, 7]), r"file index 7 is not in the file table of 3"),

@@ -248,6 +248,10 @@ def _parse_v1(doc: dict[str, Any], source: str) -> Metadata:
 
 
 # ------------------------------------------------------------------------ format 2
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX = re.compile(r"[0-9a-f]*")
+
+
 def _is_checksum(value: Any) -> bool:
     return value is None or isinstance(value, str)
 
@@ -298,7 +302,10 @@ def metadata_to_json(metadata: Metadata) -> str:
             "size": list(md.size),
             "count": len(chunks),
             "offsets": list(chain.from_iterable(offsets)),
-            "sizes": list(chain.from_iterable(sizes)),
+            # Chunks of one tensor are mostly the same size (TP/EP/FSDP shards): then the
+            # size is written once for all of them.
+            "sizes": list(sizes[0]) if len(chunks) > 1 and sizes.count(sizes[0]) == len(sizes)
+            else list(chain.from_iterable(sizes)),
         }
         infos = [stored.pop(o, None) for o in offsets]
         if any(i is not None for i in infos):
@@ -310,7 +317,13 @@ def metadata_to_json(metadata: Metadata) -> str:
             # column is written only when some chunk is stored otherwise (6 bytes a chunk).
             if lengths != [0 if i is None else math.prod(z) * itemsize for i, z in zip(infos, sizes)]:
                 entry["length"] = lengths
-            entry["checksum"] = [None if i is None else i.checksum for i in infos]
+            checksums = [None if i is None else i.checksum for i in infos]
+            # Written back to back in one string when all are xxh3 hex digests (as the
+            # filesystem writer records them): no quotes and commas per chunk.
+            if all(c is not None and len(c) == 16 and _HEX16.fullmatch(c) for c in checksums):
+                entry["checksum"] = "".join(checksums)  # type: ignore[arg-type]
+            else:
+                entry["checksum"] = checksums
             prefix = chunk_key(fqn, ())  # the escaped name and the space, once per tensor
             keys = {str(pos): i.key for pos, (i, o) in enumerate(zip(infos, offsets))
                     if i is not None and i.key != prefix + "_".join(f"{v:012d}" for v in o)}
@@ -532,7 +545,10 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
         if type(count) is not int or count < 0:
             raise CheckpointFormatError(f"{where}: count must be an integer >= 0, got {count!r}")
         offsets = _flat_ints(entry["offsets"], f"{where}: offsets", count * ndim)
-        sizes = _flat_ints(entry["sizes"], f"{where}: sizes", count * ndim)
+        sizes = entry["sizes"]
+        if count > 1 and ndim and isinstance(sizes, list) and len(sizes) == ndim:
+            sizes = sizes * count  # one size for every chunk
+        sizes = _flat_ints(sizes, f"{where}: sizes", count * ndim)
         for d in range(ndim):
             if count and max(map(add, offsets[d::ndim], sizes[d::ndim])) > size[d]:
                 pos = next(i for i in range(count) if offsets[i * ndim + d] + sizes[i * ndim + d] > size[d])
@@ -554,7 +570,12 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
             if "length" in entry:
                 length = _flat_ints(entry["length"], f"{where}: length", count)
             checksum = entry["checksum"]
-            if type(checksum) is not list or len(checksum) != count or not set(map(type, checksum)) <= {str, type(None)}:
+            if type(checksum) is str:
+                if len(checksum) != 16 * count or not _HEX.fullmatch(checksum):
+                    raise CheckpointFormatError(f"{where}: checksum must be {count} xxh3 digests of 16 hex digits")
+                checksum = [checksum[i:i + 16] for i in range(0, 16 * count, 16)]
+            elif type(checksum) is not list or len(checksum) != count or not set(map(type, checksum)) <= {
+                    str, type(None)}:
                 raise CheckpointFormatError(f"{where}: checksum must be a list of {count} strings or nulls")
             raw_keys = entry.get("keys", {})
             if not isinstance(raw_keys, dict):
