@@ -76,7 +76,8 @@ def test_metadata_validates_against_the_documented_schema(checkpoint: Path) -> N
     for mutate in (
         lambda d: d.update(format_version=3),
         lambda d: d["tensors"]["layer.w"].update(checksum=d["tensors"]["layer.w"]["checksum"].upper()),
-        lambda d: d["files"][0].__setitem__(0, "../escape"),
+        lambda d: d["files"].append(["../escape", 1]),
+        lambda d: d["files"].append({"prefix": "_rank", "suffix": "_.bytes", "numbers": [-1], "sizes": [1]}),
         lambda d: d["tensors"]["layer.w"].update(type="array"),
         lambda d: d["tensors"]["layer.w"]["offsets"].__setitem__(0, -1),
         lambda d: d["tensors"]["layer.w"].pop("offset"),
@@ -88,6 +89,9 @@ def test_metadata_validates_against_the_documented_schema(checkpoint: Path) -> N
         mutate(bad)
         broken.append(not validator.is_valid(bad))
     assert all(broken), broken
+    grouped = copy.deepcopy(doc)  # a group of numbered names, as a multi-rank save writes
+    grouped["files"].append({"prefix": "_rank", "suffix": "_.safetensors", "numbers": [1, 2], "sizes": [10, None]})
+    validator.validate(grouped)
 
 
 def _safetensors_entries(path: Path) -> tuple[int, dict]:
@@ -98,9 +102,20 @@ def _safetensors_entries(path: Path) -> tuple[int, dict]:
     return 8 + header_len, header
 
 
+def _file_table(doc: dict) -> list[tuple[str, int]]:
+    """(name, size) of every file, groups expanded in order, as the page describes them."""
+    out = []
+    for entry in doc["files"]:
+        if isinstance(entry, dict):
+            out += [(f"{entry['prefix']}{n}{entry['suffix']}", size) for n, size in zip(entry["numbers"], entry["sizes"])]
+        else:
+            out.append((entry[0], entry[1]))
+    return out
+
+
 def _stored_items(doc: dict) -> list[dict]:
     """Every stored chunk and object, read from the format-2 columns as the page describes them."""
-    names = [name for name, _ in doc["files"]]
+    names = [name for name, _ in _file_table(doc)]
     itemsize = {"float32": 4, "bfloat16": 2, "int64": 8, "int32": 4}
     out = []
     for fqn, t in doc["tensors"].items():
@@ -126,7 +141,7 @@ def _stored_items(doc: dict) -> list[dict]:
 def test_files_ordering_offsets_and_checksums(checkpoint: Path) -> None:
     doc = json.loads((checkpoint / ".metadata").read_text())
     on_disk = {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.name != ".metadata"}
-    assert dict(doc["files"]) == on_disk
+    assert dict(_file_table(doc)) == on_disk
     assert set(on_disk) == {"_rank0_.safetensors", "_rank0_.bytes"}
     assert "keys" not in doc["tensors"]["name with space!"]  # derivable, so not stored
     data_start, header = _safetensors_entries(checkpoint / "_rank0_.safetensors")

@@ -72,7 +72,9 @@ def test_chunk_key_string_order_is_numeric_order_within_an_fqn():
 def test_format_2_is_column_shaped_with_no_string_per_chunk():
     doc = json.loads(metadata_to_json(_sample()))
     assert doc["format_version"] == 2
-    assert [name for name, _ in doc["files"]] == ["_rank0_.safetensors", "_rank1_.safetensors", "_rank0_.bytes"]
+    # numbered names sharing prefix and suffix: one group, a number each
+    assert doc["files"] == [{"prefix": "_rank", "suffix": "_.safetensors", "numbers": [0, 1], "sizes": [156, 152]},
+                            ["_rank0_.bytes", 345]]
     w = doc["tensors"]["w"]
     # one size for both chunks; digests back to back; keys and lengths derived, not stored
     assert w == {"dtype": "bfloat16", "size": [4, 6], "count": 2, "offsets": [0, 0, 2, 0], "sizes": [2, 6],
@@ -192,6 +194,9 @@ MALFORMED = [
     (_v1(lambda d: d.update(files={"_rank0_.safetensors": "big"})), r"'files' must map file names to sizes"),
     # format 2
     (_doc(files={"_rank0_.safetensors": 1}), r"'files' must be a list of \[name, size\] pairs"),
+    (_doc(files=[{"prefix": "a", "suffix": "", "numbers": [1, 2], "sizes": [1]}]), r"file group 'a'"),
+    (_doc(files=[{"prefix": "a", "suffix": "", "numbers": [1, 1], "sizes": [1, 1]}]), r"names a file twice"),
+    (_doc(files=[{"prefix": "../", "suffix": "", "numbers": [1, 2], "sizes": [1, 1]}]), r"invalid file name '../1'"),
     (_doc(files=[["../../etc/passwd", 1]]), r"invalid file name '../../etc/passwd'"),
     (_doc(files=[["a", 1], ["a", 2]]), r"names a file twice"),
     (_doc(files=[["a", -1]]), r"size of 'a' must be an integer >= 0"),
@@ -230,7 +235,8 @@ def test_malformed_metadata_is_refused_clearly(text, pattern):
 
 # ---------------------------------------------------------------- any Metadata round-trips
 _NAMES = st.text(alphabet="ab .!_\x00\u00e9", min_size=1, max_size=5)
-_FILES = st.sampled_from(["_rank0_.safetensors", "_rank1_.safetensors", "_rank0_.bytes", "x y"])
+_FILES = st.sampled_from(["_rank0_.safetensors", "_rank1_.safetensors", "_rank0_.bytes", "x y", "_rank10_.bytes",
+                          "a007", "a7", "12", "3", "m-00001-of-00002.st"])
 _CHECKSUMS = st.one_of(st.none(), st.text(alphabet="0123456789abcdef", min_size=16, max_size=16), st.text(max_size=3))
 _INFOS = st.builds(StorageInfo, _FILES, st.integers(0, 2**40), st.integers(0, 2**33), _CHECKSUMS,
                    st.one_of(st.none(), st.text(max_size=4)))

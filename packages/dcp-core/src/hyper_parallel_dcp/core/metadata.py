@@ -338,9 +338,17 @@ def metadata_to_json(metadata: Metadata) -> str:
             if offset is not None:
                 item["offsets"] = list(offset)
             other.append(item)
+    groups, new_index = _group_files(file_table)
+    if new_index != list(range(len(new_index))):
+        for entry in tensors.values():
+            if "file" in entry:
+                entry["file"] = [new_index[f] if f >= 0 else -1 for f in entry["file"]]
+        for entry in chain(objects.values(), other):
+            if "file" in entry:
+                entry["file"] = new_index[entry["file"]]
     doc: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
-        "files": file_table,
+        "files": groups,
         "tensors": tensors,
         "objects": objects,
         "planner_data": metadata.planner_data,
@@ -348,6 +356,64 @@ def metadata_to_json(metadata: Metadata) -> str:
     if other:
         doc["other_storage"] = other
     return json.dumps(doc, separators=(",", ":"))
+
+
+# A name ending in a number without leading zeros (then no digits): "_rank12_.safetensors".
+_NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)(\D*)$")
+
+
+def _group_files(table: list[list[Any]]) -> tuple[list[Any], list[int]]:
+    """The file table as written: names ``prefix + number + suffix`` sharing prefix and
+    suffix become one group (at 8192 ranks, 8192 ``_rank{r}_.safetensors`` cost a number
+    each, not a name each); other names stay ``[name, size]`` pairs.  Returns the entries
+    and, for each old file index, its index in the expanded table."""
+    by_pattern: dict[tuple[str, str], list[int]] = {}
+    for pos, (name, _) in enumerate(table):
+        match = _NUMBERED.match(name)
+        if match:
+            by_pattern.setdefault((match.group(1), match.group(3)), []).append(pos)
+    grouped = {key: members for key, members in by_pattern.items() if len(members) > 1}
+    group_of = {pos: key for key, members in grouped.items() for pos in members}
+    entries: list[Any] = []
+    order: list[int] = []
+    emitted: set[tuple[str, str]] = set()
+    for pos, (name, size) in enumerate(table):
+        key = group_of.get(pos)
+        if key is None:
+            entries.append([name, size])
+            order.append(pos)
+        elif key not in emitted:
+            emitted.add(key)
+            members = grouped[key]
+            prefix, suffix = key
+            entries.append({"prefix": prefix, "suffix": suffix,
+                            "numbers": [int(table[m][0][len(prefix):len(table[m][0]) - len(suffix)]) for m in members],
+                            "sizes": [table[m][1] for m in members]})
+            order.extend(members)
+    new_index = [0] * len(table)
+    for new, old in enumerate(order):
+        new_index[old] = new
+    return entries, new_index
+
+
+def _expand_files(table: Any, source: str) -> list[tuple[Any, Any]]:
+    if not isinstance(table, list):
+        raise CheckpointFormatError(f"{source}: 'files' must be a list of [name, size] pairs and groups")
+    out: list[tuple[Any, Any]] = []
+    for entry in table:
+        if isinstance(entry, list) and len(entry) == 2:
+            out.append((entry[0], entry[1]))
+        elif isinstance(entry, dict) and isinstance(entry.get("prefix"), str) and isinstance(entry.get("suffix"), str):
+            numbers, sizes = entry["numbers"], entry["sizes"]
+            if type(numbers) is not list or type(sizes) is not list or len(numbers) != len(sizes) or not all(
+                    type(n) is int and n >= 0 for n in numbers):
+                raise CheckpointFormatError(f"{source}: file group {entry['prefix']!r}…{entry['suffix']!r} needs "
+                                            "'numbers' (integers >= 0) and 'sizes' of one length")
+            out.extend((f"{entry['prefix']}{n}{entry['suffix']}", size) for n, size in zip(numbers, sizes))
+        else:
+            raise CheckpointFormatError(f"{source}: 'files' must be a list of [name, size] pairs and groups, "
+                                        f"found {entry!r}")
+    return out
 
 
 def _v2_entry(info: StorageInfo, file_of: Any, *, with_key: bool) -> dict[str, Any]:
@@ -508,9 +574,7 @@ def _file_name(name: Any, source: str) -> str:
 
 
 def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
-    table = doc["files"]
-    if not isinstance(table, list) or not all(isinstance(f, list) and len(f) == 2 for f in table):
-        raise CheckpointFormatError(f"{source}: 'files' must be a list of [name, size] pairs")
+    table = _expand_files(doc["files"], source)
     names = [_file_name(name, source) for name, _ in table]
     if len(set(names)) != len(names):
         raise CheckpointFormatError(f"{source}: the file table names a file twice")
