@@ -287,3 +287,36 @@ def test_any_metadata_round_trips_exactly(md):
     for fqn, entry in md.state_dict_metadata.items():
         assert type(back.state_dict_metadata[fqn].chunks if isinstance(entry, TensorStorageMetadata) else []) is list
     assert metadata_from_json(metadata_to_json(back)) == md  # writing what was read changes nothing
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**40) | st.text(max_size=20),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                     max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_mutated_document_is_refused_or_fully_usable(data):
+    """Checks run at parse time: what parses can be materialised (chunks, every storage
+    entry) without any error later, when a rank first touches it."""
+    doc = json.loads(metadata_to_json(_sample()))
+    for _ in range(data.draw(st.integers(1, 3))):
+        node = doc
+        path = []
+        while isinstance(node, (dict, list)) and node and data.draw(st.booleans()):
+            key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+            path.append((node, key))
+            node = node[key]
+        if path:
+            parent, key = path[-1]
+            parent[key] = data.draw(_JSON)
+    try:
+        md = metadata_from_json(json.dumps(doc))
+    except CheckpointFormatError:
+        return
+    for entry in md.state_dict_metadata.values():
+        if isinstance(entry, TensorStorageMetadata):
+            assert all(len(c.offsets) == len(c.sizes) == len(entry.size) for c in entry.chunks)
+    assert len(dict(md.storage_data)) == len(md.storage_data)
+    for info in md.storage_data.values():
+        assert isinstance(info.relative_path, str) and info.offset >= 0 and info.length >= 0
