@@ -663,7 +663,9 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
     other: dict[MetadataIndex, StorageInfo] = {}
     for entry in doc.get("other_storage") or []:
         offsets_doc = entry.get("offsets")
-        index = MetadataIndex(str(entry["fqn"]),
+        if not isinstance(entry["fqn"], str):  # str() would turn null into the key 'None'
+            raise CheckpointFormatError(f"{source}: other_storage entry with a non-string fqn {entry['fqn']!r}")
+        index = MetadataIndex(entry["fqn"],
                               None if offsets_doc is None else _ints(offsets_doc, f"{source}: offsets"))
         other[index] = storage_info(entry, f"storage entry of {index.fqn!r}")
     return Metadata(
