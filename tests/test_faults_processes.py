@@ -259,16 +259,16 @@ def test_concurrent_save_refused_on_every_rank(tmp_path: Path) -> None:
 
 
 _SLOW_SAVER = """
-import sys, time, torch
+import sys, torch
 from hyper_parallel_dcp import save
 from hyper_parallel_dcp.storage_fs import filesystem
 real = filesystem.write_safetensors
 def slow(f, entries):
-    open(sys.argv[2], "w").close()  # tell the test we are inside the save
-    time.sleep(float(sys.argv[3]))
+    open(sys.argv[2], "w").close()  # tell the test we are inside the save (holding the lock)
+    sys.stdin.readline()  # and stay there until the test says go (a line, or stdin closed)
     return real(f, entries)
 filesystem.write_safetensors = slow
-value = float(sys.argv[4])
+value = float(sys.argv[3])
 try:
     save({"w": torch.full((64, 8), value), "own0": torch.full((32,), value), "own1": torch.full((32,), value + 1),
           "step": int(value)}, checkpoint_id=sys.argv[1], no_dist=True)
@@ -286,18 +286,21 @@ def test_two_processes_save_into_one_directory(tmp_path: Path) -> None:
     save({"w": torch.full((64, 8), OLD), "own0": torch.full((32,), OLD), "own1": torch.full((32,), OLD + 1),
           "step": 1}, checkpoint_id=path, no_dist=True)
     inside = tmp_path / "inside"
-    first = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(path), str(inside), "4", "5"],
-                             stdout=subprocess.PIPE, text=True)
+    # The first save waits inside its write, holding the lock, until the test writes to its
+    # stdin: the second save meets the lock however long it takes to start (no time window).
+    first = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(path), str(inside), "5"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not inside.exists():
         assert first.poll() is None and time.monotonic() < deadline, "first saver never started writing"
         time.sleep(0.1)
     # The first save is writing; the old checkpoint must still load meanwhile.
     _assert_old_intact(path)
-    second = subprocess.run([sys.executable, "-c", _SLOW_SAVER, str(path), str(tmp_path / "x"), "0", "7"],
-                            stdout=subprocess.PIPE, text=True, timeout=120)
+    second = subprocess.run([sys.executable, "-c", _SLOW_SAVER, str(path), str(tmp_path / "x"), "7"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=120)
     assert second.stdout.startswith("ConcurrentSaveError"), second.stdout
-    assert first.communicate(timeout=120)[0].strip() == "saved"
+    assert not (tmp_path / "x").exists(), "the refused save must not have reached its write"
+    assert first.communicate("go\n", timeout=120)[0].strip() == "saved"
     got = _load_values(path)
     assert torch.equal(got["w"], torch.full((64, 8), 5.0)) and got["step"] == 5
 
@@ -309,8 +312,8 @@ def test_sigkill_during_single_process_save(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     save({"w": torch.full((64, 8), OLD), "own0": torch.full((32,), OLD), "own1": torch.full((32,), OLD + 1),
           "step": 1}, checkpoint_id=path, no_dist=True)
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(path), str(tmp_path / "inside"), "30", "9"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(path), str(tmp_path / "inside"), "9"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "inside").exists():
         assert proc.poll() is None and time.monotonic() < deadline
