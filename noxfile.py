@@ -19,7 +19,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests", "integration", "docs"]
+nox.options.sessions = ["tests", "integration", "docs", "lint", "demo"]
 
 TORCH = "torch==2.13.0"
 PYTHON = "3.11"
