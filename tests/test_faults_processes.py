@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import errno
 import io
-import multiprocessing as mp
 import os
-import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
+
+from hyper_parallel_dcp.core.testing import run_ranks as _run_ranks
 
 OLD = 1.0
 NEW = 2.0
@@ -35,54 +33,10 @@ def _state(value: float, rank: int) -> dict:
 
 
 # ----------------------------------------------------------------------- the harness
-def _child(fn, rank: int, world_size: int, store: str, results, env: dict, args: tuple) -> None:
-    os.environ.update(env)
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-        value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exception(exc))))
-    results.close()
-    results.join_thread()  # the result must be in the pipe before the hard exit below
-    os._exit(0)  # skip the process group teardown, which may wait on a dead peer
-
-
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, env: dict | None = None) -> dict:
-    """Run ``fn`` on ``world_size`` gloo ranks, tolerating ranks that die.
-
-    Returns ``{rank: ("ok", value) | ("error", text) | ("died", exitcode)}``.
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    out: dict = {}
-    with tempfile.TemporaryDirectory(prefix="hp-dcp-faults-") as tmp:
-        store = os.path.join(tmp, "store")
-        env = {"HP_DCP_COLLECTIVE_TIMEOUT": TIMEOUT_S, **(env or {})}
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store, results, env, args))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and len(out) < world_size:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-                out[rank] = (status, value)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in out and p.exitcode is not None and p.exitcode != 0:
-                        out[r] = ("died", p.exitcode)
-                    elif r not in out and p.exitcode == 0 and results.empty():
-                        out[r] = ("error", "exited without a result")
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return out
+    """``core.testing.run_ranks`` with a short collective timeout: a dead peer is noticed fast."""
+    return _run_ranks(fn, world_size, *args, timeout=timeout,
+                      env={"HP_DCP_COLLECTIVE_TIMEOUT": TIMEOUT_S, **(env or {})})
 
 
 def _load_values(path: Path, world_size: int = 2) -> dict:

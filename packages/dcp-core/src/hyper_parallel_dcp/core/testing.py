@@ -4,6 +4,8 @@ What needs only core lives here (storage-backed ``save``/``load`` for package te
 in :mod:`hyper_parallel_dcp.storage_fs.testing`):
 
 - :func:`run_distributed`: real multi-process gloo runs on CPU (below);
+- :func:`run_ranks`: the same for fault tests, where ranks are meant to die: every rank's
+  outcome (value, error text, or exit code) instead of an exception;
 - :func:`free_port_pair`: a port ``p`` with ``p`` and ``p + 1`` free (async gloo writers);
 - :func:`run_console_script`: a console script, or its ``python -m`` module when the
   script is not on ``PATH``;
@@ -42,6 +44,7 @@ __all__ = [
     "placements_from_text",
     "run_console_script",
     "run_distributed",
+    "run_ranks",
 ]
 
 
@@ -221,3 +224,57 @@ class FileReads:
         """Total bytes of the reads for which ``keep(path, offset)`` is true."""
         with self._lock:
             return sum(n for path, offset, n in self.records if keep(path, offset))
+
+
+def _rank_outcome(fn: Callable[..., Any], rank: int, world_size: int, store: str, results: Any,
+                  env: dict[str, str], args: tuple) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exception(exc))))
+    results.close()
+    results.join_thread()  # the result must be in the pipe before the hard exit below
+    os._exit(0)  # skip the process group teardown, which may wait on a dead peer
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+              env: dict[str, str] | None = None) -> dict[int, tuple[str, Any]]:
+    """Run ``fn(rank, world_size, *args)`` on gloo ranks, tolerating ranks that die.
+
+    For fault-injection tests: returns ``{rank: ("ok", value) | ("error", text) |
+    ("died", exitcode)}`` for every rank that reported or died by ``timeout``; a rank
+    missing from the result hung.  Never raises for a rank's failure.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    out: dict[int, tuple[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="hp-dcp-faults-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_outcome, args=(fn, r, world_size, store, results, dict(env or {}), args))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+                out[rank] = (status, pickle.loads(value) if status == "ok" else value)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in out and p.exitcode is not None and p.exitcode != 0:
+                        out[r] = ("died", p.exitcode)
+                    elif r not in out and p.exitcode == 0 and results.empty():
+                        out[r] = ("error", "exited without a result")
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
