@@ -6,7 +6,8 @@ added) for imports of ``hyper_parallel_dcp.<sub>`` — ``import``, ``from ... im
 too) — and fails on an import of a sibling the table below does not allow, or of the
 umbrella (``hyper_parallel_dcp`` itself, ``api``, ``cli``, ``demo``, ``benchmarks``).
 Every allowed sibling import must also be a declared dependency of the importing
-package, so an install of that package alone has it.
+package, so an install of that package alone has it; and a package's own tests import
+only what its ``nox -s "tests(package=...)"`` session installs (never the umbrella).
 """
 
 from __future__ import annotations
@@ -135,3 +136,45 @@ def test_the_scan_sees_imports_against_the_rules(tmp_path: Path) -> None:
     assert len(problems) == 5, problems  # storage_fs; the umbrella: import, from-import, api; broadcast
     assert any("storage_fs" in p for p in problems) and any("broadcast" in p for p in problems)
     assert sum("umbrella" in p for p in problems) == 3
+
+
+def _nox_test_siblings() -> dict[str, set[str]]:
+    """``{package folder: sibling folders its nox test session installs}`` from noxfile.py."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
+    table = next(ast.literal_eval(node.value) for node in tree.body
+                 if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "PACKAGES")
+    folders = {name: Path(folder).name for name, (folder, _, _) in table.items()}
+    return {folders[name]: {folders[d] for d in (*deps, *test_deps)} for name, (_, deps, test_deps) in table.items()}
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in PACKAGES.iterdir() if (p / "tests").is_dir()))
+def test_package_tests_import_only_what_their_nox_session_installs(folder: str) -> None:
+    """``nox -s "tests(package=...)"`` installs the package and its listed siblings only."""
+    installed = _nox_test_siblings().get(folder)
+    assert installed is not None, f"{folder} has no entry in noxfile.py's PACKAGES"
+    owners = _subpackages()
+    problems = []
+    for path in sorted((PACKAGES / folder / "tests").glob("*.py")):
+        for line, module in _imported_modules_of_test(path):
+            parts = module.split(".")
+            if parts[0] != "hyper_parallel_dcp":
+                continue
+            owner = owners.get(parts[1]) if len(parts) > 1 else None
+            if owner is None:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: imports {module} (the umbrella is not installed)")
+            elif owner != folder and owner not in installed:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: imports {module}; the session installs "
+                                f"{sorted(installed)} only")
+    assert not problems, "\n".join(problems)
+
+
+def _imported_modules_of_test(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append((node.lineno, node.module or ""))
+            if node.module == "hyper_parallel_dcp":
+                found += [(node.lineno, f"hyper_parallel_dcp.{alias.name}") for alias in node.names]
+    return found
