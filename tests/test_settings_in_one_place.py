@@ -65,3 +65,12 @@ def test_missing_master_addr_is_an_assertion_error_even_under_python_O(tmp_path)
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "AssertionError True", out.stdout + out.stderr
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_bad_async_setting_fails_the_call_before_anything_is_written(tmp_path, monkeypatch) -> None:
+    import hyper_parallel_dcp as dcp
+
+    monkeypatch.setenv("HP_DCP_ASYNC_TIMEOUT", "half an hour")
+    with pytest.raises(ValueError, match="HP_DCP_ASYNC_TIMEOUT='half an hour' is not a number of seconds"):
+        dcp.async_save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "ck", no_dist=True)
+    assert not (tmp_path / "ck").exists()
