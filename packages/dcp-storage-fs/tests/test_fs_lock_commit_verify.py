@@ -3,7 +3,6 @@ umbrella (this package's own test environment holds only core and storage-fs).""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from hyper_parallel_dcp.core.errors import ConcurrentSaveError, CorruptCheckpointError
+from hyper_parallel_dcp.core.metadata import metadata_from_json
 from hyper_parallel_dcp.storage_fs.commit import SaveLock, remove_stale_staging, staging_dir
 from hyper_parallel_dcp.storage_fs.integrity import check_complete, verify_checkpoint
 from hyper_parallel_dcp.storage_fs.testing import load, save
@@ -134,7 +134,7 @@ def test_a_flipped_byte_is_named_by_verify_and_refused_by_a_verified_load(tmp_pa
 def test_a_truncated_file_or_missing_metadata_is_incomplete(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     save(_state(1.0), checkpoint_id=path, no_dist=True)
-    recorded = json.loads((path / ".metadata").read_text())["files"]["_rank0_.safetensors"]
+    recorded = metadata_from_json((path / ".metadata").read_bytes()).files["_rank0_.safetensors"]
     os.truncate(_data_file(path), recorded - 4)
     report = check_complete(path)
     assert not report.complete and any("_rank0_.safetensors" in p for p in report.problems), report.problems
