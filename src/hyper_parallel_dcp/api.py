@@ -9,7 +9,7 @@ from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict, process_rank, save_state_dict
 from hyper_parallel_dcp.core.planner import LoadPlanner, SavePlanner
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
-from hyper_parallel_dcp.storage_fs import FileSystemReader, storage_writer_for
+from hyper_parallel_dcp.storage_fs import storage_reader_for_path, storage_writer_for
 
 __all__ = ["load", "save"]
 
@@ -21,7 +21,7 @@ def _reader(checkpoint_id: Optional[CheckpointId], storage_reader: Optional[Stor
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError("load needs checkpoint_id or storage_reader")
-        return FileSystemReader(checkpoint_id) if verify is None else FileSystemReader(checkpoint_id, verify=verify)
+        return storage_reader_for_path(checkpoint_id, verify)
     if checkpoint_id is not None:
         storage_reader.reset(checkpoint_id)
     if verify is not None:
