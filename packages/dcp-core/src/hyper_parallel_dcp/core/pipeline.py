@@ -21,6 +21,7 @@ from .layout import is_tensor_leaf
 from .metadata import Metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, _gc_paused
+from .stateful import expand_stateful, restore_stateful
 from .storage import StorageReader, StorageWriter, WriteResult
 from .timing import log_info, phase
 
@@ -70,6 +71,7 @@ def save_state_dict(
     exchanges through files, or not at all (``use_dist=False``, rank identity only).
     """
     use_collectives = use_collectives and not no_dist
+    state_dict, _ = expand_stateful(state_dict)  # torch's Stateful leaves: their state_dict()
     if dist_wrapper is not None and not no_dist:
         dw = dist_wrapper
         rank, world_size = dw.rank, dw.world_size
@@ -178,6 +180,8 @@ def load_state_dict(
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
     planner = planner if planner is not None else StandardLoadPlanner()
+    original = state_dict
+    state_dict, stateful = expand_stateful(state_dict)  # filled, then handed to load_state_dict
 
     with phase("load", rank), _gc_paused():
         read: list[Metadata] = []
@@ -238,3 +242,4 @@ def load_state_dict(
         for fqn, value in loaded.items():
             root_key = paths[fqn][0]
             state_dict[root_key] = set_by_path(state_dict[root_key], paths[fqn][1:], value)
+        restore_stateful(original, state_dict, stateful)

@@ -49,7 +49,7 @@ from hyper_parallel_dcp.core.metadata import (
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import ReadItem
 
-from .direct_read import _pread_exact, _buffer, read_slice_into
+from .direct_read import _buffer, _pread_exact, read_slice_into
 from .filesystem import METADATA_FILE, FileSystemReader
 
 __all__ = ["TorchDCPReader", "is_torch_dcp_checkpoint", "read_torch_dcp_metadata", "storage_reader_for_path"]
