@@ -49,7 +49,7 @@ from hyper_parallel_dcp.core.metadata import (
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import ReadItem
 
-from .direct_read import _buffer, _pread_exact, read_slice_into
+from .direct_read import _buffer, _pread_exact, copy_into, read_slice_into
 from .filesystem import METADATA_FILE, FileSystemReader
 
 __all__ = ["TorchDCPReader", "is_torch_dcp_checkpoint", "read_torch_dcp_metadata", "storage_reader_for_path"]
@@ -512,7 +512,7 @@ class TorchDCPReader(FileSystemReader):
                 raise CorruptCheckpointError(f"{where}: stored item is not a tensor of shape {list(chunk_sizes)}")
         for d, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
             stored = stored.narrow(d, o, n)
-        dest.copy_(stored)
+        copy_into(dest, stored)
 
     def read_tensor(self, item: ReadItem) -> torch.Tensor:
         """The stored slice ``item`` asks for, in its stored dtype."""
