@@ -406,11 +406,29 @@ class TorchDCPReader(FileSystemReader):
         self._transforms: dict[MetadataIndex, tuple[str, ...]] = {}
         self._located: dict[MetadataIndex, Optional[_StoredTensor]] = {}
         self._fds: dict[str, int] = {}
+        self._parsed: Optional[tuple[tuple[int, int, int], Metadata, dict[MetadataIndex, tuple[str, ...]]]] = None
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         super().reset(checkpoint_id)
         self._close_fds()
         self._located = {}
+        self._parsed = None
+
+    def _parse(self) -> tuple[Metadata, dict[MetadataIndex, tuple[str, ...]]]:
+        """The translated metadata, parsed again only when ``.metadata`` changed (a
+        converter or a tool loads many small pieces through one reader)."""
+        try:
+            st = os.stat(self._root() / METADATA_FILE)
+            key: Optional[tuple[int, int, int]] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = None
+        if self._parsed is None or key is None or self._parsed[0] != key:
+            metadata, transforms = read_torch_dcp_metadata(self._root())
+            if key is None:
+                return metadata, transforms
+            self._parsed = (key, metadata, transforms)
+            self._located = {}
+        return self._parsed[1], self._parsed[2]
 
     def _close_fds(self) -> None:
         fds = getattr(self, "_fds", {})
@@ -429,15 +447,14 @@ class TorchDCPReader(FileSystemReader):
                 f"{self._root()} is a torch.distributed.checkpoint checkpoint, which records no checksums; "
                 "load it with verify=False, or convert it with 'hp-dcp-convert torch-dcp-to-dcp' to get them"
             )
-        self.metadata, self._transforms = read_torch_dcp_metadata(self._root())
+        self.metadata, self._transforms = self._parse()
         self._is_global = True
         return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
         super().set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
-        if not self._transforms and self.path is not None and metadata.storage_data:
-            # metadata read on another rank (or handed in): the transforms are local state
-            _, self._transforms = read_torch_dcp_metadata(self._root())
+        # the stream transforms are not part of Metadata: take them from this directory
+        self._transforms = self._parse()[1]
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)
