@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from .collectives import DistWrapper
-from .flatten import flatten_state_dict, set_by_path
+from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .layout import is_tensor_leaf
 from .metadata import Metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
@@ -211,6 +211,7 @@ def load_state_dict(
             # The set-up runs inside the gathered step: a failure on one rank (e.g. two
             # paths flattening to one FQN) is raised on every rank instead of hanging them.
             flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
+            flat, found = match_stored_keys(flat, found, metadata.state_dict_metadata)  # torch DCP's lists
             paths.update(found)
             storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
             planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)

@@ -19,6 +19,7 @@ the output, which both libraries load into any layout.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ from typing import Any, Iterator, Union
 import torch
 
 from hyper_parallel_dcp.core.chunks import ChunkBox
+from hyper_parallel_dcp.core.flatten import torch_style_leaves
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from hyper_parallel_dcp.core.pipeline import save_state_dict
@@ -196,9 +198,18 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
         for fqn, md in source.metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
                 blob = source.object_bytes(fqn)
-                storage[TorchIndex(fqn)] = _StorageInfo(data_name, f.tell(), len(blob))
-                f.write(blob)
-                sd[fqn] = TorchBytes()
+                leaves = {fqn: None}
+                if blob[:2] == b"PK" and isinstance(obj := source.read_object(fqn), list):
+                    # torch stores a list holding dicts (param_groups) element-wise
+                    leaves = torch_style_leaves(obj, fqn)
+                for key, value in leaves.items():
+                    if key != fqn or value is not None:
+                        buf = io.BytesIO()
+                        torch.save(value, buf)
+                        blob = buf.getvalue()
+                    storage[TorchIndex(key)] = _StorageInfo(data_name, f.tell(), len(blob))
+                    f.write(blob)
+                    sd[key] = TorchBytes()
                 report.objects += 1
                 continue
             assert isinstance(md, TensorStorageMetadata)
