@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hyper_parallel_dcp as dcp
-from hyper_parallel_dcp.core.errors import MissingKeyError, MismatchError, UnsafeObjectError
+from hyper_parallel_dcp.core.errors import MismatchError, MissingKeyError, UnsafeObjectError
 
 QUANTIZED = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
 
