@@ -108,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
 
     from .dtypes import parse_dtype
     from .from_dcp import convert_dcp_to_huggingface
-    from .keymap import only_prefixes, strip_prefixes
+    from .keymap import KeyMapping, only_prefixes, strip_prefixes
     from .sizes import parse_size
     from .to_dcp import convert_full_checkpoint_to_dcp
 
@@ -130,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
         if show:
             print(f"{prog}: {args.command}: {report.summary()}")
         return EXIT_OK
-    mapping = strip_prefixes(*args.strip_prefix) if args.strip_prefix else None
+    mapping: KeyMapping = strip_prefixes(*args.strip_prefix) if args.strip_prefix else None
     if getattr(args, "only", None):
         mapping = only_prefixes(args.only, mapping)
     try:
