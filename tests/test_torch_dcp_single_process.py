@@ -231,3 +231,47 @@ def test_our_stateful_checkpoint_converted_back_loads_with_torch(tmp_path):
     assert torch.equal(other_model.weight, model.weight) and sd["step"] == 4
     assert other_optim.state_dict()["param_groups"] == optim.state_dict()["param_groups"]
     assert torch.equal(other_optim.state_dict()["state"][0]["exp_avg_sq"], optim.state_dict()["state"][0]["exp_avg_sq"])
+
+
+def test_an_unknown_stream_extension_is_refused_by_name(tmp_path):
+    path = tmp_path / "t"
+    _torch_save({"w": torch.ones(3), "o": {"k": 1}}, path)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        info.transform_descriptors = ["stream.lz9/1"]
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    from hyper_parallel_dcp.core.errors import CheckpointFormatError
+
+    with pytest.raises(CheckpointFormatError, match=r"extension 'stream\.lz9/1'.*supported: stream\.zstd/1"):
+        dcp.load({"w": torch.zeros(3)}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(CheckpointFormatError, match=r"extension 'stream\.lz9/1'"):
+        dcp.load({"o": {"k": 0}}, checkpoint_id=path, no_dist=True)
+
+
+def test_zstd_compressed_torch_checkpoint(tmp_path):
+    """torch's own ZStandard stream extension: read when 'zstandard' is installed, else a
+    clear error naming the package."""
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    path = tmp_path / "z"
+    value = torch.arange(12.0).view(3, 4)
+    if not ZStandard.is_available():
+        # torch cannot write it either here; fake the descriptor on a plain save
+        _torch_save({"w": value}, path)
+        md = pickle.loads((path / ".metadata").read_bytes())
+        for info in md.storage_data.values():
+            info.transform_descriptors = ["stream.zstd/1"]
+        (path / ".metadata").write_bytes(pickle.dumps(md))
+        from hyper_parallel_dcp.core.errors import CheckpointFormatError
+
+        with pytest.raises(CheckpointFormatError, match=r"stream\.zstd.*install the 'zstandard' package"):
+            dcp.load({"w": torch.zeros(3, 4)}, checkpoint_id=path, no_dist=True)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save({"w": value}, storage_writer=tdcp.FileSystemWriter(str(path), _extensions=[ZStandard()]),
+                  no_dist=True)
+    target = {"w": torch.zeros(3, 4)}
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    assert torch.equal(target["w"], value)
