@@ -27,10 +27,11 @@ def _exported(path) -> dict:
 def test_only_and_strip_prefix_select_the_model_from_both_formats(tmp_path):
     import torch.distributed.checkpoint as tdcp
 
-    import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp.core.pipeline import save_state_dict
+    from hyper_parallel_dcp.storage_fs import FileSystemWriter
 
     state = _trainer_state()
-    dcp.save(state, checkpoint_id=tmp_path / "ours", no_dist=True)
+    save_state_dict(state, FileSystemWriter(tmp_path / "ours"), no_dist=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tdcp.save(state, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
