@@ -124,7 +124,7 @@ def _stored_items(doc: dict) -> list[dict]:
         checksums = t["checksum"]
         if isinstance(checksums, str):
             checksums = [checksums[i:i + 16] for i in range(0, len(checksums), 16)]
-        lengths = t.get("length") or [math.prod(sizes[i * ndim:(i + 1) * ndim]) * itemsize[t["dtype"]]
+        lengths = t.get("length") or [math.prod(sizes[i * ndim:(i + 1) * ndim]) * itemsize[t.get("stored_as", t["dtype"])]
                                       for i in range(t["count"])]
         assert len(t["offsets"]) == len(sizes) == t["count"] * ndim
         for i in range(t["count"]):

@@ -254,6 +254,7 @@ def _metadata(draw) -> Metadata:
             continue
         shape = tuple(draw(st.lists(st.integers(0, 6), max_size=3)))
         dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.bool]))
+        stored_as = draw(st.sampled_from([None, torch.uint8, torch.uint16]))  # a same-size view, or not
         boxes = draw(st.lists(st.tuples(*[st.integers(0, d) for d in shape]), unique=True, max_size=5))
         chunks = []
         for offsets in boxes:
@@ -263,10 +264,10 @@ def _metadata(draw) -> Metadata:
             if stored != "none":
                 info = draw(_INFOS)
                 key = chunk_key(fqn, offsets) if stored == "derived" else info.key
-                length = math.prod(sizes) * dtype.itemsize if stored == "derived" else info.length
+                length = math.prod(sizes) * (stored_as or dtype).itemsize if stored == "derived" else info.length
                 storage[MetadataIndex(fqn, offsets)] = StorageInfo(info.relative_path, info.offset, length,
                                                                    info.checksum, key)
-        sd[fqn] = TensorStorageMetadata(TensorProperties(dtype), torch.Size(shape), chunks)
+        sd[fqn] = TensorStorageMetadata(TensorProperties(dtype, stored_as), torch.Size(shape), chunks)
     for _ in range(draw(st.integers(0, 2))):  # entries that name no saved item
         offsets = draw(st.one_of(st.none(), st.lists(st.integers(0, 9), max_size=2).map(tuple)))
         storage[MetadataIndex(draw(_NAMES), offsets)] = draw(_INFOS)

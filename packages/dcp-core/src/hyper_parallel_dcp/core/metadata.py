@@ -96,7 +96,11 @@ class ChunkStorageMetadata:
 
 @dataclass(frozen=True)
 class TensorProperties:
+    """``dtype`` is the tensor's true dtype; ``stored_as`` (``None``: the same) is the dtype
+    its files hold it as, e.g. a same-size integer view of a dtype safetensors cannot name."""
+
     dtype: torch.dtype
+    stored_as: torch.dtype | None = None
 
 
 @dataclass
@@ -217,9 +221,11 @@ def _parse_v1(doc: dict[str, Any], source: str) -> Metadata:
                 chunks.append(ChunkStorageMetadata(offsets, sizes))
             try:
                 dtype = dtype_from_name(entry["dtype"])
+                stored_as = dtype_from_name(entry["stored_as"]) if "stored_as" in entry else None
             except CheckpointFormatError as exc:
                 raise CheckpointFormatError(f"{source}: {exc} (tensor {fqn!r})") from None
-            state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype), torch.Size(size), chunks)
+            state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype, stored_as), torch.Size(size),
+                                                             chunks)
         elif kind == "bytes":
             state_dict_metadata[fqn] = BytesStorageMetadata()
         else:
@@ -301,6 +307,7 @@ def metadata_to_json(metadata: Metadata) -> str:
                              f"{list(md.size)})")
         entry: dict[str, Any] = {
             "dtype": dtype_name(md.properties.dtype),
+            **({"stored_as": dtype_name(md.properties.stored_as)} if md.properties.stored_as else {}),
             "size": list(md.size),
             "count": len(chunks),
             "offsets": list(chain.from_iterable(offsets)),
@@ -313,7 +320,7 @@ def metadata_to_json(metadata: Metadata) -> str:
         if any(i is not None for i in infos):
             entry["file"] = [-1 if i is None else file_of(i.relative_path) for i in infos]
             entry["offset"] = [0 if i is None else i.offset for i in infos]
-            itemsize = md.properties.dtype.itemsize
+            itemsize = (md.properties.stored_as or md.properties.dtype).itemsize
             lengths = [0 if i is None else i.length for i in infos]
             # A chunk's length is its elements times the dtype's size (safetensors); the
             # column is written only when some chunk is stored otherwise (6 bytes a chunk).
@@ -624,6 +631,7 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
                 )
         try:
             dtype = dtype_from_name(entry["dtype"])
+            stored_as = dtype_from_name(entry["stored_as"]) if "stored_as" in entry else None
         except CheckpointFormatError as exc:
             raise CheckpointFormatError(f"{source}: {exc} (tensor {fqn!r})") from None
         file = byte_offset = length = checksum = None
@@ -652,9 +660,9 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
                     raise CheckpointFormatError(f"{where}: invalid key entry {pos_text!r}: {key!r}")
                 keys[pos] = key
         cols = columns[fqn] = _TensorColumns(fqn, ndim, count, offsets, sizes, file, byte_offset, length,
-                                             checksum, keys, dtype.itemsize)
+                                             checksum, keys, (stored_as or dtype).itemsize)
         state_dict_metadata[fqn] = _ColumnarTensorStorageMetadata._from_columns(
-            TensorProperties(dtype), torch.Size(size), cols)
+            TensorProperties(dtype, stored_as), torch.Size(size), cols)
     objects: dict[str, StorageInfo] = {}
     for fqn, entry in objects_doc.items():
         if fqn in state_dict_metadata:
