@@ -29,7 +29,7 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
 )
 
-from .filesystem import METADATA_FILE, _merge_rank_metadata
+from .filesystem import METADATA_FILE, merge_rank_metadata
 from .safetensors_stream import SafetensorsHeaderError, entry_mismatch, read_header
 
 __all__ = [
@@ -138,7 +138,7 @@ def _read_metadata(root: Path, problems: list[str]) -> tuple[Optional[Metadata],
             _add(problems, str(exc))
     if len(parts) != len(ranks):
         return None, version
-    return _merge_rank_metadata(parts), version
+    return merge_rank_metadata(parts), version
 
 
 def _check_consistency(md: Metadata, source: Path, problems: list[str]) -> None:
