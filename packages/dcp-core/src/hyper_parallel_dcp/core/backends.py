@@ -35,8 +35,6 @@ ENTRY_POINT_GROUP = "hyper_parallel_dcp.storage"
 _PROVIDERS = {
     "file": "hyper-parallel-dcp-storage-fs",
     "s3": "hyper-parallel-dcp-storage-object (pip install 'hyper-parallel-dcp[s3]')",
-    "gs": "hyper-parallel-dcp-storage-object (pip install 'hyper-parallel-dcp[s3]')",
-    "az": "hyper-parallel-dcp-storage-object (pip install 'hyper-parallel-dcp[s3]')",
 }
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
