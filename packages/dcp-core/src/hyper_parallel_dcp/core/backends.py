@@ -15,7 +15,7 @@ import re
 import threading
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from .storage import StorageReader, StorageWriter
 
@@ -50,12 +50,15 @@ class StorageBackend:
     """What a storage package registers for a scheme.
 
     ``writer(checkpoint_id)`` and ``reader(checkpoint_id, verify=...)`` build a fresh
-    writer/reader for ``checkpoint_id`` (``verify=None``: the reader's default).
+    writer/reader for ``checkpoint_id`` (``verify=None``: the reader's default);
+    ``files(location)`` the location's ``CheckpointFiles`` (list, size, read, delete: what
+    the integrity checks, the ``hp-dcp`` tools and retention use).
     """
 
     scheme: str
     writer: Callable[[CheckpointId], StorageWriter]
     reader: Callable[..., StorageReader]
+    files: Optional[Callable[[CheckpointId], Any]] = None
 
 
 _registry: dict[str, StorageBackend] = {}

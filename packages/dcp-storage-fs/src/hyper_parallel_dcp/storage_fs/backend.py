@@ -12,9 +12,10 @@ from typing import Optional, Union
 from hyper_parallel_dcp.core.backends import StorageBackend
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 
+from .files import LocalFiles
 from .filesystem import FileSystemReader, FileSystemWriter
 
-__all__ = ["BACKEND", "local_path", "local_storage_reader", "local_storage_writer"]
+__all__ = ["BACKEND", "local_files", "local_path", "local_storage_reader", "local_storage_writer"]
 
 
 def local_path(checkpoint_id: Union[str, os.PathLike]) -> str:
@@ -35,4 +36,8 @@ def local_storage_reader(checkpoint_id: Union[str, os.PathLike], *, verify: Opti
     return FileSystemReader(path) if verify is None else FileSystemReader(path, verify=verify)
 
 
-BACKEND = StorageBackend("file", local_storage_writer, local_storage_reader)
+def local_files(location: Union[str, os.PathLike]) -> LocalFiles:
+    return LocalFiles(local_path(location))
+
+
+BACKEND = StorageBackend("file", local_storage_writer, local_storage_reader, local_files)

@@ -2,10 +2,12 @@
 
 from .__about__ import __version__
 from .client import ObjectStore, ObjectStoreError, ObjectStoreSettings, parse_url
+from .files import ObjectFiles
 from .reader import ObjectStoreReader
 from .writer import ObjectStoreWriter
 
 __all__ = [
+    "ObjectFiles",
     "ObjectStore",
     "ObjectStoreError",
     "ObjectStoreReader",

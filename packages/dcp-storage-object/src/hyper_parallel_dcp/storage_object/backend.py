@@ -7,6 +7,7 @@ from typing import Any, Optional
 from hyper_parallel_dcp.core.backends import StorageBackend
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 
+from .files import object_files
 from .reader import ObjectStoreReader
 from .writer import ObjectStoreWriter
 
@@ -21,4 +22,4 @@ def _reader(checkpoint_id: Any, *, verify: Optional[bool] = None) -> StorageRead
     return ObjectStoreReader(str(checkpoint_id), verify=bool(verify))
 
 
-S3_BACKEND = StorageBackend("s3", _writer, _reader)
+S3_BACKEND = StorageBackend("s3", _writer, _reader, object_files)
