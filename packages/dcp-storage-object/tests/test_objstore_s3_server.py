@@ -258,3 +258,46 @@ def test_unreachable_endpoint_fails_within_the_timeout(monkeypatch):
         dcp.load({"a": torch.ones(2)}, storage_reader=ObjectStoreReader("s3://ckpts/run", settings=settings),
                  no_dist=True)
     assert time.monotonic() - started < 20
+
+
+# ------------------------------------------------------------ hp-dcp and hp-dcp-convert
+def test_tools_on_s3_urls(env, proxy, tmp_path, capsys):
+    import json
+
+    import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp.cli import main as hp_dcp
+    from hyper_parallel_dcp.offline_transform.cli import main as hp_dcp_convert
+
+    full = _full()
+    root = f"s3://{BUCKET}/tools"
+    dcp.save(full, checkpoint_id=f"{root}/step_10", no_dist=True)
+    dcp.save(full, checkpoint_id=f"{root}/step_20", no_dist=True)
+    # an interrupted save: data object, no .metadata
+    from hyper_parallel_dcp.storage_object import ObjectStore
+
+    ObjectStore(BUCKET).put("tools/step_30/_rank0_.safetensors", b"partial")
+    capsys.readouterr()
+    assert hp_dcp(["latest", root]) == 0
+    assert capsys.readouterr().out.strip() == f"{root}/step_20"
+    assert hp_dcp(["inspect", f"{root}/step_30", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["complete"] is False
+    assert hp_dcp(["inspect", f"{root}/step_20", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tensors"]["proj"] == {"shape": [24, 40], "dtype": "bfloat16", "chunks": 1, "bytes": 24 * 40 * 2}
+    # corrupt one byte of a copy: verify names the chunk
+    store = ObjectStore(BUCKET)
+    blob = bytearray(store.get("tools/step_20/_rank0_.safetensors"))
+    store.put("tools/bad/.metadata", store.get("tools/step_20/.metadata"))
+    blob[-1] ^= 0xFF
+    store.put("tools/bad/_rank0_.safetensors", bytes(blob))
+    assert hp_dcp(["verify", f"s3://{BUCKET}/tools/bad"]) == 1
+    assert "checksum mismatch" in capsys.readouterr().out
+    # the converter reads from and writes to the bucket
+    hf = tmp_path / "hf"
+    assert hp_dcp_convert(["dcp-to-hf", f"{root}/step_20", str(hf), "--quiet"]) == 0
+    back = f"s3://{BUCKET}/tools/from_hf"
+    assert hp_dcp_convert(["hf-to-dcp", str(hf), back, "--quiet"]) == 0
+    assert hp_dcp_convert(["hf-to-dcp", str(hf), back, "--quiet"]) == 2  # not empty, no --overwrite
+    sd = {k: torch.zeros_like(v) for k, v in full.items()}
+    dcp.load(sd, checkpoint_id=back)
+    assert all(torch.equal(sd[k], full[k]) for k in full)

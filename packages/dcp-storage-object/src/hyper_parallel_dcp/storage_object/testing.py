@@ -133,7 +133,9 @@ class S3Proxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD answer has no body but the object's length
+                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
