@@ -71,14 +71,15 @@ class LocalFiles(CheckpointFiles):
     """A directory."""
 
     def __init__(self, path: Union[str, os.PathLike]) -> None:
-        self.target = Path(path)
+        self.path = Path(path)
+        self.target = self.path
 
     def exists(self) -> bool:
-        return self.target.is_dir()
+        return self.path.is_dir()
 
     def entries(self) -> list[tuple[str, Optional[int]]]:
         out: list[tuple[str, Optional[int]]] = []
-        for entry in os.scandir(self.target):
+        for entry in os.scandir(self.path):
             if entry.is_dir():
                 out.append((entry.name, None))
             else:
@@ -90,22 +91,22 @@ class LocalFiles(CheckpointFiles):
 
     def size(self, name: str) -> Optional[int]:
         try:
-            st = (self.target / name).stat()
+            st = (self.path / name).stat()
         except FileNotFoundError:
             return None
-        return None if not Path(self.target / name).is_file() else st.st_size
+        return None if not Path(self.path / name).is_file() else st.st_size
 
     def open(self, name: str) -> BinaryIO:
-        return open(self.target / name, "rb")
+        return open(self.path / name, "rb")
 
     def child(self, name: str) -> LocalFiles:
-        return LocalFiles(self.target / name)
+        return LocalFiles(self.path / name)
 
     def remove(self) -> None:
-        shutil.rmtree(self.target, ignore_errors=True)
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def where(self, name: str) -> str:
-        return str(self.target / name)
+        return str(self.path / name)
 
 
 def as_checkpoint_files(location: Union[str, os.PathLike, CheckpointFiles]) -> CheckpointFiles:

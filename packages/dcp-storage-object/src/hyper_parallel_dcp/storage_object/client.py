@@ -15,6 +15,7 @@ profiles); :class:`ObjectStoreSettings` holds the transfer settings.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -90,6 +91,37 @@ def parse_url(url: str) -> tuple[str, str, str]:
     return scheme.lower(), bucket, prefix.strip("/")
 
 
+_clients: dict[tuple[int, ObjectStoreSettings, Optional[str], Optional[str]], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _shared_client(s: ObjectStoreSettings) -> Any:
+    """One botocore client per process and settings: building one costs ~0.3 s (service
+    model loading), more than a small save; botocore clients are thread-safe."""
+    key = (os.getpid(), s, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_ACCESS_KEY_ID"))
+    client = _clients.get(key)
+    if client is None:
+        with _clients_lock:
+            client = _clients.get(key)
+            if client is None:
+                import botocore.config
+                import botocore.session
+
+                config = botocore.config.Config(
+                    connect_timeout=s.connect_timeout, read_timeout=s.read_timeout,
+                    retries={"total_max_attempts": 1},  # ours: logged, and per request
+                    max_pool_connections=max(s.upload_concurrency, s.read_concurrency) * 2 + 4,
+                    # Whole-object CRCs on every part cost CPU and the checkpoint carries
+                    # its own xxh3 checksums; ask for them only where S3 requires one.
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                )
+                client = botocore.session.get_session().create_client("s3", endpoint_url=s.endpoint_url,
+                                                                      config=config)
+                _clients[key] = client
+    return client
+
+
 _TRANSIENT_CODES = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeoutException",
     "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
@@ -135,7 +167,6 @@ class ObjectStore:
         self.settings = settings or ObjectStoreSettings()
         self._client: Any = None
         self._pid = -1
-        self._lock = threading.Lock()
         self.retries = 0
 
     def __getstate__(self) -> dict[str, Any]:
@@ -150,24 +181,8 @@ class ObjectStore:
     @property
     def client(self) -> Any:
         if self._client is None or self._pid != os.getpid():
-            with self._lock:
-                if self._client is None or self._pid != os.getpid():
-                    import botocore.config
-                    import botocore.session
-
-                    s = self.settings
-                    config = botocore.config.Config(
-                        connect_timeout=s.connect_timeout, read_timeout=s.read_timeout,
-                        retries={"total_max_attempts": 1},  # ours: logged, and per request
-                        max_pool_connections=max(s.upload_concurrency, s.read_concurrency) * 2 + 4,
-                        # Whole-object CRCs on every part cost CPU and the checkpoint carries
-                        # its own xxh3 checksums; ask for them only where S3 requires one.
-                        request_checksum_calculation="when_required",
-                        response_checksum_validation="when_required",
-                    )
-                    session = botocore.session.get_session()
-                    self._client = session.create_client("s3", endpoint_url=s.endpoint_url, config=config)
-                    self._pid = os.getpid()
+            self._client = _shared_client(self.settings)
+            self._pid = os.getpid()
         return self._client
 
     # -- the retry loop ------------------------------------------------------------------
@@ -282,7 +297,7 @@ class ObjectStore:
 
         return self._call("HEAD", key, head)
 
-    def list(self, prefix: str, delimiter: Optional[str] = None) -> Iterator[tuple[str, int]]:
+    def list_objects(self, prefix: str, delimiter: Optional[str] = None) -> Iterator[tuple[str, int]]:
         """``(key, size)`` of the objects under ``prefix`` (with ``delimiter``: this level
         only; sub-prefixes are yielded as ``(prefix, -1)``)."""
         token: Optional[str] = None
@@ -292,7 +307,7 @@ class ObjectStore:
                 kwargs["Delimiter"] = delimiter
             if token:
                 kwargs["ContinuationToken"] = token
-            page = self._call("LIST", prefix, lambda kw=kwargs: self.client.list_objects_v2(**kw))
+            page: dict[str, Any] = self._call("LIST", prefix, functools.partial(self.client.list_objects_v2, **kwargs))
             for entry in page.get("Contents", []):
                 yield entry["Key"], int(entry["Size"])
             for entry in page.get("CommonPrefixes", []):

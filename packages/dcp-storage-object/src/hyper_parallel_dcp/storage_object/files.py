@@ -62,12 +62,12 @@ class ObjectFiles(CheckpointFiles):
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def exists(self) -> bool:
-        return any(True for _ in self.store.list(self._key(""), delimiter="/"))
+        return any(True for _ in self.store.list_objects(self._key(""), delimiter="/"))
 
     def entries(self) -> list[tuple[str, Optional[int]]]:
         base = self._key("")
         out: list[tuple[str, Optional[int]]] = []
-        for key, size in self.store.list(base, delimiter="/"):
+        for key, size in self.store.list_objects(base, delimiter="/"):
             name = key[len(base):]
             if size < 0:
                 out.append((name.rstrip("/"), None))
@@ -93,12 +93,12 @@ class ObjectFiles(CheckpointFiles):
     def remove(self) -> None:
         base = self._key("")
         self.store.delete([self._key(METADATA_OBJECT)])
-        keys = [k for k, size in self.store.list(base) if size >= 0]
+        keys = [k for k, size in self.store.list_objects(base) if size >= 0]
         self.store.delete(keys)
         self.store.abort_uploads(base)
 
     def total_size(self) -> int:
-        return sum(size for _, size in self.store.list(self._key("")) if size >= 0)
+        return sum(size for _, size in self.store.list_objects(self._key("")) if size >= 0)
 
 
 def object_files(location: Any) -> ObjectFiles:

@@ -1,8 +1,9 @@
 """``ObjectStoreReader``: ranged GETs of exactly the bytes a load needs, many in flight.
 
 A read item becomes byte ranges of its object: one range for a slice that is contiguous
-in the object (row sharding, ragged ranges), otherwise one per contiguous run, runs less
-than :data:`GAP_BYTES` apart merged into one request.  Ranges longer than
+in the object (row sharding, ragged ranges), otherwise one per contiguous run of the slice, the closest runs
+merged into one request while the bytes fetched stay within
+1 + :data:`READ_OVERHEAD` of the bytes needed.  Ranges longer than
 ``range_size`` are split, and every piece goes to a pool of ``read_concurrency``
 threads.  A piece lands straight in the destination tensor when the slice is contiguous
 and the destination a contiguous CPU tensor of the stored dtype; otherwise in a host
@@ -39,11 +40,11 @@ from hyper_parallel_dcp.storage_fs.filesystem import FileSystemReader, merge_ran
 from .client import ObjectStore, ObjectStoreSettings, parse_url
 from .writer import _RANK_METADATA, METADATA_OBJECT
 
-__all__ = ["GAP_BYTES", "ObjectStoreReader", "byte_runs"]
+__all__ = ["READ_OVERHEAD", "ObjectStoreReader", "byte_runs"]
 
-#: Runs closer than this are fetched as one range: a request costs about as much as
-#: transferring this many bytes (a few ms at the measured ~65 MiB/s of a local server).
-GAP_BYTES = 64 * 1024
+#: Extra bytes a read may fetch (as a fraction of the bytes it needs) to merge the runs
+#: of a strided slice into fewer requests (S3 serves one range per GET).
+READ_OVERHEAD = 0.1
 #: Staging bytes of items in flight in ``execute_read`` before the oldest is awaited.
 _WINDOW_BYTES = 512 << 20
 
@@ -56,9 +57,14 @@ def _strides(sizes: Sequence[int]) -> list[int]:
 
 
 def byte_runs(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
-              itemsize: int, gap: int = GAP_BYTES) -> list[tuple[int, int]]:
+              itemsize: int, overhead: float = READ_OVERHEAD) -> list[tuple[int, int]]:
     """``(start, length)`` byte ranges (relative to the chunk) covering the sub-box
-    ``offsets + lengths`` of a row-major chunk, in order; runs closer than ``gap`` merged."""
+    ``offsets + lengths`` of a row-major chunk, in order.
+
+    One range per contiguous run of the box, then the smallest gaps between runs are
+    merged (one request instead of two) while the bytes fetched stay within
+    ``1 + overhead`` times the bytes needed.
+    """
     if not lengths:
         return [(0, itemsize)]
     if any(n == 0 for n in lengths):
@@ -69,10 +75,19 @@ def byte_runs(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Seque
     while k > 0 and lengths[k] == chunk_sizes[k]:
         k -= 1
     run = lengths[k] * strides[k] * itemsize
-    out: list[tuple[int, int]] = []
-    for idx in itertools.product(*[range(o, o + n) for o, n in zip(offsets[:k], lengths[:k])]):
-        start = (sum(i * s for i, s in zip(idx, strides)) + offsets[k] * strides[k]) * itemsize
-        if out and start - (out[-1][0] + out[-1][1]) <= gap:
+    starts = [(sum(i * s for i, s in zip(idx, strides)) + offsets[k] * strides[k]) * itemsize
+              for idx in itertools.product(*[range(o, o + n) for o, n in zip(offsets[:k], lengths[:k])])]
+    gaps = [b - a - run for a, b in zip(starts, starts[1:])]
+    budget = overhead * run * len(starts)
+    merged = [False] * len(gaps)
+    for i in sorted(range(len(gaps)), key=gaps.__getitem__):
+        if gaps[i] > budget:
+            break
+        budget -= gaps[i]
+        merged[i] = True
+    out = [(starts[0], run)]
+    for i, start in enumerate(starts[1:]):
+        if merged[i]:
             out[-1] = (out[-1][0], start + run - out[-1][0])
         else:
             out.append((start, run))
@@ -172,7 +187,7 @@ class ObjectStoreReader(StorageReader):
             self.metadata, self._is_global = metadata_from_json(text, source=f"{self.url}/{METADATA_OBJECT}"), True
             return self.metadata
         parts = []
-        for key, size in store.list(self._key(""), delimiter="/"):
+        for key, size in store.list_objects(self._key(""), delimiter="/"):
             match = _RANK_METADATA.match(key.rsplit("/", 1)[-1])
             if match and size >= 0:
                 parts.append((int(match.group(1)), metadata_from_json(store.get(key), source=store.url(key))))

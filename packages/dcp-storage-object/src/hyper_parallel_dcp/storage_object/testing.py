@@ -117,7 +117,7 @@ class S3Proxy:
                     self.end_headers()
                     self.wfile.write(msg)
                     return
-                conn = http.client.HTTPConnection(proxy.target.hostname, proxy.target.port, timeout=120)
+                conn = http.client.HTTPConnection(proxy.target.hostname or "127.0.0.1", proxy.target.port, timeout=120)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
@@ -134,8 +134,8 @@ class S3Proxy:
                     if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                         self.send_header(k, v)
                 # a HEAD answer has no body but the object's length
-                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
-                self.send_header("Content-Length", length)
+                head_length = resp.getheader("Content-Length") or "0"
+                self.send_header("Content-Length", head_length if self.command == "HEAD" else str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

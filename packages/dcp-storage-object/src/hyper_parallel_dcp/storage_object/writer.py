@@ -202,7 +202,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def _names(self) -> list[str]:
         base = self._key("")
-        return [key[len(base):] for key, size in self._store().list(base, delimiter="/") if size >= 0]
+        return [key[len(base):] for key, size in self._store().list_objects(base, delimiter="/") if size >= 0]
 
     def remove_checkpoint(self) -> None:
         """Delete the id's ``.metadata`` first, then its other checkpoint objects and
