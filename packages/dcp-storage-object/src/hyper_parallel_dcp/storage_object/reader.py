@@ -101,16 +101,16 @@ def _view(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-class _ItemRead:
-    """One read item in flight: its pieces (futures) and how to finish it."""
+class _Read:
+    """GETs in flight for one read item, or for a batch of small adjacent ones.
 
-    __slots__ = ("item", "dest", "staging", "source", "futures", "nbytes", "check")
+    ``targets``: ``(item, destination, staging view to copy from or None)``.
+    """
 
-    def __init__(self, item: ReadItem, dest: torch.Tensor) -> None:
-        self.item = item
-        self.dest = dest
-        self.staging: Optional[torch.Tensor] = None
-        self.source: Optional[Any] = None  # callable: staging → view shaped like dest
+    __slots__ = ("targets", "futures", "nbytes", "check")
+
+    def __init__(self) -> None:
+        self.targets: list[tuple[ReadItem, torch.Tensor, Optional[torch.Tensor]]] = []
         self.futures: list[cf.Future] = []
         self.nbytes = 0
         self.check: Optional[Any] = None
@@ -238,7 +238,7 @@ class ObjectStoreReader(StorageReader):
         step = self.settings.range_size
         return [(name, start + i, dest[i:i + step]) for i in range(0, len(dest), step)]
 
-    def _start(self, item: ReadItem, dest: torch.Tensor) -> _ItemRead:
+    def _start(self, item: ReadItem, dest: torch.Tensor) -> _Read:
         """Plan ``item``'s GETs into ``dest`` and submit them to the pool."""
         index = item.storage_index
         info = self._info(index)
@@ -250,7 +250,8 @@ class ObjectStoreReader(StorageReader):
             raise CheckpointFormatError(f"{where}: requested region offsets={list(item.storage_offsets)} "
                                         f"lengths={list(item.lengths)} exceeds the stored chunk of size "
                                         f"{list(chunk_sizes)}")
-        run = _ItemRead(item, dest)
+        run = _Read()
+        source: Optional[torch.Tensor] = None
         lengths = tuple(item.lengths) if item.lengths else tuple(chunk_sizes)
         offsets = tuple(item.storage_offsets) if item.lengths else tuple(0 for _ in chunk_sizes)
         first, span, contiguous = slice_span(chunk_sizes, offsets, lengths)
@@ -264,7 +265,6 @@ class ObjectStoreReader(StorageReader):
                                              "to read it unverified")
             whole = torch.empty(info.length, dtype=torch.uint8)
             pieces = self._pieces(name, info.offset, _view(whole))
-            run.staging = whole
 
             def check(whole: torch.Tensor = whole) -> None:
                 digest = xxhash.xxh3_64_hexdigest(_view(whole))
@@ -275,7 +275,7 @@ class ObjectStoreReader(StorageReader):
 
             run.check = check
             elements = whole.view(dtype) if info.length else whole
-            run.source = elements.as_strided(lengths, _strides(chunk_sizes), first)
+            source = elements.as_strided(lengths, _strides(chunk_sizes), first)
         elif contiguous and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
             pieces = self._pieces(name, info.offset + first * itemsize, _view(dest))
         else:
@@ -286,15 +286,52 @@ class ObjectStoreReader(StorageReader):
             base = first * itemsize
             for start, length in byte_runs(chunk_sizes, offsets, lengths, itemsize):
                 pieces += self._pieces(name, info.offset + start, buf[start - base:start - base + length])
-            run.staging = staging
-            run.source = staging.view(dtype).as_strided(lengths, _strides(chunk_sizes))
+            source = staging.view(dtype).as_strided(lengths, _strides(chunk_sizes))
+        run.targets.append((item, dest, source))
+        self._submit(run, pieces)
+        return run
+
+    def _submit(self, run: _Read, pieces: list[tuple[str, int, memoryview]]) -> None:
         pool = self._executor()
         for piece in pieces:
             run.nbytes += len(piece[2])
             run.futures.append(pool.submit(self._fetch, *piece))
+
+    def _batchable(self, item: ReadItem, dest: torch.Tensor) -> Optional[tuple[str, int, int]]:
+        """``(object, first byte, bytes)`` of a small read whose bytes are contiguous in the
+        object, which can share one GET with its neighbours; None otherwise."""
+        if self.verify or item.type is LoadItemType.BYTE_IO:
+            return None
+        info = self._info(item.storage_index)
+        md, chunk_sizes = self._tensor_md(item.storage_index)
+        lengths = tuple(item.lengths) if item.lengths else tuple(chunk_sizes)
+        offsets = tuple(item.storage_offsets) if item.lengths else tuple(0 for _ in chunk_sizes)
+        if item.lengths and any(o + n > c for o, n, c in zip(offsets, lengths, chunk_sizes)):
+            return None  # _start raises the error naming it
+        first, span, contiguous = slice_span(chunk_sizes, offsets, lengths)
+        nbytes = span * md.properties.dtype.itemsize
+        if not contiguous or nbytes == 0 or nbytes >= self.settings.range_size:
+            return None
+        return info.relative_path, info.offset + first * md.properties.dtype.itemsize, nbytes
+
+    def _start_batch(self, batch: list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]]) -> _Read:
+        """One GET for several small reads lying back to back in one object (a model's many
+        small tensors: one request per ``range_size`` instead of one per tensor)."""
+        if len(batch) == 1:
+            return self._start(batch[0][0], batch[0][1])
+        name, begin, _ = batch[0][2]
+        end = batch[-1][2][1] + batch[-1][2][2]
+        staging = torch.empty(end - begin, dtype=torch.uint8)
+        run = _Read()
+        for item, dest, (_, start, nbytes) in batch:
+            md, chunk_sizes = self._tensor_md(item.storage_index)
+            lengths = tuple(item.lengths) if item.lengths else tuple(chunk_sizes)
+            view = staging[start - begin:start - begin + nbytes].view(md.properties.dtype).view(lengths)
+            run.targets.append((item, dest, view))
+        self._submit(run, [(name, begin, _view(staging))])
         return run
 
-    def _finish(self, run: _ItemRead) -> None:
+    def _finish(self, run: _Read) -> None:
         try:
             for f in run.futures:
                 f.result()
@@ -306,8 +343,9 @@ class ObjectStoreReader(StorageReader):
         self.requests += len(run.futures)
         if run.check is not None:
             run.check()
-        if run.source is not None:
-            run.dest.copy_(run.source)
+        for _, dest, source in run.targets:
+            if source is not None:
+                dest.copy_(source)
 
     # -- the reader interface --------------------------------------------------------------
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
@@ -349,28 +387,48 @@ class ObjectStoreReader(StorageReader):
     sort_items = staticmethod(FileSystemReader.sort_items)
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Read this rank's items (``source`` None or this rank): every item's GETs are
-        submitted at once, up to ~512 MiB of staging in flight, and committed in order."""
+        """Read this rank's items (``source`` None or this rank) in the global order: small
+        reads back to back in one object share a GET (up to ``range_size``), every GET is
+        submitted at once, up to ~512 MiB of staging in flight, committed in order."""
         mine = [it for it in plan.items if it.source is None or it.source == self.rank]
-        pending: collections.deque[_ItemRead] = collections.deque()
+        pending: collections.deque[_Read] = collections.deque()
+        batch: list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]] = []
         staged = 0
+
+        def commit(run: _Read) -> None:
+            self._finish(run)
+            for item, dest, _ in run.targets:
+                planner.commit_tensor(item, dest)
+
+        def launch(run: _Read) -> None:
+            nonlocal staged
+            pending.append(run)
+            staged += run.nbytes
+            while pending and (staged > _WINDOW_BYTES or len(pending) > 4 * self.settings.read_concurrency):
+                done = pending.popleft()
+                staged -= done.nbytes
+                commit(done)
+
         try:
             for item in self.sort_items(mine):
                 if item.type is LoadItemType.BYTE_IO:
                     planner.load_bytes(item, self.read_object(item))
                     continue
-                run = self._start(item, planner.resolve_tensor(item))
-                pending.append(run)
-                staged += run.nbytes
-                while pending and (staged > _WINDOW_BYTES or len(pending) > 4 * self.settings.read_concurrency):
-                    done = pending.popleft()
-                    staged -= done.nbytes
-                    self._finish(done)
-                    planner.commit_tensor(done.item, done.dest)
+                dest = planner.resolve_tensor(item)
+                span = self._batchable(item, dest)
+                if batch and (span is None or span[0] != batch[-1][2][0]
+                              or span[1] != batch[-1][2][1] + batch[-1][2][2]
+                              or span[1] + span[2] - batch[0][2][1] > self.settings.range_size):
+                    launch(self._start_batch(batch))
+                    batch = []
+                if span is None:
+                    launch(self._start(item, dest))
+                else:
+                    batch.append((item, dest, span))
+            if batch:
+                launch(self._start_batch(batch))
             while pending:
-                done = pending.popleft()
-                self._finish(done)
-                planner.commit_tensor(done.item, done.dest)
+                commit(pending.popleft())
         finally:
             for run in pending:
                 for f in run.futures:
