@@ -169,7 +169,8 @@ def check_complete(path: PathLike) -> CompletenessReport:
     root = as_checkpoint_files(path)
     problems: list[str] = []
     if not root.exists():
-        return CompletenessReport(root.target, False, [f"checkpoint directory {root} does not exist"], None, None)
+        what = f"checkpoint directory {root}" if isinstance(root.target, Path) else f"checkpoint {root} (no objects)"
+        return CompletenessReport(root.target, False, [f"{what} does not exist"], None, None)
     md, version = _read_metadata(root, problems)
     if md is None:
         return CompletenessReport(root.target, False, problems or [f"{root}: no readable metadata"], version, None)
