@@ -228,3 +228,29 @@ def test_unreachable_endpoint_fails_within_the_timeout(monkeypatch):
     assert time.monotonic() - started < 20
 
 
+
+
+# -------------------------------------------- what checkpoint retention needs from a root
+def test_object_files_primitives_for_a_root_of_steps(env, proxy):
+    from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
+    from hyper_parallel_dcp.storage_fs.integrity import check_complete, find_latest_checkpoint
+    from hyper_parallel_dcp.storage_object import ObjectFiles, ObjectStore
+
+    root_url = f"s3://{BUCKET}/mgr"
+    for step in (1, 2):
+        _save({"w": torch.full((100,), float(step))}, f"{root_url}/step_{step}")
+    ObjectStore(BUCKET).put("mgr/step_3/_rank0_.safetensors", b"leftover")  # interrupted save
+    ObjectStore(BUCKET).put("mgr/notes.txt", b"keep me")
+    root = as_checkpoint_files(root_url)
+    assert isinstance(root, ObjectFiles)
+    assert sorted(root.entries()) == [("notes.txt", 7), ("step_1", None), ("step_2", None), ("step_3", None)]
+    assert [check_complete(root.child(f"step_{s}")).complete for s in (1, 2, 3)] == [True, True, False]
+    assert find_latest_checkpoint(root) == f"{root_url}/step_2"
+    step2 = root.child("step_2")
+    assert step2.total_size() == sum(size for _, size in step2.entries())
+    root.child("step_3").remove()
+    root.child("step_1").remove()
+    assert sorted(root.entries()) == [("notes.txt", 7), ("step_2", None)]
+    sd = {"w": torch.zeros(100)}
+    _load(sd, f"{root_url}/step_2")
+    assert torch.equal(sd["w"], torch.full((100,), 2.0))
