@@ -18,7 +18,7 @@ import collections
 import concurrent.futures as cf
 import ctypes
 import itertools
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import xxhash
@@ -386,51 +386,68 @@ class ObjectStoreReader(StorageReader):
 
     sort_items = staticmethod(FileSystemReader.sort_items)
 
-    def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Read this rank's items (``source`` None or this rank) in the global order: small
-        reads back to back in one object share a GET (up to ``range_size``), every GET is
-        submitted at once, up to ~512 MiB of staging in flight, committed in order."""
-        mine = [it for it in plan.items if it.source is None or it.source == self.rank]
-        pending: collections.deque[_Read] = collections.deque()
+    def read_stream(self, pairs: Iterable[tuple[ReadItem, Optional[torch.Tensor]]]
+                    ) -> Iterator[tuple[ReadItem, Any]]:
+        """``(item, destination filled)`` or ``(item, object)`` for each ``(item, destination
+        or None for an object)``, in the order given, with the GETs of the items ahead in
+        flight: small reads back to back in one object share a GET (up to ``range_size``),
+        up to ~512 MiB of staging or ``4 * read_concurrency`` reads outstanding.  The
+        broadcast load's executor reads through this when the reader offers it."""
+        pending: collections.deque[Any] = collections.deque()
         batch: list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]] = []
         staged = 0
 
-        def commit(run: _Read) -> None:
-            self._finish(run)
-            for item, dest, _ in run.targets:
-                planner.commit_tensor(item, dest)
-
-        def launch(run: _Read) -> None:
+        def launch(run: Any) -> Iterator[tuple[ReadItem, Any]]:
             nonlocal staged
             pending.append(run)
-            staged += run.nbytes
+            staged += run.nbytes if isinstance(run, _Read) else 0
             while pending and (staged > _WINDOW_BYTES or len(pending) > 4 * self.settings.read_concurrency):
-                done = pending.popleft()
-                staged -= done.nbytes
-                commit(done)
+                yield from land(pending.popleft())
+
+        def land(run: Any) -> Iterator[tuple[ReadItem, Any]]:
+            nonlocal staged
+            if not isinstance(run, _Read):
+                yield run  # an object, read when its turn came
+                return
+            staged -= run.nbytes
+            self._finish(run)
+            for item, dest, _ in run.targets:
+                yield item, dest
 
         try:
-            for item in self.sort_items(mine):
-                if item.type is LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, self.read_object(item))
-                    continue
-                dest = planner.resolve_tensor(item)
-                span = self._batchable(item, dest)
+            for item, dest in pairs:
+                span = None if dest is None else self._batchable(item, dest)
                 if batch and (span is None or span[0] != batch[-1][2][0]
                               or span[1] != batch[-1][2][1] + batch[-1][2][2]
                               or span[1] + span[2] - batch[0][2][1] > self.settings.range_size):
-                    launch(self._start_batch(batch))
+                    yield from launch(self._start_batch(batch))
                     batch = []
-                if span is None:
-                    launch(self._start(item, dest))
+                if dest is None:
+                    yield from launch((item, self.read_object(item)))
+                elif span is None:
+                    yield from launch(self._start(item, dest))
                 else:
                     batch.append((item, dest, span))
             if batch:
-                launch(self._start_batch(batch))
+                yield from launch(self._start_batch(batch))
+                batch = []
             while pending:
-                commit(pending.popleft())
+                yield from land(pending.popleft())
         finally:
-            for run in pending:
+            runs = [run for run in pending if isinstance(run, _Read)]
+            for run in runs:
                 for f in run.futures:
                     f.cancel()
-            cf.wait([f for run in pending for f in run.futures])
+            cf.wait([f for run in runs for f in run.futures])
+
+    def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Read this rank's items (``source`` None or this rank) in the global order through
+        :meth:`read_stream`, committing each as it lands."""
+        mine = [it for it in plan.items if it.source is None or it.source == self.rank]
+        pairs = ((it, None if it.type is LoadItemType.BYTE_IO else planner.resolve_tensor(it))
+                 for it in self.sort_items(mine))
+        for item, value in self.read_stream(pairs):
+            if item.type is LoadItemType.BYTE_IO:
+                planner.load_bytes(item, value)
+            else:
+                planner.commit_tensor(item, value)
