@@ -13,7 +13,8 @@ from hyper_parallel_dcp.core.backends import StorageBackend
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 
 from .files import LocalFiles
-from .filesystem import FileSystemReader, FileSystemWriter
+from .filesystem import FileSystemWriter
+from .torch_dcp import storage_reader_for_path
 
 __all__ = ["BACKEND", "local_files", "local_path", "local_storage_reader", "local_storage_writer"]
 
@@ -31,9 +32,9 @@ def local_storage_writer(checkpoint_id: Union[str, os.PathLike]) -> StorageWrite
 
 
 def local_storage_reader(checkpoint_id: Union[str, os.PathLike], *, verify: Optional[bool] = None) -> StorageReader:
-    """The reader for a local checkpoint directory (``verify=None``: the reader's default)."""
-    path = local_path(checkpoint_id)
-    return FileSystemReader(path) if verify is None else FileSystemReader(path, verify=verify)
+    """The reader for a local checkpoint directory (``verify=None``: the reader's default):
+    :func:`storage_reader_for_path` decides (a torch DCP directory gets its reader)."""
+    return storage_reader_for_path(local_path(checkpoint_id), verify)
 
 
 def local_files(location: Union[str, os.PathLike]) -> LocalFiles:

@@ -50,11 +50,12 @@ from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteR
 
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
 from .direct_read import read_slice_into
-from .rank_files import write_rank_files
+from .rank_files import with_stored_as, write_rank_files
 from .safetensors_stream import (
     HeaderEntry,
     SafetensorsHeaderError,
     entry_mismatch,
+    from_stored,
     fsync_dir,
     read_header,
 )
@@ -195,7 +196,7 @@ class FileSystemWriter(StorageWriter):
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         name = METADATA_FILE if self.atomic else f"{self.rank}.metadata"
-        text = metadata_to_json(metadata).encode()
+        text = metadata_to_json(with_stored_as(metadata)).encode()
         _write_file_atomic(out_dir / name, lambda f: f.write(text), self.sync_files)
         try:
             if self.atomic:
@@ -495,6 +496,9 @@ class FileSystemReader(StorageReader):
                 tensor = opened.handle.get_slice(info.key)[slices]
         except Exception as exc:  # noqa: BLE001 - the library raises several types on bad input
             raise CorruptCheckpointError(f"{where}: cannot read key {info.key!r}: {exc}") from None
+        md = self.metadata.state_dict_metadata[item.storage_index.fqn] if self.metadata else None
+        assert isinstance(md, TensorStorageMetadata)
+        tensor = from_stored(tensor, md.properties.dtype)
         self.bytes_read += span_elements(chunk_sizes, item.storage_offsets, item.lengths) * tensor.element_size()
         return tensor
 

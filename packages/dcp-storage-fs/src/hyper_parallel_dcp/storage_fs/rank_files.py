@@ -13,14 +13,14 @@ from typing import Any, BinaryIO, Callable
 import torch
 import xxhash
 
-from hyper_parallel_dcp.core.metadata import StorageInfo, chunk_key
+from hyper_parallel_dcp.core.metadata import Metadata, StorageInfo, TensorStorageMetadata, chunk_key
 from hyper_parallel_dcp.core.objects import serialize_object
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItemType, order_key
 from hyper_parallel_dcp.core.storage import WriteResult
 
-from .safetensors_stream import TensorEntry, write_safetensors
+from .safetensors_stream import TensorEntry, stored_layout, to_stored, write_safetensors
 
-__all__ = ["WriteFile", "objects_file_name", "tensors_file_name", "write_rank_files"]
+__all__ = ["WriteFile", "objects_file_name", "tensors_file_name", "with_stored_as", "write_rank_files"]
 
 #: ``write_file(name, data_writer)``: write ``name`` through ``data_writer(f)``, return its size.
 WriteFile = Callable[[str, Callable[[BinaryIO], Any]], int]
@@ -48,11 +48,13 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
         entries = []
         for it in tensors:
             assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
+            # a dtype safetensors cannot name goes as a same-size integer view
+            stored_dtype, stored_shape = stored_layout(getattr(torch, it.dtype), it.sizes)
             entries.append(TensorEntry(
                 chunk_key(it.index.fqn, it.index.offset),
-                getattr(torch, it.dtype),
-                it.sizes,
-                (lambda it=it: planner.resolve_data(it)),
+                stored_dtype,
+                stored_shape,
+                (lambda it=it: to_stored(planner.resolve_data(it))),
                 label=f"{it.index.fqn!r} chunk at {list(it.index.offset)}",
             ))
         placed: list[tuple[int, int, str]] = []
@@ -77,3 +79,22 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
         for it, (offset, length, digest) in zip(objects, placed_objs):
             results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest), size))
     return results
+
+
+def with_stored_as(metadata: Metadata) -> Metadata:
+    """``metadata`` with ``properties.stored_as`` set for each tensor whose dtype the
+    safetensors files hold as another (a same-size integer view); what every backend
+    commits as ``.metadata``."""
+    import copy
+    from dataclasses import replace
+
+    out = None
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            stored, _ = stored_layout(md.properties.dtype, ())
+            if stored != md.properties.dtype and md.properties.stored_as != stored:
+                if out is None:
+                    out = copy.copy(metadata)
+                    out.state_dict_metadata = dict(metadata.state_dict_metadata)
+                out.state_dict_metadata[fqn] = replace(md, properties=replace(md.properties, stored_as=stored))
+    return metadata if out is None else out

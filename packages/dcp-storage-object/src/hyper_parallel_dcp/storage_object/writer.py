@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 from hyper_parallel_dcp.core.metadata import Metadata, metadata_to_json
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner
 from hyper_parallel_dcp.core.storage import StorageWriter, WriteResult
-from hyper_parallel_dcp.storage_fs.rank_files import write_rank_files
+from hyper_parallel_dcp.storage_fs.rank_files import with_stored_as, write_rank_files
 
 from .client import ObjectStore, ObjectStoreSettings, parse_url
 
@@ -230,7 +230,7 @@ class ObjectStoreWriter(StorageWriter):
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Every rank's execute_write returned (all_reduce): each data object is complete.
         name = METADATA_OBJECT if self.atomic else f"{self.rank}.metadata"
-        self._store().put(self._key(name), metadata_to_json(metadata).encode())
+        self._store().put(self._key(name), metadata_to_json(with_stored_as(metadata)).encode())
 
     def abort(self, error: BaseException) -> None:
         """Nothing to undo: no ``.metadata`` was written, and the next save removes the rest."""
