@@ -451,6 +451,16 @@ class TorchDCPReader(FileSystemReader):
         self._is_global = True
         return self.metadata
 
+    # torch's .metadata is a pickle, not our JSON: the coordinator shares the translated
+    # Metadata (the storage interface's default), not the stored bytes.
+    def read_metadata_payload(self) -> Metadata:  # type: ignore[override]
+        return self.read_metadata()
+
+    def metadata_from_payload(self, payload: Metadata) -> Metadata:  # type: ignore[override]
+        self.metadata = payload
+        self._is_global = True
+        return payload
+
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
         super().set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
         # the stream transforms are not part of Metadata: take them from this directory
