@@ -29,7 +29,8 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
 )
 
-from .filesystem import METADATA_FILE, _merge_rank_metadata
+from .filesystem import METADATA_FILE
+from .rank_metadata import load_rank_metadata, merge_rank_metadata, rank_metadata_files
 from .safetensors_stream import SafetensorsHeaderError, entry_mismatch, read_header
 
 __all__ = [
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 PathLike = Union[str, os.PathLike]
-_RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
 _STEP = re.compile(r"(\d+)$")
 #: Bytes hashed per read while verifying (bounded memory, large sequential reads).
 _READ_BLOCK = 16 * 1024 * 1024
@@ -109,11 +109,10 @@ def _read_metadata(root: Path, problems: list[str]) -> tuple[Optional[Metadata],
             _add(problems, str(exc))
             return None, version
     try:
-        names = sorted(e.name for e in os.scandir(root))
+        ranks = rank_metadata_files(root)
     except OSError as exc:
         _add(problems, f"{root} cannot be listed: {exc}")
         return None, None
-    ranks = sorted((int(m.group(1)), n) for n in names if (m := _RANK_METADATA.match(n)))
     if not ranks:
         _add(problems, f"{root} holds neither {METADATA_FILE} nor any {{rank}}.metadata file "
                        "(the save never finished, or this is not a checkpoint)")
@@ -122,23 +121,27 @@ def _read_metadata(root: Path, problems: list[str]) -> tuple[Optional[Metadata],
     missing = sorted(set(range(ranks[-1][0] + 1)) - {r for r, _ in ranks})
     if missing:
         _add(problems, f"{root}: the rank-local metadata of rank(s) {missing} is missing")
-    parts = []
-    version = None  # typed Optional[int] by the single-file branch above
-    for rank, name in ranks:
-        file = root / name
-        try:
-            text = file.read_bytes()
-        except OSError as exc:
+    versions: list[Optional[int]] = []
+    failed = []
+
+    def record(file: Path, text: Optional[bytes], exc: Exception) -> None:
+        failed.append(file)
+        if text is None:
             _add(problems, f"{file} cannot be read: {exc}")
-            continue
-        version = _peek_version(text) if version is None else version
-        try:
-            parts.append((rank, metadata_from_json(text, source=str(file))))
-        except CheckpointFormatError as exc:
+        else:
+            versions.append(_peek_version(text))
             _add(problems, str(exc))
-    if len(parts) != len(ranks):
+
+    try:
+        parts = load_rank_metadata(root, on_error=record)
+    except OSError as exc:
+        _add(problems, f"{root} cannot be read: {exc}")
+        return None, None
+    versions += [md.format_version for _, md in sorted(parts.items())]
+    version = next((v for v in versions if v is not None), None)
+    if failed:
         return None, version
-    return _merge_rank_metadata(parts), version
+    return merge_rank_metadata(parts), version
 
 
 def _check_consistency(md: Metadata, source: Path, problems: list[str]) -> None:
@@ -198,12 +201,23 @@ def check_complete(path: PathLike) -> CompletenessReport:
             _add(problems, f"{file} has {st.st_size} bytes, the metadata records {expected} (truncated or replaced)")
         elif expected < 0:
             _add(problems, f"{root}: the metadata records no size for {name}")
-    for index, info in (md.storage_data or {}).items():
+    for index, info in _stored_items(md):
         size = sizes.get(info.relative_path)
         if size is not None and info.offset + info.length > size:
             _add(problems, f"{root / info.relative_path}: {_item_name(index)} needs bytes "
                            f"[{info.offset}, {info.offset + info.length}) but the file has {size}")
     return CompletenessReport(root, not problems, problems, version if version is not None else md.format_version, md)
+
+
+def _stored_items(md: Metadata) -> list[tuple[MetadataIndex, StorageInfo]]:
+    """Every stored item, with every rank's copy of a rank-local object (merged views)."""
+    items = list((md.storage_data or {}).items())
+    listed = {(info.relative_path, info.offset) for _, info in items}
+    for fqn, copies in md.rank_objects.items():
+        for info in copies.values():
+            if (info.relative_path, info.offset) not in listed:
+                items.append((MetadataIndex(fqn), info))
+    return items
 
 
 def _item_name(index: MetadataIndex) -> str:
@@ -271,7 +285,7 @@ def verify_checkpoint(path: PathLike, *,
     if md is None:
         return VerifyReport(root, False, problems, 0, 0)
     by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
-    for index, info in (md.storage_data or {}).items():
+    for index, info in _stored_items(md):
         by_file[info.relative_path].append((index, info))
     total = sum(info.length for items in by_file.values() for _, info in items)
     done = chunks = checked = 0
