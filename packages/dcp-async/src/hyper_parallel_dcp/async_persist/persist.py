@@ -144,8 +144,11 @@ def _gloo_init_method() -> str:
     return f"tcp://{host}:{gloo_port}"
 
 
-class _RemoteFailure(AsyncSaveError):
-    """This rank's part went well (or was stopped) but the save failed on another rank."""
+def _remote_failure(message: str, failed: dict[int, str]) -> AsyncSaveError:
+    """This rank's part went well (or was stopped) but the save failed on other ranks."""
+    exc = AsyncSaveError(message)
+    exc.failed_ranks = tuple(sorted(failed))  # type: ignore[attr-defined]
+    return exc
 
 
 class _Persister:
@@ -434,7 +437,7 @@ class _Persister:
                 board.publish_ok(seq)
                 failed = board.wait_all(seq, "ok", time.monotonic() + _timeout_s(), "finish")
                 if failed:
-                    raise _RemoteFailure(_remote_message(seq, failed, response.checkpoint_id, landed_here=True))
+                    raise _remote_failure(_remote_message(seq, failed, response.checkpoint_id, landed_here=True), failed)
             response.cache_hit = reply.cache_hit
             if planner is not None and reply.cache_hit is not None and hasattr(planner, "cache_hit"):
                 planner.cache_hit = reply.cache_hit
@@ -449,7 +452,7 @@ class _Persister:
             logger.error("async_save #%d%s failed on rank %s: %s: %s", seq,
                          f" into {response.checkpoint_id}" if response.checkpoint_id else "",
                          board.rank if board is not None else "-", type(exc).__name__, exc)
-            if board is not None and not isinstance(exc, _RemoteFailure):
+            if board is not None and not hasattr(exc, "failed_ranks"):
                 board.publish_failure(seq, "".join(traceback.format_exception_only(type(exc), exc)).strip())
             if board is not None or not sent_ok:
                 # a writer of a failed coordinated save may wait for a dead peer, and one
@@ -502,7 +505,7 @@ def _await_reply(proc: Any, conn: Any, board: Optional[Outcomes] = None, seq: in
             failed = board.failures(seq)
             failed.pop(board.rank, None)
             if failed:
-                raise _RemoteFailure(_remote_message(seq, failed, None, landed_here=False))
+                raise _remote_failure(_remote_message(seq, failed, None, landed_here=False), failed)
         if deadline is not None and time.monotonic() > deadline:
             raise CheckpointTimeoutError(
                 f"async save #{seq}, phase 'write': the writer process (pid {proc.pid}) did not answer "

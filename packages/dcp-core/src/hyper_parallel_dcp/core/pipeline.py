@@ -122,6 +122,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     else:
         set_up_step()
         cached = looked_up[0]
+    fault_point("save.plan", rank)
     if cached is not None:
         log_info(rank, "Hit final plan and metadata cache.")
         final_plan, global_metadata[0] = cached
@@ -130,7 +131,6 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         final_plan = replace(final_plan, save_id=f"{final_plan.save_id}-{uses}")
     else:
         def local_step() -> SavePlan:
-            fault_point("save.plan", rank)
             with phase("build_local_plan", rank):
                 return storage_writer.prepare_local_plan(planner.create_local_plan())
 
