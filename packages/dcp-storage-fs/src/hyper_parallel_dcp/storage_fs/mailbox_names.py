@@ -13,7 +13,6 @@ __all__ = [
     "MAILBOX_FILE",
     "ack_file",
     "gather_file",
-    "heartbeat_file",
     "result_file",
     "scatter_file",
 ]
@@ -48,7 +47,3 @@ def ack_file(rank: int) -> str:
     """``rank`` read the last answer (the coordinator then removes the save's files)."""
     return f".hp-dcp-mailbox-ack-{rank}.pkl"
 
-
-def heartbeat_file(rank: int) -> str:
-    """Touched by ``rank``'s writer while it works on a save (its liveness signal)."""
-    return f".hp-dcp-mailbox-alive-{rank}"
