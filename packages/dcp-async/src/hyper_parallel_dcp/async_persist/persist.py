@@ -431,6 +431,13 @@ class _Persister:
                 exc = reply.error if reply.error is not None else AsyncSaveError(reply.error_text)
                 if reply.error is not None and hasattr(exc, "add_note"):
                     exc.add_note(f"raised in the async writer process (pid {proc.pid}):\n{reply.error_text}")
+                if board is not None:
+                    # Our writer's error may only be the echo of a peer's death ("connection
+                    # closed by peer"): when another rank reports its failure, name that rank.
+                    failed = _others_failed(board, seq, time.monotonic() + _ECHO_WAIT_S)
+                    if failed:
+                        raise _remote_failure(_remote_message(seq, failed, response.checkpoint_id,
+                                                              landed_here=False), failed) from exc
                 raise exc
             if board is not None:
                 # Landed here; it is a success only if it landed on every rank.
@@ -466,6 +473,19 @@ class _Persister:
             except Exception:  # noqa: BLE001 - the checkpoint has landed; a callback bug must not hide that
                 logger.exception("async_save callback raised (the checkpoint %s has landed)", response.checkpoint_id)
         future.set_result(reply.metadata)
+
+
+#: Seconds a rank whose writer failed looks for a peer's failure that caused it.
+_ECHO_WAIT_S = 1.0
+
+
+def _others_failed(board: Outcomes, seq: int, until: float) -> dict[int, str]:
+    while True:
+        failed = board.failures(seq)
+        failed.pop(board.rank, None)
+        if failed or time.monotonic() > until:
+            return failed
+        time.sleep(POLL_S)
 
 
 def _remote_message(seq: int, failed: dict[int, str], checkpoint_id: Optional[str], landed_here: bool) -> str:
