@@ -13,7 +13,8 @@ Reported (must all be 0): **hangs** (a job still running after its deadline), **
 values** (a load that returned other values than saved), **lost complete checkpoints**
 (a checkpoint that was complete and is no longer, or loads other values), **unexpected
 outcomes** (a fault not surfaced as an error on a survivor, or an error without a
-fault).  Also: how long each failure took to surface on the survivors.  Writes a JSON
+fault).  Also: how long each failure took to surface on the survivors, from the moment
+the fault fired (the hook writes it) to the survivor's exception.  Writes a JSON
 report with ``--json``.
 """
 
@@ -81,6 +82,7 @@ def _round(rank: int, world: int, spec: dict) -> dict:
             out["wrong"] += int(not _matches(target, spec["expect"], rank))
     except Exception as exc:  # noqa: BLE001 - the outcome is the result
         out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        out["error_at"] = time.time()
     out["seconds"] = time.monotonic() - started
     if spec["op"] == "async_save":
         # resynchronisation: the next async_save of this job lands on every rank
@@ -217,7 +219,9 @@ def soak(rounds: int, world: int, fault_rate: float, seed: int, timeout_s: float
             if v["error"] is not None:
                 errors.append(v["error"])
                 if fired:
-                    report["surface_seconds"].setdefault(op, []).append(round(v["seconds"], 3))
+                    # from the moment the fault fired (written by the hook) to this rank's error
+                    fired_at = float(Path(once).read_text() or "nan")
+                    report["surface_seconds"].setdefault(op, []).append(round(v["error_at"] - fired_at, 3))
             if "next_error" in v:
                 report["resync_failures"] += 1
                 event.setdefault("problems", []).append(f"rank {r}: next async_save failed: {v['next_error']}")

@@ -4,8 +4,8 @@ Used by the fault-injection tests and the soak benchmark; inert unless
 ``HP_DCP_FAULT`` is set.  ``HP_DCP_FAULT=<phase>@<rank>`` (several separated by commas;
 ``@<rank>`` may be left out for every rank) kills the process that reaches
 :func:`fault_point` with that phase and rank.  With ``HP_DCP_FAULT_ONCE=<file>`` only the
-first process to get there dies (it creates the file), so a restarted writer or the next
-save go through.
+first process to get there dies (it creates the file and writes the time it fired into
+it), so a restarted writer or the next save go through.
 
 Phases: ``save.setup``, ``save.plan``, ``save.write``, ``save.commit`` (on the
 coordinator just before ``.metadata`` is written, elsewhere after its own files are
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 __all__ = ["FAULT_ENV", "FAULT_ONCE_ENV", "PHASES", "fault_point"]
 
@@ -38,7 +39,9 @@ def fault_point(phase: str, rank: int) -> None:
         once = os.environ.get(FAULT_ONCE_ENV)
         if once:
             try:
-                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                fd = os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 return
+            os.write(fd, repr(time.time()).encode())  # when it fired: time-to-surface is measured from here
+            os.close(fd)
         os.kill(os.getpid(), signal.SIGKILL)
