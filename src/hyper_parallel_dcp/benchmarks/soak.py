@@ -222,6 +222,7 @@ def soak(rounds: int, world: int, fault_rate: float, seed: int, timeout_s: float
                     # from the moment the fault fired (written by the hook) to this rank's error
                     fired_at = float(Path(once).read_text() or "nan")
                     report["surface_seconds"].setdefault(op, []).append(round(v["error_at"] - fired_at, 3))
+                    event.setdefault("surface", []).append(round(v["error_at"] - fired_at, 3))
             if "next_error" in v:
                 report["resync_failures"] += 1
                 event.setdefault("problems", []).append(f"rank {r}: next async_save failed: {v['next_error']}")
