@@ -27,6 +27,7 @@ import os
 import queue
 import random
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -98,7 +99,12 @@ def _round(rank: int, world: int, spec: dict) -> dict:
     return out
 
 
-def _child(rank: int, world: int, store: str, results: Any, env: dict, spec: dict) -> None:
+def _child(rank: int, world: int, store: str, results: Any, env: dict, spec: dict, deadline_s: float) -> None:
+    import faulthandler
+
+    os.setpgid(0, 0)  # this rank and its async writer: killed together if the round hangs
+    # a round that hangs shows where every thread of every rank was
+    faulthandler.dump_traceback_later(max(1.0, deadline_s - 5), exit=False, file=sys.stderr)
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -121,7 +127,8 @@ def _run_job(spec: dict, world: int, env: dict, deadline_s: float) -> tuple[dict
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="hp-dcp-soak-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(r, world, store, results, env, spec)) for r in range(world)]
+        procs = [ctx.Process(target=_child, args=(r, world, store, results, env, spec, deadline_s))
+                 for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + deadline_s
@@ -139,6 +146,11 @@ def _run_job(spec: dict, world: int, env: dict, deadline_s: float) -> tuple[dict
             if p.is_alive():
                 p.kill()
                 p.join()
+            if hung:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # its writer too, or it would finish the save later
+                except ProcessLookupError:
+                    pass
     return out, hung
 
 
@@ -166,7 +178,8 @@ def soak(rounds: int, world: int, fault_rate: float, seed: int, timeout_s: float
     rng = random.Random(seed)
     env = {"HP_DCP_COLLECTIVE_TIMEOUT": str(timeout_s), "HP_DCP_ASYNC_TIMEOUT": str(max(30.0, 4 * timeout_s)),
            "OMP_NUM_THREADS": "1"}
-    deadline = 60.0 + 10 * timeout_s
+    # generous: a round on a busy 2-core machine (3 ranks, 3 writers starting) can take a minute
+    deadline = 150.0 + 10 * timeout_s
     complete: dict[str, float] = {}  # directory -> value of the complete checkpoint there
     report: dict[str, Any] = {"rounds": 0, "hangs": 0, "wrong_values": 0, "lost_complete_checkpoints": 0,
                               "unexpected": 0, "faults": 0, "surface_seconds": {}, "resync_failures": 0,
