@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_faults_processes import run_ranks  # the harness that tolerates dead ranks
+
+from hyper_parallel_dcp.core.testing import run_ranks  # tolerates ranks that die
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
 TIMEOUT_S = "4"

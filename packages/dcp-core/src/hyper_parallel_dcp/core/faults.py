@@ -19,24 +19,26 @@ import os
 import signal
 import time
 
+from .settings import FAULT, FAULT_ONCE
+
 __all__ = ["FAULT_ENV", "FAULT_ONCE_ENV", "PHASES", "fault_point"]
 
-FAULT_ENV = "HP_DCP_FAULT"
-FAULT_ONCE_ENV = "HP_DCP_FAULT_ONCE"
+FAULT_ENV = FAULT.name
+FAULT_ONCE_ENV = FAULT_ONCE.name
 PHASES = ("save.setup", "save.plan", "save.write", "save.commit",
           "load.setup", "load.plan", "load.read", "load.broadcast")
 
 
 def fault_point(phase: str, rank: int) -> None:
     """Die here if ``HP_DCP_FAULT`` names ``phase`` for ``rank`` (see the module doc)."""
-    spec = os.environ.get(FAULT_ENV)
+    spec = FAULT.get()
     if not spec:
         return
     for entry in spec.split(","):
         name, _, who = entry.strip().partition("@")
         if name != phase or (who and int(who) != rank):
             continue
-        once = os.environ.get(FAULT_ONCE_ENV)
+        once = FAULT_ONCE.get()
         if once:
             try:
                 fd = os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
