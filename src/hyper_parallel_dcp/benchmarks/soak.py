@@ -69,8 +69,10 @@ def _round(rank: int, world: int, spec: dict) -> dict:
 
     out: dict = {"error": None, "seconds": 0.0, "wrong": 0}
     if spec["fault"]:
-        os.environ["HP_DCP_FAULT"] = spec["fault"]
-        os.environ["HP_DCP_FAULT_ONCE"] = spec["once"]
+        from hyper_parallel_dcp.core.settings import FAULT, FAULT_ONCE
+
+        os.environ[FAULT.name] = spec["fault"]  # the hook reads them when a phase starts
+        os.environ[FAULT_ONCE.name] = spec["once"]
     started = time.monotonic()
     try:
         if spec["op"] == "save":
