@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, TypeVar
 from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S, MAILBOX_POLL_MAX
 from hyper_parallel_dcp.core.timing import phase
+from hyper_parallel_dcp.storage_fs.mailbox_names import DONE_SUFFIX, ack_file, gather_file, result_file, scatter_file
 
 from . import safe_pickle
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-_DONE = ".done"
+_DONE = DONE_SUFFIX
 _POLL_FIRST_S = 0.001
 # The back-off cap grows with the job: a few ranks poll often (the save lands within a few
 # ms of the last file, where a fixed 50 ms cap added ~0.1 s per save on 2 ranks), while a
@@ -100,17 +101,13 @@ class FileMailbox(DistWrapper):
 
     # -- naming ----------------------------------------------------------------------
     def _gather_name(self, rank: int) -> str:
-        if self._step == "plan":
-            return f"LOCAL_PLAN_{rank}.pkl"
-        if self._step == "write":
-            return f"STORAGE_DATA_{rank}.pkl"
-        return f".hp-dcp-mailbox-{self._step}-{rank}.pkl"
+        return gather_file(self._step, rank)
 
     def _scatter_name(self, rank: int) -> str:
-        return f".hp-dcp-mailbox-{self._step}-to-{rank}.pkl"
+        return scatter_file(self._step, rank)
 
     def _result_name(self) -> str:
-        return f".hp-dcp-mailbox-{self._step}-result.pkl"
+        return result_file(self._step)
 
     # -- file I/O --------------------------------------------------------------------
     def _post(self, name: str, obj: Any) -> None:
@@ -223,13 +220,12 @@ class FileMailbox(DistWrapper):
         """
         if not self.use_dist:
             return
-        ack = ".hp-dcp-mailbox-ack-{}.pkl"
         if not self.is_coordinator:
-            self._post(ack.format(self.rank), None)
+            self._post(ack_file(self.rank), None)
             return
         saved_timeout, self.timeout = self.timeout, ack_timeout
         try:
-            self._fetch_all([(ack.format(r), r) for r in range(self.world_size) if r != self.rank])
+            self._fetch_all([(ack_file(r), r) for r in range(self.world_size) if r != self.rank])
         except MailboxTimeoutError as exc:
             logger.warning("async save mailbox clean-up in %s: %s", self.directory, exc)
         finally:
@@ -241,7 +237,7 @@ class FileMailbox(DistWrapper):
             for name in names:
                 self._remove_if_ours(name)
         for r in range(self.world_size):
-            self._remove_if_ours(ack.format(r))
+            self._remove_if_ours(ack_file(r))
 
     def _remove_if_ours(self, name: str) -> None:
         path = self.directory / name

@@ -33,6 +33,9 @@ __all__ = ["CacheEntry", "SaveReply", "SaveRequest", "writer_main"]
 
 logger = logging.getLogger(__name__)
 
+#: Launcher variables that describe the training job's rendezvous, not the writers' own.
+_LAUNCHER_ENV = ("TORCHELASTIC_USE_AGENT_STORE", "TORCH_DIST_INIT_BARRIER")
+
 # (plan-cache key, (final plan, metadata, fingerprint) or None for "no entry")
 CacheEntry = tuple[Any, Optional[tuple]]
 
@@ -170,6 +173,11 @@ def writer_main(conn: Any) -> None:
     """Entry point of the writer process: serve :class:`SaveRequest` until told to stop."""
     import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor reductions
 
+    # Under torchrun the training process's environment says "join the agent's store"
+    # (TORCHELASTIC_USE_AGENT_STORE=True): then no writer would host the store of the
+    # writers' own gloo group on MASTER_PORT + 1 and every use_gloo save would time out.
+    for name in _LAUNCHER_ENV:
+        os.environ.pop(name, None)
     torch.set_num_threads(1)  # the writer hashes and writes; it must not compete with training
     writer = _Writer()
     logger.debug("async writer process %d started", os.getpid())

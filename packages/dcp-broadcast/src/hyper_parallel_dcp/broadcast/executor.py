@@ -14,11 +14,15 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from hyper_parallel_dcp.core.collectives import TIMEOUT_ENV, DistWrapper, collective_timeout
+from hyper_parallel_dcp.core.errors import CheckpointTimeoutError
+from hyper_parallel_dcp.core.faults import fault_point
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD
 from hyper_parallel_dcp.core.storage import StorageReader
@@ -175,6 +179,7 @@ class BroadcastReadExecutor:
         self.max_in_flight = max_in_flight
         self.read_ahead = read_ahead
         self.stats = BroadcastStats()
+        self._timeout = collective_timeout()
 
     def __call__(self, plan: LoadPlan, global_plans: list[LoadPlan], storage_reader: StorageReader,
                  planner: LoadPlanner, process_group: Optional[dist.ProcessGroup] = None) -> None:
@@ -223,14 +228,22 @@ class BroadcastReadExecutor:
         ordered = [it for task in schedule.shards if task.source == me for it in task.items]
         ordered.extend(schedule.tail)
 
+        # Every wait below has a deadline (HP_DCP_COLLECTIVE_TIMEOUT): the arrival checks
+        # name a rank that died or hangs before the group exchange and the broadcasts,
+        # new groups get that timeout, and each broadcast is waited for with it.
+        arrivals = DistWrapper(process_group, use_dist=True)
+        arrivals.arrive("broadcast_groups")
+        self._timeout = collective_timeout()
         with broadcast_groups_for_load(required, me_global, self.groups, process_group,
-                                       local_error=local_error) as groups:
+                                       local_error=local_error, timeout=self._timeout) as groups:
             stats.groups_used = len(groups)
             stats.groups_created = sum(1 for k, g in groups.items()
                                        if g is not dist.group.WORLD and (self.groups or {}).get(k) is not g)
             reads = _Reads(storage_reader, planner, ordered, self.read_ahead)
             pending: collections.deque = collections.deque()
             healthy = False
+            fault_point("load.broadcast", me_global)
+            arrivals.arrive("broadcast")
             try:
                 with phase("read_and_broadcast", me):
                     for step in steps:
@@ -299,7 +312,11 @@ class BroadcastReadExecutor:
                 # dist.broadcast needs contiguous memory; a narrowed shard usually is not.
                 buffer = target.contiguous()
         stats.bytes_broadcast += buffer.numel() * buffer.element_size()
-        work = dist.broadcast(_as_bytes(buffer), src=to_global(op.source), group=group, async_op=True)
+        try:
+            work = dist.broadcast(_as_bytes(buffer), src=to_global(op.source), group=group, async_op=True)
+        except Exception as exc:  # noqa: BLE001 - a peer is gone: say which broadcast
+            raise self._broadcast_error(key, to_global(op.source), exc) from exc
+        work = _Pending(work, key, to_global(op.source))
         if not receiving:
             # The staging copy must live until the broadcast has landed.
             return work, (lambda: buffer)
@@ -315,12 +332,34 @@ class BroadcastReadExecutor:
 
         return work, land
 
-    @staticmethod
-    def _complete(entry: tuple[Any, Optional[Callable[[], Any]]]) -> None:
-        work, land = entry
-        work.wait()
+    def _broadcast_error(self, ranks: tuple[int, ...], source: int, exc: BaseException) -> CheckpointTimeoutError:
+        others = [r for r in ranks if r != dist.get_rank()]
+        return CheckpointTimeoutError(
+            f"checkpoint phase 'broadcast': the broadcast from rank {source} to replica group {list(ranks)} "
+            f"failed or did not finish within {self._timeout:g} s ({TIMEOUT_ENV}) on rank {dist.get_rank()}; "
+            f"rank(s) {others} of that group died or hang ({type(exc).__name__}: {exc})",
+            "broadcast", tuple(others))
+
+    def _complete(self, entry: tuple[Any, Optional[Callable[[], Any]]]) -> None:
+        pending, land = entry
+        try:
+            if self._timeout > 0:
+                pending.work.wait(timedelta(seconds=self._timeout))
+            else:
+                pending.work.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo: peer closed / timed out
+            raise self._broadcast_error(pending.ranks, pending.source, exc) from exc
         if land is not None:
             land()
+
+
+@dataclass
+class _Pending:
+    """A broadcast in flight, with what an error about it must name."""
+
+    work: Any
+    ranks: tuple[int, ...]
+    source: int
 
 
 def make_read_executor(*, groups: Optional[dict[tuple[int, ...], Any]] = None,

@@ -205,6 +205,17 @@ class DistWrapper:
             except Exception:  # noqa: BLE001 - only housekeeping
                 pass
 
+    def arrive(self, step: str) -> None:
+        """Wait (at most the collective timeout) until every rank of the group got here.
+
+        For callers that run their own collectives (the broadcast load): raises
+        :class:`CheckpointTimeoutError` naming ``step`` and the ranks that never arrived.
+        Every member must call it at the same point.
+        """
+        if self.use_dist:
+            self._step = step
+            self._arrive("arrival")
+
     def _global_rank(self) -> int:
         return self._group_ranks[self.rank] if self._group_ranks else self.rank
 

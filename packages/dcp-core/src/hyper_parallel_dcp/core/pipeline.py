@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from .collectives import DistWrapper
+from .errors import CheckpointTimeoutError
+from .faults import fault_point
 from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .layout import is_tensor_leaf
 from .metadata import Metadata
@@ -99,6 +101,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     looked_up: list[Optional[tuple[SavePlan, Optional[Metadata]]]] = [None]
 
     def set_up_step() -> bool:
+        fault_point("save.setup", rank)
         flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
         storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
                                              use_collectives=use_collectives)
@@ -121,6 +124,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     else:
         set_up_step()
         cached = looked_up[0]
+    fault_point("save.plan", rank)
     if cached is not None:
         log_info(rank, "Hit final plan and metadata cache.")
         final_plan, global_metadata[0] = cached
@@ -145,12 +149,17 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
 
     def write_step() -> list[WriteResult]:
+        fault_point("save.write", rank)
         with phase("execute_write", rank):
-            return storage_writer.execute_write(final_plan, planner)
+            results = storage_writer.execute_write(final_plan, planner)
+        if not is_coordinator:
+            fault_point("save.commit", rank)
+        return results
 
     def finish_step(all_results: list[list[WriteResult]]) -> Metadata:
         assert global_metadata[0] is not None
         metadata = _attach_results(global_metadata[0], all_results)
+        fault_point("save.commit", rank)
         with phase("finalize_checkpoint", rank):
             storage_writer.finalize_checkpoint(metadata, all_results)
         return metadata
@@ -187,6 +196,7 @@ def load_state_dict(
         read: list[Metadata] = []
 
         def read_step() -> bool:
+            fault_point("load.setup", rank)
             with phase("read_metadata", rank):
                 read.append(storage_reader.read_metadata())
             return storage_reader.collectives_required
@@ -210,6 +220,7 @@ def load_state_dict(
         def local_step() -> LoadPlan:
             # The set-up runs inside the gathered step: a failure on one rank (e.g. two
             # paths flattening to one FQN) is raised on every rank instead of hanging them.
+            fault_point("load.plan", rank)
             flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
             flat, found = match_stored_keys(flat, found, metadata.state_dict_metadata)  # torch DCP's lists
             paths.update(found)
@@ -231,10 +242,13 @@ def load_state_dict(
         error: Optional[BaseException] = None
         try:
             with phase("execute_read", rank):
+                fault_point("load.read", rank)
                 if read_executor is not None and dw.use_dist:
                     read_executor(plan, global_plans, storage_reader, planner, process_group)
                 else:
                     storage_reader.execute_read(plan, planner)
+        except CheckpointTimeoutError:
+            raise  # a rank is gone: the check below would only wait for it once more
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
             error = exc
         dw.check("read", error)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -26,8 +25,6 @@ from hyper_parallel_dcp.core.errors import (
     CorruptCheckpointError,
 )
 from hyper_parallel_dcp.core.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageInfo,
@@ -51,6 +48,7 @@ from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteR
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
 from .direct_read import read_slice_into
 from .rank_files import with_stored_as, write_rank_files
+from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
 from .safetensors_stream import (
     HeaderEntry,
     SafetensorsHeaderError,
@@ -63,7 +61,6 @@ from .safetensors_stream import (
 __all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata", "merge_rank_metadata"]
 
 METADATA_FILE = ".metadata"
-_RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
 _TMP_SUFFIX = ".hp-dcp-tmp"
 
 
@@ -181,7 +178,7 @@ class FileSystemWriter(StorageWriter):
                 # Per-rank metadata of ranks this save does not have (an earlier save on
                 # more ranks) would be merged into this checkpoint by a loader.
                 for entry in os.scandir(out_dir):
-                    match = _RANK_METADATA.match(entry.name)
+                    match = RANK_METADATA.match(entry.name)
                     if match and int(match.group(1)) >= self.world_size:
                         stale_files.append(Path(entry.path))
             for stale in stale_files:
@@ -224,37 +221,9 @@ class FileSystemWriter(StorageWriter):
 
 
 # ------------------------------------------------------------------------------ reading
-def merge_rank_metadata(parts: Sequence[tuple[int, Metadata]]) -> Metadata:
-    """One view of a checkpoint saved without collectives: every ``(rank, {rank}.metadata)``
-    merged (first saver of an object wins, chunks deduplicated and sorted)."""
-    sd: dict[str, Any] = {}
-    storage: dict[MetadataIndex, StorageInfo] = {}
-    files: dict[str, int] = {}
-    seen: dict[str, set] = {}
-    for _, md in sorted(parts, key=lambda p: p[0]):
-        for fqn, entry in md.state_dict_metadata.items():
-            if isinstance(entry, BytesStorageMetadata):
-                sd.setdefault(fqn, entry)
-                continue
-            mine = sd.get(fqn)
-            if mine is None:
-                mine = sd[fqn] = TensorStorageMetadata(entry.properties, entry.size, [])
-                seen[fqn] = set()
-            for chunk in entry.chunks:
-                if chunk.offsets not in seen[fqn]:
-                    seen[fqn].add(chunk.offsets)
-                    mine.chunks.append(ChunkStorageMetadata(chunk.offsets, chunk.sizes))
-        for index, info in (md.storage_data or {}).items():
-            storage.setdefault(index, info)
-        files.update(md.files)
-    for entry in sd.values():
-        if isinstance(entry, TensorStorageMetadata):
-            entry.chunks.sort(key=lambda c: c.offsets)
-    return Metadata(state_dict_metadata=sd, storage_data=storage, files=files)
-
-
 def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, bool]:
-    """Read ``.metadata`` or, failing that, merge every ``{rank}.metadata``.
+    """Read ``.metadata`` or, failing that, merge every ``{rank}.metadata``
+    (:func:`merge_rank_metadata`: each rank's own copy of a rank-local object is kept).
 
     Returns ``(metadata, is_global)``.  Raises :class:`CheckpointNotFoundError` naming the
     directory when it or any metadata is missing, :class:`CheckpointFormatError` when the
@@ -270,17 +239,7 @@ def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, b
         text = None
     if text is not None:
         return metadata_from_json(text, source=str(global_file)), True
-    parts = []
-    for entry in os.scandir(root):
-        match = _RANK_METADATA.match(entry.name)
-        if match:
-            parts.append((int(match.group(1)), metadata_from_json(Path(entry.path).read_bytes(), source=entry.path)))
-    if not parts:
-        raise CheckpointNotFoundError(
-            f"{root} holds no checkpoint: neither {METADATA_FILE} nor any {{rank}}.metadata file "
-            "(an interrupted save leaves none)"
-        )
-    return merge_rank_metadata(parts), False
+    return merge_rank_metadata(load_rank_metadata(root)), False
 
 
 class _OpenFile:
@@ -503,7 +462,10 @@ class FileSystemReader(StorageReader):
         return tensor
 
     def read_object(self, item: ReadItem) -> Any:
+        """The stored object; from a per-rank checkpoint, the copy this rank saved (SPEC §4)."""
         info = self._storage_info(item.storage_index)
+        if self.metadata is not None and self.metadata.rank_objects:
+            info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info
         file = self._root() / info.relative_path
         try:
             with open(file, "rb") as f:

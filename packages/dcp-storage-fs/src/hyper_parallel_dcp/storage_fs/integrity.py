@@ -30,7 +30,8 @@ from hyper_parallel_dcp.core.metadata import (
 )
 
 from .files import CheckpointFiles, LocalFiles, as_checkpoint_files
-from .filesystem import METADATA_FILE, merge_rank_metadata
+from .filesystem import METADATA_FILE
+from .rank_metadata import RANK_METADATA, merge_rank_metadata
 from .safetensors_stream import SafetensorsHeaderError, entry_mismatch, read_header
 from .torch_dcp import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 
@@ -43,7 +44,6 @@ __all__ = [
 ]
 
 PathLike = Union[str, os.PathLike, CheckpointFiles]
-_RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
 _STEP = re.compile(r"(\d+)$")
 #: Bytes hashed per read while verifying (bounded memory, large sequential reads).
 _READ_BLOCK = 16 * 1024 * 1024
@@ -123,7 +123,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     except OSError as exc:
         _add(problems, f"{root} cannot be listed: {exc}")
         return None, None
-    ranks = sorted((int(m.group(1)), n) for n in names if (m := _RANK_METADATA.match(n)))
+    ranks = sorted((int(m.group(1)), n) for n in names if (m := RANK_METADATA.match(n)))
     if not ranks:
         _add(problems, f"{root} holds neither {METADATA_FILE} nor any {{rank}}.metadata file "
                        "(the save never finished, or this is not a checkpoint)")
@@ -132,7 +132,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     missing = sorted(set(range(ranks[-1][0] + 1)) - {r for r, _ in ranks})
     if missing:
         _add(problems, f"{root}: the rank-local metadata of rank(s) {missing} is missing")
-    parts = []
+    parts: dict[int, Metadata] = {}
     version = None  # typed Optional[int] by the single-file branch above
     for rank, name in ranks:
         file = root.where(name)
@@ -143,7 +143,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
             continue
         version = _peek_version(text) if version is None else version
         try:
-            parts.append((rank, metadata_from_json(text, source=file)))
+            parts[rank] = metadata_from_json(text, source=file)
         except CheckpointFormatError as exc:
             _add(problems, str(exc))
     if len(parts) != len(ranks):
@@ -210,7 +210,7 @@ def check_complete(path: PathLike) -> CompletenessReport:
             _add(problems, f"{file} has {actual} bytes, the metadata records {expected} (truncated or replaced)")
         elif expected < 0 and kind != "torch-dcp":
             _add(problems, f"{root}: the metadata records no size for {name}")
-    for index, info in (md.storage_data or {}).items():
+    for index, info in _stored_items(md):
         size = sizes.get(info.relative_path)
         if size is not None and info.offset + info.length > size:
             _add(problems, f"{root.where(info.relative_path)}: {_item_name(index)} needs bytes "
@@ -222,6 +222,17 @@ def check_complete(path: PathLike) -> CompletenessReport:
         return CompletenessReport(root.target, not problems, problems, None, md, kind)
     return CompletenessReport(root.target, not problems, problems,
                               version if version is not None else md.format_version, md)
+
+
+def _stored_items(md: Metadata) -> list[tuple[MetadataIndex, StorageInfo]]:
+    """Every stored item, with every rank's copy of a rank-local object (merged views)."""
+    items = list((md.storage_data or {}).items())
+    listed = {(info.relative_path, info.offset) for _, info in items}
+    for fqn, copies in md.rank_objects.items():
+        for info in copies.values():
+            if (info.relative_path, info.offset) not in listed:
+                items.append((MetadataIndex(fqn), info))
+    return items
 
 
 def _item_name(index: MetadataIndex) -> str:
@@ -292,7 +303,7 @@ def verify_checkpoint(path: PathLike, *,
     if md is None:
         return VerifyReport(root, False, problems, 0, 0)
     by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
-    for index, info in (md.storage_data or {}).items():
+    for index, info in _stored_items(md):
         by_file[info.relative_path].append((index, info))
     total = sum(info.length for items in by_file.values() for _, info in items)
     done = chunks = checked = 0

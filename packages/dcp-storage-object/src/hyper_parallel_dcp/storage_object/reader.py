@@ -35,10 +35,11 @@ from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.storage import StorageReader
 from hyper_parallel_dcp.storage_fs.direct_read import slice_span
-from hyper_parallel_dcp.storage_fs.filesystem import FileSystemReader, merge_rank_metadata
+from hyper_parallel_dcp.storage_fs.filesystem import FileSystemReader
+from hyper_parallel_dcp.storage_fs.rank_metadata import RANK_METADATA, merge_rank_metadata
 
 from .client import ObjectStore, ObjectStoreSettings, parse_url
-from .writer import _RANK_METADATA, METADATA_OBJECT
+from .writer import METADATA_OBJECT
 
 __all__ = ["READ_OVERHEAD", "ObjectStoreReader", "byte_runs"]
 
@@ -186,11 +187,11 @@ class ObjectStoreReader(StorageReader):
         if text is not None:
             self.metadata, self._is_global = metadata_from_json(text, source=f"{self.url}/{METADATA_OBJECT}"), True
             return self.metadata
-        parts = []
+        parts: dict[int, Metadata] = {}
         for key, size in store.list_objects(self._key(""), delimiter="/"):
-            match = _RANK_METADATA.match(key.rsplit("/", 1)[-1])
+            match = RANK_METADATA.match(key.rsplit("/", 1)[-1])
             if match and size >= 0:
-                parts.append((int(match.group(1)), metadata_from_json(store.get(key), source=store.url(key))))
+                parts[int(match.group(1))] = metadata_from_json(store.get(key), source=store.url(key))
         if not parts:
             raise CheckpointNotFoundError(f"{self.url} holds no checkpoint: neither {METADATA_OBJECT} nor any "
                                           "{rank}.metadata object (an interrupted save leaves none)")
@@ -365,6 +366,8 @@ class ObjectStoreReader(StorageReader):
     def read_object(self, item: ReadItem) -> Any:
         """A pickled object, fetched with one ranged GET of exactly its bytes."""
         info = self._info(item.storage_index)
+        if self.metadata is not None and self.metadata.rank_objects:  # per-rank save: this rank's copy (SPEC §4)
+            info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info
         blob = bytearray(info.length)
         if info.length:
             self._fetch(info.relative_path, info.offset, memoryview(blob))
