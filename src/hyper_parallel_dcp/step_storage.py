@@ -289,17 +289,28 @@ class FileSystemSteps:
 
     # -- what dead saves left -----------------------------------------------------------------
     def _save_running(self, step: int) -> bool:
-        """True while some process holds the save lock of ``step`` (probed, left as found)."""
-        lock = SaveLock(self.root / step_name(step))
+        """True while some process holds the save lock of ``step`` (a probe that changes nothing)."""
+        return not self._lock_free(self.root / f".{step_name(step)}.hp-dcp-lock")
+
+    @staticmethod
+    def _lock_free(path: Path) -> bool:
+        """Nobody holds a ``flock`` on ``path`` (or it does not exist); the probe's lock is
+        dropped at once and the file left as found."""
         try:
-            lock.acquire()
-        except ConcurrentSaveError:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
             return True
-        lock.release()
-        return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)  # closing releases the probe's lock
+        return True
 
     def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
-                       max_step: Optional[int] = None, grace: float = 0.0) -> list[Leftover]:
+                       max_step: Optional[int] = None, grace: float = 0.0,
+                       check_running: bool = True) -> list[Leftover]:
         """What dead saves left under ``root``, for steps not in ``protected``.
 
         Hidden staging/old directories, lock files nobody holds and mailbox/temp files in
@@ -308,7 +319,8 @@ class FileSystemSteps:
         and it holds nothing but checkpoint files (a directory with a file of the user's is
         left alone and logged).  A step whose save lock is held (a save is running) and
         entries modified in the last ``grace`` seconds are skipped, and with ``max_step``
-        everything of a higher step.
+        everything of a higher step.  ``check_running=False`` probes no lock (changes
+        nothing, lists no lock files) and so also lists the files of a running save.
         """
         try:
             entries = list(os.scandir(self.root))
@@ -320,6 +332,8 @@ class FileSystemSteps:
         def busy(step: int, path: str) -> bool:
             if step in protected or (grace > 0 and now - _newest_mtime(path) < grace):
                 return True
+            if not check_running:
+                return False
             if step not in running:
                 running[step] = self._save_running(step)
             return running[step]
@@ -332,7 +346,7 @@ class FileSystemSteps:
                 if max_step is not None and step > max_step:
                     continue
                 if kind in ("lock", "readlock"):
-                    if step in protected or (kind == "lock" and self._save_running(step)):
+                    if not check_running or step in protected or (kind == "lock" and self._save_running(step)):
                         continue
                     if kind == "readlock" and not self._readlock_free(step):
                         continue
@@ -364,18 +378,7 @@ class FileSystemSteps:
         return sorted(out, key=lambda x: (x.step, x.kind, x.location))
 
     def _readlock_free(self, step: int) -> bool:
-        path = self._readlock_path(step)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        finally:
-            os.close(fd)  # closing releases the probe lock
-        return True
+        return self._lock_free(self._readlock_path(step))
 
     def remove_leftover(self, item: Leftover) -> bool:
         """Remove ``item`` (re-checking the save lock); False when it is in use or gone."""

@@ -43,6 +43,7 @@ __all__ = [
 PathLike = Union[str, os.PathLike]
 _RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
 _STEP = re.compile(r"(\d+)$")
+_MANAGER_STEP = re.compile(r"^step_\d+$")
 #: Bytes hashed per read while verifying (bounded memory, large sequential reads).
 _READ_BLOCK = 16 * 1024 * 1024
 #: More problems than this are summarised (a wholly wrong directory would list thousands).
@@ -217,7 +218,9 @@ def find_latest_checkpoint(root: PathLike) -> Optional[Path]:
 
     Looks at the direct subdirectories of ``root`` whose names end in an integer
     (``step_100``, ``global_step2000``, ``300``), newest first, and returns the first that
-    :func:`check_complete` accepts; hidden entries (staging directories) are skipped.
+    :func:`check_complete` accepts; hidden entries (staging directories) are skipped.  When
+    ``root`` has ``step_N`` subdirectories (a ``CheckpointManager`` root), only those count:
+    a sibling run directory such as ``fsdp4`` is not step 4.
     Returns ``None`` when ``root`` does not exist or holds no complete checkpoint.
     """
     base = Path(root)
@@ -226,12 +229,17 @@ def find_latest_checkpoint(root: PathLike) -> Optional[Path]:
     except (FileNotFoundError, NotADirectoryError):
         return None
     candidates = []
+    manager_steps = []
     for entry in entries:
         if entry.name.startswith("."):
             continue
         match = _STEP.search(entry.name)
         if match and entry.is_dir():
             candidates.append((int(match.group(1)), entry.name))
+            if _MANAGER_STEP.match(entry.name):
+                manager_steps.append(candidates[-1])
+    if manager_steps:
+        candidates = manager_steps
     for _, name in sorted(candidates, reverse=True):
         if check_complete(base / name).complete:
             return base / name
