@@ -110,7 +110,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The end-to-end CPU demo: multi-process save, async save, resharded load, HF export."""
+    """The end-to-end CPU demo: training loops on CheckpointManager (sync, async), resharded restore, HF export."""
     _install_everything(session)
     session.run("python", "-m", "hyper_parallel_dcp", *session.posargs)
 
