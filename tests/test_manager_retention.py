@@ -291,3 +291,36 @@ def test_clean_never_touches_a_running_save(tmp_path: Path, capsys) -> None:
     assert staging.is_dir()
     assert cli_main(["clean", str(tmp_path), "--grace", "0"]) == 0
     assert not staging.exists()
+
+
+def test_retention_never_deletes_a_step_being_read(tmp_path: Path) -> None:
+    from hyper_parallel_dcp.step_storage import FileSystemSteps
+
+    steps = FileSystemSteps(tmp_path)
+    with CheckpointManager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, _state(1))
+        with steps.reading(1):  # e.g. an evaluation job restoring step 1 from this root
+            mgr.save(2, _state(2))
+            assert mgr.all_steps() == [1, 2]
+            sd = _state(0)
+            other = CheckpointManager(tmp_path)
+            assert other.restore(sd, step=1) == 1  # readers share the lock
+            _check_state(sd, 1)
+        mgr.save(3, _state(3))
+        assert mgr.all_steps() == [3]
+    assert _names(tmp_path) == ["step_3"]  # no lock files left behind
+
+
+def test_async_error_surfaces_once_in_the_next_save(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, keep_last=2, async_save=True) as mgr:
+        # staged fine, but the writer process cannot receive a lambda: the save fails in flight
+        mgr.save(1, {"w": torch.ones(4), "fn": lambda: 0})
+        with pytest.raises(Exception, match="(?i)pickl|lambda"):
+            mgr.save(2, {"w": torch.full((4,), 2.0)})
+        assert mgr.all_steps() == []  # step 2 was not saved by the call that raised
+        assert mgr.save(3, {"w": torch.full((4,), 3.0)}) is True  # raised once only
+        mgr.wait()
+        assert mgr.all_steps() == [3]
+        sd = {"w": torch.zeros(4)}
+        assert mgr.restore(sd) == 3 and torch.equal(sd["w"], torch.full((4,), 3.0))
+    assert not (tmp_path / "step_1" / ".metadata").exists()

@@ -240,14 +240,24 @@ class CheckpointManager:
                                  protected=protected)
         deleted = []
         for step in doomed:
-            if self._steps.remove_step(step):
+            try:
+                removed = self._steps.remove_step(step)
+            except OSError as exc:  # the checkpoint just saved is durable: a failed deletion must not fail it
+                logger.warning("checkpoint manager: could not delete step %d under %s: %s", step, self.root, exc)
+                continue
+            if removed:
                 deleted.append(step)
                 self._info_cache.pop(step, None)
             else:
                 logger.info("checkpoint manager: step %d is being written or read; kept for now", step)
         newest = max(complete)
-        cleaned = [item for item in self._steps.find_leftovers(protected=protected, older_than=newest, max_step=newest)
-                   if self._steps.remove_leftover(item)]
+        cleaned = []
+        for item in self._steps.find_leftovers(protected=protected, older_than=newest, max_step=newest):
+            try:
+                if self._steps.remove_leftover(item):
+                    cleaned.append(item)
+            except OSError as exc:
+                logger.warning("checkpoint manager: could not remove %s: %s", item.location, exc)
         if deleted or cleaned:
             logger.info("checkpoint manager: retention under %s deleted step(s) %s, removed %d leftover(s) of "
                         "interrupted saves", self.root, deleted, len(cleaned))

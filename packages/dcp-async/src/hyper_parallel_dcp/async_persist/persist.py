@@ -300,6 +300,12 @@ class _Persister:
                 except (BrokenPipeError, ConnectionError, OSError):
                     proc.join(timeout=5)
                     raise AsyncSaveError(_death_message(proc, response.checkpoint_id)) from None
+                except BaseException:
+                    # e.g. an object that cannot be pickled: nothing reached the writer, so it
+                    # holds none of this request's slabs; the next save must send them all.
+                    # (The next submit joins this thread before it reads child_slabs.)
+                    self.child_slabs = set()
+                    raise
             reply = _await_reply(proc, conn)
             if reply is None:
                 proc.join(timeout=5)
