@@ -92,7 +92,8 @@ MYPY_TARGETS: dict[str, list[str]] = {
     "broadcast": ["-p", "hyper_parallel_dcp.broadcast"],
     "hf-convert": ["-p", "hyper_parallel_dcp.offline_transform"],
     "umbrella": ["-m", "hyper_parallel_dcp", "-m", "hyper_parallel_dcp.api", "-m", "hyper_parallel_dcp.demo",
-                 "-p", "hyper_parallel_dcp.cli", "-p", "hyper_parallel_dcp.benchmarks"],
+                 "-m", "hyper_parallel_dcp.manager", "-m", "hyper_parallel_dcp.retention",
+                 "-m", "hyper_parallel_dcp.step_storage", "-p", "hyper_parallel_dcp.cli", "-p", "hyper_parallel_dcp.benchmarks"],
 }
 
 

@@ -361,9 +361,10 @@ class FileSystemSteps:
                 elif not busy(step, entry.path):
                     out.append(Leftover(step, kind, entry.path, _tree_bytes(entry.path)))
                 continue
-            step = parse_step_name(entry.name)
-            if step is None or not entry.is_dir(follow_symlinks=False) or (max_step is not None and step > max_step):
+            parsed = parse_step_name(entry.name)
+            if parsed is None or not entry.is_dir(follow_symlinks=False) or (max_step is not None and parsed > max_step):
                 continue
+            step = parsed
             try:
                 names = os.listdir(entry.path)
             except FileNotFoundError:

@@ -35,7 +35,7 @@ def run(args: Any) -> int:
     root = existing_dir(args.root, "checkpoint root")
     steps = FileSystemSteps(root)
     now = time.time()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for entry in steps.list_steps():
         info = steps.read_info(entry.step) or {}
         saved_at = steps.saved_at(entry.step)
