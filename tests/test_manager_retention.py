@@ -174,6 +174,10 @@ def test_step_dir_without_metadata_among_complete_ones(tmp_path: Path) -> None:
         (root / "step_2" / "LOCAL_PLAN_1.pkl").write_bytes(b"x")
         (root / "step_4").mkdir()
         (root / "step_4" / "notes.txt").write_text("mine")
+        from hyper_parallel_dcp import save
+
+        save(_state(0), checkpoint_id=root / "step_0", no_dist=True)  # a rank-local save of the user's:
+        (root / "step_0" / ".metadata").rename(root / "step_0" / "0.metadata")  # loadable, not ours
         assert mgr.all_steps() == [1, 3]
         sd = _state(0)
         assert mgr.restore(sd) == 3  # never the directory without .metadata
@@ -184,6 +188,7 @@ def test_step_dir_without_metadata_among_complete_ones(tmp_path: Path) -> None:
         assert mgr.all_steps() == [1, 3, 5]
     assert not (root / "step_2").exists()
     assert (root / "step_4" / "notes.txt").read_text() == "mine"  # not ours: kept
+    assert (root / "step_0" / "0.metadata").is_file()
 
 
 def test_broken_newest_is_skipped_by_restore(tmp_path: Path) -> None:

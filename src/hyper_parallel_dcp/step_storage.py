@@ -35,15 +35,15 @@ import os
 import re
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Protocol, Union
 
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
 from hyper_parallel_dcp.storage_fs.commit import SaveLock, is_checkpoint_artifact
 
-__all__ = ["INFO_FILE", "FileSystemSteps", "Leftover", "StepEntry", "step_name", "step_storage_for"]
+__all__ = ["INFO_FILE", "FileSystemSteps", "Leftover", "StepEntry", "StepStorage", "step_name", "step_storage_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ INFO_FILE = "hp-dcp-step.json"
 _METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
 _HIDDEN = re.compile(r"^\.step_(0|[1-9][0-9]*)\.hp-dcp-(staging|old|lock|readlock)(-.*)?$")
+_RANK_METADATA = re.compile(r"^\d+\.metadata$")  # a rank-local save (use_collectives=False): loadable, not ours
 _MAILBOX = re.compile(r"^((LOCAL_PLAN|STORAGE_DATA)_\d+\.pkl(\.done)?|\.hp-dcp-mailbox-.*|.*\.hp-dcp-tmp)$")
 
 
@@ -86,6 +87,30 @@ class Leftover:
     location: str
     bytes: int
     paths: tuple[str, ...] = field(default=())
+
+
+class StepStorage(Protocol):
+    """What the manager and ``hp-dcp ls``/``clean`` need from a root; :class:`FileSystemSteps`
+    is the filesystem one.  An object-store implementation provides the same methods
+    (its ``remove_step`` must first make the step incomplete, e.g. delete ``.metadata``)."""
+
+    root: Any
+
+    def check_root(self) -> None: ...
+    def location(self, step: int) -> str: ...
+    def list_steps(self) -> list[StepEntry]: ...
+    def is_complete(self, step: int) -> bool: ...
+    def completeness_problems(self, step: int) -> list[str]: ...
+    def size_bytes(self, step: int) -> int: ...
+    def saved_at(self, step: int) -> Optional[float]: ...
+    def read_info(self, step: int) -> Optional[dict[str, Any]]: ...
+    def write_info(self, step: int, info: dict[str, Any]) -> None: ...
+    def remove_step(self, step: int) -> bool: ...
+    def reading(self, step: int) -> AbstractContextManager[None]: ...
+    def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
+                       max_step: Optional[int] = None, grace: float = 0.0,
+                       check_running: bool = True) -> list[Leftover]: ...
+    def remove_leftover(self, item: Leftover) -> bool: ...
 
 
 def _tree_bytes(path: str) -> int:
@@ -377,7 +402,7 @@ class FileSystemSteps:
                 continue
             if older_than is None or step >= older_than or busy(step, entry.path):
                 continue
-            foreign = [n for n in names if n != INFO_FILE and not is_checkpoint_artifact(n)]
+            foreign = [n for n in names if (n != INFO_FILE and not is_checkpoint_artifact(n)) or _RANK_METADATA.match(n)]
             if foreign:
                 logger.warning("%s has no %s but holds files that are not a checkpoint's (%s); left alone",
                                entry.path, _METADATA, ", ".join(sorted(foreign)[:5]))
@@ -424,7 +449,7 @@ class FileSystemSteps:
             lock.release()
 
 
-def step_storage_for(root: Union[str, os.PathLike]) -> FileSystemSteps:
+def step_storage_for(root: Union[str, os.PathLike]) -> StepStorage:
     """The step storage of a manager root: a filesystem path, or a URL of a backend that has one.
 
     Raises ``ValueError`` for a URL scheme no step storage exists for.
