@@ -126,6 +126,7 @@ class CheckpointManager:
         self._steps.check_root()
         self._inflight: Optional[tuple[int, Any]] = None  # (step, AsyncSaveResponse)
         self._retention_due = False
+        self._retained_once = False
         self._used_async = False
         self._closed = False
         self._info_cache: dict[int, Optional[dict[str, Any]]] = {}
@@ -192,7 +193,8 @@ class CheckpointManager:
 
             self._used_async = True
             self._inflight = (step, async_save(state_dict, checkpoint_id=location))
-            if self._retention_due:
+            if self._retention_due or not self._retained_once:
+                # (the first save of a job also tidies what an earlier, killed job left)
                 self._retain(dw, protected=frozenset({step}))
         else:
             from hyper_parallel_dcp.api import save
@@ -227,6 +229,7 @@ class CheckpointManager:
         deleted: list[int] = dw.all_reduce("checkpoint manager: retention", lambda: None,
                                            lambda _: self._apply_retention(protected))
         self._retention_due = False
+        self._retained_once = True
         return deleted
 
     def _apply_retention(self, protected: frozenset[int]) -> list[int]:
