@@ -117,6 +117,16 @@ def test_killed_at_every_moment_then_resume(tmp_path: Path) -> None:
     assert _complete_steps(roots["retention"]) == [3, 4]
     assert _complete_steps(roots["async"]) == [2, 3, 4]  # landed by the dead rank's writer; no retention
 
+    # hp-dcp clean on the killed save's root: the dead save's staging directory and lock go,
+    # the complete steps and the user's directory stay
+    from hyper_parallel_dcp.cli import main as cli_main
+
+    assert cli_main(["clean", str(roots["save"]), "--grace", "0"]) == 0
+    # step_4 (no .metadata, only the manager's info file) is newer than the newest complete
+    # step: clean keeps it; the resumed job's save of step 5 removes it
+    assert sorted(os.listdir(roots["save"])) == ["keep_me", "step_2", "step_3", "step_4"]
+    assert os.listdir(roots["save"] / "step_4") == ["hp-dcp-step.json"]
+
     expected = {"save": 3, "between": 4, "retention": 4, "async": 4}
     results = run_distributed(_resume_worker, 2, [str(roots[f]) for f in faults], timeout=240, env=TIMEOUTS)
     for rank_result in results:
