@@ -173,7 +173,6 @@ class CheckpointManager:
         """
         self._check_open()
         step = _check_step(step)
-        info = {"step": step, "saved_at": time.time(), "metrics": _check_metrics(metrics)}
         dw = DistWrapper(None, use_dist=True)
         preempting = False
         if self.save_on_preemption:
@@ -183,6 +182,9 @@ class CheckpointManager:
             return False
 
         def write_info(_: list[None]) -> None:
+            # rank 0's metrics are stored; checked here so that bad ones fail every rank, and
+            # only on a saving step (reading an accelerator tensor costs a device sync)
+            info = {"step": step, "saved_at": time.time(), "metrics": _check_metrics(metrics)}
             self._info_cache.pop(step, None)
             self._steps.write_info(step, info)
 
