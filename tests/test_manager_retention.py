@@ -329,3 +329,13 @@ def test_async_error_surfaces_once_in_the_next_save(tmp_path: Path) -> None:
         sd = {"w": torch.zeros(4)}
         assert mgr.restore(sd) == 3 and torch.equal(sd["w"], torch.full((4,), 3.0))
     assert not (tmp_path / "step_1" / ".metadata").exists()
+
+
+def test_async_staging_error_is_raised_and_the_next_save_works(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, async_save=True) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        with pytest.raises(NotImplementedError, match="meta"):
+            mgr.save(2, {"w": torch.empty(4, device="meta")})  # fails while staging, in the caller
+        assert mgr.save(3, {"w": torch.full((4,), 3.0)})
+        mgr.wait()
+        assert mgr.all_steps() == [1, 3]

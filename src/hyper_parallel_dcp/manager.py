@@ -194,10 +194,16 @@ class CheckpointManager:
             from hyper_parallel_dcp.async_persist import async_save
 
             self._used_async = True
-            self._inflight = (step, async_save(state_dict, checkpoint_id=location))
-            if self._retention_due or not self._retained_once:
-                # (the first save of a job also tidies what an earlier, killed job left)
-                self._retain(dw, protected=frozenset({step}))
+            staging_error: Optional[BaseException] = None
+            try:
+                self._inflight = (step, async_save(state_dict, checkpoint_id=location))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
+                staging_error = exc
+            # One collective: a staging error on any rank is raised on all of them (none is left
+            # waiting here), else the previous save's retention runs while this one is in flight
+            # (the first save of a job also tidies what an earlier, killed job left).
+            self._retain(dw, protected=frozenset({step}), local_error=staging_error,
+                         run=self._retention_due or not self._retained_once)
         else:
             from hyper_parallel_dcp.api import save
 
@@ -226,12 +232,22 @@ class CheckpointManager:
         if inflight is not None:
             self._retention_due = True
 
-    def _retain(self, dw: DistWrapper, protected: frozenset[int]) -> list[int]:
-        """Retention, decided and done by the coordinator; every rank returns once it is done."""
-        deleted: list[int] = dw.all_reduce("checkpoint manager: retention", lambda: None,
-                                           lambda _: self._apply_retention(protected))
-        self._retention_due = False
-        self._retained_once = True
+    def _retain(self, dw: DistWrapper, protected: frozenset[int], local_error: Optional[BaseException] = None,
+                run: bool = True) -> list[int]:
+        """Retention, decided and done by the coordinator; every rank returns once it is done.
+
+        ``local_error`` (this rank's failure just before) is raised on every rank instead;
+        ``run=False`` only exchanges that.
+        """
+        def check() -> None:
+            if local_error is not None:
+                raise local_error
+
+        deleted: list[int] = dw.all_reduce("checkpoint manager: retention", check,
+                                           lambda _: self._apply_retention(protected) if run else [])
+        if run:
+            self._retention_due = False
+            self._retained_once = True
         return deleted
 
     def _apply_retention(self, protected: frozenset[int]) -> list[int]:
