@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyper_parallel_dcp.core.testing import run_distributed, run_ranks_allowing_deaths
+from hyper_parallel_dcp.core.testing import run_distributed, run_ranks
 
 TIMEOUTS = {"HP_DCP_COLLECTIVE_TIMEOUT": "5", "HP_DCP_ASYNC_TIMEOUT": "5"}
 
@@ -102,7 +102,7 @@ def test_killed_at_every_moment_then_resume(tmp_path: Path) -> None:
     for fault in faults:
         (roots[fault] / "keep_me").mkdir(parents=True)
         (roots[fault] / "keep_me" / "data.txt").write_text(fault)
-        out = run_ranks_allowing_deaths(_crash_worker, 2, str(roots[fault]), fault, timeout=180, env=TIMEOUTS)
+        out = run_ranks(_crash_worker, 2, str(roots[fault]), fault, timeout=180, env=TIMEOUTS)
         dead = 1 if fault == "async" else 0
         assert out[dead][0] == "died", (fault, out)
         status, text = out[1 - dead]
