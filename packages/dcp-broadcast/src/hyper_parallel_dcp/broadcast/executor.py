@@ -101,7 +101,10 @@ class _Reads:
             if self._direct:
                 pairs = [(it, None if it.type is LoadItemType.BYTE_IO else planner.resolve_tensor(it))
                          for it in ordered]
-                self._stream = ReadAhead(lambda p: _direct_reads(reader, p), pairs, depth)
+                # a reader that keeps several reads in flight (an object store) streams them itself
+                stream = getattr(reader, "read_stream", None)
+                reads = stream if callable(stream) else (lambda p: _direct_reads(reader, p))
+                self._stream = ReadAhead(reads, pairs, depth)
             elif callable(getattr(reader, "read_items", None)):
                 self._stream = ReadAhead(reader.read_items, ordered, depth)  # type: ignore[attr-defined]
         except Exception as exc:  # noqa: BLE001 - raised after the broadcasts are done

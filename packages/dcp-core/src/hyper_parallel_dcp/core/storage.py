@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import os
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from .metadata import Metadata, MetadataIndex, StorageInfo
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
@@ -65,7 +65,18 @@ class StorageReader(abc.ABC):
     def load_metadata(self) -> Metadata:
         """Read the checkpoint's metadata (works without a prior ``reset``)."""
 
+    _known_metadata: Optional[Metadata] = None
+
+    def use_metadata(self, metadata: Metadata) -> None:
+        """Serve ``metadata`` instead of reading it again on every load through this reader
+        (a tool that loads one checkpoint in many small loads, e.g. tensor by tensor)."""
+        self._known_metadata = metadata
+
     def read_metadata(self) -> Metadata:
+        """What the load pipeline calls: the metadata given to :meth:`use_metadata`, else
+        :meth:`load_metadata`."""
+        if self._known_metadata is not None:
+            return self._known_metadata
         return self.load_metadata()
 
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
