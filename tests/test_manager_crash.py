@@ -35,20 +35,20 @@ def _die() -> None:
 def _crash_worker(rank: int, world_size: int, root: str, fault: str) -> str:
     """Save steps 1-3 (keep_last=2), then die at the chosen moment of step 4."""
     from hyper_parallel_dcp import CheckpointManager, step_storage
-    from hyper_parallel_dcp.storage_fs import filesystem
+    from hyper_parallel_dcp.storage_fs import rank_files
 
     mgr = CheckpointManager(root, keep_last=2, async_save=fault == "async")
     for step in (1, 2, 3):
         mgr.save(step, _state(step, rank))
     if fault == "save" and rank == 0:
-        real_write = filesystem.write_safetensors
+        real_write = rank_files.write_safetensors
 
         def half_then_die(f, entries):
             real_write(f, entries[:1])
             f.flush()
             _die()
 
-        filesystem.write_safetensors = half_then_die
+        rank_files.write_safetensors = half_then_die
     elif fault == "between" and rank == 0:
         CheckpointManager._apply_retention = lambda self, protected: _die()
     elif fault == "retention" and rank == 0:
