@@ -1,4 +1,4 @@
-"""``hp-dcp``: inspect, verify, explain, diff and find checkpoints; convert to/from Hugging Face.
+"""``hp-dcp``: inspect, verify, explain, diff, find, list and clean checkpoints; convert to/from Hugging Face.
 
 Exit codes: 0 nothing wrong, 1 a problem was found (incomplete or corrupt checkpoint, a
 load that would fail, checkpoints that differ, no complete checkpoint), 2 usage error.
@@ -51,7 +51,7 @@ example:  hp-dcp explain /ckpt/step_1000 --target tp2.json
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``hp-dcp`` (sub-commands inspect, verify, explain, diff, latest, convert)."""
+    """The argument parser of ``hp-dcp`` (sub-commands inspect, verify, explain, diff, latest, ls, clean, convert)."""
     from hyper_parallel_dcp import __version__  # type: ignore[attr-defined]  # namespace package seen by mypy
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -121,11 +121,38 @@ def build_parser() -> argparse.ArgumentParser:
         "latest", help="print the newest complete checkpoint under a root of step directories",
         description="Among the subdirectories of ROOT whose names end in an integer step (step_100, "
                     "global_step2000, 300), print the path of the one with the highest step that is complete.  "
-                    "Incomplete (interrupted) saves are skipped.",
+                    "When ROOT has step_N subdirectories (a CheckpointManager root) only those count, so a "
+                    "sibling directory such as fsdp4 is not taken for step 4.  Incomplete (interrupted) saves "
+                    "are skipped.",
         epilog="example:  CKPT=$(hp-dcp latest /ckpt) && echo resuming from $CKPT\n"
                + _EXIT_CODES + " (1: no complete checkpoint)",
         formatter_class=raw)
     p.add_argument("root", metavar="ROOT", help="directory holding one subdirectory per saved step")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "ls", help="list the steps of a CheckpointManager root: complete or not, size, age, metrics",
+        description="List every step_N directory under ROOT (as written by CheckpointManager), complete "
+                    "(.metadata committed) or not, with its size on disk, its age and the metrics saved with it; "
+                    "then what interrupted saves left behind (see 'hp-dcp clean').  Reads only; changes nothing.",
+        epilog="example:  hp-dcp ls /ckpt --json\n" + _EXIT_CODES,
+        formatter_class=raw)
+    p.add_argument("root", metavar="ROOT", help="directory holding step_N subdirectories")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser(
+        "clean", help="remove what dead saves left under a CheckpointManager root",
+        description="Remove what saves that died left under ROOT: hidden staging and old directories "
+                    "(.step_N.hp-dcp-staging-*, .step_N.hp-dcp-old-*), lock files nobody holds, async-save mailbox "
+                    "files, and step directories without .metadata older than the newest complete step.  A save "
+                    "that is still running (it holds its lock) is never touched, nor anything modified in the last "
+                    "--grace seconds, nor any file or directory that is not a checkpoint's.",
+        epilog="example:  hp-dcp clean /ckpt --dry-run\n" + _EXIT_CODES + " (1: something was in use and kept)",
+        formatter_class=raw)
+    p.add_argument("root", metavar="ROOT", help="directory holding step_N subdirectories")
+    p.add_argument("--dry-run", "-n", action="store_true", help="only list what would be removed")
+    p.add_argument("--grace", type=float, default=60.0, metavar="SECONDS",
+                   help="leave anything modified in the last SECONDS alone (default 60; 0 once the job is gone)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser(
@@ -152,7 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from importlib import import_module
 
     module = {"inspect": "inspect_ckpt", "verify": "verify", "explain": "explain", "diff": "diff",
-              "latest": "latest"}[args.command]
+              "latest": "latest", "ls": "ls", "clean": "clean"}[args.command]
     try:
         return import_module(f"{__name__}.{module}").run(args)
     except UsageError as exc:

@@ -40,8 +40,8 @@ from .outcome import POLL_S, Outcomes
 from .staging import StagingArena, StagingStats
 from .writer import CacheEntry, SaveReply, SaveRequest, cache_key, clean_planner, writer_main
 
-__all__ = ["AsyncSaveError", "AsyncSaveFailureWarning", "AsyncSaveResponse", "async_save", "staging_buffer_ptrs",
-           "writer_pid"]
+__all__ = ["AsyncSaveError", "AsyncSaveFailureWarning", "AsyncSaveResponse", "async_save", "shutdown_writer",
+           "staging_buffer_ptrs", "writer_pid"]
 
 logger = logging.getLogger(__name__)
 
@@ -629,6 +629,16 @@ def async_save(
 def staging_buffer_ptrs() -> dict[Any, int]:
     """Host address of the staging slot of every known piece (``(fqn, offsets, sizes, dtype)``)."""
     return _get_persister().arena.buffer_ptrs()
+
+
+def shutdown_writer() -> None:
+    """Wait for the save in flight, stop the writer process and free the staging memory.
+
+    The next :func:`async_save` starts a new writer.  A no-op when none was started.
+    """
+    p = _persister
+    if p is not None:
+        p.shutdown()
 
 
 def writer_pid() -> Optional[int]:

@@ -45,6 +45,7 @@ __all__ = [
 
 PathLike = Union[str, os.PathLike, CheckpointFiles]
 _STEP = re.compile(r"(\d+)$")
+_MANAGER_STEP = re.compile(r"^step_\d+$")
 #: Bytes hashed per read while verifying (bounded memory, large sequential reads).
 _READ_BLOCK = 16 * 1024 * 1024
 #: More problems than this are summarised (a wholly wrong directory would list thousands).
@@ -246,7 +247,9 @@ def find_latest_checkpoint(root: PathLike) -> Optional[Union[Path, str]]:
 
     Looks at the direct subdirectories of ``root`` whose names end in an integer
     (``step_100``, ``global_step2000``, ``300``), newest first, and returns the first that
-    :func:`check_complete` accepts; hidden entries (staging directories) are skipped.
+    :func:`check_complete` accepts; hidden entries (staging directories) are skipped.  When
+    ``root`` has ``step_N`` subdirectories (a ``CheckpointManager`` root), only those count:
+    a sibling run directory such as ``fsdp4`` is not step 4.
     Returns ``None`` when ``root`` does not exist or holds no complete checkpoint; the
     checkpoint's ``Path`` (a URL for an object store) otherwise.
     """
@@ -256,12 +259,17 @@ def find_latest_checkpoint(root: PathLike) -> Optional[Union[Path, str]]:
     except (FileNotFoundError, NotADirectoryError):
         return None
     candidates = []
+    manager_steps = []
     for name, size in entries:
         if name.startswith("."):
             continue
         match = _STEP.search(name)
         if match and size is None:
             candidates.append((int(match.group(1)), name))
+            if _MANAGER_STEP.match(name):
+                manager_steps.append(candidates[-1])
+    if manager_steps:
+        candidates = manager_steps
     for _, name in sorted(candidates, reverse=True):
         child = base.child(name)
         if check_complete(child).complete:
