@@ -20,7 +20,7 @@ from hyper_parallel_dcp.benchmarks.state_dicts import dense_shapes, small_shapes
 from hyper_parallel_dcp.benchmarks.throttle import SharedBandwidth
 from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.metadata import ChunkStorageMetadata
-from hyper_parallel_dcp.core.standard_planner import _check_disjoint
+from hyper_parallel_dcp.core.save_planning import _check_disjoint
 
 
 def test_fit_exponent_recovers_power_laws():
