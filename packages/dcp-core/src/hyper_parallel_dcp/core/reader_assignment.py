@@ -208,10 +208,10 @@ def _choose_readers(replicated: list[_Group], singles: list[_Group], singles_ran
         if ties:
             tie_keys = [(order_keys[id(g)], g.ranks) for g in replicated]
             for i in ties:
-                a, b = int(lo[i]), int(hi[i])
+                # equal size: the global order, then the rank tuple, decides (as in the sort)
                 g = singles[i]
                 mine = (order_key(MetadataIndex(g.key[0], g.key[1])), (singles_rank[i],))
-                lo[i] = a + bisect.bisect_left(tie_keys, mine, a, b) - a
+                lo[i] = bisect.bisect_left(tie_keys, mine, int(lo[i]), int(hi[i]))
         position = lo
         keep = position < m
         position = position[keep]
