@@ -207,33 +207,28 @@ def _choose_readers(replicated: list[_Group], singles: list[_Group], singles_ran
         ties = torch.nonzero(lo != hi).flatten().tolist()
         if ties:
             tie_keys = [(order_keys[id(g)], g.ranks) for g in replicated]
+            starts, ends = lo.tolist(), hi.tolist()
             for i in ties:
                 # equal size: the global order, then the rank tuple, decides (as in the sort)
                 g = singles[i]
                 mine = (order_key(MetadataIndex(g.key[0], g.key[1])), (singles_rank[i],))
-                lo[i] = bisect.bisect_left(tie_keys, mine, int(lo[i]), int(hi[i]))
-        position = lo
-        keep = position < m
-        position = position[keep]
-        bucket_ranks = torch.tensor(singles_rank, dtype=torch.int64)[keep]
-        bucket_bytes = (-single_neg)[keep]
-        position, perm = torch.sort(position, stable=True)
-        bucket_ranks, bucket_bytes = bucket_ranks[perm], bucket_bytes[perm]
+                starts[i] = bisect.bisect_left(tie_keys, mine, starts[i], ends[i])
+            lo = torch.tensor(starts, dtype=torch.int64)
+        keep = lo < m
+        position, perm = torch.sort(lo[keep], stable=True)
+        bucket_ranks = torch.tensor(singles_rank, dtype=torch.int64)[keep][perm].tolist()
+        bucket_bytes = (-single_neg)[keep][perm].tolist()
         bounds = torch.searchsorted(position, torch.arange(m + 1, dtype=torch.int64)).tolist()
     else:
-        bucket_ranks = bucket_bytes = torch.empty(0, dtype=torch.int64)
-        bounds = [0] * (m + 1)
-    assigned = torch.zeros(world, dtype=torch.int64)
-    member_tensors: dict[RankTuple, torch.Tensor] = {}
+        bucket_ranks, bucket_bytes, bounds = [], [], [0] * (m + 1)
+    # Plain lists from here: thousands of tiny tensor ops cost more than the work (and
+    # intra-op threads spin on a busy machine: 28 s of CPU for 16384 simulated ranks).
+    assigned = [0] * world
     for j, group in enumerate(replicated):
-        a, b = bounds[j], bounds[j + 1]
-        if b > a:
-            assigned.index_add_(0, bucket_ranks[a:b], bucket_bytes[a:b])
-        members = member_tensors.get(group.ranks)
-        if members is None:
-            members = member_tensors[group.ranks] = torch.tensor(group.ranks, dtype=torch.int64)
-        # argmin returns the first minimum and members ascend: ties go to the lowest rank
-        reader = group.ranks[int(torch.argmin(assigned[members]))]
+        for i in range(bounds[j], bounds[j + 1]):
+            assigned[bucket_ranks[i]] += bucket_bytes[i]
+        # min keeps the first of equal keys and members ascend: ties go to the lowest rank
+        reader = min(group.ranks, key=assigned.__getitem__)
         assigned[reader] += group.nbytes
         group.source = reader
 
