@@ -212,6 +212,7 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
     """
     import torch
 
+    from hyper_parallel_dcp.core.gc_pause import gc_paused
     from hyper_parallel_dcp.core.layout import TensorShards
     from hyper_parallel_dcp.core.load_planning import create_local_load_plan
     from hyper_parallel_dcp.core.metadata import metadata_to_json
@@ -267,7 +268,11 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
     # request digest replaced by the shard's sizes (an opaque int to the coordinator).
     # Data-parallel replicas get equal tuples, not shared objects, as after unpickling.
     layouts = [_geometry_layout(specs, lmesh, rank, cache) for rank in range(world)]
-    t_assign, replies = _timed(lambda: assign_readers_from_layouts(layouts))
+    def coordinator_step() -> list:
+        with gc_paused():  # as in load_state_dict
+            return assign_readers_from_layouts(layouts)
+
+    t_assign, replies = _timed(coordinator_step)
     row["ours_global_load_s"] = t_assign
     sent, received, own = [], [], []
     for rank in sample:

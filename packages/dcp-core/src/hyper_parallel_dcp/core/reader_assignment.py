@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
-
-import torch
 
 from .metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from .planner import LoadItemType, LoadPlan, order_key
@@ -152,13 +151,15 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
                 group.classes.append(c)
     members_of: dict[tuple[int, ...], RankTuple] = {}
     replicated: list[_Group] = []
-    singles_rank: list[int] = []
-    singles: list[_Group] = []
+    # shards only one rank reads, by size: [(rank, group), ...]
+    singles: dict[int, list[tuple[int, _Group]]] = {}
     for group in groups.values():
         classes = group.classes
         if len(classes) == 1 and len(class_ranks[classes[0]]) == 1:
-            singles_rank.append(class_ranks[classes[0]][0])
-            singles.append(group)
+            by_size = singles.get(group.nbytes)
+            if by_size is None:
+                by_size = singles[group.nbytes] = []
+            by_size.append((class_ranks[classes[0]][0], group))
             continue
         key = tuple(classes)
         ranks = members_of.get(key)
@@ -170,7 +171,7 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
         return [None] * len(layouts)
     order_keys = {id(g): order_key(MetadataIndex(g.key[0], g.key[1])) for g in replicated}
     replicated.sort(key=lambda g: (-g.nbytes, order_keys[id(g)], g.ranks))
-    _choose_readers(replicated, singles, singles_rank, len(layouts), order_keys)
+    _choose_readers(replicated, singles, len(layouts), order_keys)
 
     packed: dict[RankTuple, PackedRanks] = {}
     for ranks in members_of.values():
@@ -189,44 +190,40 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
     return replies
 
 
-def _choose_readers(replicated: list[_Group], singles: list[_Group], singles_rank: list[int], world: int,
+def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int, _Group]]], world: int,
                     order_keys: dict[int, str]) -> None:
     """Set ``source`` of every replicated group (given in visiting order).
 
     A shard only one rank reads still counts for that rank at its place in the visiting
-    order: bucket such shards by the number of replicated groups that precede them, and
-    add each bucket just before the group it precedes.
+    order: such shards are bucketed by the number of replicated groups that precede them
+    (found per distinct size; only a size equal to a replicated shard's needs the order
+    keys), and each bucket is added just before the group it precedes.
     """
     neg = [-g.nbytes for g in replicated]
     m = len(replicated)
-    if singles:
-        single_neg = torch.tensor([-g.nbytes for g in singles], dtype=torch.int64)
-        neg_t = torch.tensor(neg, dtype=torch.int64)
-        lo = torch.searchsorted(neg_t, single_neg, side="left")
-        hi = torch.searchsorted(neg_t, single_neg, side="right")
-        ties = torch.nonzero(lo != hi).flatten().tolist()
-        if ties:
+    # bucket j: (nbytes, ranks) of single-reader shards visited just before group j
+    buckets: list[list[tuple[int, list[int]]]] = [[] for _ in range(m)]
+    tie_keys: Optional[list[tuple[str, RankTuple]]] = None
+    for nbytes, members in singles.items():
+        lo = bisect.bisect_left(neg, -nbytes)
+        hi = bisect.bisect_right(neg, -nbytes)
+        if lo == hi:
+            if lo < m:
+                buckets[lo].append((nbytes, [rank for rank, _ in members]))
+            continue
+        if tie_keys is None:
             tie_keys = [(order_keys[id(g)], g.ranks) for g in replicated]
-            starts, ends = lo.tolist(), hi.tolist()
-            for i in ties:
-                # equal size: the global order, then the rank tuple, decides (as in the sort)
-                g = singles[i]
-                mine = (order_key(MetadataIndex(g.key[0], g.key[1])), (singles_rank[i],))
-                starts[i] = bisect.bisect_left(tie_keys, mine, starts[i], ends[i])
-            lo = torch.tensor(starts, dtype=torch.int64)
-        keep = lo < m
-        position, perm = torch.sort(lo[keep], stable=True)
-        bucket_ranks = torch.tensor(singles_rank, dtype=torch.int64)[keep][perm].tolist()
-        bucket_bytes = (-single_neg)[keep][perm].tolist()
-        bounds = torch.searchsorted(position, torch.arange(m + 1, dtype=torch.int64)).tolist()
-    else:
-        bucket_ranks, bucket_bytes, bounds = [], [], [0] * (m + 1)
-    # Plain lists from here: thousands of tiny tensor ops cost more than the work (and
-    # intra-op threads spin on a busy machine: 28 s of CPU for 16384 simulated ranks).
+        for rank, g in members:
+            # equal size: the global order, then the rank tuple, decides (as in the sort)
+            mine = (order_key(MetadataIndex(g.key[0], g.key[1])), (rank,))
+            pos = bisect.bisect_left(tie_keys, mine, lo, hi)
+            if pos < m:
+                buckets[pos].append((nbytes, [rank]))
     assigned = [0] * world
-    for j, group in enumerate(replicated):
-        for i in range(bounds[j], bounds[j + 1]):
-            assigned[bucket_ranks[i]] += bucket_bytes[i]
+    for group, bucket in zip(replicated, buckets):
+        for nbytes, ranks in bucket:
+            for rank, count in Counter(ranks).items():
+                assigned[rank] += count * nbytes
         # min keeps the first of equal keys and members ascend: ties go to the lowest rank
         reader = min(group.ranks, key=assigned.__getitem__)
         assigned[reader] += group.nbytes
