@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from hyper_parallel_dcp.broadcast.schedule import (
     ShardStep,
     plan_broadcasts,
     rank_schedule,
+    replica_groups_of,
     required_groups,
 )
 from hyper_parallel_dcp.core.metadata import MetadataIndex
@@ -157,9 +157,12 @@ def test_required_groups_are_the_same_sorted_list_for_every_rank():
     # every rank's own plan carries the same list, also ranks in no group (4, 5)
     for plan in plans:
         assert required_groups(plan) == groups
-    # and it is exactly the set of groups the ranks are members of
-    listed = {g.ranks for plan in plans for g in plan.planner_data.groups}
-    assert sorted(listed) == groups
+    # The one list is the union of the per-rank views: each rank's own plan lists exactly
+    # the groups of that list it belongs to (ranks 4 and 5 hold no replicated shard).
+    for rank, plan in enumerate(plans):
+        own = {g.ranks for g in replica_groups_of(plan)}
+        assert own == {g for g in groups if rank in g}, rank
+    assert not replica_groups_of(plans[4]) and not replica_groups_of(plans[5])
 
 
 def test_rank_schedule_splits_replicated_shards_from_tail_reads():
@@ -259,17 +262,23 @@ def test_read_ahead_yields_in_order_from_another_thread():
 
 def test_read_ahead_stays_within_its_depth():
     produced = []
+    grown = threading.Condition()
 
     def read_items(items):
         for it in items:
-            produced.append(it)
+            with grown:
+                produced.append(it)
+                grown.notify_all()
             yield it, None
 
     ra = ReadAhead(read_items, _items(50), depth=2)
     next(ra)
-    time.sleep(0.3)
-    # one consumed + two queued + at most one blocked in put()
-    assert len(produced) <= 4
+    # The thread really reads ahead: one consumed + two queued + one blocked in put() ...
+    with grown:
+        assert grown.wait_for(lambda: len(produced) >= 4, timeout=60), produced
+    # ... and no further while nobody consumes.
+    with grown:
+        assert not grown.wait_for(lambda: len(produced) > 4, timeout=0.3), len(produced)
     ra.close()
     assert not ra._thread.is_alive()
 

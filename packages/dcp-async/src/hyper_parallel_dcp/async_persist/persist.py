@@ -22,11 +22,13 @@ import uuid
 from dataclasses import replace
 from typing import Any, Callable, Optional, Union
 
+from hyper_parallel_dcp.core import settings
 from hyper_parallel_dcp.core.errors import CheckpointError
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import process_rank
 from hyper_parallel_dcp.core.planner import SavePlanner
 from hyper_parallel_dcp.core.save_planning import StandardSavePlanner
+from hyper_parallel_dcp.core.stateful import expand_stateful
 from hyper_parallel_dcp.core.storage import StorageWriter
 from hyper_parallel_dcp.core.timing import phase
 from hyper_parallel_dcp.storage_fs import storage_writer_for
@@ -41,9 +43,9 @@ logger = logging.getLogger(__name__)
 CheckpointId = Union[str, os.PathLike]
 
 #: Seconds a writer waits for the other ranks (gloo group timeout, mailbox polling).
-TIMEOUT_ENV = "HP_DCP_ASYNC_TIMEOUT"
+TIMEOUT_ENV = settings.ASYNC_TIMEOUT.name
 #: Port of the writers' own gloo group; default ``MASTER_PORT + 1``.
-GLOO_PORT_ENV = "HP_DCP_ASYNC_GLOO_PORT"
+GLOO_PORT_ENV = settings.ASYNC_GLOO_PORT.name
 _SESSION_KEY = "hp_dcp_async_mailbox_session"
 
 
@@ -88,18 +90,26 @@ class AsyncSaveResponse:
 
 
 def _timeout_s() -> float:
-    return float(os.environ.get(TIMEOUT_ENV, "1800"))
+    return settings.ASYNC_TIMEOUT.get()
 
 
 def _gloo_init_method() -> str:
     addr = os.environ.get("MASTER_ADDR")
     port = os.environ.get("MASTER_PORT")
-    assert addr and port, (
-        "async_save(use_gloo=True) builds a CPU gloo group in the writer processes and needs the "
-        "MASTER_ADDR and MASTER_PORT environment variables (the writers use MASTER_PORT + 1, or "
-        f"{GLOO_PORT_ENV})"
-    )
-    gloo_port = int(os.environ.get(GLOO_PORT_ENV, int(port) + 1))
+    if not (addr and port):
+        # An AssertionError, as the user guide documents, but raised explicitly: ``python -O``
+        # strips assert statements, and this checks the user's environment, not our code.
+        raise AssertionError(
+            "async_save(use_gloo=True) builds a CPU gloo group in the writer processes and needs the "
+            "MASTER_ADDR and MASTER_PORT environment variables (the writers use MASTER_PORT + 1, or "
+            f"{GLOO_PORT_ENV})"
+        )
+    gloo_port = settings.ASYNC_GLOO_PORT.get()
+    if not gloo_port:  # unset: next to the training job's own port
+        try:
+            gloo_port = int(port) + 1
+        except ValueError:
+            raise settings.SettingError(f"MASTER_PORT={port!r} is not a port number") from None
     host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
     return f"tcp://{host}:{gloo_port}"
 
@@ -171,14 +181,14 @@ class _Persister:
                     self.conn.send(None)
                 except (BrokenPipeError, OSError):
                     pass
-                self.proc.join(timeout=60)
+                self.proc.join(timeout=settings.ASYNC_SHUTDOWN_TIMEOUT.get())
                 if self.proc.is_alive():
                     self.proc.terminate()
                     self.proc.join(timeout=10)
             self._discard_process()
             self.arena.clear()
 
-    def _mailbox_session(self) -> str:
+    def _mailbox_session(self, process_group: Any = None) -> str:
         """A token equal on all ranks and new for each training job (via the job's store)."""
         if self.session is None:
             token = ""
@@ -187,7 +197,7 @@ class _Persister:
 
                 if dist.is_available() and dist.is_initialized():
                     store = dist.distributed_c10d._get_default_store()
-                    if dist.get_rank() == 0:
+                    if dist.get_rank(process_group) == 0:  # a sub-group's first rank
                         store.set(_SESSION_KEY, uuid.uuid4().hex[:12])
                     token = store.get(_SESSION_KEY).decode()
             except Exception as exc:  # noqa: BLE001 - fall back to the launcher's run id
@@ -198,11 +208,13 @@ class _Persister:
     # -- one save ------------------------------------------------------------------------
     def submit(self, state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId],
                storage_writer: Optional[StorageWriter], planner: Optional[SavePlanner], no_dist: bool,
-               use_collectives: bool, use_gloo: bool, callback: Optional[Callable[[], None]]) -> AsyncSaveResponse:
+               use_collectives: bool, use_gloo: bool, callback: Optional[Callable[[], None]],
+               process_group: Any = None) -> AsyncSaveResponse:
         with self._lock:
             self._wait_inflight()
             use_collectives = use_collectives and not no_dist
-            rank, world_size = (0, 1) if no_dist else process_rank()
+            state_dict, _ = expand_stateful(state_dict)  # torch's Stateful leaves: their state_dict()
+            rank, world_size = (0, 1) if no_dist else process_rank(process_group)
             gloo_init = mailbox_dir = None
             if use_gloo and use_collectives:
                 gloo_init = _gloo_init_method()
@@ -221,7 +233,7 @@ class _Persister:
                 mailbox_dir = str(target)
                 mode = "files"
             self.seq += 1
-            tag = f"{self._mailbox_session()}-{self.seq}" if mode == "files" else ""
+            tag = f"{self._mailbox_session(process_group)}-{self.seq}" if mode == "files" else ""
 
             started = self._ensure_process()  # starts first: the child imports torch while we stage
             with phase("build_staged_state_dict", rank):
@@ -384,6 +396,7 @@ def async_save(
     use_collectives: bool = True,
     use_gloo: bool = False,
     callback: Optional[Callable[[], None]] = None,
+    process_group: Any = None,
 ) -> AsyncSaveResponse:
     """Stage ``state_dict`` to host memory now; plan, coordinate and write in a background process.
 
@@ -398,7 +411,9 @@ def async_save(
     ``AssertionError``; port ``MASTER_PORT + 1`` or ``$HP_DCP_ASYNC_GLOO_PORT``);
     ``use_gloo=False`` → ``LOCAL_PLAN_{rank}.pkl`` / ``STORAGE_DATA_{rank}.pkl`` files in
     the checkpoint directory (needs ``checkpoint_id``); ``use_collectives=False`` → none,
-    ``{rank}.metadata`` each.  With collectives every rank must call.
+    ``{rank}.metadata`` each.  With collectives every rank must call (every rank of
+    ``process_group`` when one is given: a sub-group saves as its group ranks).  A
+    ``Stateful`` leaf (``state_dict()`` + ``load_state_dict()``) is saved as its state dict.
 
     Raises here: ``ValueError`` without a destination, ``AssertionError`` as above, and
     staging errors (e.g. :class:`UnsupportedPlacementError`).  Errors of the writer
@@ -408,6 +423,7 @@ def async_save(
     return _get_persister().submit(
         state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
         no_dist=no_dist, use_collectives=use_collectives, use_gloo=use_gloo, callback=callback,
+        process_group=process_group,
     )
 
 

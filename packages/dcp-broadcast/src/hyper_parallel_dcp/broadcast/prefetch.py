@@ -18,13 +18,15 @@ import threading
 from typing import Any, Callable, Iterator, Sequence
 
 from hyper_parallel_dcp.core.planner import ReadItem
+from hyper_parallel_dcp.core.settings import READ_AHEAD
 
 __all__ = ["ReadAhead"]
 
 _DONE = object()
 # Kept small: each queued view pins an open file, and the reader keeps a bounded
-# number of files open (eight for FileSystemReader).
-DEFAULT_DEPTH = 2
+# number of files open (HP_DCP_FILES_KEPT, eight by default, for FileSystemReader).
+# The executor passes HP_DCP_READ_AHEAD; this is its default.
+DEFAULT_DEPTH = READ_AHEAD.default
 
 
 class _Failed:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from .collectives import DistWrapper
-from .flatten import flatten_state_dict, set_by_path
+from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .gc_pause import gc_paused
 from .layout import is_tensor_leaf
 from .load_planning import StandardLoadPlanner
@@ -24,6 +24,7 @@ from .metadata import Metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .reader_assignment import apply_reader_assignment, assign_readers_from_layouts, target_layout
 from .save_planning import StandardSavePlanner
+from .stateful import expand_stateful, restore_stateful
 from .storage import StorageReader, StorageWriter, WriteResult
 from .timing import log_info, phase
 
@@ -74,6 +75,7 @@ def save_state_dict(
     exchanges through files, or not at all (``use_dist=False``, rank identity only).
     """
     use_collectives = use_collectives and not no_dist
+    state_dict, _ = expand_stateful(state_dict)  # torch's Stateful leaves: their state_dict()
     if dist_wrapper is not None and not no_dist:
         dw = dist_wrapper
         rank, world_size = dw.rank, dw.world_size
@@ -181,6 +183,8 @@ def load_state_dict(
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
     planner = planner if planner is not None else StandardLoadPlanner()
+    original = state_dict
+    state_dict, stateful = expand_stateful(state_dict)  # filled, then handed to load_state_dict
 
     with phase("load", rank), gc_paused():
         metadata, use_collectives = _read_metadata(storage_reader, process_group, coordinator_rank, rank,
@@ -192,6 +196,7 @@ def load_state_dict(
         _execute_read(plan, storage_reader, planner, dw, rank,
                       read_executor if dw.use_dist else None, process_group)
         _restore_objects(state_dict, planner, paths)
+        restore_stateful(original, state_dict, stateful)
 
 
 def _read_metadata(storage_reader: StorageReader, process_group: Optional[dist.ProcessGroup],
@@ -234,6 +239,7 @@ def _plan_load(state_dict: dict[str, Any], metadata: Metadata, storage_reader: S
         # The set-up runs inside the checked step: a failure on one rank (e.g. two paths
         # flattening to one FQN) is raised on every rank instead of hanging them.
         flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
+        flat, found = match_stored_keys(flat, found, metadata.state_dict_metadata)  # torch DCP's lists
         paths.update(found)
         storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
         planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)

@@ -8,7 +8,6 @@ rank for a save without collectives.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import re
@@ -48,6 +47,7 @@ from hyper_parallel_dcp.core.planner import (
     WriteItemType,
     order_key,
 )
+from hyper_parallel_dcp.core.settings import FILES_KEPT
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult
 
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
@@ -57,20 +57,19 @@ from .safetensors_stream import (
     SafetensorsHeaderError,
     TensorEntry,
     entry_mismatch,
+    from_stored,
     fsync_dir,
     read_header,
+    stored_layout,
+    to_stored,
     write_safetensors,
 )
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata", "storage_writer_for"]
 
-logger = logging.getLogger(__name__)
-
 METADATA_FILE = ".metadata"
 _RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
 _TMP_SUFFIX = ".hp-dcp-tmp"
-#: How many safetensors files a reader keeps open (mmap handles).
-FILES_KEPT = 8
 
 
 def _write_file_atomic(path: Path, data_writer, sync: bool) -> int:
@@ -203,11 +202,13 @@ class FileSystemWriter(StorageWriter):
             entries = []
             for it in tensors:
                 assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
+                # a dtype safetensors cannot name goes as a same-size integer view
+                stored_dtype, stored_shape = stored_layout(getattr(torch, it.dtype), it.sizes)
                 entries.append(TensorEntry(
                     chunk_key(it.index.fqn, it.index.offset),
-                    getattr(torch, it.dtype),
-                    it.sizes,
-                    (lambda it=it: planner.resolve_data(it)),
+                    stored_dtype,
+                    stored_shape,
+                    (lambda it=it: to_stored(planner.resolve_data(it))),
                     label=f"{it.index.fqn!r} chunk at {list(it.index.offset)}",
                 ))
             placed: list[tuple[int, int, str]] = []
@@ -237,7 +238,7 @@ class FileSystemWriter(StorageWriter):
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         name = METADATA_FILE if self.atomic else f"{self.rank}.metadata"
-        text = metadata_to_json(metadata).encode()
+        text = metadata_to_json(_with_stored_as(metadata)).encode()
         _write_file_atomic(out_dir / name, lambda f: f.write(text), self.sync_files)
         try:
             if self.atomic:
@@ -262,6 +263,24 @@ class FileSystemWriter(StorageWriter):
         except Exception:  # noqa: BLE001
             pass
 
+
+
+def _with_stored_as(metadata: Metadata) -> Metadata:
+    """``metadata`` with ``properties.stored_as`` set for each tensor whose dtype the
+    safetensors files hold as another (a same-size integer view)."""
+    import copy
+    from dataclasses import replace
+
+    out = None
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            stored, _ = stored_layout(md.properties.dtype, ())
+            if stored != md.properties.dtype and md.properties.stored_as != stored:
+                if out is None:
+                    out = copy.copy(metadata)
+                    out.state_dict_metadata = dict(metadata.state_dict_metadata)
+                out.state_dict_metadata[fqn] = replace(md, properties=replace(md.properties, stored_as=stored))
+    return metadata if out is None else out
 
 
 def storage_writer_for(checkpoint_id: Union[str, os.PathLike, None], storage_writer: Optional[StorageWriter],
@@ -370,7 +389,7 @@ class FileSystemReader(StorageReader):
     """Reads a checkpoint directory through ``safetensors.safe_open`` (mmap).
 
     Only the slice each read item needs is touched; reads go in the global
-    ``(fqn, offset)`` order; up to :data:`FILES_KEPT` files stay open.  ``bytes_read``
+    ``(fqn, offset)`` order; up to ``HP_DCP_FILES_KEPT`` files (default 8) stay open.  ``bytes_read``
     counts the file bytes the reads span (a column slice spans every row it touches).
     ``verify`` checks the xxh3 checksum of every stored chunk a read touches (the whole
     chunk is hashed once per reader).
@@ -386,6 +405,7 @@ class FileSystemReader(StorageReader):
         self._verified: set[MetadataIndex] = set()
         self._checked: set[MetadataIndex] = set()
         self.bytes_read = 0
+        self.files_kept = FILES_KEPT.get()
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -453,7 +473,7 @@ class FileSystemReader(StorageReader):
             raise
         opened = _OpenFile(file, fobj, actual, header, handle)
         self._handles[name] = opened
-        if len(self._handles) > FILES_KEPT:
+        if len(self._handles) > self.files_kept:
             self._handles.popitem(last=False)[1].close()
         return opened
 
@@ -549,6 +569,9 @@ class FileSystemReader(StorageReader):
                 tensor = opened.handle.get_slice(info.key)[slices]
         except Exception as exc:  # noqa: BLE001 - the library raises several types on bad input
             raise CorruptCheckpointError(f"{where}: cannot read key {info.key!r}: {exc}") from None
+        md = self.metadata.state_dict_metadata[item.storage_index.fqn] if self.metadata else None
+        assert isinstance(md, TensorStorageMetadata)
+        tensor = from_stored(tensor, md.properties.dtype)
         self.bytes_read += span_elements(chunk_sizes, item.storage_offsets, item.lengths) * tensor.element_size()
         return tensor
 
