@@ -58,20 +58,7 @@ class RankIdentity(DistWrapper):
     """
 
     def __init__(self, rank: int, world_size: int):
-        self.group = None
-        self.use_dist = False
-        self.rank = rank
-        self.world_size = world_size
-        self.coordinator_rank = 0
-        self.global_coordinator = 0
-        self.is_coordinator = rank == 0
-        self._no_store_checks()
-
-    def _no_store_checks(self) -> None:
-        # DistWrapper's arrival check waits at a process group's store; there is none here
-        self._store = None
-        self._group_ranks = ()
-        self._step = "exchange"
+        super().__init__(None, use_dist=False, rank=rank, world_size=world_size)
 
 
 class FileMailbox(DistWrapper):
@@ -84,20 +71,12 @@ class FileMailbox(DistWrapper):
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str, *,
                  coordinator_rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world size {world_size}")
-        self.group = None
-        self.use_dist = world_size > 1
-        self.rank = rank
-        self.world_size = world_size
-        self.coordinator_rank = coordinator_rank
-        self.global_coordinator = coordinator_rank
-        self.is_coordinator = rank == coordinator_rank
+        super().__init__(None, use_dist=world_size > 1, coordinator_rank=coordinator_rank, rank=rank,
+                         world_size=world_size, timeout=timeout)
+        self._step = "exchange"  # the file names of collectives run outside a named step
         self.directory = Path(directory)
         self.tag = tag
-        self.timeout = timeout
         self.max_poll_s = min(MAILBOX_POLL_MAX.get(), max(_POLL_MIN_CAP_S, _POLL_MAX_PER_RANK_S * world_size))
-        RankIdentity._no_store_checks(self)  # type: ignore[arg-type]
 
     # -- naming ----------------------------------------------------------------------
     def _gather_name(self, rank: int) -> str:

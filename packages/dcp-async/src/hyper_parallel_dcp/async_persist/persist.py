@@ -31,7 +31,7 @@ from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointTimeoutErr
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import process_rank
 from hyper_parallel_dcp.core.planner import SavePlanner
-from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+from hyper_parallel_dcp.core.save_planning import StandardSavePlanner
 from hyper_parallel_dcp.core.stateful import expand_stateful
 from hyper_parallel_dcp.core.storage import StorageWriter
 from hyper_parallel_dcp.core.timing import phase
@@ -416,9 +416,7 @@ class _Persister:
         if not isinstance(probe, StandardSavePlanner) or not probe.enable_plan_caching:
             return None
         r, w = (0, 1) if mode == "local" else (rank, world_size)
-        key = cache_key(probe, keys, r, w, use_collectives)
-        with StandardSavePlanner._cache_lock:
-            value = StandardSavePlanner._cache.get(key)
+        key, value = probe.plan_cache.export(cache_key(probe, keys, r, w, use_collectives))
         if value is not None:
             plan, metadata, fingerprint = value
             value = (replace(plan, save_id=f"{plan.save_id}-a{_persister_seq()}"), metadata, fingerprint)
@@ -468,15 +466,10 @@ class _Persister:
                 if failed:
                     raise _remote_failure(_remote_message(seq, failed, response.checkpoint_id, landed_here=True), failed)
             response.cache_hit = reply.cache_hit
-            if planner is not None and reply.cache_hit is not None and hasattr(planner, "cache_hit"):
+            if planner is not None and reply.cache_hit is not None:
                 planner.cache_hit = reply.cache_hit
             if reply.cache is not None and not reply.cache_hit:
-                key, value = reply.cache
-                with StandardSavePlanner._cache_lock:
-                    if value is None:
-                        StandardSavePlanner._cache.pop(key, None)
-                    else:
-                        StandardSavePlanner._cache[key] = value
+                StandardSavePlanner.plan_cache.install(reply.cache)
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the future
             logger.error("async_save #%d%s failed on rank %s: %s: %s", seq,
                          f" into {response.checkpoint_id}" if response.checkpoint_id else "",

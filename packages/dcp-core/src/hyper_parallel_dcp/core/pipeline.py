@@ -19,18 +19,22 @@ from .collectives import DistWrapper
 from .errors import CheckpointTimeoutError
 from .faults import fault_point
 from .flatten import flatten_state_dict, match_stored_keys, set_by_path
+from .gc_pause import gc_paused
 from .layout import is_tensor_leaf
+from .load_planning import StandardLoadPlanner
 from .metadata import Metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from .standard_planner import StandardLoadPlanner, StandardSavePlanner, _gc_paused
+from .reader_assignment import apply_reader_assignment, assign_readers_from_layouts, target_layout
+from .save_planning import StandardSavePlanner
 from .stateful import expand_stateful, restore_stateful
 from .storage import StorageReader, StorageWriter, WriteResult
 from .timing import log_info, phase
 
 __all__ = ["ReadExecutor", "load_state_dict", "process_rank", "save_state_dict"]
 
-# (plan of this rank, global plans of all ranks, reader, planner, group) -> None
-ReadExecutor = Callable[[LoadPlan, list[LoadPlan], StorageReader, LoadPlanner, Optional[dist.ProcessGroup]], None]
+# (final plan of this rank, reader, planner, group) -> None; the plan's planner_data is the
+# rank's ReaderAssignment (its replica groups and every group the load needs)
+ReadExecutor = Callable[[LoadPlan, StorageReader, LoadPlanner, Optional[dist.ProcessGroup]], None]
 
 # save_id of a cached plan → how many times it was reused (same on every rank).
 _cache_uses: dict[str, itertools.count] = {}
@@ -87,7 +91,7 @@ def save_state_dict(
     # A save or load allocates many small objects (plan items, metadata) while the
     # caller's large heap is alive: full collections re-traversing it cost more than the
     # planning itself (2000 tensors: ~0.2 s of a 0.3 s load), so the collector pauses.
-    with phase("save", rank), _gc_paused():
+    with phase("save", rank), gc_paused():
         try:
             return _save(state_dict, storage_writer, planner, dw, rank, world_size, is_coordinator, use_collectives)
         except BaseException as exc:
@@ -118,13 +122,11 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         # sends all ranks through planning; otherwise the others would wait forever.
         hits = dw.all_gather("plan_cache", set_up_step)
         cached = looked_up[0] if all(hits) else None
-        if cached is None and looked_up[0] is not None and getattr(planner, "cache_hit", False):
-            # this rank's hit was not used
-            planner.cache_hit = False  # type: ignore[attr-defined]
     else:
         set_up_step()
         cached = looked_up[0]
     fault_point("save.plan", rank)
+    planner.cache_hit = cached is not None
     if cached is not None:
         log_info(rank, "Hit final plan and metadata cache.")
         final_plan, global_metadata[0] = cached
@@ -182,9 +184,10 @@ def load_state_dict(
 ) -> None:
     """Load into ``state_dict`` in place (tensors copied into, objects replaced).
 
-    Only keys present in ``state_dict`` are loaded.  ``assign_readers`` makes the global
-    plan choose one reader per replicated shard; ``read_executor`` then runs the reads
-    (e.g. read-once + broadcast) instead of ``storage_reader.execute_read``.
+    Only keys present in ``state_dict`` are loaded.  ``assign_readers`` makes the
+    coordinator choose one reader per replicated shard (each rank receives only its own
+    final plan); ``read_executor`` then runs the reads (e.g. read-once + broadcast)
+    instead of ``storage_reader.execute_read``.
     """
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
@@ -192,69 +195,110 @@ def load_state_dict(
     original = state_dict
     state_dict, stateful = expand_stateful(state_dict)  # filled, then handed to load_state_dict
 
-    with phase("load", rank), _gc_paused():
-        read: list[Metadata] = []
-
-        def read_step() -> bool:
-            fault_point("load.setup", rank)
-            with phase("read_metadata", rank):
-                read.append(storage_reader.read_metadata())
-            return storage_reader.collectives_required
-
-        first = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
-                            coordinator_rank=coordinator_rank)
-        if first.use_dist:
-            # A rank that cannot read the metadata (wrong path, no shared filesystem) must
-            # fail every rank, and all ranks must agree whether collectives follow: one
-            # rank falling back to {rank}.metadata alone would leave the others waiting.
-            if not all(first.all_gather("read_metadata", read_step)):
-                use_collectives = False
-        elif not read_step():
-            use_collectives = False
-        metadata = read[0]
-        dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
-                         coordinator_rank=coordinator_rank)
-        is_coordinator = rank == coordinator_rank
+    with phase("load", rank), gc_paused():
+        metadata, use_collectives = _read_metadata(storage_reader, process_group, coordinator_rank, rank,
+                                                   use_collectives and world_size > 1)
+        dw = DistWrapper(process_group, use_dist=use_collectives, coordinator_rank=coordinator_rank)
         paths: dict[str, Any] = {}
+        plan = _plan_load(state_dict, metadata, storage_reader, planner, dw, rank, world_size,
+                          assign_readers and dw.use_dist, paths)
+        _execute_read(plan, storage_reader, planner, dw, rank,
+                      read_executor if dw.use_dist else None, process_group)
+        _restore_objects(state_dict, planner, paths)
+        restore_stateful(original, state_dict, stateful)
 
-        def local_step() -> LoadPlan:
-            # The set-up runs inside the gathered step: a failure on one rank (e.g. two
-            # paths flattening to one FQN) is raised on every rank instead of hanging them.
-            fault_point("load.plan", rank)
-            flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
-            flat, found = match_stored_keys(flat, found, metadata.state_dict_metadata)  # torch DCP's lists
-            paths.update(found)
-            storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
-            planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
-            if isinstance(planner, StandardLoadPlanner):
-                planner.assign_readers = assign_readers and dw.use_dist
-            with phase("build_local_plan", rank):
-                return storage_reader.prepare_local_plan(planner.create_local_plan())
 
-        if dw.use_dist:
-            all_plans = dw.all_gather("plan", local_step)
-        else:
-            all_plans = [local_step()]
-        with phase("build_global_plan", rank):
-            global_plans = storage_reader.prepare_global_plan(planner.create_global_plan(all_plans))
-        plan = planner.finish_plan(global_plans[dw.rank])
+def _read_metadata(storage_reader: StorageReader, process_group: Optional[dist.ProcessGroup],
+                   coordinator_rank: int, rank: int, use_collectives: bool) -> tuple[Metadata, bool]:
+    """The checkpoint's metadata, and whether the rest of the load uses collectives.
 
+    A rank that cannot read the metadata (wrong path, no shared filesystem) fails every
+    rank, and all ranks agree whether collectives follow: one rank falling back to
+    ``{rank}.metadata`` alone would leave the others waiting.
+    """
+    read: list[Metadata] = []
+
+    def read_step() -> bool:
+        fault_point("load.setup", rank)
+        with phase("read_metadata", rank):
+            read.append(storage_reader.read_metadata())
+        return storage_reader.collectives_required
+
+    first = DistWrapper(process_group, use_dist=use_collectives, coordinator_rank=coordinator_rank)
+    if first.use_dist:
+        use_collectives = all(first.all_gather("read_metadata", read_step))
+    else:
+        use_collectives = read_step() and use_collectives
+    return read[0], use_collectives
+
+
+def _plan_load(state_dict: dict[str, Any], metadata: Metadata, storage_reader: StorageReader,
+               planner: LoadPlanner, dw: DistWrapper, rank: int, world_size: int, assign: bool,
+               paths: dict[str, Any]) -> LoadPlan:
+    """This rank's final load plan; fills ``paths`` (FQN → path in ``state_dict``).
+
+    Without reader assignment each rank plans alone, then one small collective check
+    raises a planning failure of any rank on every rank.  With it, each rank sends the
+    coordinator a compact description of its targets and receives its replica groups and
+    readers: no rank but the coordinator sees another rank's plan.
+    """
+    is_coordinator = rank == dw.coordinator_rank
+    local: list[LoadPlan] = []
+
+    def local_step() -> LoadPlan:
+        # The set-up runs inside the checked step: a failure on one rank (e.g. two paths
+        # flattening to one FQN) is raised on every rank instead of hanging them.
+        fault_point("load.plan", rank)
+        flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
+        flat, found = match_stored_keys(flat, found, metadata.state_dict_metadata)  # torch DCP's lists
+        paths.update(found)
+        storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
+        planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
+        with phase("build_local_plan", rank):
+            plan = storage_reader.prepare_local_plan(planner.create_local_plan())
+        local.append(plan)
+        return plan
+
+    if not assign:
         error: Optional[BaseException] = None
         try:
-            with phase("execute_read", rank):
-                fault_point("load.read", rank)
-                if read_executor is not None and dw.use_dist:
-                    read_executor(plan, global_plans, storage_reader, planner, process_group)
-                else:
-                    storage_reader.execute_read(plan, planner)
-        except CheckpointTimeoutError:
-            raise  # a rank is gone: the check below would only wait for it once more
+            local_step()
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
             error = exc
-        dw.check("read", error)
+        dw.check("plan", error)
+        return planner.finish_plan(local[0])
 
-        loaded = getattr(planner, "loaded_objects", {})
-        for fqn, value in loaded.items():
-            root_key = paths[fqn][0]
-            state_dict[root_key] = set_by_path(state_dict[root_key], paths[fqn][1:], value)
-        restore_stateful(original, state_dict, stateful)
+    def global_step(layouts: list[Any]) -> list[Any]:
+        with phase("build_global_plan", rank):
+            return assign_readers_from_layouts(layouts)
+
+    reply = dw.reduce_scatter("plan", lambda: target_layout(local_step(), metadata), global_step)
+    return planner.finish_plan(apply_reader_assignment(local[0], reply, dw.rank))
+
+
+def _execute_read(plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner, dw: DistWrapper,
+                  rank: int, read_executor: Optional[ReadExecutor],
+                  process_group: Optional[dist.ProcessGroup]) -> None:
+    """Run the reads (through ``read_executor`` when given); a failure on any rank is
+    raised on every rank."""
+    error: Optional[BaseException] = None
+    try:
+        with phase("execute_read", rank):
+            fault_point("load.read", rank)
+            if read_executor is not None:
+                read_executor(plan, storage_reader, planner, process_group)
+            else:
+                storage_reader.execute_read(plan, planner)
+    except CheckpointTimeoutError:
+        raise  # a rank is gone: the check below would only wait for it once more
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
+        error = exc
+    dw.check("read", error)
+
+
+def _restore_objects(state_dict: dict[str, Any], planner: LoadPlanner, paths: dict[str, Any]) -> None:
+    """Put the loaded non-tensor objects back at their paths in ``state_dict``."""
+    loaded = getattr(planner, "loaded_objects", {})
+    for fqn, value in loaded.items():
+        root_key = paths[fqn][0]
+        state_dict[root_key] = set_by_path(state_dict[root_key], paths[fqn][1:], value)

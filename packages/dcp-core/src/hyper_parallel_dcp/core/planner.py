@@ -87,7 +87,8 @@ class ReadItem:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """A rank's read items.  ``planner_data`` of a global plan may carry replica groups."""
+    """A rank's read items.  ``planner_data`` of a final plan with read-once + broadcast is
+    the rank's :class:`~hyper_parallel_dcp.core.reader_assignment.ReaderAssignment`."""
 
     items: tuple[ReadItem, ...]
     storage_data: Any = None
@@ -100,7 +101,12 @@ class SavePlanner(abc.ABC):
     ``set_up_planner`` → (``lookup_cached_plan``) → ``create_local_plan`` → (gather) →
     ``create_global_plan`` on the coordinator → (scatter) → ``finish_plan`` →
     ``resolve_data`` for every item the storage writer writes.
+
+    ``cache_hit`` is set by the save pipeline: whether this save reused a cached plan on
+    every rank.
     """
+
+    cache_hit: bool = False
 
     @abc.abstractmethod
     def set_up_planner(self, state_dict: dict[str, Any], *, is_coordinator: bool, rank: int = 0,
@@ -131,9 +137,10 @@ class SavePlanner(abc.ABC):
 class LoadPlanner(abc.ABC):
     """Decides what each rank reads.  Called in this order by the load pipeline:
 
-    ``set_up_planner`` → ``create_local_plan`` → (all-gather) → ``create_global_plan``
-    (every rank, same input, same answer) → ``finish_plan`` → ``resolve_tensor`` /
-    ``commit_tensor`` / ``load_bytes`` while the storage reader reads.
+    ``set_up_planner`` → ``create_local_plan`` → (with read-once + broadcast: the
+    pipeline assigns readers on the coordinator and scatters each rank its part) →
+    ``finish_plan`` → ``resolve_tensor`` / ``commit_tensor`` / ``load_bytes`` while the
+    storage reader reads.  No rank ever receives another rank's plan.
     """
 
     @abc.abstractmethod
@@ -142,9 +149,6 @@ class LoadPlanner(abc.ABC):
 
     @abc.abstractmethod
     def create_local_plan(self) -> LoadPlan: ...
-
-    @abc.abstractmethod
-    def create_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]: ...
 
     @abc.abstractmethod
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan: ...

@@ -85,9 +85,6 @@ class StorageReader(abc.ABC):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
     @abc.abstractmethod
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Read every item of ``plan`` whose ``source`` is this rank (or ``None``)."""
