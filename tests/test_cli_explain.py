@@ -111,10 +111,6 @@ def _load_worker(rank: int, world_size: int, path: str, spec: dict) -> list[tupl
             self._record(item)
             return super().read_into(item, dest)
 
-        def read_tensor(self, item):
-            self._record(item)
-            return super().read_tensor(item)
-
         def read_object(self, item):
             self._record(item)
             return super().read_object(item)

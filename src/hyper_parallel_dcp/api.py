@@ -6,7 +6,7 @@ import os
 from typing import Any, Optional, Union
 
 from hyper_parallel_dcp.core.metadata import Metadata
-from hyper_parallel_dcp.core.pipeline import load_state_dict, process_rank, save_state_dict
+from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.planner import LoadPlanner, SavePlanner
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 from hyper_parallel_dcp.storage_fs import FileSystemReader, storage_writer_for
@@ -59,13 +59,6 @@ def save(
     return save_state_dict(state_dict, writer, planner, no_dist=no_dist, use_collectives=use_collectives)
 
 
-def _broadcast_executor(groups: Any, batch_bytes: int) -> Any:
-    from hyper_parallel_dcp import broadcast
-
-    factory = getattr(broadcast, "make_read_executor", None)
-    return None if factory is None else factory(groups=groups, batch_bytes=batch_bytes)
-
-
 def load(
     state_dict: dict[str, Any],
     *,
@@ -103,16 +96,12 @@ def load(
     if not isinstance(broadcast_batch_bytes, int) or broadcast_batch_bytes < 0:
         raise ValueError(f"broadcast_batch_bytes must be a non-negative int, got {broadcast_batch_bytes!r}")
     reader = _reader(checkpoint_id, storage_reader, verify)
-    _, world_size = (0, 1) if no_dist else process_rank()
-    broadcast_on = broadcast_replicated_tensors and use_collectives and not no_dist and world_size > 1
-    executor = _broadcast_executor(broadcast_groups, broadcast_batch_bytes) if broadcast_on else None
-    load_state_dict(
-        state_dict,
-        reader,
-        planner,
-        no_dist=no_dist,
-        use_collectives=use_collectives,
-        assign_readers=executor is not None,
-        read_executor=executor,
-    )
+    executor = None
+    if broadcast_replicated_tensors:
+        # The pipeline decides whether it runs (it needs collectives and a global plan).
+        from hyper_parallel_dcp.broadcast import make_read_executor
+
+        executor = make_read_executor(groups=broadcast_groups, batch_bytes=broadcast_batch_bytes)
+    load_state_dict(state_dict, reader, planner, no_dist=no_dist, use_collectives=use_collectives,
+                    read_executor=executor)
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.timing import phase
+from hyper_parallel_dcp.storage_fs.files import write_file_atomic
 
 from . import safe_pickle
 
@@ -118,10 +119,7 @@ class FileMailbox(DistWrapper):
         path = self.directory / name
         for target, data in ((path, safe_pickle.dumps((self.tag, obj))),
                              (path.with_name(name + _DONE), self.tag.encode())):
-            tmp = target.with_name(f"{target.name}.{os.getpid()}.hp-dcp-tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, target)
+            write_file_atomic(target, lambda f, data=data: f.write(data), sync=False, unique_temp=True)
 
     def _fetch(self, name: str, rank: int) -> Any:
         """Poll for ``name`` of this save (its marker carries our tag) and read it safely."""

@@ -166,14 +166,15 @@ def load_state_dict(
     coordinator_rank: int = 0,
     no_dist: bool = False,
     use_collectives: bool = True,
-    assign_readers: bool = False,
     read_executor: Optional[ReadExecutor] = None,
 ) -> None:
     """Load into ``state_dict`` in place (tensors copied into, objects replaced).
 
-    Only keys present in ``state_dict`` are loaded.  ``assign_readers`` makes the global
-    plan choose one reader per replicated shard; ``read_executor`` then runs the reads
-    (e.g. read-once + broadcast) instead of ``storage_reader.execute_read``.
+    Only keys present in ``state_dict`` are loaded.  ``read_executor`` (e.g. read-once +
+    broadcast) is used when this load exchanges plans (collectives on, more than one
+    rank, a checkpoint with a global ``.metadata``): then the global plan chooses one
+    reader per replicated shard and the executor runs the reads instead of
+    ``storage_reader.execute_read``.  Otherwise it is not called.
     """
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
@@ -201,6 +202,9 @@ def load_state_dict(
         dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
                          coordinator_rank=coordinator_rank)
         is_coordinator = rank == coordinator_rank
+        # Whether read-once + broadcast runs is decided here, once, for the planner and
+        # for the read: only this step knows whether the plans are exchanged.
+        broadcast = read_executor is not None and dw.use_dist
         paths: dict[str, Any] = {}
 
         def local_step() -> LoadPlan:
@@ -211,7 +215,7 @@ def load_state_dict(
             storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
             planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
             if isinstance(planner, StandardLoadPlanner):
-                planner.assign_readers = assign_readers and dw.use_dist
+                planner.assign_readers = broadcast
             with phase("build_local_plan", rank):
                 return storage_reader.prepare_local_plan(planner.create_local_plan())
 
@@ -226,7 +230,8 @@ def load_state_dict(
         error: Optional[BaseException] = None
         try:
             with phase("execute_read", rank):
-                if read_executor is not None and dw.use_dist:
+                if broadcast:
+                    assert read_executor is not None
                     read_executor(plan, global_plans, storage_reader, planner, process_group)
                 else:
                     storage_reader.execute_read(plan, planner)
