@@ -99,7 +99,7 @@ class _Reads:
                 got, value = next(self._stream)
                 if got is not expected and got != expected:
                     raise RuntimeError(f"read-ahead returned {got.dest_index.fqn!r} where "
-                                       f"{expected.dest_index.fqn!r} was due (reader reordered items)")
+                                       f"{expected.dest_index.fqn!r} was due (read-ahead out of order)")
                 commit_read(self.planner, got, value)
         except Exception as exc:  # noqa: BLE001 - raised after the broadcasts are done
             self.error = exc
