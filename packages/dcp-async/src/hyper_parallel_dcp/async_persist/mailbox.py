@@ -117,9 +117,9 @@ class FileMailbox(DistWrapper):
         """Write ``name`` then its marker, each atomically (temp name + rename)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / name
-        for target, data in ((path, safe_pickle.dumps((self.tag, obj))),
-                             (path.with_name(name + _DONE), self.tag.encode())):
-            write_file_atomic(target, lambda f, data=data: f.write(data), sync=False, unique_temp=True)
+        payload, marker = safe_pickle.dumps((self.tag, obj)), self.tag.encode()
+        write_file_atomic(path, lambda f: f.write(payload), sync=False, unique_temp=True)
+        write_file_atomic(path.with_name(name + _DONE), lambda f: f.write(marker), sync=False, unique_temp=True)
 
     def _fetch(self, name: str, rank: int) -> Any:
         """Poll for ``name`` of this save (its marker carries our tag) and read it safely."""

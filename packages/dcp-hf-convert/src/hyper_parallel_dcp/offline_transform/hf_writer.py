@@ -15,6 +15,7 @@ what it has produced and not yet written in memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -151,7 +152,7 @@ def write_huggingface_checkpoint(
                             label=f"tensor {name!r} of {file}")
                 for name in names
             ]
-            write_file_atomic(root / file, lambda f, entries=entries: write_safetensors(f, entries), sync_files)
+            write_file_atomic(root / file, functools.partial(write_safetensors, entries=entries), sync_files)
             report.files.append(file)
         if plan.is_sharded:
             index = {
