@@ -19,7 +19,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["tests", "integration", "docs"]
+nox.options.sessions = ["tests", "integration", "docs", "lint", "demo"]
 
 TORCH = "torch==2.13.0"
 PYTHON = "3.11"
@@ -120,3 +120,16 @@ def bench(session: nox.Session) -> None:
     """Benchmarks side by side with torch.distributed.checkpoint (results in docs/benchmarks/)."""
     _install_everything(session, "matplotlib")
     session.run("python", "-m", "hyper_parallel_dcp.benchmarks", *session.posargs)
+
+
+@nox.session(python=PYTHON, venv_params=["--system-site-packages"])
+def accelerator(session: nox.Session) -> None:
+    """save / async_save / load of accelerator DTensor state, with GB/s next to plain copies.
+
+    Uses the machine's own torch build (CUDA, or NPU through torch_npu): the venv sees the
+    system site-packages and the project is installed without dependencies, so nothing
+    replaces that torch. Results: ``docs/benchmarks/accelerator.md``.
+    """
+    targets = [f"./{folder}" for folder, _, _ in PACKAGES.values()]
+    session.install("--no-deps", *targets, ".")
+    session.run("python", "tools/accelerator_check.py", "--out", "docs/benchmarks/accelerator.md", *session.posargs)

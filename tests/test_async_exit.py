@@ -10,7 +10,6 @@ is left running.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from hyper_parallel_dcp.core.testing import free_port_pair
 
 _SCRIPT = textwrap.dedent('''
     import os, sys, time
@@ -47,21 +48,6 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free now (the writers' gloo group uses MASTER_PORT + 1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["files", "gloo"])
 def test_exit_with_save_in_flight_leaves_complete_checkpoint(tmp_path: Path, mode: str) -> None:
@@ -71,7 +57,7 @@ def test_exit_with_save_in_flight_leaves_complete_checkpoint(tmp_path: Path, mod
     script.write_text(_SCRIPT)
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", HP_DCP_ASYNC_TIMEOUT="90")
-    env["MASTER_PORT"] = str(_free_port_pair())
+    env["MASTER_PORT"] = str(free_port_pair())
     procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(tmp_path / "store"), str(ckpt), mode],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
              for r in range(2)]

@@ -9,13 +9,12 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hyper_parallel_dcp.core.testing import run_distributed
+from hyper_parallel_dcp.core.testing import placements_from_text, run_console_script, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -60,12 +59,6 @@ def reference(variant: str) -> tuple[dict[str, torch.Tensor], dict[str, object]]
     return tensors, objects
 
 
-def _placement(text: str):
-    from torch.distributed.tensor import Replicate, Shard
-
-    return Replicate() if text == "Replicate" else Shard(int(text[6:-1]))
-
-
 def _state_dict(variant: str, mesh, layout: dict) -> dict:
     from torch.distributed.tensor import distribute_tensor
 
@@ -74,7 +67,7 @@ def _state_dict(variant: str, mesh, layout: dict) -> dict:
     for fqn, full in tensors.items():
         placements = layout[fqn]
         sd[fqn] = full.clone() if placements is None else distribute_tensor(
-            full, mesh, [_placement(p) for p in placements])
+            full, mesh, placements_from_text(placements))
     sd["extra"] = {k.split(".", 1)[1]: v for k, v in objects.items()}
     return sd
 
@@ -106,9 +99,7 @@ def ckpts(tmp_path_factory) -> Path:
 
 def hp_dcp(*args: str) -> subprocess.CompletedProcess:
     """Run the installed console script (or the module when it is not on PATH)."""
-    script = shutil.which("hp-dcp", path=os.path.dirname(sys.executable)) or shutil.which("hp-dcp")
-    cmd = [script] if script else [sys.executable, "-m", "hyper_parallel_dcp.cli"]
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300)
+    return run_console_script("hp-dcp", "hyper_parallel_dcp.cli", *args)
 
 
 def _expected_chunks(shape: tuple[int, ...], placements) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,59 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     api = (site / "api" / "api" / "index.html").read_text()
     assert "broadcast_replicated_tensors" in api  # signatures and docstrings were collected
     assert 'class="mermaid"' in (site / "architecture" / "index.html").read_text()
+    _assert_reads_as_rendered(site)
+
+
+def _assert_reads_as_rendered(site: Path) -> None:
+    """What a reader sees: roles became links, diagrams are drawn (the script is there)."""
+    pages = {p.relative_to(site).as_posix(): p.read_text(encoding="utf-8") for p in site.rglob("*.html")}
+    for name, html in pages.items():
+        assert not re.search(r":(class|func|meth|data|exc|attr|mod):(`|<code>)", html), f"raw Sphinx role in {name}"
+        assert "language-mermaid" not in html, f"mermaid left as a code block in {name}"
+    api = pages["api/api/index.html"]
+    # ":class:`RaggedShard`" in save()'s docstring is a link to the class's entry
+    assert re.search(r'<a class="autorefs autorefs-internal"[^>]*href="\.\./layout/#hyper_parallel_dcp\.core\.'
+                     r'ragged\.RaggedShard"><code>RaggedShard</code></a>', api), "RaggedShard is not a link"
+    arch = pages["architecture/index.html"]
+    assert arch.count('<pre class="mermaid">') >= 3
+    assert 'src="../assets/javascripts/mermaid.min.js"' in arch
+    assert (site / "assets" / "javascripts" / "mermaid.min.js").stat().st_size > 1_000_000
+
+
+def test_the_rendered_page_check_can_fail() -> None:
+    sys.path.insert(0, str(ROOT / "docs" / "_hooks"))
+    try:
+        import rendered_check
+    finally:
+        sys.path.pop(0)
+    assert rendered_check.problems('<p>Returns a <code>x</code> and <a href="y">z</a>.</p>') == []
+    assert rendered_check.problems("<p>See :class:`RaggedShard`.</p>")
+    assert rendered_check.problems("<p>See :func:<code>save</code>.</p>")
+    assert rendered_check.problems('<pre><code class="language-mermaid">flowchart TB</code></pre>')
+    assert rendered_check.problems('<pre class="mermaid"><code>flowchart TB</code></pre>')  # no script
+    assert not rendered_check.problems('<pre class="mermaid"><code>flowchart TB</code></pre>'
+                                       '<script src="assets/javascripts/mermaid.min.js"></script>')
+
+
+def test_the_diagrams_are_drawn_in_a_browser(tmp_path: Path) -> None:
+    """With a headless browser at hand, every diagram of the architecture page becomes an SVG
+    offline (no network: the vendored Mermaid draws them)."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no chromium on this machine (apt-get install chromium); the HTML checks above still ran")
+    pytest.importorskip("mkdocs", reason="docs dependencies not installed")
+    site = tmp_path / "site"
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=600, env=env)
+    page = site / "architecture" / "index.html"
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
+                          "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=180).stdout
+    diagrams = page.read_text(encoding="utf-8").count('<pre class="mermaid">')
+    # mkdocs-material swaps each <pre class="mermaid"> for a <div class="mermaid"> holding the
+    # drawn SVG (in a shadow root) once Mermaid has rendered it; unrendered, the source stays.
+    assert diagrams >= 3 and dom.count('<div class="mermaid">') == diagrams, dom[:2000]
+    assert '<pre class="mermaid">' not in dom
 
 
 def _json_blocks(page: str) -> list[dict]:

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import errno
 import io
-import multiprocessing as mp
 import os
-import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
+
+from hyper_parallel_dcp.core.testing import run_ranks as _run_ranks
 
 OLD = 1.0
 NEW = 2.0
@@ -35,54 +33,10 @@ def _state(value: float, rank: int) -> dict:
 
 
 # ----------------------------------------------------------------------- the harness
-def _child(fn, rank: int, world_size: int, store: str, results, env: dict, args: tuple) -> None:
-    os.environ.update(env)
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-        value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exception(exc))))
-    results.close()
-    results.join_thread()  # the result must be in the pipe before the hard exit below
-    os._exit(0)  # skip the process group teardown, which may wait on a dead peer
-
-
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, env: dict | None = None) -> dict:
-    """Run ``fn`` on ``world_size`` gloo ranks, tolerating ranks that die.
-
-    Returns ``{rank: ("ok", value) | ("error", text) | ("died", exitcode)}``.
-    """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    out: dict = {}
-    with tempfile.TemporaryDirectory(prefix="hp-dcp-faults-") as tmp:
-        store = os.path.join(tmp, "store")
-        env = {"HP_DCP_COLLECTIVE_TIMEOUT": TIMEOUT_S, **(env or {})}
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store, results, env, args))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and len(out) < world_size:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-                out[rank] = (status, value)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in out and p.exitcode is not None and p.exitcode != 0:
-                        out[r] = ("died", p.exitcode)
-                    elif r not in out and p.exitcode == 0 and results.empty():
-                        out[r] = ("error", "exited without a result")
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return out
+    """``core.testing.run_ranks`` with a short collective timeout: a dead peer is noticed fast."""
+    return _run_ranks(fn, world_size, *args, timeout=timeout,
+                      env={"HP_DCP_COLLECTIVE_TIMEOUT": TIMEOUT_S, **(env or {})})
 
 
 def _load_values(path: Path, world_size: int = 2) -> dict:
@@ -259,16 +213,16 @@ def test_concurrent_save_refused_on_every_rank(tmp_path: Path) -> None:
 
 
 _SLOW_SAVER = """
-import sys, time, torch
+import sys, torch
 from hyper_parallel_dcp import save
 from hyper_parallel_dcp.storage_fs import filesystem
 real = filesystem.write_safetensors
 def slow(f, entries):
-    open(sys.argv[2], "w").close()  # tell the test we are inside the save
-    time.sleep(float(sys.argv[3]))
+    open(sys.argv[2], "w").close()  # tell the test we are inside the save (holding the lock)
+    sys.stdin.readline()  # and stay there until the test says go (a line, or stdin closed)
     return real(f, entries)
 filesystem.write_safetensors = slow
-value = float(sys.argv[4])
+value = float(sys.argv[3])
 try:
     save({"w": torch.full((64, 8), value), "own0": torch.full((32,), value), "own1": torch.full((32,), value + 1),
           "step": int(value)}, checkpoint_id=sys.argv[1], no_dist=True)
@@ -286,18 +240,21 @@ def test_two_processes_save_into_one_directory(tmp_path: Path) -> None:
     save({"w": torch.full((64, 8), OLD), "own0": torch.full((32,), OLD), "own1": torch.full((32,), OLD + 1),
           "step": 1}, checkpoint_id=path, no_dist=True)
     inside = tmp_path / "inside"
-    first = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(path), str(inside), "4", "5"],
-                             stdout=subprocess.PIPE, text=True)
+    # The first save waits inside its write, holding the lock, until the test writes to its
+    # stdin: the second save meets the lock however long it takes to start (no time window).
+    first = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(path), str(inside), "5"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not inside.exists():
         assert first.poll() is None and time.monotonic() < deadline, "first saver never started writing"
         time.sleep(0.1)
     # The first save is writing; the old checkpoint must still load meanwhile.
     _assert_old_intact(path)
-    second = subprocess.run([sys.executable, "-c", _SLOW_SAVER, str(path), str(tmp_path / "x"), "0", "7"],
-                            stdout=subprocess.PIPE, text=True, timeout=120)
+    second = subprocess.run([sys.executable, "-c", _SLOW_SAVER, str(path), str(tmp_path / "x"), "7"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, timeout=120)
     assert second.stdout.startswith("ConcurrentSaveError"), second.stdout
-    assert first.communicate(timeout=120)[0].strip() == "saved"
+    assert not (tmp_path / "x").exists(), "the refused save must not have reached its write"
+    assert first.communicate("go\n", timeout=120)[0].strip() == "saved"
     got = _load_values(path)
     assert torch.equal(got["w"], torch.full((64, 8), 5.0)) and got["step"] == 5
 
@@ -309,8 +266,8 @@ def test_sigkill_during_single_process_save(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     save({"w": torch.full((64, 8), OLD), "own0": torch.full((32,), OLD), "own1": torch.full((32,), OLD + 1),
           "step": 1}, checkpoint_id=path, no_dist=True)
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(path), str(tmp_path / "inside"), "30", "9"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, str(path), str(tmp_path / "inside"), "9"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "inside").exists():
         assert proc.poll() is None and time.monotonic() < deadline

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from hyper_parallel_dcp import load, save
 from hyper_parallel_dcp.core.errors import CheckpointError
-from hyper_parallel_dcp.core.metadata import Metadata, metadata_from_json
+from hyper_parallel_dcp.core.metadata import Metadata, metadata_from_json, metadata_to_json
 from hyper_parallel_dcp.core.objects import deserialize_object, serialize_object
 from hyper_parallel_dcp.storage_fs.integrity import check_complete, verify_checkpoint
 
@@ -54,12 +54,37 @@ json_values = st.recursive(
 )
 
 
+def _kept(written, given, where: str = "$") -> None:
+    """Every value the parser kept (as written back out) is the value it was given."""
+    if written in ({}, []) and not given:  # an optional mapping or list left empty (null, false, {}...)
+        return
+    if isinstance(written, dict):
+        assert isinstance(given, dict), where
+        for key, value in written.items():
+            if key not in given:  # a field the input left out: only an empty default may appear
+                assert value in (None, {}, []), f"{where}.{key} = {value!r} appeared from nowhere"
+                continue
+            _kept(value, given[key], f"{where}.{key}")
+    elif isinstance(written, list):
+        assert isinstance(given, list) and len(given) == len(written), where
+        for i, (w, g) in enumerate(zip(written, given)):
+            _kept(w, g, f"{where}[{i}]")
+    else:
+        assert written == given and type(written) is type(given) or (
+            isinstance(written, float) and isinstance(given, int) and not isinstance(given, bool)
+            and written == given), f"{where}: parsed {written!r} from {given!r}"
+
+
 def _parse_cleanly(text) -> None:
+    """Either a clean ``CheckpointError``, or metadata that says exactly what the text says."""
     try:
         md = metadata_from_json(text, source="fuzz")
     except CheckpointError:
         return
     assert isinstance(md, Metadata)
+    written = metadata_to_json(md)
+    assert metadata_from_json(written, source="round trip") == md
+    _kept(json.loads(written), json.loads(text))
 
 
 @FUZZ
@@ -108,9 +133,10 @@ def test_metadata_parser_on_deep_nesting() -> None:
 @given(st.binary(max_size=300))
 def test_object_loader_on_random_bytes(data: bytes) -> None:
     try:
-        deserialize_object(data, fqn="obj", file="fuzz.bytes")
+        value = deserialize_object(data, fqn="obj", file="fuzz.bytes")
     except CheckpointError:
-        pass
+        return
+    _plain(value)
 
 
 @FUZZ
@@ -121,9 +147,23 @@ def test_object_loader_on_mutated_pickles(data) -> None:
         pos = data.draw(st.integers(0, len(blob) - 1))
         blob[pos] = data.draw(st.integers(0, 255))
     try:
-        deserialize_object(bytes(blob), fqn="obj", file="fuzz.bytes")
+        value = deserialize_object(bytes(blob), fqn="obj", file="fuzz.bytes")
     except CheckpointError:
-        pass
+        return
+    _plain(value)
+
+
+def _plain(value) -> None:
+    """A successful decode of damaged bytes still yields only plain data (no other objects)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _plain(k)
+            _plain(v)
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for v in value:
+            _plain(v)
+    else:
+        assert value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.Tensor)), type(value)
 
 
 # ------------------------------------------------------------------ shard files

@@ -5,15 +5,13 @@ loads with identical logits."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hyper_parallel_dcp.core.testing import run_distributed
+from hyper_parallel_dcp.core.testing import run_console_script, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -55,9 +53,7 @@ def _umbrella_save(rank: int, world_size: int, reference_path: str, dcp_path: st
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("hp-dcp-convert")
-    cmd = [exe] if exe else [sys.executable, "-m", "hyper_parallel_dcp.offline_transform"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+    return run_console_script("hp-dcp-convert", "hyper_parallel_dcp.offline_transform", *args)
 
 
 def _model():

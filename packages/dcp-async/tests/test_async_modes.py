@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -212,25 +211,10 @@ def load_single_process(path: Path, step: int) -> list:
     return _compare(target, step, path, full=lambda t: t)
 
 
-def free_port_pair() -> int:
-    """A port p such that p and p + 1 are free now (the writers' gloo group uses p + 1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", sorted(_MODES))
 def test_async_save_modes(tmp_path: Path, mode: str) -> None:
-    from hyper_parallel_dcp.core.testing import run_distributed
+    from hyper_parallel_dcp.core.testing import free_port_pair, run_distributed
 
     env = {"HP_DCP_ASYNC_TIMEOUT": "90", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_pair())}
     results = run_distributed(modes_worker, 2, str(tmp_path), mode, timeout=400, env=env)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from hyper_parallel_dcp.broadcast.schedule import (
     ShardStep,
     plan_broadcasts,
     rank_schedule,
+    replica_groups_of,
     required_groups,
 )
 from hyper_parallel_dcp.core.metadata import MetadataIndex
@@ -153,8 +153,12 @@ def test_required_groups_are_the_same_sorted_list_for_every_rank():
     plans = _global_plans()
     groups = required_groups(plans)
     assert groups == [(0, 1, 2, 3), (0, 1, 6, 7), (0, 2), (1, 3)]
-    # Reversing the per-rank view changes nothing: the list comes from all plans.
-    assert required_groups(list(plans)) == groups
+    # The one list is the union of the per-rank views: each rank's own plan lists exactly
+    # the groups of that list it belongs to (ranks 4 and 5 hold no replicated shard).
+    for rank, plan in enumerate(plans):
+        own = {ranks for _, ranks, _ in replica_groups_of(plan)}
+        assert own == {g for g in groups if rank in g}, rank
+    assert not replica_groups_of(plans[4]) and not replica_groups_of(plans[5])
 
 
 def test_rank_schedule_splits_replicated_shards_from_tail_reads():
@@ -257,17 +261,23 @@ def test_read_ahead_yields_in_order_from_another_thread():
 
 def test_read_ahead_stays_within_its_depth():
     produced = []
+    grown = threading.Condition()
 
     def read_items(items):
         for it in items:
-            produced.append(it)
+            with grown:
+                produced.append(it)
+                grown.notify_all()
             yield it, None
 
     ra = ReadAhead(read_items, _items(50), depth=2)
     next(ra)
-    time.sleep(0.3)
-    # one consumed + two queued + at most one blocked in put()
-    assert len(produced) <= 4
+    # The thread really reads ahead: one consumed + two queued + one blocked in put() ...
+    with grown:
+        assert grown.wait_for(lambda: len(produced) >= 4, timeout=60), produced
+    # ... and no further while nobody consumes.
+    with grown:
+        assert not grown.wait_for(lambda: len(produced) > 4, timeout=0.3), len(produced)
     ra.close()
     assert not ra._thread.is_alive()
 

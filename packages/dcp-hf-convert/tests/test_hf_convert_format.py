@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_convert_helpers import tiny_llama
 from huggingface_hub import split_torch_state_dict_into_shards
 from huggingface_hub.serialization._base import parse_size_to_int
 from hypothesis import given, settings
@@ -32,11 +31,6 @@ from hyper_parallel_dcp.offline_transform import (
 )
 from hyper_parallel_dcp.offline_transform.hf_writer import TensorSpec
 from hyper_parallel_dcp.offline_transform.keymap import map_keys
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama()
 
 
 def _weight_files(root: Path) -> list[str]:

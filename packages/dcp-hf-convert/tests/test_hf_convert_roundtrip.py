@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_convert_helpers import fixed_input, logits_of, tiny_llama, tree_digest
+from hf_convert_helpers import fixed_input, logits_of, tree_digest
 from safetensors.torch import load_file, save_file
 
 from hyper_parallel_dcp.core.pipeline import load_state_dict
@@ -25,11 +25,6 @@ from hyper_parallel_dcp.offline_transform import (
 )
 from hyper_parallel_dcp.offline_transform.cli import main
 from hyper_parallel_dcp.storage_fs.filesystem import FileSystemReader
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from hyper_parallel_dcp.core.chunks import slice_span, span_elements
+from hyper_parallel_dcp.core.chunks import slice_span
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
+from hyper_parallel_dcp.core.testing import FileReads
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
 from hyper_parallel_dcp.storage_fs.direct_read import read_slice_into
 from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, tensor_bytes, write_safetensors
@@ -79,14 +81,35 @@ def test_read_slice_into_matches_indexing(tmp_path_factory, case):
         dest = torch.zeros(lengths, dtype=dtype)
     fd = os.open(path, os.O_RDONLY)
     try:
-        spanned = read_slice_into(fd, str(path), len(prefix), shape, dtype, offsets, lengths, dest)
+        with FileReads() as reads:
+            spanned = read_slice_into(fd, str(path), len(prefix), shape, dtype, offsets, lengths, dest)
     finally:
         os.close(fd)
     index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
     assert torch.equal(dest, chunk[index])
-    assert spanned == span_elements(shape, offsets, lengths) * dtype.itemsize
-    first, span, contiguous = slice_span(shape, offsets, lengths)
+    # The reported span is what the system calls really read: from the slice's first
+    # element to its last, in row-major order (computed here from the chunk's strides).
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    first = sum(o * st_ for o, st_ in zip(offsets, strides))
+    last = sum((o + n - 1) * st_ for o, n, st_ in zip(offsets, lengths, strides))
+    assert [(off, n) for _, off, n in reads.records] == [(len(prefix) + first * dtype.itemsize,
+                                                          (last - first + 1) * dtype.itemsize)]
+    assert spanned == reads.bytes_from(lambda p, o: True)
+    _, span, contiguous = slice_span(shape, offsets, lengths)
     assert contiguous == (span == math.prod(lengths))
+
+
+def _data_start(path) -> int:
+    """First byte after a safetensors file's header (u64 length + JSON), read here by hand."""
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def _data_bytes_read(reads: FileReads, root) -> int:
+    """Bytes really read from the checkpoint's data files (safetensors headers excluded)."""
+    starts = {str(p.resolve()): _data_start(p) if p.suffix == ".safetensors" else 0
+              for p in root.iterdir() if p.name.startswith("_rank")}
+    return reads.bytes_from(lambda path, offset: path in starts and offset >= starts[path])
 
 
 def test_reader_counts_only_the_rows_a_row_slice_needs(tmp_path):
@@ -97,19 +120,24 @@ def test_reader_counts_only_the_rows_a_row_slice_needs(tmp_path):
 
     target = {"w": RaggedShard.from_rows(rows, (64, 32), row_start=8), "meta": {"step": 0}}
     reader = FileSystemReader(tmp_path / "ck")
-    load_state_dict(target, reader, no_dist=True)
+    with FileReads() as reads:
+        load_state_dict(target, reader, no_dist=True)
     assert torch.equal(rows, full[8:24])
     assert target["meta"] == {"step": 5}
     pickled = reader.metadata.storage_data  # the object's bytes are read too
     object_bytes = sum(info.length for idx, info in pickled.items() if idx.fqn == "meta.step")
     assert reader.bytes_read == 16 * 32 * 4 + object_bytes
+    assert _data_bytes_read(reads, tmp_path / "ck") == reader.bytes_read
 
     column = torch.zeros(64, 4)
     reader = FileSystemReader(tmp_path / "ck")
     from hyper_parallel_dcp.core.chunks import ChunkBox
     from hyper_parallel_dcp.core.layout import TensorShards
 
-    load_state_dict({"w": TensorShards((64, 32), torch.float32, [(ChunkBox((0, 4), (64, 4)), column)])}, reader, no_dist=True)
+    with FileReads() as reads:
+        load_state_dict({"w": TensorShards((64, 32), torch.float32, [(ChunkBox((0, 4), (64, 4)), column)])},
+                        reader, no_dist=True)
     assert torch.equal(column, full[:, 4:8])
     # a column slice spans every row it touches: from (0, 4) to (63, 7)
     assert reader.bytes_read == (63 * 32 + 8 - 4) * 4
+    assert _data_bytes_read(reads, tmp_path / "ck") == reader.bytes_read

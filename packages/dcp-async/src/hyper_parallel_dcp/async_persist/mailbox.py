@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 from hyper_parallel_dcp.core.collectives import DistWrapper
+from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S, MAILBOX_POLL_MAX
 from hyper_parallel_dcp.core.timing import phase
 from hyper_parallel_dcp.storage_fs.files import write_file_atomic
 
@@ -38,8 +39,8 @@ _DONE = ".done"
 _POLL_FIRST_S = 0.001
 # The back-off cap grows with the job: a few ranks poll often (the save lands within a few
 # ms of the last file, where a fixed 50 ms cap added ~0.1 s per save on 2 ranks), while a
-# large job on shared storage keeps the total rate of metadata lookups bounded.
-_POLL_MAX_S = 0.05
+# large job on shared storage keeps the total rate of metadata lookups bounded.  The cap's
+# ceiling is the setting HP_DCP_MAILBOX_POLL_MAX (default 50 ms).
 _POLL_MAX_PER_RANK_S = 0.001
 _POLL_MIN_CAP_S = 0.004
 _MAX_POLL_THREADS = 32
@@ -82,7 +83,7 @@ class FileMailbox(DistWrapper):
     """
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str, *,
-                 coordinator_rank: int = 0, timeout: float = 1800.0):
+                 coordinator_rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.group = None
@@ -95,7 +96,7 @@ class FileMailbox(DistWrapper):
         self.directory = Path(directory)
         self.tag = tag
         self.timeout = timeout
-        self.max_poll_s = min(_POLL_MAX_S, max(_POLL_MIN_CAP_S, _POLL_MAX_PER_RANK_S * world_size))
+        self.max_poll_s = min(MAILBOX_POLL_MAX.get(), max(_POLL_MIN_CAP_S, _POLL_MAX_PER_RANK_S * world_size))
         RankIdentity._no_store_checks(self)  # type: ignore[arg-type]
 
     # -- naming ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import replace
 from typing import Any, Callable, Optional, Union
 
+from hyper_parallel_dcp.core import settings
 from hyper_parallel_dcp.core.errors import CheckpointError
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import process_rank
@@ -41,9 +42,9 @@ logger = logging.getLogger(__name__)
 CheckpointId = Union[str, os.PathLike]
 
 #: Seconds a writer waits for the other ranks (gloo group timeout, mailbox polling).
-TIMEOUT_ENV = "HP_DCP_ASYNC_TIMEOUT"
+TIMEOUT_ENV = settings.ASYNC_TIMEOUT.name
 #: Port of the writers' own gloo group; default ``MASTER_PORT + 1``.
-GLOO_PORT_ENV = "HP_DCP_ASYNC_GLOO_PORT"
+GLOO_PORT_ENV = settings.ASYNC_GLOO_PORT.name
 _SESSION_KEY = "hp_dcp_async_mailbox_session"
 
 
@@ -88,18 +89,26 @@ class AsyncSaveResponse:
 
 
 def _timeout_s() -> float:
-    return float(os.environ.get(TIMEOUT_ENV, "1800"))
+    return settings.ASYNC_TIMEOUT.get()
 
 
 def _gloo_init_method() -> str:
     addr = os.environ.get("MASTER_ADDR")
     port = os.environ.get("MASTER_PORT")
-    assert addr and port, (
-        "async_save(use_gloo=True) builds a CPU gloo group in the writer processes and needs the "
-        "MASTER_ADDR and MASTER_PORT environment variables (the writers use MASTER_PORT + 1, or "
-        f"{GLOO_PORT_ENV})"
-    )
-    gloo_port = int(os.environ.get(GLOO_PORT_ENV, int(port) + 1))
+    if not (addr and port):
+        # An AssertionError, as the user guide documents, but raised explicitly: ``python -O``
+        # strips assert statements, and this checks the user's environment, not our code.
+        raise AssertionError(
+            "async_save(use_gloo=True) builds a CPU gloo group in the writer processes and needs the "
+            "MASTER_ADDR and MASTER_PORT environment variables (the writers use MASTER_PORT + 1, or "
+            f"{GLOO_PORT_ENV})"
+        )
+    gloo_port = settings.ASYNC_GLOO_PORT.get()
+    if not gloo_port:  # unset: next to the training job's own port
+        try:
+            gloo_port = int(port) + 1
+        except ValueError:
+            raise settings.SettingError(f"MASTER_PORT={port!r} is not a port number") from None
     host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
     return f"tcp://{host}:{gloo_port}"
 
@@ -171,7 +180,7 @@ class _Persister:
                     self.conn.send(None)
                 except (BrokenPipeError, OSError):
                     pass
-                self.proc.join(timeout=60)
+                self.proc.join(timeout=settings.ASYNC_SHUTDOWN_TIMEOUT.get())
                 if self.proc.is_alive():
                     self.proc.terminate()
                     self.proc.join(timeout=10)

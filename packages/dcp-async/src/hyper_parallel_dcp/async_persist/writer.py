@@ -23,6 +23,7 @@ import torch
 
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.planner import SavePlanner
+from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from hyper_parallel_dcp.core.storage import StorageWriter
 
@@ -54,7 +55,7 @@ class SaveRequest:
     gloo_init: Optional[str] = None
     mailbox_dir: Optional[str] = None
     mailbox_tag: str = ""
-    timeout_s: float = 1800.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     cache: Optional[CacheEntry] = None
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -22,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel_dcp.core.planner import LoadPlan, LoadPlanner, ReadItem
+from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD
 from hyper_parallel_dcp.core.storage import StorageReader, commit_read, read_destinations, resolve_destinations
 from hyper_parallel_dcp.core.timing import phase
 
 from .groups import broadcast_groups_for_load
-from .prefetch import DEFAULT_DEPTH, ReadAhead
+from .prefetch import ReadAhead
 from .schedule import (
     BroadcastOp,
     LaunchStep,
@@ -40,10 +40,9 @@ from .schedule import (
 
 __all__ = ["BroadcastReadExecutor", "BroadcastStats", "DEFAULT_BATCH_BYTES", "MAX_IN_FLIGHT", "make_read_executor"]
 
-logger = logging.getLogger(__name__)
-
-#: Broadcasts outstanding at once.  Bounds staging memory to batch bytes × this.
-MAX_IN_FLIGHT = 8
+#: Broadcasts outstanding at once, unless ``HP_DCP_BROADCASTS_IN_FLIGHT`` says otherwise.
+#: Bounds staging memory to batch bytes × this.
+MAX_IN_FLIGHT = BROADCASTS_IN_FLIGHT.default
 #: Above the measured crossover (~4.6 MiB) where a broadcast stops being launch-bound.
 DEFAULT_BATCH_BYTES = 6 * 1024 * 1024
 
@@ -138,13 +137,17 @@ class BroadcastReadExecutor:
     (missing ones are created for the load and destroyed after it).  ``batch_bytes``:
     shards smaller than this with the same group, source, dtype and device share one
     broadcast (0 disables; must be equal on all ranks).  ``max_in_flight``: broadcasts
-    outstanding at once.  ``read_ahead``: reader results prepared ahead on a thread.
+    outstanding at once (default ``HP_DCP_BROADCASTS_IN_FLIGHT``, 8).  ``read_ahead``: reader
+    results prepared ahead on a thread (default ``HP_DCP_READ_AHEAD``, 2).  The two
+    settings are read when the executor is made.
     ``stats`` describes the last call on this rank.
     """
 
     def __init__(self, groups: Optional[dict[tuple[int, ...], Any]] = None,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: int = MAX_IN_FLIGHT,
-                 read_ahead: int = DEFAULT_DEPTH) -> None:
+                 batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: Optional[int] = None,
+                 read_ahead: Optional[int] = None) -> None:
+        max_in_flight = BROADCASTS_IN_FLIGHT.get() if max_in_flight is None else max_in_flight
+        read_ahead = READ_AHEAD.get() if read_ahead is None else read_ahead
         if not isinstance(batch_bytes, int) or batch_bytes < 0:
             raise ValueError(f"broadcast_batch_bytes must be a non-negative int, got {batch_bytes!r}")
         if max_in_flight < 1:
@@ -331,8 +334,8 @@ def _global_rank_of(process_group: Optional[dist.ProcessGroup]) -> Callable[[int
 
 
 def make_read_executor(*, groups: Optional[dict[tuple[int, ...], Any]] = None,
-                       batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: int = MAX_IN_FLIGHT,
-                       read_ahead: int = DEFAULT_DEPTH) -> BroadcastReadExecutor:
+                       batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: Optional[int] = None,
+                       read_ahead: Optional[int] = None) -> BroadcastReadExecutor:
     """A read executor for ``load_state_dict(..., read_executor=...)``.
 
     See :class:`BroadcastReadExecutor`.  Raises ``ValueError`` for a negative

@@ -16,13 +16,15 @@ import threading
 from typing import Any, Callable, Iterator, Sequence
 
 from hyper_parallel_dcp.core.planner import ReadItem
+from hyper_parallel_dcp.core.settings import READ_AHEAD
 
 __all__ = ["ReadAhead"]
 
 _DONE = object()
 # Kept small: a couple of reads ahead keep the reader busy while the main thread
 # launches broadcasts, and the reads stay close to the broadcast order (measured best).
-DEFAULT_DEPTH = 2
+# The executor passes HP_DCP_READ_AHEAD; this is its default.
+DEFAULT_DEPTH = READ_AHEAD.default
 
 
 class _Failed:
@@ -34,8 +36,9 @@ class ReadAhead:
     """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead.
 
     ``read_items`` is any function returning an iterator over ``items`` (the broadcast
-    executor passes ``core.storage.read_destinations`` bound to its reader).  Yields exactly what it yields, in its order; an exception raised by the
-    reader is re-raised in the consuming thread at the position where it happened.
+    executor passes ``core.storage.read_destinations`` bound to its reader).  Yields
+    exactly what it yields, in its order; an exception raised by the reader is re-raised
+    in the consuming thread at the position where it happened.
     ``close()`` (also on ``with`` exit) stops the thread; the generator is closed on the
     thread that ran it.
     """

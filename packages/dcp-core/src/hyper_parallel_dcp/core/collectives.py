@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import builtins
 import importlib
-import logging
-import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -27,31 +25,22 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from .errors import CheckpointException, CheckpointTimeoutError
+from .settings import COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT_S
 from .timing import phase
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "DistWrapper", "collective_timeout"]
 
-logger = logging.getLogger(__name__)
-
 #: Environment variable: seconds a rank waits for the others at each checkpoint collective.
-TIMEOUT_ENV = "HP_DCP_COLLECTIVE_TIMEOUT"
-#: Generous by default: a slow filesystem may keep one rank writing for many minutes.
-DEFAULT_TIMEOUT_S = 1800.0
+TIMEOUT_ENV = COLLECTIVE_TIMEOUT.name
 
 
 def collective_timeout() -> float:
     """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check).
 
-    Raises ``ValueError`` naming the variable when it is not a number.
+    Raises :class:`~hyper_parallel_dcp.core.settings.SettingError` (a ``ValueError``)
+    naming the variable when it is not a number of seconds >= 0.
     """
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    return max(0.0, value)
+    return COLLECTIVE_TIMEOUT.get()
 
 
 # Per process group (by its global ranks): the store it was last used with and the number

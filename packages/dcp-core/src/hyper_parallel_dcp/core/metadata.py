@@ -233,7 +233,9 @@ def _parse_v1(doc: dict[str, Any], source: str) -> Metadata:
     storage_data: dict[MetadataIndex, StorageInfo] = {}
     for entry in doc.get("storage_data") or []:
         offsets = entry.get("offsets")
-        index = MetadataIndex(str(entry["fqn"]), None if offsets is None else _ints(offsets, f"{source}: offsets"))
+        if not isinstance(entry["fqn"], str):  # str() would turn null into the key 'None'
+            raise CheckpointFormatError(f"{source}: storage_data entry with a non-string fqn {entry['fqn']!r}")
+        index = MetadataIndex(entry["fqn"], None if offsets is None else _ints(offsets, f"{source}: offsets"))
         file = entry["file"]
         if not isinstance(file, str) or "/" in file or "\\" in file or file in ("", ".", ".."):
             raise CheckpointFormatError(f"{source}: invalid file name {file!r} for {index.fqn!r}")

@@ -1,4 +1,18 @@
-"""Test helpers shared by every package: real multi-process gloo runs on CPU.
+"""Test helpers shared by every package's tests and the top-level tests.
+
+What needs only core lives here (storage-backed ``save``/``load`` for package tests live
+in :mod:`hyper_parallel_dcp.storage_fs.testing`):
+
+- :func:`run_distributed`: real multi-process gloo runs on CPU (below);
+- :func:`run_ranks`: the same for fault tests, where ranks are meant to die: every rank's
+  outcome (value, error text, or exit code) instead of an exception;
+- :func:`free_port_pair`: a port ``p`` with ``p`` and ``p + 1`` free (async gloo writers);
+- :func:`run_console_script`: a console script, or its ``python -m`` module when the
+  script is not on ``PATH``;
+- :func:`placements_from_text`: ``"Shard(0)"`` / ``"Replicate"`` test strings as DTensor
+  placements, written out independently of the CLI's target-spec parser;
+- :class:`FileReads`: the bytes a process really reads from files (every ``os.preadv`` /
+  ``os.pread``), to check the library's own byte accounting against.
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes that meet
 through a file store in a temporary directory, calls ``fn(rank, world_size, *args)`` in
@@ -13,12 +27,25 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import socket
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = [
+    "DistributedTestError",
+    "FileReads",
+    "free_port_pair",
+    "placements_from_text",
+    "run_console_script",
+    "run_distributed",
+    "run_ranks",
+]
 
 
 class DistributedTestError(AssertionError):
@@ -109,3 +136,145 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             parts.append(f"--- rank(s) {missing} did not finish within {timeout:.0f} s")
         raise DistributedTestError(f"{fn.__name__} on {world_size} ranks:\n" + "\n".join(parts))
     return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+
+
+def free_port_pair() -> int:
+    """A port ``p`` such that ``p`` and ``p + 1`` are free now (async writers use ``p + 1``)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def run_console_script(script: str, module: str, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Run the installed console script ``script`` (or ``python -m module`` when it is not
+    on ``PATH``) with ``args``; returns the completed process, output captured as text."""
+    exe = shutil.which(script, path=os.path.dirname(sys.executable)) or shutil.which(script)
+    cmd = [exe] if exe else [sys.executable, "-m", module]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def placements_from_text(texts: Sequence[str]) -> list[Any]:
+    """``["Replicate", "Shard(1)"]`` → DTensor placements (only these two forms)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out: list[Any] = []
+    for text in texts:
+        if text == "Replicate":
+            out.append(Replicate())
+        elif text.startswith("Shard(") and text.endswith(")"):
+            out.append(Shard(int(text[6:-1])))
+        else:
+            raise ValueError(f"test placement {text!r} is neither 'Replicate' nor 'Shard(<dim>)'")
+    return out
+
+
+class FileReads:
+    """Records every ``os.preadv`` / ``os.pread`` of this process (all threads) while active.
+
+    ``with FileReads() as reads: ...`` then ``reads.records`` is a list of
+    ``(path, offset, bytes returned)``.  The count comes from the system calls' return
+    values, not from any library counter, so a test can check the library's own byte
+    accounting (``bytes_read``, ``hp-dcp explain``) against what really left the files.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, int, int]] = []
+        self._lock = threading.Lock()
+        self._saved: tuple[Any, Any] | None = None
+
+    def _record(self, fd: int, offset: int, nbytes: int) -> None:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = f"<fd {fd}>"
+        with self._lock:
+            self.records.append((path, offset, nbytes))
+
+    def __enter__(self) -> FileReads:
+        real_preadv, real_pread = os.preadv, os.pread
+
+        def preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+            n = real_preadv(fd, buffers, offset, *flags)
+            self._record(fd, offset, n)
+            return n
+
+        def pread(fd: int, length: int, offset: int) -> bytes:
+            data = real_pread(fd, length, offset)
+            self._record(fd, offset, len(data))
+            return data
+
+        self._saved = (real_preadv, real_pread)
+        os.preadv, os.pread = preadv, pread  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved is not None:
+            os.preadv, os.pread = self._saved  # type: ignore[assignment]
+            self._saved = None
+
+    def bytes_from(self, keep: Callable[[str, int], bool]) -> int:
+        """Total bytes of the reads for which ``keep(path, offset)`` is true."""
+        with self._lock:
+            return sum(n for path, offset, n in self.records if keep(path, offset))
+
+
+def _rank_outcome(fn: Callable[..., Any], rank: int, world_size: int, store: str, results: Any,
+                  env: dict[str, str], args: tuple) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exception(exc))))
+    results.close()
+    results.join_thread()  # the result must be in the pipe before the hard exit below
+    os._exit(0)  # skip the process group teardown, which may wait on a dead peer
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+              env: dict[str, str] | None = None) -> dict[int, tuple[str, Any]]:
+    """Run ``fn(rank, world_size, *args)`` on gloo ranks, tolerating ranks that die.
+
+    For fault-injection tests: returns ``{rank: ("ok", value) | ("error", text) |
+    ("died", exitcode)}`` for every rank that reported or died by ``timeout``; a rank
+    missing from the result hung.  Never raises for a rank's failure.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    out: dict[int, tuple[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="hp-dcp-faults-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_outcome, args=(fn, r, world_size, store, results, dict(env or {}), args))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+                out[rank] = (status, pickle.loads(value) if status == "ok" else value)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in out and p.exitcode is not None and p.exitcode != 0:
+                        out[r] = ("died", p.exitcode)
+                    elif r not in out and p.exitcode == 0 and results.empty():
+                        out[r] = ("error", "exited without a result")
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out

@@ -3,15 +3,23 @@
 One line per phase per rank, in the user guide's format::
 
     [INFO] [HP-DCP]: [rank=0] >>> func execute_write cost 0.0061 seconds
+
+The lines go through the ``hyper_parallel_dcp.timing`` logger, which has no handler of
+its own and propagates as every logger does, so an application's logging configuration
+applies to them (its handlers, its format).  ``HP_LOG_CONFIG`` sets the logger's level,
+and adds one handler in the guide's format only when nothing would print the lines
+otherwise (no handler on the logger or any of its parents when the switch is first
+seen): a plain training script gets the guide's lines, a configured application its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Iterator
+
+from .settings import LOG_CONFIG
 
 __all__ = ["configure_from_env", "logger", "phase"]
 
@@ -22,7 +30,7 @@ _configured_from: str | None = None
 def configure_from_env() -> None:
     """Apply ``HP_LOG_CONFIG`` (comma-separated ``NAME:LEVEL``; ``DCP`` is ours)."""
     global _configured_from
-    spec = os.environ.get("HP_LOG_CONFIG", "")
+    spec = LOG_CONFIG.get()
     if spec == _configured_from:
         return
     _configured_from = spec
@@ -33,13 +41,11 @@ def configure_from_env() -> None:
             level = logging.getLevelName(lvl.strip().upper())
     if not isinstance(level, int):
         return
-    if not any(getattr(h, "_hp_dcp", False) for h in logger.handlers):
+    logger.setLevel(level)
+    if not logger.hasHandlers():
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[%(levelname)s] [HP-DCP]: %(message)s"))
-        handler._hp_dcp = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ rank for a save without collectives.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import re
@@ -45,6 +44,7 @@ from hyper_parallel_dcp.core.planner import (
     WriteItemType,
     order_key,
 )
+from hyper_parallel_dcp.core.settings import FILES_KEPT
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult, read_items
 
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
@@ -61,12 +61,8 @@ from .safetensors_stream import (
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata", "storage_writer_for"]
 
-logger = logging.getLogger(__name__)
-
 METADATA_FILE = ".metadata"
 _RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
-#: How many safetensors files a reader keeps open (mmap handles).
-FILES_KEPT = 8
 
 
 class FileSystemWriter(StorageWriter):
@@ -337,8 +333,8 @@ class FileSystemReader(StorageReader):
     destination, see ``direct_read``), every object read ``read_object``; a plain
     load (``execute_read``) and a broadcast load both run them through
     ``core.storage.read_items``, in the global ``(fqn, offset)`` order.  Up to
-    ``FILES_KEPT`` files stay open.  ``bytes_read`` counts the file bytes the reads
-    span (a column slice spans every row it touches).
+    ``HP_DCP_FILES_KEPT`` files (default 8) stay open.  ``bytes_read`` counts the file
+    bytes the reads span (a column slice spans every row it touches).
     ``verify`` checks the xxh3 checksum of every stored chunk a read touches (the whole
     chunk is hashed once per reader).
     """
@@ -353,6 +349,7 @@ class FileSystemReader(StorageReader):
         self._verified: set[MetadataIndex] = set()
         self._checked: set[MetadataIndex] = set()
         self.bytes_read = 0
+        self.files_kept = FILES_KEPT.get()
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -412,7 +409,7 @@ class FileSystemReader(StorageReader):
             raise
         opened = _OpenFile(file, fobj, actual, header)
         self._handles[name] = opened
-        if len(self._handles) > FILES_KEPT:
+        if len(self._handles) > self.files_kept:
             self._handles.popitem(last=False)[1].close()
         return opened
 

@@ -1,7 +1,8 @@
 """Measure async_save against a plain host copy, torch DCP's async_save and a sync save.
 
 ``run_benchmark(root, total_mib, n_tensors, repeats)`` returns a dict of numbers (seconds,
-bytes); ``python -m hyper_parallel_dcp.async_persist.bench ROOT`` prints them as JSON.
+bytes); ``python packages/dcp-async/benchmarks/bench_async.py ROOT [MiB]`` prints them as JSON
+(it needs the umbrella installed, so it lives outside the package).
 One process, CPU tensors: "blocking" is call → return; "landed" is call → metadata.
 Memory is sampled every 5 ms from ``/proc/<pid>/smaps_rollup`` of this process and the
 writer process (PSS counts the shared staging buffers once, RSS counts them in both).

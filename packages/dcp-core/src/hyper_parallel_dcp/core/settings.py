@@ -1,0 +1,148 @@
+"""Every environment variable hyper-parallel-dcp reads, in one place, validated.
+
+Each setting is one :class:`Setting`: its variable, its default, what it accepts and
+what it is for (``docs/tuning.md`` lists the same table).  Nothing else in the library
+reads ``os.environ`` for its own configuration (``MASTER_ADDR``/``MASTER_PORT`` and
+torchelastic's run id belong to torch's launcher and are read where they are used).
+
+When a value is read: at the moment it is needed — when a save, load or ``async_save``
+starts (the collective timeout when its wrapper is built, the async values when the
+save hands its request to the writer, the reader and broadcast knobs when the reader or
+executor is made).  So a variable set before a call applies to that call, which is what
+a training script (and a test) expects; nothing is read at import time.  Parsing is
+cached per raw value, so reading a setting in a hot loop costs a dict lookup.
+
+A value that does not parse, or is out of range, raises :class:`SettingError` (a
+``ValueError``) naming the variable, the value and what it accepts — before anything is
+written or read.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+__all__ = [
+    "ASYNC_GLOO_PORT",
+    "ASYNC_SHUTDOWN_TIMEOUT",
+    "ASYNC_TIMEOUT",
+    "BROADCASTS_IN_FLIGHT",
+    "COLLECTIVE_TIMEOUT",
+    "DEFAULT_TIMEOUT_S",
+    "FILES_KEPT",
+    "LOG_CONFIG",
+    "MAILBOX_POLL_MAX",
+    "READ_AHEAD",
+    "SETTINGS",
+    "Setting",
+    "SettingError",
+]
+
+T = TypeVar("T")
+
+#: Generous by default: a slow filesystem may keep one rank writing for many minutes.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class SettingError(ValueError):
+    """An environment variable of hyper-parallel-dcp holds a value it does not accept."""
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not a number of seconds") from None
+    if value != value or value < 0:  # NaN or negative
+        raise SettingError(f"{name}={raw!r}: seconds must be a number >= 0")
+    return value
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not a whole number") from None
+    if value < 1:
+        raise SettingError(f"{name}={raw!r}: must be at least 1")
+    return value
+
+
+def _port(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingError(f"{name}={raw!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise SettingError(f"{name}={raw!r}: a port is between 1 and 65535")
+    return value
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One environment variable: ``get()`` returns its parsed value, or ``default`` when unset.
+
+    An unset or blank variable means the default (``0`` for the async gloo port, whose
+    real default depends on ``MASTER_PORT``).
+    """
+
+    name: str
+    default: T
+    parse: Callable[[str, str], T]
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name, "").strip()
+        if not raw:
+            return self.default
+        return _parsed(self, raw)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(setting: Setting, raw: str):  # type: ignore[no-untyped-def]  # Setting[T] -> T
+    return setting.parse(setting.name, raw)
+
+
+COLLECTIVE_TIMEOUT: Setting[float] = Setting(
+    "HP_DCP_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT_S, _seconds,
+    "seconds every rank waits for the others at each checkpoint collective before failing with the "
+    "names of the absent ranks (0: no check, wait as long as the collective does)")
+ASYNC_TIMEOUT: Setting[float] = Setting(
+    "HP_DCP_ASYNC_TIMEOUT", DEFAULT_TIMEOUT_S, _seconds,
+    "seconds an async writer process waits for the other ranks' writers (gloo group timeout, "
+    "mailbox polling) before failing")
+ASYNC_GLOO_PORT: Setting[int] = Setting(
+    "HP_DCP_ASYNC_GLOO_PORT", 0, _port,
+    "port of the async writers' own gloo group with async_save(use_gloo=True) (default MASTER_PORT + 1)")
+ASYNC_SHUTDOWN_TIMEOUT: Setting[float] = Setting(
+    "HP_DCP_ASYNC_SHUTDOWN_TIMEOUT", 60.0, _seconds,
+    "seconds the training process waits at exit, after the last save landed, for its writer "
+    "process to stop before terminating it")
+MAILBOX_POLL_MAX: Setting[float] = Setting(
+    "HP_DCP_MAILBOX_POLL_MAX", 0.05, _seconds,
+    "longest pause, in seconds, between two looks at the async mailbox files (use_gloo=False); "
+    "polling starts at 1 ms and backs off to min(this, max(4 ms, 1 ms x world size))")
+FILES_KEPT: Setting[int] = Setting(
+    "HP_DCP_FILES_KEPT", 8, _positive_int,
+    "checkpoint files a FileSystemReader keeps open (least recently used closed first)")
+READ_AHEAD: Setting[int] = Setting(
+    "HP_DCP_READ_AHEAD", 2, _positive_int,
+    "reads the broadcast load's read-ahead thread runs ahead of the broadcasts")
+BROADCASTS_IN_FLIGHT: Setting[int] = Setting(
+    "HP_DCP_BROADCASTS_IN_FLIGHT", 8, _positive_int,
+    "broadcasts a broadcast load keeps outstanding (each holds up to broadcast_batch_bytes of staging)")
+LOG_CONFIG: Setting[str] = Setting(
+    "HP_LOG_CONFIG", "", _text,
+    "comma-separated NAME:LEVEL; DCP:INFO turns on the per-phase timing lines")
+
+#: Every setting, in the order ``docs/tuning.md`` lists them.
+SETTINGS: tuple[Setting, ...] = (
+    LOG_CONFIG, COLLECTIVE_TIMEOUT, ASYNC_TIMEOUT, ASYNC_GLOO_PORT, ASYNC_SHUTDOWN_TIMEOUT, MAILBOX_POLL_MAX,
+    FILES_KEPT, READ_AHEAD, BROADCASTS_IN_FLIGHT,
+)
