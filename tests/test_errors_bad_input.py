@@ -57,13 +57,15 @@ def test_missing_key_names_it_and_loads_nothing_silently(ckpt):
     assert isinstance(info.value, KeyError)
 
 
-def test_shape_and_dtype_mismatch_name_fqn_and_both_sides(ckpt):
+def test_shape_mismatch_names_fqn_and_both_sides_and_a_dtype_is_cast(ckpt):
     import hyper_parallel_dcp as dcp
 
     with pytest.raises(MismatchError, match=r"'layer\.weight': shape mismatch: checkpoint has \[4, 6\], target expects \[6, 4\]"):
         dcp.load({"layer": {"weight": torch.zeros(6, 4)}}, checkpoint_id=ckpt)
-    with pytest.raises(MismatchError, match=r"'layer\.bias': dtype mismatch: checkpoint has float32, target expects float16"):
-        dcp.load({"layer": {"bias": torch.zeros(6, dtype=torch.float16)}}, checkpoint_id=ckpt)
+    # another dtype is cast by the copy, as torch.distributed.checkpoint does
+    half = {"layer": {"bias": torch.zeros(6, dtype=torch.float16)}}
+    dcp.load(half, checkpoint_id=ckpt)
+    assert torch.equal(half["layer"]["bias"], _state()["layer"]["bias"].to(torch.float16))
 
 
 def test_truncated_shard_file_is_named(ckpt):
@@ -134,7 +136,6 @@ def _one_rank_fails(rank: int, world_size: int, root: str) -> dict[str, tuple[bo
     cases = {
         "missing_key": {"layer": {"weight": torch.zeros(4, 6), "ghost": torch.zeros(2)}},
         "shape": {"layer": {"weight": torch.zeros(4, 7)}},
-        "dtype": {"layer": {"bias": torch.zeros(6, dtype=torch.bfloat16)}},
         "colliding_fqns": {"layer.bias": torch.zeros(6), "layer": {"bias": torch.zeros(6)}},
     }
     out = {}
@@ -194,7 +195,6 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(tmp_path):
         "missing_dir": r"CheckpointNotFoundError.*rank\(s\) 1.*not-there",
         "missing_key": r"MissingKeyError.*rank\(s\) 1.*'layer\.ghost'",
         "shape": r"MismatchError.*rank\(s\) 1.*'layer\.weight': shape mismatch.*\[4, 6\].*\[4, 7\]",
-        "dtype": r"MismatchError.*rank\(s\) 1.*'layer\.bias': dtype mismatch",
         "colliding_fqns": r"ValueError.*rank\(s\) 1.*both flatten to the FQN 'layer\.bias'",
         "truncated": r"rank\(s\) 1.*_rank0_\.safetensors",
         "partial": r"UnsupportedPlacementError.*rank\(s\) 1.*'acc'.*Partial",

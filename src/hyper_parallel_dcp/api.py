@@ -8,8 +8,9 @@ from typing import Any, Optional, Union
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.planner import LoadPlanner, SavePlanner
+from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
-from hyper_parallel_dcp.storage_fs import FileSystemReader, storage_writer_for
+from hyper_parallel_dcp.storage_fs import storage_reader_for_path, storage_writer_for
 
 __all__ = ["load", "save"]
 
@@ -21,7 +22,7 @@ def _reader(checkpoint_id: Optional[CheckpointId], storage_reader: Optional[Stor
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError("load needs checkpoint_id or storage_reader")
-        return FileSystemReader(checkpoint_id) if verify is None else FileSystemReader(checkpoint_id, verify=verify)
+        return storage_reader_for_path(checkpoint_id, verify)
     if checkpoint_id is not None:
         storage_reader.reset(checkpoint_id)
     if verify is not None:
@@ -39,6 +40,7 @@ def save(
     planner: Optional[SavePlanner] = None,
     no_dist: bool = False,
     use_collectives: bool = True,
+    process_group: Optional[Any] = None,
 ) -> Metadata:
     """Save a (sharded) state dict; every rank writes only the shards it owns.
 
@@ -48,7 +50,10 @@ def save(
     plans are exchanged, replicated chunks are written once, and the coordinator commits
     ``.metadata`` last (the returned global :class:`Metadata` is the same on every rank).
     With ``use_collectives=False`` each rank writes ``{rank}.metadata`` on its own.
-    ``no_dist=True`` saves from this process alone.
+    ``no_dist=True`` saves from this process alone.  ``process_group`` (default: the
+    default group) checkpoints a sub-group: only its ranks call, and they write as their
+    ranks in that group.  A leaf with ``state_dict()`` and ``load_state_dict()`` (torch's
+    ``Stateful``: a module, an optimizer, an ``AppState``) is saved as its ``state_dict()``.
 
     Raises ``ValueError`` without a destination, :class:`UnsupportedPlacementError` for a
     ``Partial`` DTensor, :class:`ConcurrentSaveError` when another save into the same
@@ -56,7 +61,8 @@ def save(
     any rank fails.
     """
     writer = storage_writer_for(checkpoint_id, storage_writer)
-    return save_state_dict(state_dict, writer, planner, no_dist=no_dist, use_collectives=use_collectives)
+    return save_state_dict(state_dict, writer, planner, process_group=process_group, no_dist=no_dist,
+                           use_collectives=use_collectives)
 
 
 def load(
@@ -71,14 +77,22 @@ def load(
     broadcast_groups: Optional[dict[tuple[int, ...], Any]] = None,
     broadcast_batch_bytes: int = 6 * 1024 * 1024,
     verify: Optional[bool] = None,
+    allow_partial_load: bool = False,
+    process_group: Optional[Any] = None,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place; returns ``None``.
 
     Tensors (DTensor local shards, plain tensors, :class:`RaggedShard`) are filled in
-    place and must already have the target shape and dtype; the layout may differ from
-    the one saved (the stored chunks are intersected with the target shards).  Only keys
-    present in ``state_dict`` are loaded; non-tensor leaves are replaced in the nested
-    dict.  With collectives, replicated shards are read by one rank of their replica group
+    place and must already have the target shape; a stored dtype other than the target's
+    is cast by the copy (as torch DCP does: an f32 checkpoint loads into bf16 targets).
+    The layout may differ from the one saved (the stored chunks are intersected with the
+    target shards).  Only keys present in ``state_dict`` are loaded; a key the checkpoint
+    lacks raises :class:`MissingKeyError` unless ``allow_partial_load=True``, which leaves
+    it untouched.  Non-tensor leaves are replaced in the nested dict; a ``Stateful`` leaf
+    (``state_dict()`` + ``load_state_dict()``) gets its state dict filled and passed to
+    its ``load_state_dict``.  ``process_group`` loads on a sub-group (only its ranks
+    call; read-once + broadcast is then off).  A torch.distributed.checkpoint directory
+    (pickled ``.metadata``) is recognised and read as is.  With collectives, replicated shards are read by one rank of their replica group
     and broadcast to the others (``broadcast_replicated_tensors``); shards below
     ``broadcast_batch_bytes`` are batched (must be equal on all ranks; 0 disables).
     ``verify=True`` checks the recorded xxh3 checksum of every stored chunk the load reads
@@ -96,12 +110,18 @@ def load(
     if not isinstance(broadcast_batch_bytes, int) or broadcast_batch_bytes < 0:
         raise ValueError(f"broadcast_batch_bytes must be a non-negative int, got {broadcast_batch_bytes!r}")
     reader = _reader(checkpoint_id, storage_reader, verify)
+    if planner is None:
+        planner = StandardLoadPlanner(allow_partial_load=allow_partial_load)
+    elif allow_partial_load:
+        if not hasattr(planner, "allow_partial_load"):
+            raise ValueError(f"allow_partial_load=True given but {type(planner).__name__} has no such setting")
+        planner.allow_partial_load = True  # type: ignore[attr-defined]
     executor = None
     if broadcast_replicated_tensors:
-        # The pipeline decides whether it runs (it needs collectives and a global plan).
+        # The pipeline decides whether it runs (collectives, a global plan, the whole world).
         from hyper_parallel_dcp.broadcast import make_read_executor
 
         executor = make_read_executor(groups=broadcast_groups, batch_bytes=broadcast_batch_bytes)
-    load_state_dict(state_dict, reader, planner, no_dist=no_dist, use_collectives=use_collectives,
-                    read_executor=executor)
+    load_state_dict(state_dict, reader, planner, process_group=process_group, no_dist=no_dist,
+                    use_collectives=use_collectives, read_executor=executor)
 

@@ -164,4 +164,29 @@ def test_console_script_and_module_entry(hf_dir, tmp_path):
                            str(tmp_path / "dcp")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "hf-to-dcp:" in proc.stdout and "tensors" in proc.stdout
-    assert "HF -> DCP" in proc.stderr  # the progress bar
+    assert "HF -> DCP" not in proc.stderr  # stderr is a pipe: no progress bar drawn into it
+    # on a terminal the bar is drawn
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a sized terminal
+    try:
+        tty = subprocess.run([sys.executable, "-m", "hyper_parallel_dcp.offline_transform", "hf-to-dcp", str(hf_dir),
+                              str(tmp_path / "dcp2")], stdout=subprocess.PIPE, stderr=follower, timeout=300)
+        os.close(follower)
+        drawn = b""
+        while True:
+            try:
+                part = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's other side is closed and drained
+                break
+            if not part:
+                break
+            drawn += part
+    finally:
+        os.close(leader)
+    assert tty.returncode == 0 and b"HF -> DCP" in drawn

@@ -57,10 +57,10 @@ class _Side:
     """One checkpoint opened for block reads through the standard load path."""
 
     def __init__(self, path: Path):
-        from hyper_parallel_dcp.storage_fs import FileSystemReader
+        from hyper_parallel_dcp.storage_fs import storage_reader_for_path
 
         self.path = path
-        self.reader = FileSystemReader(path)
+        self.reader = storage_reader_for_path(path)
         self.metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(self.metadata, is_coordinator=True, rank=0)
 

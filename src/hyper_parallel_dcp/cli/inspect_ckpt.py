@@ -11,7 +11,7 @@ from ._common import EXIT_OK, EXIT_PROBLEM, format_bytes, print_json, print_tabl
 
 __all__ = ["describe_checkpoint", "run"]
 
-_RANK_FILE = re.compile(r"^_rank(\d+)_\.")
+_RANK_FILE = re.compile(r"^(?:_rank(\d+)_\.|__(\d+)_\d+\.distcp$)")
 
 
 def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, Any]:
@@ -29,6 +29,7 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
     report = check_complete(path)
     doc: dict[str, Any] = {
         "complete": report.complete,
+        "format": report.format,
         "format_version": report.format_version,
         "tensors": {},
         "objects": [],
@@ -69,7 +70,7 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
     per_rank: dict[int, dict[str, Any]] = {}
     for name in sorted(md.files):
         m = _RANK_FILE.match(name)
-        rank = int(m.group(1)) if m else None
+        rank = int(m.group(1) or m.group(2)) if m else None
         doc["files"][name] = {"bytes": md.files[name], "rank": rank}
         if rank is not None:
             entry_r = per_rank.setdefault(rank, {"rank": rank, "files": [], "bytes": 0})
@@ -83,7 +84,10 @@ def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
     tensors = doc["tensors"]
     stored = sum(t["bytes"] for t in tensors.values())
     print(f"checkpoint      {doc['path']}")
-    print(f"format version  {doc['format_version'] if doc['format_version'] is not None else 'unknown'}")
+    if doc["format"] == "torch-dcp":
+        print("format          torch.distributed.checkpoint (pickled .metadata, .distcp files)")
+    else:
+        print(f"format version  {doc['format_version'] if doc['format_version'] is not None else 'unknown'}")
     print(f"complete        {'yes' if doc['complete'] else 'NO'}")
     for problem in doc["problems"]:
         print(f"  - {problem}")

@@ -28,6 +28,7 @@ from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import process_rank
 from hyper_parallel_dcp.core.planner import SavePlanner
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+from hyper_parallel_dcp.core.stateful import expand_stateful
 from hyper_parallel_dcp.core.storage import StorageWriter
 from hyper_parallel_dcp.core.timing import phase
 from hyper_parallel_dcp.storage_fs import storage_writer_for
@@ -187,7 +188,7 @@ class _Persister:
             self._discard_process()
             self.arena.clear()
 
-    def _mailbox_session(self) -> str:
+    def _mailbox_session(self, process_group: Any = None) -> str:
         """A token equal on all ranks and new for each training job (via the job's store)."""
         if self.session is None:
             token = ""
@@ -196,7 +197,7 @@ class _Persister:
 
                 if dist.is_available() and dist.is_initialized():
                     store = dist.distributed_c10d._get_default_store()
-                    if dist.get_rank() == 0:
+                    if dist.get_rank(process_group) == 0:  # a sub-group's first rank
                         store.set(_SESSION_KEY, uuid.uuid4().hex[:12])
                     token = store.get(_SESSION_KEY).decode()
             except Exception as exc:  # noqa: BLE001 - fall back to the launcher's run id
@@ -207,11 +208,13 @@ class _Persister:
     # -- one save ------------------------------------------------------------------------
     def submit(self, state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId],
                storage_writer: Optional[StorageWriter], planner: Optional[SavePlanner], no_dist: bool,
-               use_collectives: bool, use_gloo: bool, callback: Optional[Callable[[], None]]) -> AsyncSaveResponse:
+               use_collectives: bool, use_gloo: bool, callback: Optional[Callable[[], None]],
+               process_group: Any = None) -> AsyncSaveResponse:
         with self._lock:
             self._wait_inflight()
             use_collectives = use_collectives and not no_dist
-            rank, world_size = (0, 1) if no_dist else process_rank()
+            state_dict, _ = expand_stateful(state_dict)  # torch's Stateful leaves: their state_dict()
+            rank, world_size = (0, 1) if no_dist else process_rank(process_group)
             gloo_init = mailbox_dir = None
             if use_gloo and use_collectives:
                 gloo_init = _gloo_init_method()
@@ -230,7 +233,7 @@ class _Persister:
                 mailbox_dir = str(target)
                 mode = "files"
             self.seq += 1
-            tag = f"{self._mailbox_session()}-{self.seq}" if mode == "files" else ""
+            tag = f"{self._mailbox_session(process_group)}-{self.seq}" if mode == "files" else ""
 
             started = self._ensure_process()  # starts first: the child imports torch while we stage
             with phase("build_staged_state_dict", rank):
@@ -400,6 +403,7 @@ def async_save(
     use_collectives: bool = True,
     use_gloo: bool = False,
     callback: Optional[Callable[[], None]] = None,
+    process_group: Any = None,
 ) -> AsyncSaveResponse:
     """Stage ``state_dict`` to host memory now; plan, coordinate and write in a background process.
 
@@ -414,7 +418,9 @@ def async_save(
     ``AssertionError``; port ``MASTER_PORT + 1`` or ``$HP_DCP_ASYNC_GLOO_PORT``);
     ``use_gloo=False`` → ``LOCAL_PLAN_{rank}.pkl`` / ``STORAGE_DATA_{rank}.pkl`` files in
     the checkpoint directory (needs ``checkpoint_id``); ``use_collectives=False`` → none,
-    ``{rank}.metadata`` each.  With collectives every rank must call.
+    ``{rank}.metadata`` each.  With collectives every rank must call (every rank of
+    ``process_group`` when one is given: a sub-group saves as its group ranks).  A
+    ``Stateful`` leaf (``state_dict()`` + ``load_state_dict()``) is saved as its state dict.
 
     Raises here: ``ValueError`` without a destination, ``AssertionError`` as above, and
     staging errors (e.g. :class:`UnsupportedPlacementError`).  Errors of the writer
@@ -424,6 +430,7 @@ def async_save(
     return _get_persister().submit(
         state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
         no_dist=no_dist, use_collectives=use_collectives, use_gloo=use_gloo, callback=callback,
+        process_group=process_group,
     )
 
 

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-__all__ = ["FlatStateDict", "Path", "Position", "flatten_state_dict", "set_by_path", "unflatten_state_dict"]
+__all__ = [
+    "FlatStateDict",
+    "Path",
+    "Position",
+    "flatten_state_dict",
+    "match_stored_keys",
+    "torch_style_leaves",
+    "set_by_path",
+    "unflatten_state_dict",
+]
 
 Path = tuple[Any, ...]
 FlatStateDict = dict[str, Any]
@@ -82,6 +91,56 @@ def flatten_state_dict(
         # converter measured ~10 tensors held extra that way.  Break it.
         visit = None  # type: ignore[assignment]
     return flat, paths
+
+
+def _torch_walk(obj: Any, fqn: str, path: Path, flat: FlatStateDict, paths: dict[str, Path]) -> None:
+    """torch.distributed.checkpoint's flattening: dicts, and lists holding a dict (or such a
+    list), are walked; everything else is a leaf."""
+    if isinstance(obj, Mapping) and obj:
+        for key, value in obj.items():
+            _torch_walk(value, f"{fqn}.{key}", path + (key,), flat, paths)
+        return
+    if isinstance(obj, list) and any(isinstance(v, Mapping) or (isinstance(v, list) and v) for v in obj):
+        for i, value in enumerate(obj):
+            _torch_walk(value, f"{fqn}.{i}", path + (Position(i, list),), flat, paths)
+        return
+    flat[fqn] = obj
+    paths[fqn] = path
+
+
+def torch_style_leaves(obj: Any, fqn: str) -> FlatStateDict:
+    """The leaves ``torch.distributed.checkpoint`` stores for the value ``obj`` at ``fqn``
+    (``{fqn: obj}`` itself unless it is a list that torch walks)."""
+    flat: FlatStateDict = {}
+    _torch_walk(obj, fqn, (), flat, {})
+    return flat
+
+
+def match_stored_keys(flat: FlatStateDict, paths: dict[str, Path],
+                      stored: Mapping[str, Any]) -> tuple[FlatStateDict, dict[str, Path]]:
+    """Re-flatten, torch's way, the list leaves that a checkpoint written by
+    ``torch.distributed.checkpoint`` stored element-wise (an optimizer's ``param_groups``
+    becomes ``param_groups.0.lr``, ...; ours keeps a list without tensors whole).
+
+    A leaf is expanded only when ``stored`` lacks its FQN but has keys below it; anything
+    else comes back unchanged (the same objects when nothing matches).
+    """
+    candidates = [fqn for fqn, leaf in flat.items() if isinstance(leaf, list) and leaf and fqn not in stored]
+    if not candidates:
+        return flat, paths
+    prefixes = {k.rsplit(".", i)[0] for k in stored for i in range(1, k.count(".") + 1)}
+    expand = [fqn for fqn in candidates if fqn in prefixes]
+    if not expand:
+        return flat, paths
+    out: FlatStateDict = {}
+    out_paths: dict[str, Path] = {}
+    for fqn, leaf in flat.items():
+        if fqn in expand:
+            _torch_walk(leaf, fqn, paths[fqn], out, out_paths)
+        else:
+            out[fqn] = leaf
+            out_paths[fqn] = paths[fqn]
+    return out, out_paths
 
 
 def set_by_path(root: Any, path: Path, value: Any) -> Any:

@@ -67,7 +67,11 @@ class ChunkStorageMetadata:
 
 @dataclass(frozen=True)
 class TensorProperties:
+    """``dtype`` is the tensor's true dtype; ``stored_as`` (``None``: the same) is the dtype
+    its files hold it as, e.g. a same-size integer view of a dtype safetensors cannot name."""
+
     dtype: torch.dtype
+    stored_as: torch.dtype | None = None
 
 
 @dataclass
@@ -134,6 +138,7 @@ def metadata_to_json(metadata: Metadata) -> str:
             sd[fqn] = {
                 "type": "tensor",
                 "dtype": dtype_name(md.properties.dtype),
+                **({"stored_as": dtype_name(md.properties.stored_as)} if md.properties.stored_as else {}),
                 "size": list(md.size),
                 "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
             }
@@ -223,9 +228,11 @@ def _parse_v1(doc: dict[str, Any], source: str) -> Metadata:
                 chunks.append(ChunkStorageMetadata(offsets, sizes))
             try:
                 dtype = dtype_from_name(entry["dtype"])
+                stored_as = dtype_from_name(entry["stored_as"]) if "stored_as" in entry else None
             except CheckpointFormatError as exc:
                 raise CheckpointFormatError(f"{source}: {exc} (tensor {fqn!r})") from None
-            state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype), torch.Size(size), chunks)
+            state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype, stored_as), torch.Size(size),
+                                                             chunks)
         elif kind == "bytes":
             state_dict_metadata[fqn] = BytesStorageMetadata()
         else:

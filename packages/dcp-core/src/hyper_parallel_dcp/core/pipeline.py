@@ -16,11 +16,12 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from .collectives import DistWrapper
-from .flatten import flatten_state_dict, set_by_path
+from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .layout import is_tensor_leaf
 from .metadata import Metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .standard_planner import StandardLoadPlanner, StandardSavePlanner, _gc_paused
+from .stateful import expand_stateful, restore_stateful
 from .storage import StorageReader, StorageWriter, WriteResult
 from .timing import log_info, phase
 
@@ -37,6 +38,10 @@ def process_rank(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def _is_whole_world(group: Optional[dist.ProcessGroup]) -> bool:
+    return group is None or dist.get_world_size(group) == dist.get_world_size()
 
 
 def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
@@ -70,6 +75,7 @@ def save_state_dict(
     exchanges through files, or not at all (``use_dist=False``, rank identity only).
     """
     use_collectives = use_collectives and not no_dist
+    state_dict, _ = expand_stateful(state_dict)  # torch's Stateful leaves: their state_dict()
     if dist_wrapper is not None and not no_dist:
         dw = dist_wrapper
         rank, world_size = dw.rank, dw.world_size
@@ -172,13 +178,15 @@ def load_state_dict(
 
     Only keys present in ``state_dict`` are loaded.  ``read_executor`` (e.g. read-once +
     broadcast) is used when this load exchanges plans (collectives on, more than one
-    rank, a checkpoint with a global ``.metadata``): then the global plan chooses one
-    reader per replicated shard and the executor runs the reads instead of
-    ``storage_reader.execute_read``.  Otherwise it is not called.
+    rank, a checkpoint with a global ``.metadata``) over every rank of the default group:
+    then the global plan chooses one reader per replicated shard and the executor runs
+    the reads instead of ``storage_reader.execute_read``.  Otherwise it is not called.
     """
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
     planner = planner if planner is not None else StandardLoadPlanner()
+    original = state_dict
+    state_dict, stateful = expand_stateful(state_dict)  # filled, then handed to load_state_dict
 
     with phase("load", rank), _gc_paused():
         read: list[Metadata] = []
@@ -203,14 +211,17 @@ def load_state_dict(
                          coordinator_rank=coordinator_rank)
         is_coordinator = rank == coordinator_rank
         # Whether read-once + broadcast runs is decided here, once, for the planner and
-        # for the read: only this step knows whether the plans are exchanged.
-        broadcast = read_executor is not None and dw.use_dist
+        # for the read: only this step knows whether the plans are exchanged.  Replica
+        # groups are made with dist.new_group, which every rank of the default group must
+        # enter: a load on a sub-group reads each shard on each rank instead.
+        broadcast = read_executor is not None and dw.use_dist and _is_whole_world(process_group)
         paths: dict[str, Any] = {}
 
         def local_step() -> LoadPlan:
             # The set-up runs inside the gathered step: a failure on one rank (e.g. two
             # paths flattening to one FQN) is raised on every rank instead of hanging them.
             flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
+            flat, found = match_stored_keys(flat, found, metadata.state_dict_metadata)  # torch DCP's lists
             paths.update(found)
             storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
             planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
@@ -243,3 +254,4 @@ def load_state_dict(
         for fqn, value in loaded.items():
             root_key = paths[fqn][0]
             state_dict[root_key] = set_by_path(state_dict[root_key], paths[fqn][1:], value)
+        restore_stateful(original, state_dict, stateful)

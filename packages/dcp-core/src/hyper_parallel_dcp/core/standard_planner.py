@@ -389,13 +389,16 @@ class _ChunkIndex:
 
 
 def create_local_load_plan(
-    flat: dict[str, Any], metadata: Metadata, shards: Optional[dict[str, TensorShards]] = None
+    flat: dict[str, Any], metadata: Metadata, shards: Optional[dict[str, TensorShards]] = None,
+    allow_partial_load: bool = False,
 ) -> tuple[LoadPlan, dict[str, TensorShards]]:
     """Read items for every target leaf: target pieces ∩ stored chunks.
 
-    Raises :class:`MissingKeyError` for a key the checkpoint lacks,
-    :class:`MismatchError` for a shape/dtype/kind mismatch and
-    :class:`MissingRegionError` when stored chunks do not cover a target piece.
+    A stored dtype other than the target's is cast by the copy into the target (as
+    ``torch.distributed.checkpoint`` does).  Raises :class:`MissingKeyError` for a key the
+    checkpoint lacks (skipped with ``allow_partial_load``), :class:`MismatchError` for a
+    shape or kind mismatch and :class:`MissingRegionError` when stored chunks do not cover
+    a target piece.
     """
     items: list[ReadItem] = []
     shards = {} if shards is None else shards
@@ -404,6 +407,10 @@ def create_local_load_plan(
     for fqn, leaf in flat.items():
         md = sd_md.get(fqn)
         if md is None:
+            if allow_partial_load or (isinstance(leaf, dict) and not leaf):
+                # Left as it is.  An empty dict (a fresh optimizer's ``state``) holds no
+                # key to load, as torch.distributed.checkpoint sees it.
+                continue
             raise MissingKeyError(
                 f"key {fqn!r} is not in the checkpoint ({len(sd_md)} keys stored); "
                 "remove it from the state dict to load the rest"
@@ -421,11 +428,6 @@ def create_local_load_plan(
         if tuple(md.size) != target.global_shape:
             raise MismatchError(
                 f"{fqn!r}: shape mismatch: checkpoint has {list(md.size)}, target expects {list(target.global_shape)}"
-            )
-        if md.properties.dtype != target.dtype:
-            raise MismatchError(
-                f"{fqn!r}: dtype mismatch: checkpoint has {dtype_name(md.properties.dtype)}, "
-                f"target expects {dtype_name(target.dtype)}"
             )
         cindex = indexes.get(fqn)
         if cindex is None:
@@ -527,10 +529,12 @@ class StandardLoadPlanner(LoadPlanner):
     """Default load planner: exact-cover reads, in-place copies, optional reader assignment.
 
     ``assign_readers`` (set by the load pipeline when read-once + broadcast is on) makes
-    the global plan pick one reader per replicated shard.
+    the global plan pick one reader per replicated shard.  ``allow_partial_load``: target
+    keys the checkpoint lacks are left untouched instead of raising :class:`MissingKeyError`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, allow_partial_load: bool = False) -> None:
+        self.allow_partial_load = allow_partial_load
         self.flat: dict[str, Any] = {}
         self.metadata: Optional[Metadata] = None
         self.is_coordinator = True
@@ -554,7 +558,8 @@ class StandardLoadPlanner(LoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
-        plan, self.shards = create_local_load_plan(self.flat, self.metadata)
+        plan, self.shards = create_local_load_plan(self.flat, self.metadata,
+                                                   allow_partial_load=self.allow_partial_load)
         for fqn, shard in self.shards.items():
             for box, view in shard.pieces:
                 self._pieces[MetadataIndex(fqn, box.offsets)] = view

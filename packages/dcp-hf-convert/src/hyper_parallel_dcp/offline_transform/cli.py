@@ -1,7 +1,10 @@
 """``hp-dcp-convert``: offline Hugging Face ⇄ checkpoint conversion from the shell.
 
     hp-dcp-convert hf-to-dcp SRC DST [--src-platform huggingface|torch] [--overwrite]
-    hp-dcp-convert dcp-to-hf SRC DST [--max-shard-size 5GB] [--dtype bf16] [--overwrite]
+    hp-dcp-convert dcp-to-hf SRC DST [--max-shard-size 5GB] [--dtype bf16] [--only PREFIX]
+                                     [--strip-prefix PREFIX] [--overwrite]
+    hp-dcp-convert torch-dcp-to-dcp SRC DST [--batch-size 256MB] [--overwrite]
+    hp-dcp-convert dcp-to-torch-dcp SRC DST [--batch-size 256MB] [--overwrite]
 
 Exit codes: 0 done, 1 the conversion failed (missing or inconsistent source, ...),
 2 usage error (bad arguments, or a non-empty DST without ``--overwrite``, which is left
@@ -26,10 +29,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Convert between Hugging Face safetensors and hyper-parallel-dcp checkpoints, streaming "
-                    "(memory holds about one tensor or one load batch, not the model).",
+        description="Convert between Hugging Face safetensors, torch.distributed.checkpoint and "
+                    "hyper-parallel-dcp checkpoints, streaming (memory holds about one tensor or one batch, "
+                    "not the model).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{hf-to-dcp,dcp-to-hf}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{hf-to-dcp,dcp-to-hf,torch-dcp-to-dcp,dcp-to-torch-dcp}")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("src", metavar="SRC")
@@ -52,6 +57,23 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                        help="largest output file, as bytes or e.g. 500MB, 5GB, 2GiB (default 5GB)")
     to_hf.add_argument("--dtype", default=None, metavar="DTYPE",
                        help="cast floating-point tensors to bf16, fp16 or fp32 on export")
+    to_hf.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                       help="export only tensors whose name starts with PREFIX (repeatable; applied before "
+                            "--strip-prefix), e.g. --only model. to leave out optimizer state")
+
+    def torch_dcp(name: str, help_text: str) -> None:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("src", metavar="SRC")
+        p.add_argument("dst", metavar="DST")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace what DST holds (default: refuse a non-empty DST)")
+        p.add_argument("--batch-size", default="256MB", metavar="SIZE",
+                       help="largest block read and written at once, as bytes or e.g. 64MB, 1GiB (default 256MB); "
+                            "memory holds one block")
+        p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+
+    torch_dcp("torch-dcp-to-dcp", "torch.distributed.checkpoint directory -> checkpoint directory")
+    torch_dcp("dcp-to-torch-dcp", "checkpoint directory -> torch.distributed.checkpoint directory")
     return parser
 
 
@@ -86,12 +108,31 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
 
     from .dtypes import parse_dtype
     from .from_dcp import convert_dcp_to_huggingface
-    from .keymap import strip_prefixes
+    from .keymap import KeyMapping, only_prefixes, strip_prefixes
     from .sizes import parse_size
     from .to_dcp import convert_full_checkpoint_to_dcp
 
-    mapping = strip_prefixes(*args.strip_prefix) if args.strip_prefix else None
     show = not args.quiet
+    if args.command in ("torch-dcp-to-dcp", "dcp-to-torch-dcp"):
+        from .torch_dcp import convert_dcp_to_torch_dcp, convert_torch_dcp_to_dcp
+
+        try:
+            batch = parse_size(args.batch_size)
+        except ValueError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        convert = convert_torch_dcp_to_dcp if args.command == "torch-dcp-to-dcp" else convert_dcp_to_torch_dcp
+        try:
+            report = convert(src, dst, batch_bytes=batch, progress=show)
+        except (CheckpointError, OSError, ValueError, TypeError) as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        if show:
+            print(f"{prog}: {args.command}: {report.summary()}")
+        return EXIT_OK
+    mapping: KeyMapping = strip_prefixes(*args.strip_prefix) if args.strip_prefix else None
+    if getattr(args, "only", None):
+        mapping = only_prefixes(args.only, mapping)
     try:
         if args.command == "hf-to-dcp":
             report = convert_full_checkpoint_to_dcp(src, dst, args.src_platform, key_mapping=mapping, progress=show)

@@ -23,6 +23,7 @@ from hyper_parallel_dcp.core.layout import is_tensor_leaf
 from hyper_parallel_dcp.core.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict
 from hyper_parallel_dcp.storage_fs.filesystem import FileSystemReader, load_checkpoint_metadata
+from hyper_parallel_dcp.storage_fs.torch_dcp import TorchDCPReader, is_torch_dcp_checkpoint
 
 from .dtypes import cast_floating, output_dtype, parse_dtype
 from .hf_writer import TensorSpec, write_huggingface_checkpoint
@@ -55,7 +56,22 @@ class _KnownMetadataReader(FileSystemReader):
         return self._known
 
 
-def _load(reader: _KnownMetadataReader, metadata: Metadata, fqns: Iterable[str],
+def _known_reader(path: PathLike, metadata: Metadata) -> FileSystemReader:
+    """A reader of ``path`` that does not parse its metadata again for every batch (a torch
+    DCP reader parses once and re-checks only the file's ``stat``)."""
+    if is_torch_dcp_checkpoint(path):
+        return TorchDCPReader(path)
+    return _KnownMetadataReader(path, metadata)
+
+
+def _read_metadata(path: PathLike) -> Metadata:
+    """The metadata of the checkpoint at ``path``, in either format."""
+    if is_torch_dcp_checkpoint(path):
+        return TorchDCPReader(path).load_metadata()
+    return load_checkpoint_metadata(path)[0]
+
+
+def _load(reader: FileSystemReader, metadata: Metadata, fqns: Iterable[str],
           into: Optional[StagingBuffer] = None) -> dict[str, Any]:
     """Load ``fqns`` whole: tensors into new full CPU tensors (or, for one tensor, into a
     view of ``into``), objects as restored."""
@@ -80,9 +96,9 @@ def dcp_to_full_state_dict(path: PathLike, *, key_mapping: KeyMapping = None) ->
     :func:`convert_dcp_to_huggingface`.  Raises :class:`CheckpointNotFoundError` when
     ``path`` holds no checkpoint, and the load's errors for missing or corrupt files.
     """
-    metadata, _ = load_checkpoint_metadata(path)
+    metadata = _read_metadata(path)
     names = map_keys(metadata.state_dict_metadata, key_mapping)
-    loaded = _load(_KnownMetadataReader(path, metadata), metadata, names)
+    loaded = _load(_known_reader(path, metadata), metadata, names)
     return {new: loaded[old] for old, new in names.items()}
 
 
@@ -98,7 +114,7 @@ class DcpTensorSource:
 
     def __init__(self, path: PathLike, metadata: Metadata, fqns: Iterable[str]) -> None:
         self.metadata = metadata
-        self._reader = _KnownMetadataReader(path, metadata)
+        self._reader = _known_reader(path, metadata)
         sizes = [md.size.numel() * md.properties.dtype.itemsize for fqn in fqns
                  if isinstance(md := metadata.state_dict_metadata[fqn], TensorStorageMetadata)]
         self._buffer = StagingBuffer(max(sizes, default=0))
@@ -127,7 +143,7 @@ def convert_dcp_to_huggingface(
     ``src`` holds no checkpoint, ``ValueError`` for a bad size or dtype.
     """
     cast = parse_dtype(dtype)
-    metadata, _ = load_checkpoint_metadata(src)
+    metadata = _read_metadata(src)
     sd_md = metadata.state_dict_metadata
     tensors = [fqn for fqn, md in sd_md.items() if isinstance(md, TensorStorageMetadata)]
     skipped = len(sd_md) - len(tensors)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Optional, Union
 
-__all__ = ["KeyMapping", "map_keys", "prefix_rules", "resolve_key_mapping", "strip_prefixes"]
+__all__ = ["KeyMapping", "map_keys", "only_prefixes", "prefix_rules", "resolve_key_mapping", "strip_prefixes"]
 
 KeyMapping = Union[None, Callable[[str], Optional[str]], Mapping[str, str]]
 
@@ -31,6 +31,18 @@ def prefix_rules(rules: Mapping[str, str]) -> Callable[[str], str]:
 def strip_prefixes(*prefixes: str) -> Callable[[str], str]:
     """A mapping that removes each of ``prefixes`` (in order) where a key starts with it."""
     return prefix_rules({p: "" for p in prefixes})
+
+
+def only_prefixes(prefixes: Iterable[str], then: KeyMapping = None) -> Callable[[str], Optional[str]]:
+    """A mapping that drops every key not starting with one of ``prefixes``, then applies
+    ``then`` to the keys it keeps (``hp-dcp-convert dcp-to-hf --only model.``)."""
+    kept = tuple(prefixes)
+    rest = resolve_key_mapping(then)
+
+    def apply(key: str) -> Optional[str]:
+        return rest(key) if key.startswith(kept) else None
+
+    return apply
 
 
 def resolve_key_mapping(mapping: KeyMapping) -> Callable[[str], Optional[str]]:

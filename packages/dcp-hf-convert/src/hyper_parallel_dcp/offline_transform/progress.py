@@ -45,12 +45,13 @@ class ConversionReport:
 
 
 class Progress:
-    """A byte-counting tqdm bar (only when ``enabled``) plus the counters of the report."""
+    """A byte-counting tqdm bar (only when ``enabled`` and stderr is a terminal) plus the
+    counters of the report."""
 
     def __init__(self, report: ConversionReport, total_bytes: int, desc: str, enabled: bool) -> None:
         self.report = report
         self._bar: Optional[Any] = None
-        if enabled:
+        if enabled and sys.stderr.isatty():  # a bar redrawn into a log file is noise
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,

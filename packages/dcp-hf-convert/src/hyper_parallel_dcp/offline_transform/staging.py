@@ -33,3 +33,14 @@ class StagingBuffer:
             self._buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
             self._buffer = torch.empty(nbytes, dtype=torch.uint8)
         return self._buffer[:nbytes].view(dtype).view(shape)
+
+    def exact(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Like :meth:`view`, but the tensor's storage is exactly its own bytes, so
+        ``torch.save`` of it writes those and not the whole buffer."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        self.view(shape, dtype)  # grow if needed
+        from hyper_parallel_dcp.storage_fs.safetensors_stream import tensor_bytes
+
+        return torch.frombuffer(tensor_bytes(self._buffer)[:nbytes], dtype=dtype).view(shape)

@@ -2,5 +2,16 @@
 
 from .__about__ import __version__
 from .filesystem import METADATA_FILE, FileSystemReader, FileSystemWriter, load_checkpoint_metadata, storage_writer_for
+from .torch_dcp import TorchDCPReader, is_torch_dcp_checkpoint, storage_reader_for_path
 
-__all__ = ["METADATA_FILE", "FileSystemReader", "FileSystemWriter", "__version__", "load_checkpoint_metadata", "storage_writer_for"]
+__all__ = [
+    "METADATA_FILE",
+    "FileSystemReader",
+    "FileSystemWriter",
+    "TorchDCPReader",
+    "__version__",
+    "is_torch_dcp_checkpoint",
+    "load_checkpoint_metadata",
+    "storage_reader_for_path",
+    "storage_writer_for",
+]

@@ -20,7 +20,7 @@ import torch
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
 from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 
-__all__ = ["read_slice_into"]
+__all__ = ["copy_into", "read_slice_into"]
 
 _MAX_CHUNK = 1 << 30  # bytes per preadv call (Linux caps one call near 2 GiB)
 
@@ -80,5 +80,19 @@ def read_slice_into(
     else:
         strides = row_major_strides(chunk_sizes)
         source = staging.as_strided(tuple(lengths), tuple(strides))
-    dest.copy_(source)
+    copy_into(dest, source)
     return span * itemsize
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
+    """``dest.copy_(source)``, casting when the dtypes differ; a same-dtype copy goes bit
+    for bit through an integer view (``copy_`` has no kernel for ``bits16``, ``float4``,
+    sub-byte ints, ... and the view keeps NaN payloads)."""
+    view = _BITS.get(dest.dtype.itemsize) if dest.dtype == source.dtype and dest.dtype not in _BITS.values() else None
+    if view is not None and dest.device.type != "meta":
+        dest.view(view).copy_(source.view(view))
+    else:
+        dest.copy_(source)

@@ -56,6 +56,8 @@ from .safetensors_stream import (
     TensorEntry,
     entry_mismatch,
     read_header,
+    stored_layout,
+    to_stored,
     write_safetensors,
 )
 
@@ -165,11 +167,13 @@ class FileSystemWriter(StorageWriter):
             entries = []
             for it in tensors:
                 assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
+                # a dtype safetensors cannot name goes as a same-size integer view
+                stored_dtype, stored_shape = stored_layout(getattr(torch, it.dtype), it.sizes)
                 entries.append(TensorEntry(
                     chunk_key(it.index.fqn, it.index.offset),
-                    getattr(torch, it.dtype),
-                    it.sizes,
-                    (lambda it=it: planner.resolve_data(it)),
+                    stored_dtype,
+                    stored_shape,
+                    (lambda it=it: to_stored(planner.resolve_data(it))),
                     label=f"{it.index.fqn!r} chunk at {list(it.index.offset)}",
                 ))
             placed: list[tuple[int, int, str]] = []
@@ -199,7 +203,7 @@ class FileSystemWriter(StorageWriter):
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         name = METADATA_FILE if self.atomic else f"{self.rank}.metadata"
-        text = metadata_to_json(metadata).encode()
+        text = metadata_to_json(_with_stored_as(metadata)).encode()
         write_file_atomic(out_dir / name, lambda f: f.write(text), self.sync_files)
         try:
             if self.atomic:
@@ -224,6 +228,24 @@ class FileSystemWriter(StorageWriter):
         except Exception:  # noqa: BLE001
             pass
 
+
+
+def _with_stored_as(metadata: Metadata) -> Metadata:
+    """``metadata`` with ``properties.stored_as`` set for each tensor whose dtype the
+    safetensors files hold as another (a same-size integer view)."""
+    import copy
+    from dataclasses import replace
+
+    out = None
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            stored, _ = stored_layout(md.properties.dtype, ())
+            if stored != md.properties.dtype and md.properties.stored_as != stored:
+                if out is None:
+                    out = copy.copy(metadata)
+                    out.state_dict_metadata = dict(metadata.state_dict_metadata)
+                out.state_dict_metadata[fqn] = replace(md, properties=replace(md.properties, stored_as=stored))
+    return metadata if out is None else out
 
 
 def storage_writer_for(checkpoint_id: Union[str, os.PathLike, None], storage_writer: Optional[StorageWriter],

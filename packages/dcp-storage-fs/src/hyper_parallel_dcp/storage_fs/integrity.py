@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 
 import xxhash
 
-from hyper_parallel_dcp.core.errors import CheckpointFormatError
+from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointFormatError
 from hyper_parallel_dcp.core.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -31,6 +31,7 @@ from hyper_parallel_dcp.core.metadata import (
 
 from .filesystem import METADATA_FILE, _merge_rank_metadata
 from .safetensors_stream import SafetensorsHeaderError, entry_mismatch, read_header
+from .torch_dcp import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 
 __all__ = [
     "CompletenessReport",
@@ -56,7 +57,8 @@ class CompletenessReport:
     ``problems`` lists every reason it is not (empty when ``complete``);
     ``format_version`` is the version found in the metadata (``None`` if unreadable);
     ``metadata`` is the parsed (for a rank-local save, merged) metadata, ``None`` when it
-    could not be read.
+    could not be read; ``format`` is ``"hyper-parallel-dcp"`` or ``"torch-dcp"`` (a
+    checkpoint of ``torch.distributed.checkpoint``, which records no file sizes).
     """
 
     path: Path
@@ -64,6 +66,7 @@ class CompletenessReport:
     problems: list[str] = field(default_factory=list)
     format_version: Optional[int] = None
     metadata: Optional[Metadata] = None
+    format: str = "hyper-parallel-dcp"
 
 
 @dataclass
@@ -96,6 +99,12 @@ def _add(problems: list[str], text: str) -> None:
 def _read_metadata(root: Path, problems: list[str]) -> tuple[Optional[Metadata], Optional[int]]:
     """Parse ``.metadata`` or merge the ``{rank}.metadata`` files, recording what fails."""
     global_file = root / METADATA_FILE
+    if is_torch_dcp_checkpoint(root):
+        try:
+            return read_torch_dcp_metadata(root)[0], None
+        except CheckpointError as exc:
+            _add(problems, str(exc))
+            return None, None
     if global_file.is_file():
         try:
             text = global_file.read_bytes()
@@ -173,6 +182,7 @@ def check_complete(path: PathLike) -> CompletenessReport:
     if md is None:
         return CompletenessReport(root, False, problems or [f"{root}: no readable metadata"], version, None)
     _check_consistency(md, root, problems)
+    kind = "torch-dcp" if is_torch_dcp_checkpoint(root) else "hyper-parallel-dcp"
     sizes: dict[str, Optional[int]] = {}
     named = dict(md.files)
     for info in (md.storage_data or {}).values():
@@ -196,13 +206,18 @@ def check_complete(path: PathLike) -> CompletenessReport:
         sizes[name] = st.st_size
         if expected >= 0 and st.st_size != expected:
             _add(problems, f"{file} has {st.st_size} bytes, the metadata records {expected} (truncated or replaced)")
-        elif expected < 0:
+        elif expected < 0 and kind != "torch-dcp":
             _add(problems, f"{root}: the metadata records no size for {name}")
     for index, info in (md.storage_data or {}).items():
         size = sizes.get(info.relative_path)
         if size is not None and info.offset + info.length > size:
             _add(problems, f"{root / info.relative_path}: {_item_name(index)} needs bytes "
                            f"[{info.offset}, {info.offset + info.length}) but the file has {size}")
+    if kind == "torch-dcp":
+        for name, size in sizes.items():
+            if size is not None:
+                md.files.setdefault(name, size)  # torch records none: report what is there
+        return CompletenessReport(root, not problems, problems, None, md, kind)
     return CompletenessReport(root, not problems, problems, version if version is not None else md.format_version, md)
 
 

@@ -29,8 +29,11 @@ __all__ = [
     "SafetensorsHeaderError",
     "TensorEntry",
     "entry_mismatch",
+    "from_stored",
     "read_header",
+    "stored_layout",
     "tensor_bytes",
+    "to_stored",
     "write_safetensors",
 ]
 
@@ -52,6 +55,53 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
     torch.complex64: "C64",
 }
+
+
+_UINT_OF_SIZE = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+_QUANTIZED = {getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)}
+
+
+def stored_layout(dtype: torch.dtype, shape: Sequence[int]) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The safetensors dtype and shape a chunk of ``dtype`` and ``shape`` is stored as.
+
+    A dtype the safetensors format names is stored as itself.  Any other (``float8_e8m0fnu``,
+    ``float8_e4m3fnuz``, ``float4_e2m1fn_x2``, ``bits16``, ``complex32``, sub-byte ints, ...)
+    is stored as the unsigned integer of the same size, same shape, bytes unchanged;
+    ``complex128`` (16 bytes, no such integer) as ``float64`` with a trailing dim of 2.
+    The true dtype is in ``.metadata``.  Raises ``TypeError`` for quantized dtypes (their
+    scale and zero point are not in the bytes).
+    """
+    shape = tuple(int(d) for d in shape)
+    if dtype in SAFETENSORS_DTYPES:
+        return dtype, shape
+    if dtype in _QUANTIZED:
+        raise TypeError(f"quantized dtype {dtype} cannot be checkpointed (its scale and zero point are not "
+                        "tensor data); dequantize it first")
+    if dtype == torch.complex128:
+        return torch.float64, shape + (2,)
+    view = _UINT_OF_SIZE.get(dtype.itemsize)
+    if view is None:
+        raise TypeError(f"dtype {dtype} cannot be stored in safetensors")
+    return view, shape
+
+
+def to_stored(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the view :func:`stored_layout` names (the same bytes)."""
+    dtype, _ = stored_layout(tensor.dtype, tensor.shape)
+    if dtype == tensor.dtype:
+        return tensor
+    if tensor.dtype == torch.complex128:
+        return torch.view_as_real(tensor)
+    return tensor.view(dtype)
+
+
+def from_stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`to_stored`: a stored view read back as ``dtype``."""
+    if tensor.dtype == dtype:
+        return tensor
+    if dtype == torch.complex128:
+        return torch.view_as_complex(tensor.contiguous())
+    return tensor.view(dtype)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -217,7 +267,11 @@ def entry_mismatch(entry: HeaderEntry | None, key: str, dtype: torch.dtype, shap
     """Why header ``entry`` (for ``key``) is not the chunk the metadata describes; None if it is."""
     if entry is None:
         return f"key {key!r} is missing from the file's header"
-    expected = SAFETENSORS_DTYPES.get(dtype)
+    try:
+        stored_dtype, shape = stored_layout(dtype, shape)
+    except TypeError as exc:
+        return str(exc)
+    expected = SAFETENSORS_DTYPES.get(stored_dtype)
     if entry.dtype != expected:
         return f"key {key!r} is stored as {entry.dtype}, the metadata says {expected}"
     if entry.shape != tuple(shape):

@@ -1,0 +1,55 @@
+"""``dcp-to-hf --only PREFIX --strip-prefix PREFIX``: export a trainer checkpoint's model only."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from safetensors import safe_open
+
+from hyper_parallel_dcp.offline_transform.cli import main
+
+
+def _trainer_state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    return {"model": model.state_dict(), "optim": optim.state_dict(), "step": 3}
+
+
+def _exported(path) -> dict:
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_only_and_strip_prefix_select_the_model_from_both_formats(tmp_path):
+    import torch.distributed.checkpoint as tdcp
+
+    from hyper_parallel_dcp.core.pipeline import save_state_dict
+    from hyper_parallel_dcp.storage_fs import FileSystemWriter
+
+    state = _trainer_state()
+    save_state_dict(state, FileSystemWriter(tmp_path / "ours"), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save(state, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    expected = {k: v for k, v in state["model"].items()}
+    for name in ("ours", "torch"):
+        out = tmp_path / f"hf-{name}"
+        assert main(["dcp-to-hf", str(tmp_path / name), str(out), "--only", "model.", "--strip-prefix", "model.",
+                     "-q"]) == 0
+        got = _exported(out)
+        assert set(got) == set(expected), name
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), (name, key)
+    # repeatable: two prefixes; without --strip-prefix the names stay
+    out = tmp_path / "two"
+    assert main(["dcp-to-hf", str(tmp_path / "ours"), str(out), "--only", "model.0.", "--only", "model.1.bias",
+                 "-q"]) == 0
+    assert set(_exported(out)) == {"model.0.weight", "model.0.bias", "model.1.bias"}
+    # without --only, optimizer state is exported too (the old behaviour)
+    out = tmp_path / "all"
+    assert main(["dcp-to-hf", str(tmp_path / "ours"), str(out), "-q"]) == 0
+    assert "optim.state.0.exp_avg" in _exported(out)
