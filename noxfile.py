@@ -31,6 +31,8 @@ PACKAGES: dict[str, tuple[str, list[str], list[str]]] = {
     "async": ("packages/dcp-async", ["core", "storage-fs"], []),
     "broadcast": ("packages/dcp-broadcast", ["core"], ["storage-fs"]),  # tests read real files
     "hf-convert": ("packages/dcp-hf-convert", ["core", "storage-fs"], []),
+    # its tests start a real S3 server (moto[server], the package's `test` extra)
+    "storage-object": ("packages/dcp-storage-object", ["core", "storage-fs"], []),
 }
 TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"]
 PYTEST = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", "-ra"]
@@ -91,6 +93,7 @@ MYPY_TARGETS: dict[str, list[str]] = {
     "async": ["-p", "hyper_parallel_dcp.async_persist"],
     "broadcast": ["-p", "hyper_parallel_dcp.broadcast"],
     "hf-convert": ["-p", "hyper_parallel_dcp.offline_transform"],
+    "storage-object": ["-p", "hyper_parallel_dcp.storage_object"],
     "umbrella": ["-m", "hyper_parallel_dcp", "-m", "hyper_parallel_dcp.api", "-m", "hyper_parallel_dcp.demo",
                  "-p", "hyper_parallel_dcp.cli", "-p", "hyper_parallel_dcp.benchmarks"],
 }

@@ -27,6 +27,8 @@ DISTRIBUTIONS = {
     "hyper_parallel_dcp_broadcast": ("packages/dcp-broadcast", "broadcast", {"hyper-parallel-dcp-core"}),
     "hyper_parallel_dcp_hf_convert": ("packages/dcp-hf-convert", "offline_transform",
                                       {"hyper-parallel-dcp-core", "hyper-parallel-dcp-storage-fs"}),
+    "hyper_parallel_dcp_storage_object": ("packages/dcp-storage-object", "storage_object",
+                                          {"hyper-parallel-dcp-core", "hyper-parallel-dcp-storage-fs"}),
     "hyper_parallel_dcp": (".", None, {
         "hyper-parallel-dcp-core", "hyper-parallel-dcp-storage-fs", "hyper-parallel-dcp-async",
         "hyper-parallel-dcp-broadcast", "hyper-parallel-dcp-hf-convert",
@@ -81,3 +83,13 @@ def test_wheel_ships_only_its_subpackage(wheels: dict[str, Path], dist_name: str
         project_deps = {r for r in _requirements(whl) if r.startswith("hyper-parallel-dcp")}
         assert project_deps == allowed, f"{dist_name} depends on {sorted(project_deps)}"
         assert "torch" in _requirements(whl)
+
+
+@pytest.mark.parametrize("dist_name,scheme", [("hyper_parallel_dcp_storage_fs", "file"),
+                                              ("hyper_parallel_dcp_storage_object", "s3")])
+def test_storage_wheels_register_their_url_scheme(wheels: dict[str, Path], dist_name: str, scheme: str) -> None:
+    with zipfile.ZipFile(wheels[dist_name]) as whl:
+        name = next(n for n in whl.namelist() if n.endswith(".dist-info/entry_points.txt"))
+        text = whl.read(name).decode()
+    section = text.split("[hyper_parallel_dcp.storage]", 1)[1].split("[", 1)[0]
+    assert any(line.split("=")[0].strip() == scheme for line in section.splitlines() if "=" in line), text

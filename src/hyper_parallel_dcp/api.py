@@ -5,31 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Union
 
+from hyper_parallel_dcp.core.backends import storage_reader_for, storage_writer_for
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.planner import LoadPlanner, SavePlanner
 from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
-from hyper_parallel_dcp.storage_fs import storage_reader_for_path, storage_writer_for
 
 __all__ = ["load", "save"]
 
 CheckpointId = Union[str, os.PathLike]
-
-
-def _reader(checkpoint_id: Optional[CheckpointId], storage_reader: Optional[StorageReader],
-            verify: Optional[bool] = None) -> StorageReader:
-    if storage_reader is None:
-        if checkpoint_id is None:
-            raise ValueError("load needs checkpoint_id or storage_reader")
-        return storage_reader_for_path(checkpoint_id, verify)
-    if checkpoint_id is not None:
-        storage_reader.reset(checkpoint_id)
-    if verify is not None:
-        if not hasattr(storage_reader, "verify"):
-            raise ValueError(f"verify={verify} given but {type(storage_reader).__name__} has no 'verify' setting")
-        storage_reader.verify = verify  # type: ignore[attr-defined]
-    return storage_reader
 
 
 def save(
@@ -109,7 +94,7 @@ def load(
         raise ValueError("broadcast_groups is only used with broadcast_replicated_tensors=True")
     if not isinstance(broadcast_batch_bytes, int) or broadcast_batch_bytes < 0:
         raise ValueError(f"broadcast_batch_bytes must be a non-negative int, got {broadcast_batch_bytes!r}")
-    reader = _reader(checkpoint_id, storage_reader, verify)
+    reader = storage_reader_for(checkpoint_id, storage_reader, verify=verify)
     if planner is None:
         planner = StandardLoadPlanner(allow_partial_load=allow_partial_load)
     elif allow_partial_load:

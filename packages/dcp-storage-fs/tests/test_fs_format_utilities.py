@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hyper_parallel_dcp.storage_fs import files
+from hyper_parallel_dcp.storage_fs import atomic
 from hyper_parallel_dcp.storage_fs.safetensors_stream import (
     MAX_HEADER_BYTES,
     HeaderEntry,
@@ -25,7 +25,7 @@ from hyper_parallel_dcp.storage_fs.safetensors_stream import (
 def test_atomic_write_replaces_the_file_and_returns_its_size(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(b"old contents")
-    assert files.write_file_atomic(path, lambda f: f.write(b"new"), True) == 3
+    assert atomic.write_file_atomic(path, lambda f: f.write(b"new"), True) == 3
     assert path.read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
 
@@ -39,7 +39,7 @@ def test_atomic_write_failure_keeps_the_old_file_and_removes_the_temp(tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(OSError, match=r"writing checkpoint file .*f\.bin failed: No space left on device") as info:
-        files.write_file_atomic(path, half_then_fail, False)
+        atomic.write_file_atomic(path, half_then_fail, False)
     assert info.value.errno == errno.ENOSPC
     assert path.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
@@ -53,10 +53,10 @@ def test_atomic_write_with_a_unique_temp_name(tmp_path, monkeypatch):
         seen.append(str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(files, "open", spy_open, raising=False)
-    files.write_file_atomic(tmp_path / "m.pkl", lambda f: f.write(b"x"), sync=False, unique_temp=True)
-    files.write_file_atomic(tmp_path / "n.pkl", lambda f: f.write(b"y"), sync=False)
-    assert seen == [str(tmp_path / f"m.pkl.{os.getpid()}{files.TMP_SUFFIX}"), str(tmp_path / f"n.pkl{files.TMP_SUFFIX}")]
+    monkeypatch.setattr(atomic, "open", spy_open, raising=False)
+    atomic.write_file_atomic(tmp_path / "m.pkl", lambda f: f.write(b"x"), sync=False, unique_temp=True)
+    atomic.write_file_atomic(tmp_path / "n.pkl", lambda f: f.write(b"y"), sync=False)
+    assert seen == [str(tmp_path / f"m.pkl.{os.getpid()}{atomic.TMP_SUFFIX}"), str(tmp_path / f"n.pkl{atomic.TMP_SUFFIX}")]
     assert (tmp_path / "m.pkl").read_bytes() == b"x" and (tmp_path / "n.pkl").read_bytes() == b"y"
 
 

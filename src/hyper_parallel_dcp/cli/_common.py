@@ -36,9 +36,21 @@ class UsageError(Exception):
     """
 
 
-def existing_dir(path: str, what: str = "checkpoint") -> Path:
-    """``path`` as a :class:`Path`; raises :class:`UsageError` when it is not a directory."""
-    p = Path(path)
+def existing_dir(path: str, what: str = "checkpoint") -> Any:
+    """``path`` as a :class:`Path`, or as is when it is a URL (``s3://...``: the storage
+    backend checks it); raises :class:`UsageError` when a path is not a directory or no
+    backend handles the URL's scheme."""
+    from hyper_parallel_dcp.core.backends import UnknownSchemeError, backend_for, url_scheme
+
+    if url_scheme(path) != "file":
+        try:
+            backend_for(path)
+        except UnknownSchemeError as exc:
+            raise UsageError(str(exc)) from None
+        return path
+    from hyper_parallel_dcp.storage_fs.backend import local_path
+
+    p = Path(local_path(path))
     if not p.exists():
         raise UsageError(f"{what} directory {p} does not exist")
     if not p.is_dir():

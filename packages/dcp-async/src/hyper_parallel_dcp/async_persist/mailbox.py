@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, TypeVar
 from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S, MAILBOX_POLL_MAX
 from hyper_parallel_dcp.core.timing import phase
-from hyper_parallel_dcp.storage_fs.files import write_file_atomic
+from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 
 from . import safe_pickle
 

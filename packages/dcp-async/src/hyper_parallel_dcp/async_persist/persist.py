@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Union
 
 from hyper_parallel_dcp.core import settings
+from hyper_parallel_dcp.core.backends import storage_writer_for, url_scheme
 from hyper_parallel_dcp.core.errors import CheckpointError
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import process_rank
@@ -31,7 +32,6 @@ from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from hyper_parallel_dcp.core.stateful import expand_stateful
 from hyper_parallel_dcp.core.storage import StorageWriter
 from hyper_parallel_dcp.core.timing import phase
-from hyper_parallel_dcp.storage_fs import storage_writer_for
 
 from .staging import StagingArena, StagingStats
 from .writer import CacheEntry, SaveReply, SaveRequest, cache_key, clean_planner, writer_main
@@ -230,6 +230,9 @@ class _Persister:
                 if target is None:
                     raise ValueError("async_save(use_gloo=False) exchanges plans through the checkpoint "
                                      "directory and needs checkpoint_id")
+                if url_scheme(target) != "file":
+                    raise ValueError(f"async_save(use_gloo=False) on several ranks exchanges plans through files in "
+                                     f"the checkpoint directory; {target} is not a local path: pass use_gloo=True")
                 mailbox_dir = str(target)
                 mode = "files"
             self.seq += 1

@@ -12,7 +12,6 @@ commit), with the middle step on a read-ahead thread; only *who* reads changes.
 from __future__ import annotations
 
 import collections
-import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from hyper_parallel_dcp.core.planner import LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD
-from hyper_parallel_dcp.core.storage import StorageReader, commit_read, read_destinations, resolve_destinations
+from hyper_parallel_dcp.core.storage import StorageReader, commit_read, resolve_destinations
 from hyper_parallel_dcp.core.timing import phase
 
 from .groups import broadcast_groups_for_load
@@ -73,8 +72,8 @@ class _Reads:
     """This rank's reads, in schedule order, on a read-ahead thread.
 
     The normal read path split in three: the destinations are resolved here, on the
-    calling thread (``resolve_destinations``); the read-ahead thread runs
-    ``read_destinations`` and touches only the reader and the destinations; each
+    calling thread (``resolve_destinations``); the read-ahead thread runs the reader's
+    ``read_stream`` and touches only the reader and the destinations; each
     result is committed here (``commit_read``) when the walk reaches it.  After the
     first failure further reads are skipped (the broadcasts still go out, so no peer
     waits forever); the failure is raised once the walk is over.
@@ -86,7 +85,7 @@ class _Reads:
         self._stream: Optional[ReadAhead] = None
         try:
             destinations = list(resolve_destinations(planner, ordered))
-            self._stream = ReadAhead(functools.partial(read_destinations, reader), destinations, depth)
+            self._stream = ReadAhead(reader.read_stream, destinations, depth)
         except Exception as exc:  # noqa: BLE001 - raised after the broadcasts are done
             self.error = exc
 

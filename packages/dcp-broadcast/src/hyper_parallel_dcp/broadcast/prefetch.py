@@ -1,6 +1,6 @@
 """A background read-ahead over a storage reader's reads.
 
-The thread runs the read step of the normal read path (``core.storage.read_destinations``:
+The thread runs the read step of the normal read path (``StorageReader.read_stream``:
 ``reader.read_into`` straight into the destination views, ``read_object`` for objects) a
 couple of items ahead of the main thread, which drives the broadcasts.
 Results come back strictly in the order given: the read order is the broadcast order,
@@ -36,7 +36,7 @@ class ReadAhead:
     """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead.
 
     ``read_items`` is any function returning an iterator over ``items`` (the broadcast
-    executor passes ``core.storage.read_destinations`` bound to its reader).  Yields
+    executor passes its reader's ``read_stream``).  Yields
     exactly what it yields, in its order; an exception raised by the reader is re-raised
     in the consuming thread at the position where it happened.
     ``close()`` (also on ``with`` exit) stops the thread; the generator is closed on the

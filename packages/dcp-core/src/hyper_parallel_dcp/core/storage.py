@@ -4,10 +4,10 @@ A custom backend subclasses :class:`StorageWriter` / :class:`StorageReader` and 
 the abstract methods; the optional hooks have working defaults.
 
 Every load reads through one loop, ``read_items``: resolve each item's destination
-(planner), read it (``StorageReader.read_into`` / ``StorageReader.read_object``),
+(planner), read it (``StorageReader.read_stream``: ``read_into`` / ``read_object``),
 hand it back (planner).  ``execute_read`` of the filesystem reader is that loop; the
 broadcast executor runs the same three steps with the middle one on its read-ahead
-thread (``resolve_destinations``, ``read_destinations``, ``commit_read``).
+thread (``resolve_destinations``, ``StorageReader.read_stream``, ``commit_read``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -28,7 +28,6 @@ __all__ = [
     "StorageWriter",
     "WriteResult",
     "commit_read",
-    "read_destinations",
     "read_items",
     "resolve_destinations",
 ]
@@ -89,7 +88,18 @@ class StorageReader(abc.ABC):
     def load_metadata(self) -> Metadata:
         """Read the checkpoint's metadata (works without a prior ``reset``)."""
 
+    _known_metadata: Optional[Metadata] = None
+
+    def use_metadata(self, metadata: Metadata) -> None:
+        """Serve ``metadata`` instead of reading it again on every load through this reader
+        (a tool that loads one checkpoint in many small loads, e.g. tensor by tensor)."""
+        self._known_metadata = metadata
+
     def read_metadata(self) -> Metadata:
+        """What the load pipeline calls: the metadata given to ``use_metadata``, else
+        ``load_metadata``."""
+        if self._known_metadata is not None:
+            return self._known_metadata
         return self.load_metadata()
 
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
@@ -130,6 +140,22 @@ class StorageReader(abc.ABC):
         """
         return _execute_alone(self, item, None)
 
+    def read_stream(self, reads: Iterable[ReadDestination]) -> Iterator[tuple[ReadItem, Any]]:
+        """Read each ``(item, destination or None for an object)`` in the order given;
+        yields ``(item, filled destination or object)`` in that order.
+
+        The read step of every load (``read_items``, the broadcast executor's read-ahead
+        thread): touches only the reader and the destinations.  The default reads one item
+        at a time (``read_into`` / ``read_object``); a reader that keeps several reads in
+        flight (an object store) overrides it.
+        """
+        for item, dest in reads:
+            if dest is None:
+                yield item, self.read_object(item)
+            else:
+                self.read_into(item, dest)
+                yield item, dest
+
     @property
     def collectives_required(self) -> bool:
         """False when the metadata came from per-rank files (no global view was written)."""
@@ -137,8 +163,7 @@ class StorageReader(abc.ABC):
 
 
 # ------------------------------------------------------------------------- the read loop
-@dataclass(frozen=True)
-class ReadDestination:
+class ReadDestination(NamedTuple):
     """A read item and where it goes: a tensor view, or ``None`` for an object."""
 
     item: ReadItem
@@ -151,19 +176,6 @@ def resolve_destinations(planner: LoadPlanner, items: Iterable[ReadItem]) -> Ite
     Runs where the planner may be used (the calling thread), lazily."""
     for item in items:
         yield ReadDestination(item, None if item.type is LoadItemType.BYTE_IO else planner.resolve_tensor(item))
-
-
-def read_destinations(reader: StorageReader, reads: Iterable[ReadDestination]) -> Iterator[tuple[ReadItem, Any]]:
-    """Read each destination in the order given; yields ``(item, filled tensor or object)``.
-
-    Touches only ``reader`` and the destinations, so it may run on a read-ahead thread.
-    """
-    for read in reads:
-        if read.dest is None:
-            yield read.item, reader.read_object(read.item)
-        else:
-            reader.read_into(read.item, read.dest)
-            yield read.item, read.dest
 
 
 def commit_read(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
@@ -179,7 +191,7 @@ def read_items(reader: StorageReader, planner: LoadPlanner, items: Iterable[Read
 
     Raises what the reader or the planner raises, at the first failure.
     """
-    for item, value in read_destinations(reader, resolve_destinations(planner, items)):
+    for item, value in reader.read_stream(resolve_destinations(planner, items)):
         commit_read(planner, item, value)
 
 

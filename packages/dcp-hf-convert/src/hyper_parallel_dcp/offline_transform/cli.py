@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 __all__ = ["build_parser", "main"]
 
@@ -77,10 +77,18 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return parser
 
 
-def _destination_problem(src: Path, dst: Path, overwrite: bool) -> Optional[str]:
+def _destination_problem(src: Any, dst: Any, overwrite: bool) -> Optional[str]:
+    from hyper_parallel_dcp.core.backends import url_scheme
+
+    if url_scheme(str(dst)) != "file":
+        from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
+
+        if not overwrite and as_checkpoint_files(str(dst)).exists():
+            return f"DST {dst} is not empty; pass --overwrite to replace it (nothing was written)"
+        return None
     if dst.exists() and not dst.is_dir():
         return f"DST {dst} exists and is not a directory"
-    if src.exists() and dst.exists() and os.path.samefile(src, dst):
+    if isinstance(src, Path) and src.exists() and dst.exists() and os.path.samefile(src, dst):
         return f"SRC and DST are the same path ({dst})"
     if not overwrite and dst.is_dir() and any(dst.iterdir()):
         return f"DST {dst} is not empty; pass --overwrite to replace it (nothing was written)"
@@ -89,6 +97,8 @@ def _destination_problem(src: Path, dst: Path, overwrite: bool) -> Optional[str]
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     """Run the tool with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    from hyper_parallel_dcp.core.backends import url_scheme
+
     parser = build_parser(prog)
     try:
         args = parser.parse_args(argv)
@@ -97,7 +107,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    src, dst = Path(args.src), Path(args.dst)
+    # a URL (s3://bucket/x) stays a string: Path() would fold its '//'
+    src, dst = (a if url_scheme(a) != "file" else Path(a) for a in (args.src, args.dst))
     problem = _destination_problem(src, dst, args.overwrite)
     if problem is not None:
         print(f"{prog}: error: {problem}", file=sys.stderr)

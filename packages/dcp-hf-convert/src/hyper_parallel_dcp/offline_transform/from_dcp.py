@@ -18,12 +18,12 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
+from hyper_parallel_dcp.core.backends import storage_reader_for
 from hyper_parallel_dcp.core.flatten import flatten_state_dict
 from hyper_parallel_dcp.core.layout import is_tensor_leaf
 from hyper_parallel_dcp.core.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict
-from hyper_parallel_dcp.storage_fs.filesystem import FileSystemReader, load_checkpoint_metadata
-from hyper_parallel_dcp.storage_fs.torch_dcp import TorchDCPReader, is_torch_dcp_checkpoint
+from hyper_parallel_dcp.core.storage import StorageReader
 
 from .dtypes import cast_floating, output_dtype, parse_dtype
 from .hf_writer import TensorSpec, write_huggingface_checkpoint
@@ -43,35 +43,20 @@ logger = logging.getLogger(__name__)
 PathLike = Union[str, os.PathLike]
 
 
-class _KnownMetadataReader(FileSystemReader):
-    """A ``FileSystemReader`` that reuses metadata already read, instead of parsing
-    ``.metadata`` again for every batch."""
-
-    def __init__(self, path: PathLike, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._known = metadata
-
-    def load_metadata(self) -> Metadata:
-        self.metadata = self._known
-        return self._known
+def _known_metadata_reader(path: PathLike, metadata: Metadata) -> StorageReader:
+    """The storage backend's reader for ``path`` (a directory or an ``s3://`` URL), reusing
+    metadata already read instead of fetching ``.metadata`` again for every batch."""
+    reader = storage_reader_for(path, None)
+    reader.use_metadata(metadata)
+    return reader
 
 
-def _known_reader(path: PathLike, metadata: Metadata) -> FileSystemReader:
-    """A reader of ``path`` that does not parse its metadata again for every batch (a torch
-    DCP reader parses once and re-checks only the file's ``stat``)."""
-    if is_torch_dcp_checkpoint(path):
-        return TorchDCPReader(path)
-    return _KnownMetadataReader(path, metadata)
+def checkpoint_metadata(path: PathLike) -> Metadata:
+    """The metadata of the checkpoint at ``path`` (any backend; rank-local ones merged)."""
+    return storage_reader_for(path, None).load_metadata()
 
 
-def _read_metadata(path: PathLike) -> Metadata:
-    """The metadata of the checkpoint at ``path``, in either format."""
-    if is_torch_dcp_checkpoint(path):
-        return TorchDCPReader(path).load_metadata()
-    return load_checkpoint_metadata(path)[0]
-
-
-def _load(reader: FileSystemReader, metadata: Metadata, fqns: Iterable[str],
+def _load(reader: StorageReader, metadata: Metadata, fqns: Iterable[str],
           into: Optional[StagingBuffer] = None) -> dict[str, Any]:
     """Load ``fqns`` whole: tensors into new full CPU tensors (or, for one tensor, into a
     view of ``into``), objects as restored."""
@@ -96,9 +81,9 @@ def dcp_to_full_state_dict(path: PathLike, *, key_mapping: KeyMapping = None) ->
     :func:`convert_dcp_to_huggingface`.  Raises :class:`CheckpointNotFoundError` when
     ``path`` holds no checkpoint, and the load's errors for missing or corrupt files.
     """
-    metadata = _read_metadata(path)
+    metadata = checkpoint_metadata(path)
     names = map_keys(metadata.state_dict_metadata, key_mapping)
-    loaded = _load(_known_reader(path, metadata), metadata, names)
+    loaded = _load(_known_metadata_reader(path, metadata), metadata, names)
     return {new: loaded[old] for old, new in names.items()}
 
 
@@ -114,7 +99,7 @@ class DcpTensorSource:
 
     def __init__(self, path: PathLike, metadata: Metadata, fqns: Iterable[str]) -> None:
         self.metadata = metadata
-        self._reader = _known_reader(path, metadata)
+        self._reader = _known_metadata_reader(path, metadata)
         sizes = [md.size.numel() * md.properties.dtype.itemsize for fqn in fqns
                  if isinstance(md := metadata.state_dict_metadata[fqn], TensorStorageMetadata)]
         self._buffer = StagingBuffer(max(sizes, default=0))
@@ -143,7 +128,7 @@ def convert_dcp_to_huggingface(
     ``src`` holds no checkpoint, ``ValueError`` for a bad size or dtype.
     """
     cast = parse_dtype(dtype)
-    metadata = _read_metadata(src)
+    metadata = checkpoint_metadata(src)
     sd_md = metadata.state_dict_metadata
     tensors = [fqn for fqn, md in sd_md.items() if isinstance(md, TensorStorageMetadata)]
     skipped = len(sd_md) - len(tensors)

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from hyper_parallel_dcp.storage_fs.files import fsync_dir, write_file_atomic
+from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
 from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, write_safetensors
 
 from .hf_source import INDEX_SUFFIX, SINGLE_FILE

@@ -17,12 +17,12 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
+from hyper_parallel_dcp.core.backends import storage_writer_for
 from hyper_parallel_dcp.core.flatten import flatten_state_dict
 from hyper_parallel_dcp.core.layout import is_tensor_leaf
 from hyper_parallel_dcp.core.pipeline import save_state_dict
 from hyper_parallel_dcp.core.planner import WriteItem, WriteItemType
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
-from hyper_parallel_dcp.storage_fs.filesystem import FileSystemWriter
 
 from .hf_source import read_entry, read_safetensors_header, scan_huggingface_checkpoint
 from .keymap import KeyMapping, map_keys
@@ -75,7 +75,7 @@ def _save(plan_sd: dict[str, Any], dst: PathLike, fetch: Optional[Callable[[str]
     report.objects = sum(1 for t in plan_sd.values() if not is_tensor_leaf(t))
     with Progress(report, total, desc, progress) as bar:
         planner = StreamingSavePlanner(fetch, bar.advance)
-        metadata = save_state_dict(plan_sd, FileSystemWriter(dst), planner, no_dist=True)
+        metadata = save_state_dict(plan_sd, storage_writer_for(dst, None), planner, no_dist=True)
     report.files = sorted(metadata.files) + [".metadata"]
     logger.info("converted %s -> %s: %s", report.source, report.destination, report.summary())
     return report

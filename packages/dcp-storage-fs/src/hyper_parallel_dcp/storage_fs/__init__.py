@@ -1,7 +1,9 @@
 """hyper_parallel_dcp.storage_fs: safetensors checkpoint files on a filesystem."""
 
+from hyper_parallel_dcp.core.backends import storage_writer_for
+
 from .__about__ import __version__
-from .filesystem import METADATA_FILE, FileSystemReader, FileSystemWriter, load_checkpoint_metadata, storage_writer_for
+from .filesystem import METADATA_FILE, FileSystemReader, FileSystemWriter, load_checkpoint_metadata
 from .torch_dcp import TorchDCPReader, is_torch_dcp_checkpoint, storage_reader_for_path
 
 __all__ = [

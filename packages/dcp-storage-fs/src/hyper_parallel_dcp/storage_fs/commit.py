@@ -23,7 +23,7 @@ from typing import Optional
 
 from hyper_parallel_dcp.core.errors import ConcurrentSaveError
 
-from .files import fsync_dir
+from .atomic import fsync_dir
 
 __all__ = [
     "SaveLock",

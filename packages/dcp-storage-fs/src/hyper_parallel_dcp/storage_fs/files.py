@@ -1,57 +1,123 @@
-"""Durable file writes shared by every writer of the project.
+"""The files of a checkpoint location, whatever holds them: a directory, a bucket prefix.
 
-One atomic write — temp name, fsync, rename — for the checkpoint files, the Hugging Face
-export and the async mailbox: a reader of ``path`` sees the old file or the complete new
-one, never a part.  Temp files end in :data:`TMP_SUFFIX`, so a commit or a cleanup
-recognises what a killed writer left behind.
+The integrity checks (``check_complete``, ``verify_checkpoint``,
+``find_latest_checkpoint``), the ``hp-dcp`` tools and checkpoint retention only need to
+list, size, read and delete a location's files; :class:`CheckpointFiles` is that much.
+:class:`LocalFiles` is the directory implementation; object stores bring their own
+(registered with their storage backend, see ``hyper_parallel_dcp.core.backends``).
 """
 
 from __future__ import annotations
 
+import abc
 import os
+import shutil
 from pathlib import Path
-from typing import BinaryIO, Callable, Union
+from typing import BinaryIO, Optional, Union
 
-__all__ = ["TMP_SUFFIX", "fsync_dir", "write_file_atomic"]
-
-TMP_SUFFIX = ".hp-dcp-tmp"
+__all__ = ["CheckpointFiles", "LocalFiles", "as_checkpoint_files"]
 
 
-def write_file_atomic(path: Union[str, os.PathLike], write: Callable[[BinaryIO], object], sync: bool = True, *,
-                      unique_temp: bool = False) -> int:
-    """Write ``path`` through ``write(f)`` into a temp file, fsync it (``sync``), rename it
-    over ``path``; returns the file's size.
+class CheckpointFiles(abc.ABC):
+    """One location (a checkpoint, or a root of step checkpoints) and its direct entries.
 
-    ``unique_temp`` puts the process id into the temp name, for a file that several
-    processes may write at once (the last rename wins).  On any failure the temp file is
-    removed and ``path`` is untouched; an ``OSError`` (disk full, quota, I/O error) is
-    re-raised as one of the same class whose message names ``path``.
+    ``target`` is what to hand back to ``save``/``load`` (a :class:`Path` or a URL);
+    ``str(self)`` names the location in messages.
     """
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}" if unique_temp else path.name + TMP_SUFFIX)
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, path)
-    except BaseException as exc:
+
+    target: Union[Path, str]
+
+    @abc.abstractmethod
+    def exists(self) -> bool:
+        """The location exists (a directory; any object under a prefix)."""
+
+    @abc.abstractmethod
+    def entries(self) -> list[tuple[str, Optional[int]]]:
+        """Direct entries: ``(name, size)`` for files, ``(name, None)`` for sub-locations."""
+
+    @abc.abstractmethod
+    def size(self, name: str) -> Optional[int]:
+        """Size of file ``name``, ``None`` when it does not exist."""
+
+    @abc.abstractmethod
+    def open(self, name: str) -> BinaryIO:
+        """A seekable binary reader of file ``name`` (``FileNotFoundError`` when missing)."""
+
+    @abc.abstractmethod
+    def child(self, name: str) -> CheckpointFiles:
+        """The sub-location ``name``."""
+
+    @abc.abstractmethod
+    def remove(self) -> None:
+        """Delete the location and everything under it."""
+
+    def read(self, name: str) -> bytes:
+        with self.open(name) as f:
+            return f.read()
+
+    def where(self, name: str) -> str:
+        """How a file is named in messages."""
+        return f"{self}/{name}"
+
+    def total_size(self) -> int:
+        """Bytes of every file under the location (recursively)."""
+        return sum(n if n is not None else self.child(name).total_size() for name, n in self.entries())
+
+    def __str__(self) -> str:
+        return str(self.target)
+
+
+class LocalFiles(CheckpointFiles):
+    """A directory."""
+
+    def __init__(self, path: Union[str, os.PathLike]) -> None:
+        self.path = Path(path)
+        self.target = self.path
+
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+    def entries(self) -> list[tuple[str, Optional[int]]]:
+        out: list[tuple[str, Optional[int]]] = []
+        for entry in os.scandir(self.path):
+            if entry.is_dir():
+                out.append((entry.name, None))
+            else:
+                try:
+                    out.append((entry.name, entry.stat().st_size))
+                except FileNotFoundError:
+                    continue
+        return out
+
+    def size(self, name: str) -> Optional[int]:
         try:
-            tmp.unlink()
-        except OSError:
-            pass
-        if isinstance(exc, OSError) and exc.errno is not None:
-            raise type(exc)(exc.errno, f"writing checkpoint file {path} failed: {exc.strerror}") from exc
-        raise
-    return size
+            st = (self.path / name).stat()
+        except FileNotFoundError:
+            return None
+        return None if not Path(self.path / name).is_file() else st.st_size
+
+    def open(self, name: str) -> BinaryIO:
+        return open(self.path / name, "rb")
+
+    def child(self, name: str) -> LocalFiles:
+        return LocalFiles(self.path / name)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def where(self, name: str) -> str:
+        return str(self.path / name)
 
 
-def fsync_dir(path: Union[str, os.PathLike]) -> None:
-    """fsync the directory ``path``, so that renames and new names in it are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def as_checkpoint_files(location: Union[str, os.PathLike, CheckpointFiles]) -> CheckpointFiles:
+    """``location`` as :class:`CheckpointFiles`: as is, or through the backend of its URL
+    scheme (a plain path: :class:`LocalFiles`).  Raises ``UnknownSchemeError`` for a
+    scheme without an installed backend."""
+    if isinstance(location, CheckpointFiles):
+        return location
+    from hyper_parallel_dcp.core.backends import backend_for
+
+    backend = backend_for(location)
+    if backend.files is None:
+        raise ValueError(f"the storage backend for {os.fspath(location)!r} cannot list or read files")
+    return backend.files(location)

@@ -30,38 +30,32 @@ from hyper_parallel_dcp.core.metadata import (
     MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
-    chunk_key,
     metadata_from_json,
     metadata_to_json,
 )
-from hyper_parallel_dcp.core.objects import deserialize_object, serialize_object
+from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
     SavePlan,
     SavePlanner,
-    WriteItemType,
-    order_key,
 )
 from hyper_parallel_dcp.core.settings import FILES_KEPT
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult, read_items
 
+from .atomic import fsync_dir, write_file_atomic
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
 from .direct_read import read_slice_into
-from .files import fsync_dir, write_file_atomic
+from .rank_files import with_stored_as, write_rank_files
 from .safetensors_stream import (
     HeaderEntry,
     SafetensorsHeaderError,
-    TensorEntry,
     entry_mismatch,
     read_header,
-    stored_layout,
-    to_stored,
-    write_safetensors,
 )
 
-__all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata", "storage_writer_for"]
+__all__ = ["FileSystemReader", "FileSystemWriter", "METADATA_FILE", "load_checkpoint_metadata", "merge_rank_metadata"]
 
 METADATA_FILE = ".metadata"
 _RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
@@ -159,51 +153,14 @@ class FileSystemWriter(StorageWriter):
                     stale.unlink()  # the directory no longer holds that checkpoint
                 except FileNotFoundError:
                     pass
-        tensors = sorted((it for it in plan.items if it.type is WriteItemType.TENSOR), key=lambda it: order_key(it.index))
-        objects = sorted((it for it in plan.items if it.type is WriteItemType.BYTE_IO), key=lambda it: it.index.fqn)
-        results: list[WriteResult] = []
-        if tensors:
-            name = f"_rank{self.rank}_.safetensors"
-            entries = []
-            for it in tensors:
-                assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
-                # a dtype safetensors cannot name goes as a same-size integer view
-                stored_dtype, stored_shape = stored_layout(getattr(torch, it.dtype), it.sizes)
-                entries.append(TensorEntry(
-                    chunk_key(it.index.fqn, it.index.offset),
-                    stored_dtype,
-                    stored_shape,
-                    (lambda it=it: to_stored(planner.resolve_data(it))),
-                    label=f"{it.index.fqn!r} chunk at {list(it.index.offset)}",
-                ))
-            placed: list[tuple[int, int, str]] = []
-
-            def write_tensors(f) -> None:
-                placed.extend(write_safetensors(f, entries))
-
-            size = write_file_atomic(out_dir / name, write_tensors, self.sync_files)
-            for it, tensor_entry, (offset, length, digest) in zip(tensors, entries, placed):
-                results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest, tensor_entry.key), size))
-        if objects:
-            name = f"_rank{self.rank}_.bytes"
-            placed_objs: list[tuple[int, int, str]] = []
-
-            def write_objects(f) -> None:
-                for it in objects:
-                    blob = serialize_object(planner.resolve_data(it))
-                    placed_objs.append((f.tell(), len(blob), xxhash.xxh3_64_hexdigest(blob)))
-                    f.write(blob)
-
-            size = write_file_atomic(out_dir / name, write_objects, self.sync_files)
-            for it, (offset, length, digest) in zip(objects, placed_objs):
-                results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest), size))
-        return results
+        return write_rank_files(plan, planner, self.rank,
+                                lambda name, data_writer: write_file_atomic(out_dir / name, data_writer, self.sync_files))
 
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         name = METADATA_FILE if self.atomic else f"{self.rank}.metadata"
-        text = metadata_to_json(_with_stored_as(metadata)).encode()
+        text = metadata_to_json(with_stored_as(metadata)).encode()
         write_file_atomic(out_dir / name, lambda f: f.write(text), self.sync_files)
         try:
             if self.atomic:
@@ -230,41 +187,10 @@ class FileSystemWriter(StorageWriter):
 
 
 
-def _with_stored_as(metadata: Metadata) -> Metadata:
-    """``metadata`` with ``properties.stored_as`` set for each tensor whose dtype the
-    safetensors files hold as another (a same-size integer view)."""
-    import copy
-    from dataclasses import replace
-
-    out = None
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            stored, _ = stored_layout(md.properties.dtype, ())
-            if stored != md.properties.dtype and md.properties.stored_as != stored:
-                if out is None:
-                    out = copy.copy(metadata)
-                    out.state_dict_metadata = dict(metadata.state_dict_metadata)
-                out.state_dict_metadata[fqn] = replace(md, properties=replace(md.properties, stored_as=stored))
-    return metadata if out is None else out
-
-
-def storage_writer_for(checkpoint_id: Union[str, os.PathLike, None], storage_writer: Optional[StorageWriter],
-                       *, caller: str = "save") -> StorageWriter:
-    """The writer a save uses: ``storage_writer`` (reset to ``checkpoint_id`` when both are
-    given), else a :class:`FileSystemWriter` for ``checkpoint_id``.
-
-    Raises ``ValueError`` naming ``caller`` when neither is given.
-    """
-    if storage_writer is None:
-        if checkpoint_id is None:
-            raise ValueError(f"{caller} needs checkpoint_id or storage_writer")
-        return FileSystemWriter(checkpoint_id)
-    if checkpoint_id is not None:
-        storage_writer.reset(checkpoint_id)
-    return storage_writer
-
 # ------------------------------------------------------------------------------ reading
-def _merge_rank_metadata(parts: Sequence[tuple[int, Metadata]]) -> Metadata:
+def merge_rank_metadata(parts: Sequence[tuple[int, Metadata]]) -> Metadata:
+    """One view of a checkpoint saved without collectives: every ``(rank, {rank}.metadata)``
+    merged (first saver of an object wins, chunks deduplicated and sorted)."""
     sd: dict[str, Any] = {}
     storage: dict[MetadataIndex, StorageInfo] = {}
     files: dict[str, int] = {}
@@ -318,7 +244,7 @@ def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, b
             f"{root} holds no checkpoint: neither {METADATA_FILE} nor any {{rank}}.metadata file "
             "(an interrupted save leaves none)"
         )
-    return _merge_rank_metadata(parts), False
+    return merge_rank_metadata(parts), False
 
 
 class _OpenFile:

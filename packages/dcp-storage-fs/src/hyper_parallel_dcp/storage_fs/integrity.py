@@ -29,7 +29,8 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
 )
 
-from .filesystem import METADATA_FILE, _merge_rank_metadata
+from .files import CheckpointFiles, LocalFiles, as_checkpoint_files
+from .filesystem import METADATA_FILE, merge_rank_metadata
 from .safetensors_stream import SafetensorsHeaderError, entry_mismatch, read_header
 from .torch_dcp import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 
@@ -41,7 +42,7 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-PathLike = Union[str, os.PathLike]
+PathLike = Union[str, os.PathLike, CheckpointFiles]
 _RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
 _STEP = re.compile(r"(\d+)$")
 #: Bytes hashed per read while verifying (bounded memory, large sequential reads).
@@ -61,7 +62,7 @@ class CompletenessReport:
     checkpoint of ``torch.distributed.checkpoint``, which records no file sizes).
     """
 
-    path: Path
+    path: Union[Path, str]
     complete: bool
     problems: list[str] = field(default_factory=list)
     format_version: Optional[int] = None
@@ -73,7 +74,7 @@ class CompletenessReport:
 class VerifyReport:
     """Result of :func:`verify_checkpoint`: ``ok`` when complete and every checksum matches."""
 
-    path: Path
+    path: Union[Path, str]
     ok: bool
     problems: list[str] = field(default_factory=list)
     chunks_checked: int = 0
@@ -96,29 +97,29 @@ def _add(problems: list[str], text: str) -> None:
         problems.append("... further problems omitted")
 
 
-def _read_metadata(root: Path, problems: list[str]) -> tuple[Optional[Metadata], Optional[int]]:
+def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional[Metadata], Optional[int]]:
     """Parse ``.metadata`` or merge the ``{rank}.metadata`` files, recording what fails."""
-    global_file = root / METADATA_FILE
-    if is_torch_dcp_checkpoint(root):
+    global_file = root.where(METADATA_FILE)
+    if isinstance(root, LocalFiles) and is_torch_dcp_checkpoint(root.path):
         try:
-            return read_torch_dcp_metadata(root)[0], None
+            return read_torch_dcp_metadata(root.path)[0], None
         except CheckpointError as exc:
             _add(problems, str(exc))
             return None, None
-    if global_file.is_file():
+    if root.size(METADATA_FILE) is not None:
         try:
-            text = global_file.read_bytes()
+            text = root.read(METADATA_FILE)
         except OSError as exc:
             _add(problems, f"{global_file} cannot be read: {exc}")
             return None, None
         version = _peek_version(text)
         try:
-            return metadata_from_json(text, source=str(global_file)), version
+            return metadata_from_json(text, source=global_file), version
         except CheckpointFormatError as exc:
             _add(problems, str(exc))
             return None, version
     try:
-        names = sorted(e.name for e in os.scandir(root))
+        names = sorted(name for name, size in root.entries() if size is not None)
     except OSError as exc:
         _add(problems, f"{root} cannot be listed: {exc}")
         return None, None
@@ -134,23 +135,23 @@ def _read_metadata(root: Path, problems: list[str]) -> tuple[Optional[Metadata],
     parts = []
     version = None  # typed Optional[int] by the single-file branch above
     for rank, name in ranks:
-        file = root / name
+        file = root.where(name)
         try:
-            text = file.read_bytes()
+            text = root.read(name)
         except OSError as exc:
             _add(problems, f"{file} cannot be read: {exc}")
             continue
         version = _peek_version(text) if version is None else version
         try:
-            parts.append((rank, metadata_from_json(text, source=str(file))))
+            parts.append((rank, metadata_from_json(text, source=file)))
         except CheckpointFormatError as exc:
             _add(problems, str(exc))
     if len(parts) != len(ranks):
         return None, version
-    return _merge_rank_metadata(parts), version
+    return merge_rank_metadata(parts), version
 
 
-def _check_consistency(md: Metadata, source: Path, problems: list[str]) -> None:
+def _check_consistency(md: Metadata, source: CheckpointFiles, problems: list[str]) -> None:
     """Every saved item has a storage entry (the metadata does not contradict itself)."""
     storage = md.storage_data or {}
     for fqn, entry in md.state_dict_metadata.items():
@@ -174,51 +175,53 @@ def check_complete(path: PathLike) -> CompletenessReport:
     complete is in ``problems``.  (Trailing missing ranks of a rank-local save cannot be
     detected without knowing the world size.)
     """
-    root = Path(path)
+    root = as_checkpoint_files(path)
     problems: list[str] = []
-    if not root.is_dir():
-        return CompletenessReport(root, False, [f"checkpoint directory {root} does not exist"], None, None)
+    if not root.exists():
+        what = f"checkpoint directory {root}" if isinstance(root.target, Path) else f"checkpoint {root} (no objects)"
+        return CompletenessReport(root.target, False, [f"{what} does not exist"], None, None)
     md, version = _read_metadata(root, problems)
     if md is None:
-        return CompletenessReport(root, False, problems or [f"{root}: no readable metadata"], version, None)
+        return CompletenessReport(root.target, False, problems or [f"{root}: no readable metadata"], version, None)
     _check_consistency(md, root, problems)
-    kind = "torch-dcp" if is_torch_dcp_checkpoint(root) else "hyper-parallel-dcp"
+    kind = "torch-dcp" if isinstance(root, LocalFiles) and is_torch_dcp_checkpoint(root.path) else "hyper-parallel-dcp"
     sizes: dict[str, Optional[int]] = {}
     named = dict(md.files)
     for info in (md.storage_data or {}).values():
         named.setdefault(info.relative_path, -1)
     for name, expected in sorted(named.items()):
-        file = root / name
+        file = root.where(name)
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             _add(problems, f"{root}: the metadata names an invalid file {name!r}")
             sizes[name] = None
             continue
         try:
-            st = file.stat()
-        except FileNotFoundError:
-            _add(problems, f"{file} is missing")
-            sizes[name] = None
-            continue
+            actual = root.size(name)
         except OSError as exc:
             _add(problems, f"{file} cannot be examined: {exc}")
             sizes[name] = None
             continue
-        sizes[name] = st.st_size
-        if expected >= 0 and st.st_size != expected:
-            _add(problems, f"{file} has {st.st_size} bytes, the metadata records {expected} (truncated or replaced)")
+        if actual is None:
+            _add(problems, f"{file} is missing")
+            sizes[name] = None
+            continue
+        sizes[name] = actual
+        if expected >= 0 and actual != expected:
+            _add(problems, f"{file} has {actual} bytes, the metadata records {expected} (truncated or replaced)")
         elif expected < 0 and kind != "torch-dcp":
             _add(problems, f"{root}: the metadata records no size for {name}")
     for index, info in (md.storage_data or {}).items():
         size = sizes.get(info.relative_path)
         if size is not None and info.offset + info.length > size:
-            _add(problems, f"{root / info.relative_path}: {_item_name(index)} needs bytes "
+            _add(problems, f"{root.where(info.relative_path)}: {_item_name(index)} needs bytes "
                            f"[{info.offset}, {info.offset + info.length}) but the file has {size}")
     if kind == "torch-dcp":
         for name, size in sizes.items():
             if size is not None:
                 md.files.setdefault(name, size)  # torch records none: report what is there
-        return CompletenessReport(root, not problems, problems, None, md, kind)
-    return CompletenessReport(root, not problems, problems, version if version is not None else md.format_version, md)
+        return CompletenessReport(root.target, not problems, problems, None, md, kind)
+    return CompletenessReport(root.target, not problems, problems,
+                              version if version is not None else md.format_version, md)
 
 
 def _item_name(index: MetadataIndex) -> str:
@@ -227,29 +230,31 @@ def _item_name(index: MetadataIndex) -> str:
     return f"{index.fqn!r} chunk at offsets {list(index.offset)}"
 
 
-def find_latest_checkpoint(root: PathLike) -> Optional[Path]:
+def find_latest_checkpoint(root: PathLike) -> Optional[Union[Path, str]]:
     """The complete checkpoint under ``root`` whose directory name ends in the highest step.
 
     Looks at the direct subdirectories of ``root`` whose names end in an integer
     (``step_100``, ``global_step2000``, ``300``), newest first, and returns the first that
     :func:`check_complete` accepts; hidden entries (staging directories) are skipped.
-    Returns ``None`` when ``root`` does not exist or holds no complete checkpoint.
+    Returns ``None`` when ``root`` does not exist or holds no complete checkpoint; the
+    checkpoint's ``Path`` (a URL for an object store) otherwise.
     """
-    base = Path(root)
+    base = as_checkpoint_files(root)
     try:
-        entries = list(os.scandir(base))
+        entries = base.entries()
     except (FileNotFoundError, NotADirectoryError):
         return None
     candidates = []
-    for entry in entries:
-        if entry.name.startswith("."):
+    for name, size in entries:
+        if name.startswith("."):
             continue
-        match = _STEP.search(entry.name)
-        if match and entry.is_dir():
-            candidates.append((int(match.group(1)), entry.name))
+        match = _STEP.search(name)
+        if match and size is None:
+            candidates.append((int(match.group(1)), name))
     for _, name in sorted(candidates, reverse=True):
-        if check_complete(base / name).complete:
-            return base / name
+        child = base.child(name)
+        if check_complete(child).complete:
+            return child.target
     return None
 
 
@@ -279,7 +284,8 @@ def verify_checkpoint(path: PathLike, *,
     in the report; ``ok`` is true only when there are none.  Items without a recorded
     checksum are reported as problems.
     """
-    report = check_complete(path)
+    files = as_checkpoint_files(path)
+    report = check_complete(files)
     root = report.path
     problems = list(report.problems)
     md = report.metadata
@@ -293,9 +299,9 @@ def verify_checkpoint(path: PathLike, *,
     buf = bytearray(_READ_BLOCK)
     for name in sorted(by_file):
         items = sorted(by_file[name], key=lambda p: p[1].offset)
-        file = root / name
+        file = files.where(name)
         try:
-            f = open(file, "rb")
+            f = files.open(name)
         except OSError as exc:
             if not any(str(file) in p for p in problems):
                 _add(problems, f"{file} cannot be opened: {exc}")
@@ -304,7 +310,7 @@ def verify_checkpoint(path: PathLike, *,
                 progress(done, total)
             continue
         with f:
-            size = os.fstat(f.fileno()).st_size
+            size = files.size(name) or 0
             header = None
             if name.endswith(".safetensors"):
                 try:

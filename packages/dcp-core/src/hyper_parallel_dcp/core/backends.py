@@ -1,0 +1,153 @@
+"""Storage backends by URL scheme: which writer/reader a ``checkpoint_id`` gets.
+
+A plain path or ``file://`` URL goes to the filesystem backend; ``s3://bucket/prefix``
+(and the other schemes an object-store package supports) to that package.  Packages
+register themselves through the ``hyper_parallel_dcp.storage`` entry-point group: the
+entry's name is the scheme (``file`` for local paths), its value a
+:class:`StorageBackend`.  Core depends on no backend; a scheme nobody registered is an
+error naming the package to install, never a local directory called ``s3:``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from importlib import metadata as importlib_metadata
+from typing import Any, Callable, Optional, Union
+
+from .storage import StorageReader, StorageWriter
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "StorageBackend",
+    "UnknownSchemeError",
+    "backend_for",
+    "register_backend",
+    "storage_reader_for",
+    "storage_writer_for",
+    "url_scheme",
+]
+
+ENTRY_POINT_GROUP = "hyper_parallel_dcp.storage"
+#: Scheme → the distribution that provides it, for the "install this" message.
+_PROVIDERS = {
+    "file": "hyper-parallel-dcp-storage-fs",
+    "s3": "hyper-parallel-dcp-storage-object (pip install 'hyper-parallel-dcp[s3]')",
+}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+CheckpointId = Union[str, os.PathLike]
+
+
+class UnknownSchemeError(ValueError):
+    """A ``checkpoint_id`` URL whose scheme no installed package handles."""
+
+
+@dataclass(frozen=True)
+class StorageBackend:
+    """What a storage package registers for a scheme.
+
+    ``writer(checkpoint_id)`` and ``reader(checkpoint_id, verify=...)`` build a fresh
+    writer/reader for ``checkpoint_id`` (``verify=None``: the reader's default);
+    ``files(location)`` the location's ``CheckpointFiles`` (list, size, read, delete: what
+    the integrity checks, the ``hp-dcp`` tools and retention use).
+    """
+
+    scheme: str
+    writer: Callable[[CheckpointId], StorageWriter]
+    reader: Callable[..., StorageReader]
+    files: Optional[Callable[[CheckpointId], Any]] = None
+
+
+_registry: dict[str, StorageBackend] = {}
+_loaded = False
+_lock = threading.Lock()
+
+
+def url_scheme(checkpoint_id: CheckpointId) -> str:
+    """The lower-case URL scheme of ``checkpoint_id``; ``"file"`` for a plain path."""
+    match = _SCHEME.match(os.fspath(checkpoint_id)) if isinstance(checkpoint_id, str) else None
+    return match.group(1).lower() if match else "file"
+
+
+def register_backend(backend: StorageBackend) -> None:
+    """Register (or replace) the backend for ``backend.scheme`` in this process."""
+    with _lock:
+        _registry[backend.scheme.lower()] = backend
+
+
+def _load_entry_points() -> None:
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name.lower() in _registry:
+                continue
+            try:
+                backend = ep.load()
+            except ImportError:  # a backend whose own dependencies are missing
+                continue
+            _registry[ep.name.lower()] = backend
+        _loaded = True
+
+
+def backend_for(checkpoint_id: CheckpointId) -> StorageBackend:
+    """The registered backend for ``checkpoint_id``'s scheme.
+
+    Raises :class:`UnknownSchemeError` naming the scheme and the package that provides it.
+    """
+    scheme = url_scheme(checkpoint_id)
+    backend = _registry.get(scheme)
+    if backend is None:
+        _load_entry_points()
+        backend = _registry.get(scheme)
+    if backend is None:
+        provider = _PROVIDERS.get(scheme)
+        hint = f"install {provider}" if provider else "no hyper-parallel-dcp package supports it"
+        raise UnknownSchemeError(f"checkpoint_id {os.fspath(checkpoint_id)!r}: no storage backend for "
+                                 f"'{scheme}://' is installed; {hint}")
+    return backend
+
+
+def storage_writer_for(checkpoint_id: Optional[CheckpointId], storage_writer: Optional[StorageWriter],
+                       *, caller: str = "save") -> StorageWriter:
+    """The writer a save uses: ``storage_writer`` (reset to ``checkpoint_id`` when both are
+    given), else the backend's writer for ``checkpoint_id``'s scheme.
+
+    Raises ``ValueError`` naming ``caller`` when neither is given, and
+    :class:`UnknownSchemeError` for a URL scheme without an installed backend.
+    """
+    if storage_writer is None:
+        if checkpoint_id is None:
+            raise ValueError(f"{caller} needs checkpoint_id or storage_writer")
+        return backend_for(checkpoint_id).writer(checkpoint_id)
+    if checkpoint_id is not None:
+        storage_writer.reset(checkpoint_id)
+    return storage_writer
+
+
+def storage_reader_for(checkpoint_id: Optional[CheckpointId], storage_reader: Optional[StorageReader],
+                       *, verify: Optional[bool] = None, caller: str = "load") -> StorageReader:
+    """The reader a load uses: ``storage_reader`` (reset to ``checkpoint_id`` when both are
+    given, ``verify`` set when not None), else the backend's reader for ``checkpoint_id``.
+
+    Raises ``ValueError`` when neither is given or ``verify`` is given for a reader without
+    that setting, :class:`UnknownSchemeError` for a scheme without an installed backend.
+    """
+    if storage_reader is None:
+        if checkpoint_id is None:
+            raise ValueError(f"{caller} needs checkpoint_id or storage_reader")
+        return backend_for(checkpoint_id).reader(checkpoint_id, verify=verify)
+    if checkpoint_id is not None:
+        storage_reader.reset(checkpoint_id)
+    if verify is not None:
+        if not hasattr(storage_reader, "verify"):
+            raise ValueError(f"verify={verify} given but {type(storage_reader).__name__} has no 'verify' setting")
+        storage_reader.verify = verify  # type: ignore[attr-defined]
+    return storage_reader
+

@@ -1,0 +1,44 @@
+"""The filesystem backend of the scheme registry (``hyper_parallel_dcp.core.backends``).
+
+Plain paths and ``file://`` URLs come here.  :func:`local_storage_reader` is the one
+place that decides which reader a local checkpoint gets.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+from hyper_parallel_dcp.core.backends import StorageBackend
+from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
+
+from .files import LocalFiles
+from .filesystem import FileSystemWriter
+from .torch_dcp import storage_reader_for_path
+
+__all__ = ["BACKEND", "local_files", "local_path", "local_storage_reader", "local_storage_writer"]
+
+
+def local_path(checkpoint_id: Union[str, os.PathLike]) -> str:
+    """``checkpoint_id`` as a filesystem path (``file:///a/b`` → ``/a/b``)."""
+    text = os.fspath(checkpoint_id)
+    if isinstance(text, str) and text[:7].lower() == "file://":
+        return text[7:]
+    return str(text)
+
+
+def local_storage_writer(checkpoint_id: Union[str, os.PathLike]) -> StorageWriter:
+    return FileSystemWriter(local_path(checkpoint_id))
+
+
+def local_storage_reader(checkpoint_id: Union[str, os.PathLike], *, verify: Optional[bool] = None) -> StorageReader:
+    """The reader for a local checkpoint directory (``verify=None``: the reader's default):
+    :func:`storage_reader_for_path` decides (a torch DCP directory gets its reader)."""
+    return storage_reader_for_path(local_path(checkpoint_id), verify)
+
+
+def local_files(location: Union[str, os.PathLike]) -> LocalFiles:
+    return LocalFiles(local_path(location))
+
+
+BACKEND = StorageBackend("file", local_storage_writer, local_storage_reader, local_files)

@@ -1,0 +1,100 @@
+"""What one rank writes for a save: its safetensors file and its objects file.
+
+Shared by every backend (a file on a filesystem, an object in a bucket): the caller
+passes ``write_file(name, data_writer) -> size``, which opens the destination, calls
+``data_writer(f)`` (``f`` needs ``write`` and ``tell``) and returns the final size, so the
+names, bytes and checksums are the same on every backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, BinaryIO, Callable
+
+import torch
+import xxhash
+
+from hyper_parallel_dcp.core.metadata import Metadata, StorageInfo, TensorStorageMetadata, chunk_key
+from hyper_parallel_dcp.core.objects import serialize_object
+from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItemType, order_key
+from hyper_parallel_dcp.core.storage import WriteResult
+
+from .safetensors_stream import TensorEntry, stored_layout, to_stored, write_safetensors
+
+__all__ = ["WriteFile", "objects_file_name", "tensors_file_name", "with_stored_as", "write_rank_files"]
+
+#: ``write_file(name, data_writer)``: write ``name`` through ``data_writer(f)``, return its size.
+WriteFile = Callable[[str, Callable[[BinaryIO], Any]], int]
+
+
+def tensors_file_name(rank: int) -> str:
+    return f"_rank{rank}_.safetensors"
+
+
+def objects_file_name(rank: int) -> str:
+    return f"_rank{rank}_.bytes"
+
+
+def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile) -> list[WriteResult]:
+    """Write ``plan``'s tensor chunks (``(fqn, offset, index)`` order, hashed as written)
+    and pickled objects through ``write_file``; returns one :class:`WriteResult` per item.
+
+    Errors of ``write_file`` and of ``planner.resolve_data`` propagate unchanged.
+    """
+    tensors = sorted((it for it in plan.items if it.type is WriteItemType.TENSOR), key=lambda it: order_key(it.index))
+    objects = sorted((it for it in plan.items if it.type is WriteItemType.BYTE_IO), key=lambda it: it.index.fqn)
+    results: list[WriteResult] = []
+    if tensors:
+        name = tensors_file_name(rank)
+        entries = []
+        for it in tensors:
+            assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
+            # a dtype safetensors cannot name goes as a same-size integer view
+            stored_dtype, stored_shape = stored_layout(getattr(torch, it.dtype), it.sizes)
+            entries.append(TensorEntry(
+                chunk_key(it.index.fqn, it.index.offset),
+                stored_dtype,
+                stored_shape,
+                (lambda it=it: to_stored(planner.resolve_data(it))),
+                label=f"{it.index.fqn!r} chunk at {list(it.index.offset)}",
+            ))
+        placed: list[tuple[int, int, str]] = []
+
+        def write_tensors(f: BinaryIO) -> None:
+            placed.extend(write_safetensors(f, entries))
+
+        size = write_file(name, write_tensors)
+        for it, tensor_entry, (offset, length, digest) in zip(tensors, entries, placed):
+            results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest, tensor_entry.key), size))
+    if objects:
+        name = objects_file_name(rank)
+        placed_objs: list[tuple[int, int, str]] = []
+
+        def write_objects(f: BinaryIO) -> None:
+            for it in objects:
+                blob = serialize_object(planner.resolve_data(it))
+                placed_objs.append((f.tell(), len(blob), xxhash.xxh3_64_hexdigest(blob)))
+                f.write(blob)
+
+        size = write_file(name, write_objects)
+        for it, (offset, length, digest) in zip(objects, placed_objs):
+            results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest), size))
+    return results
+
+
+def with_stored_as(metadata: Metadata) -> Metadata:
+    """``metadata`` with ``properties.stored_as`` set for each tensor whose dtype the
+    safetensors files hold as another (a same-size integer view); what every backend
+    commits as ``.metadata``."""
+    import copy
+    from dataclasses import replace
+
+    out = None
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            stored, _ = stored_layout(md.properties.dtype, ())
+            if stored != md.properties.dtype and md.properties.stored_as != stored:
+                if out is None:
+                    out = copy.copy(metadata)
+                    out.state_dict_metadata = dict(metadata.state_dict_metadata)
+                out.state_dict_metadata[fqn] = replace(md, properties=replace(md.properties, stored_as=stored))
+    return metadata if out is None else out

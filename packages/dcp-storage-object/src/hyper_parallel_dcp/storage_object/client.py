@@ -1,0 +1,368 @@
+"""The S3 requests a checkpoint needs, each with a timeout, retried with backoff when transient.
+
+Built on botocore's low-level client (chosen over obstore, s3fs and boto3's managed
+transfer by ``benchmarks/bench_clients.py``: fastest multipart upload against the same
+server, equal on ranged GETs, three small pure-Python dependencies, and every request
+is ours to retry and log).  botocore's own retries are off: each request goes through
+:meth:`ObjectStore._call`, which retries 5xx, throttling and connection errors with
+jittered exponential backoff, logs every retry (``HP_LOG_CONFIG=DCP:INFO``) naming the
+error, and turns a permanent error into an :class:`ObjectStoreError` naming bucket and key.
+
+Configuration is botocore's standard environment (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``,
+profiles); :class:`ObjectStoreSettings` holds the transfer settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointNotFoundError
+from hyper_parallel_dcp.core.timing import configure_from_env
+
+__all__ = ["ObjectStore", "ObjectStoreError", "ObjectStoreSettings", "parse_url"]
+
+# Retries are reported on the ``HP_LOG_CONFIG=DCP:...`` logger (a child of the timing
+# logger, so they show with the per-phase lines and need no extra configuration).
+logger = logging.getLogger("hyper_parallel_dcp.timing").getChild("storage_object")
+
+T = TypeVar("T")
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ObjectStoreSettings:
+    """Transfer settings (defaults measured against a local server, see the README).
+
+    ``multipart_threshold``: objects at least this large are uploaded in parts of
+    ``part_size`` (S3 needs >= 5 MiB), ``upload_concurrency`` parts in flight per object.
+    ``read_concurrency`` ranged GETs in flight per reader, each at most ``range_size``
+    bytes.  ``connect_timeout`` / ``read_timeout`` bound every request (seconds);
+    ``max_attempts`` tries per request, backoff ``backoff_base * 2**n`` (jittered,
+    capped at ``backoff_max``).  ``endpoint_url`` overrides ``AWS_ENDPOINT_URL``.
+    """
+
+    part_size: int = 16 * MiB
+    multipart_threshold: int = 64 * MiB
+    upload_concurrency: int = 8
+    read_concurrency: int = 8
+    range_size: int = 16 * MiB
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    max_attempts: int = 6
+    backoff_base: float = 0.2
+    backoff_max: float = 10.0
+    endpoint_url: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.part_size < 5 * MiB:
+            raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size}")
+        if self.multipart_threshold < self.part_size:
+            raise ValueError("multipart_threshold must be at least part_size")
+        for name in ("upload_concurrency", "read_concurrency", "range_size", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+
+
+class ObjectStoreError(CheckpointError, OSError):
+    """A request to the object store failed for good; the message names bucket and key."""
+
+
+def parse_url(url: str) -> tuple[str, str, str]:
+    """``s3://bucket/a/b`` → ``("s3", "bucket", "a/b")`` (prefix without surrounding slashes).
+
+    Raises ``ValueError`` for a URL without a bucket.
+    """
+    scheme, sep, rest = str(url).partition("://")
+    if not sep:
+        raise ValueError(f"{url!r} is not an object-store URL (expected s3://bucket/prefix)")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r} names no bucket (expected {scheme}://bucket/prefix)")
+    return scheme.lower(), bucket, prefix.strip("/")
+
+
+_clients: dict[tuple[int, ObjectStoreSettings, Optional[str], Optional[str]], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _shared_client(s: ObjectStoreSettings) -> Any:
+    """One botocore client per process and settings: building one costs ~0.3 s (service
+    model loading), more than a small save; botocore clients are thread-safe."""
+    key = (os.getpid(), s, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_ACCESS_KEY_ID"))
+    client = _clients.get(key)
+    if client is None:
+        with _clients_lock:
+            client = _clients.get(key)
+            if client is None:
+                import botocore.config
+                import botocore.session
+
+                config = botocore.config.Config(
+                    connect_timeout=s.connect_timeout, read_timeout=s.read_timeout,
+                    retries={"total_max_attempts": 1},  # ours: logged, and per request
+                    max_pool_connections=max(s.upload_concurrency, s.read_concurrency) * 2 + 4,
+                    # Whole-object CRCs on every part cost CPU and the checkpoint carries
+                    # its own xxh3 checksums; ask for them only where S3 requires one.
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                )
+                client = botocore.session.get_session().create_client("s3", endpoint_url=s.endpoint_url,
+                                                                      config=config)
+                _clients[key] = client
+    return client
+
+
+_TRANSIENT_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeoutException",
+    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
+}
+
+
+def _transient(exc: BaseException) -> bool:
+    import botocore.exceptions as bx
+    import urllib3.exceptions as ux
+
+    if isinstance(exc, bx.ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = exc.response.get("Error", {}).get("Code", "")
+        return status >= 500 or status == 429 or code in _TRANSIENT_CODES
+    return isinstance(exc, (bx.HTTPClientError, bx.ConnectionError, bx.ResponseStreamingError,
+                            bx.IncompleteReadError, ux.HTTPError, ConnectionError, TimeoutError, _ShortBody))
+
+
+def _describe(exc: BaseException) -> str:
+    import botocore.exceptions as bx
+
+    if isinstance(exc, bx.ClientError):
+        err = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
+        return f"HTTP {status} {err.get('Code', '')}: {err.get('Message', '')}".rstrip(": ")
+    return f"{type(exc).__name__}: {exc}"
+
+
+class _ShortBody(Exception):
+    """A response body ended before its length (the connection was cut)."""
+
+
+class ObjectStore:
+    """One bucket's client: the requests a checkpoint needs, each retried when transient.
+
+    Thread-safe (botocore clients are); the client is built on first use in each process,
+    so the object pickles (the async writer process gets its own connections).
+    """
+
+    def __init__(self, bucket: str, settings: Optional[ObjectStoreSettings] = None, scheme: str = "s3") -> None:
+        self.bucket = bucket
+        self.scheme = scheme
+        self.settings = settings or ObjectStoreSettings()
+        self._client: Any = None
+        self._pid = -1
+        self.retries = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"bucket": self.bucket, "scheme": self.scheme, "settings": self.settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["bucket"], state["settings"], state["scheme"])  # type: ignore[misc]
+
+    def url(self, key: str) -> str:
+        return f"{self.scheme}://{self.bucket}/{key}"
+
+    @property
+    def client(self) -> Any:
+        if self._client is None or self._pid != os.getpid():
+            self._client = _shared_client(self.settings)
+            self._pid = os.getpid()
+        return self._client
+
+    # -- the retry loop ------------------------------------------------------------------
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (one request), retrying transient errors; raise a permanent one named."""
+        configure_from_env()
+        s = self.settings
+        attempt = 1
+        while True:
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if isinstance(exc, ObjectStoreError):
+                    raise
+                if not _transient(exc) or attempt >= s.max_attempts:
+                    raise self._error(op, key, exc, attempt) from exc
+                delay = min(s.backoff_max, s.backoff_base * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
+                self.retries += 1
+                logger.info("%s %s failed (%s); retry %d/%d in %.2f s", op, self.url(key), _describe(exc),
+                            attempt, s.max_attempts - 1, delay)
+                time.sleep(delay)
+                attempt += 1
+
+    def _error(self, op: str, key: str, exc: BaseException, attempts: int) -> Exception:
+        import botocore.exceptions as bx
+
+        where = f"{op} {self.url(key)} (bucket {self.bucket!r}, key {key!r})"
+        if isinstance(exc, bx.ClientError):
+            code = exc.response.get("Error", {}).get("Code", "")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in ("NoSuchKey", "404", "NotFound") and status == 404:
+                return CheckpointNotFoundError(f"{where}: no such object")
+            hint = {
+                "NoSuchBucket": f"bucket {self.bucket!r} does not exist",
+                "InvalidAccessKeyId": "the access key is not known to the server (check AWS_ACCESS_KEY_ID)",
+                "SignatureDoesNotMatch": "the secret key is wrong (check AWS_SECRET_ACCESS_KEY)",
+                "AccessDenied": "access denied by the server's policy",
+                "403": "access denied (bad credentials or policy)",
+            }.get(code, "")
+            detail = _describe(exc) + (f" — {hint}" if hint else "")
+        else:
+            endpoint = self.settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "the default AWS endpoint")
+            detail = f"{_describe(exc)} (endpoint {endpoint})"
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        return ObjectStoreError(f"{where} failed{tries}: {detail}")
+
+    # -- requests --------------------------------------------------------------------------
+    def put(self, key: str, data: Any) -> None:
+        """One PUT of ``data`` (bytes-like) to ``key``."""
+        self._call("PUT", key, lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=data))
+
+    def get(self, key: str) -> bytes:
+        """The whole object; :class:`CheckpointNotFoundError` when it does not exist."""
+        def fetch() -> bytes:
+            resp = self.client.get_object(Bucket=self.bucket, Key=key)
+            data = resp["Body"].read()
+            if len(data) != resp["ContentLength"]:
+                raise _ShortBody(f"{len(data)} of {resp['ContentLength']} bytes")
+            return data
+
+        return self._call("GET", key, fetch)
+
+    def get_range_into(self, key: str, start: int, dest: memoryview) -> int:
+        """Fill ``dest`` with the object's bytes ``[start, start + len(dest))``; returns the
+        object's total size (from ``Content-Range``).  A short object is an error."""
+        n = len(dest)
+
+        def fetch() -> int:
+            resp = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + n - 1}")
+            body = resp["Body"]
+            total = int(resp.get("ContentRange", "/-1").rsplit("/", 1)[-1] or -1)
+            if resp["ContentLength"] != n:
+                body.close()
+                raise ObjectStoreError(f"GET {self.url(key)} bytes [{start}, {start + n}): the object has "
+                                       f"{total} bytes (truncated or replaced)")
+            # Straight into the destination: botocore's body wraps a urllib3 response,
+            # whose readinto avoids one copy of every byte read.
+            raw = getattr(body, "_raw_stream", None)
+            got = 0
+            try:
+                if raw is not None and hasattr(raw, "readinto"):
+                    while got < n:
+                        k = raw.readinto(dest[got:])
+                        if not k:
+                            break
+                        got += k
+                else:
+                    for piece in body.iter_chunks(1 << 20):
+                        dest[got:got + len(piece)] = piece
+                        got += len(piece)
+            finally:
+                body.close()
+            if got != n:
+                raise _ShortBody(f"{got} of {n} bytes")
+            return total
+
+        return self._call("GET", key, fetch)
+
+    def size(self, key: str) -> Optional[int]:
+        """The object's size, or None when it does not exist (errors for a missing bucket)."""
+        import botocore.exceptions as bx
+
+        def head() -> Optional[int]:
+            try:
+                return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+            except bx.ClientError as exc:
+                if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                    # HEAD has no body: tell a missing key from a missing bucket.
+                    self.client.head_bucket(Bucket=self.bucket)
+                    return None
+                raise
+
+        return self._call("HEAD", key, head)
+
+    def list_objects(self, prefix: str, delimiter: Optional[str] = None) -> Iterator[tuple[str, int]]:
+        """``(key, size)`` of the objects under ``prefix`` (with ``delimiter``: this level
+        only; sub-prefixes are yielded as ``(prefix, -1)``)."""
+        token: Optional[str] = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            if delimiter:
+                kwargs["Delimiter"] = delimiter
+            if token:
+                kwargs["ContinuationToken"] = token
+            page: dict[str, Any] = self._call("LIST", prefix, functools.partial(self.client.list_objects_v2, **kwargs))
+            for entry in page.get("Contents", []):
+                yield entry["Key"], int(entry["Size"])
+            for entry in page.get("CommonPrefixes", []):
+                yield entry["Prefix"], -1
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete ``keys`` (missing ones are fine), 1000 per request."""
+        for i in range(0, len(keys), 1000):
+            batch = keys[i:i + 1000]
+
+            def run(batch: list[str] = batch) -> None:
+                resp = self.client.delete_objects(Bucket=self.bucket,
+                                                  Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+                errors = resp.get("Errors") or []
+                if errors:
+                    first = errors[0]
+                    raise ObjectStoreError(f"DELETE {self.url(first.get('Key', ''))} failed: "
+                                           f"{first.get('Code')}: {first.get('Message')}")
+
+            self._call("DELETE", batch[0], run)
+
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort the unfinished multipart uploads under ``prefix``; returns how many."""
+        resp = self._call("LIST-UPLOADS", prefix,
+                          lambda: self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix))
+        count = 0
+        for up in resp.get("Uploads", []):
+            self.abort_upload(up["Key"], up["UploadId"])
+            count += 1
+        return count
+
+    # -- multipart -------------------------------------------------------------------------
+    def start_upload(self, key: str) -> str:
+        return self._call("CREATE-MULTIPART", key,
+                          lambda: self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"])
+
+    def upload_part(self, key: str, upload_id: str, number: int, data: Any) -> str:
+        return self._call(f"PUT-PART {number}", key, lambda: self.client.upload_part(
+            Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data)["ETag"])
+
+    def complete_upload(self, key: str, upload_id: str, etags: list[str]) -> None:
+        parts = [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]
+        self._call("COMPLETE-MULTIPART", key, lambda: self.client.complete_multipart_upload(
+            Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}))
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        import botocore.exceptions as bx
+
+        try:
+            self._call("ABORT-MULTIPART", key, lambda: self.client.abort_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id))
+        except ObjectStoreError as exc:
+            if not isinstance(exc.__cause__, bx.ClientError):
+                raise
+            # NoSuchUpload: already completed or aborted

@@ -1,0 +1,236 @@
+"""``ObjectStoreWriter``: the filesystem format's objects, streamed to a bucket.
+
+Each rank streams its ``_rank{r}_.safetensors`` / ``_rank{r}_.bytes`` through the same
+writer code as on a filesystem (``storage_fs.rank_files``: same names, bytes and xxh3
+checksums computed on the way).  An object below ``multipart_threshold`` is one PUT;
+a larger one becomes a multipart upload whose parts are uploaded while the next ones are
+being filled (``upload_concurrency`` in flight, memory bounded by that many parts).
+The coordinator PUTs ``.metadata`` last, once every rank's objects are complete.
+
+Replacing a checkpoint: S3 has no rename, and the objects keep the filesystem names, so
+the coordinator deletes the old ``.metadata`` before any rank writes (the id never has a
+``.metadata`` describing other objects), then the old data objects and any unfinished
+multipart uploads under the id (the leftovers of an interrupted save).  The old
+checkpoint at that id is therefore gone once a new save to it starts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+import threading
+from typing import Any, Callable, Optional, Union
+
+from hyper_parallel_dcp.core.metadata import Metadata, metadata_to_json
+from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner
+from hyper_parallel_dcp.core.storage import StorageWriter, WriteResult
+from hyper_parallel_dcp.storage_fs.rank_files import with_stored_as, write_rank_files
+
+from .client import ObjectStore, ObjectStoreSettings, parse_url
+
+__all__ = ["METADATA_OBJECT", "ObjectStoreWriter", "checkpoint_object_names"]
+
+METADATA_OBJECT = ".metadata"
+#: The names a checkpoint consists of (what a new save to the id removes).
+_CHECKPOINT_NAME = re.compile(r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes))$")
+_RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
+
+
+def checkpoint_object_names(names: list[str]) -> list[str]:
+    """The names among ``names`` that belong to a checkpoint of this format."""
+    return [n for n in names if _CHECKPOINT_NAME.match(n)]
+
+
+class _UploadStream:
+    """A write-only stream to one object: buffered parts, uploaded in parallel.
+
+    ``write`` copies into the current part buffer (the tensor memory is only read); a
+    full part is handed to the pool and a semaphore bounds the parts held in memory.
+    ``finish()`` returns the object's size once it exists; ``abort()`` cancels it.
+    """
+
+    def __init__(self, store: ObjectStore, key: str, pool: cf.ThreadPoolExecutor) -> None:
+        self.store = store
+        self.key = key
+        self.pool = pool
+        s = store.settings
+        self.part_size = s.part_size
+        self.threshold = s.multipart_threshold
+        self._slots = threading.Semaphore(s.upload_concurrency + 1)
+        self._held: list[bytearray] = []  # parts filled before the upload started
+        self._buf: Optional[bytearray] = None
+        self._fill = 0
+        self._pos = 0
+        self._upload_id: Optional[str] = None
+        self._futures: list[cf.Future] = []
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        done = 0
+        while done < n:
+            if self._buf is None:
+                self._slots.acquire()
+                self._buf = bytearray(self.part_size)
+                self._fill = 0
+            k = min(self.part_size - self._fill, n - done)
+            self._buf[self._fill:self._fill + k] = view[done:done + k]
+            self._fill += k
+            done += k
+            if self._fill == self.part_size:
+                self._part_full()
+        self._pos += n
+        return n
+
+    def _part_full(self) -> None:
+        assert self._buf is not None
+        part, self._buf = self._buf, None
+        if self._upload_id is None:
+            self._held.append(part)
+            if len(self._held) * self.part_size < self.threshold:
+                return
+            self._upload_id = self.store.start_upload(self.key)
+            held, self._held = self._held, []
+            for p in held:
+                self._submit(p)
+        else:
+            self._submit(part)
+
+    def _submit(self, part: Any, release: bool = True) -> None:
+        number = len(self._futures) + 1
+        upload_id = self._upload_id
+        assert upload_id is not None
+
+        def run() -> str:
+            try:
+                return self.store.upload_part(self.key, upload_id, number, part)
+            finally:
+                if release:
+                    self._slots.release()
+
+        self._futures.append(self.pool.submit(run))
+
+    def finish(self) -> int:
+        """Upload what is buffered and complete the object; returns its size."""
+        tail = bytes(memoryview(self._buf)[:self._fill]) if self._buf is not None else b""
+        if self._buf is not None:
+            self._buf = None
+            self._slots.release()
+        if self._upload_id is None:
+            body = b"".join([*self._held, tail]) if self._held else tail
+            self._held = []
+            self.store.put(self.key, body)
+            return self._pos
+        if tail:
+            self._submit(tail, release=False)
+        etags = [f.result() for f in self._futures]
+        self.store.complete_upload(self.key, self._upload_id, etags)
+        self._upload_id = None
+        return self._pos
+
+    def abort(self) -> None:
+        for f in self._futures:
+            f.cancel()
+        cf.wait(self._futures)
+        if self._upload_id is not None:
+            try:
+                self.store.abort_upload(self.key, self._upload_id)
+            except Exception:  # noqa: BLE001 - the next save to this id removes it
+                pass
+
+
+class ObjectStoreWriter(StorageWriter):
+    """Writes a checkpoint to ``s3://bucket/prefix`` (objects named as the files would be).
+
+    ``settings`` tunes the transfers (:class:`ObjectStoreSettings`).  With collectives (or
+    one process) the coordinator removes the id's old checkpoint before any rank writes
+    and commits ``.metadata`` last; without, each rank writes ``{rank}.metadata``.
+    """
+
+    def __init__(self, url: Union[str, None] = None, *, settings: Optional[ObjectStoreSettings] = None) -> None:
+        self.settings = settings or ObjectStoreSettings()
+        self.url: Optional[str] = None
+        self.store: Optional[ObjectStore] = None
+        self.prefix = ""
+        self.rank = 0
+        self.world_size = 1
+        self.is_coordinator = True
+        self.atomic = True
+        if url is not None:
+            self.reset(url)
+
+    def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
+        if checkpoint_id is None:
+            return
+        scheme, bucket, prefix = parse_url(str(checkpoint_id))
+        self.url = f"{scheme}://{bucket}/{prefix}"
+        if self.store is None or self.store.bucket != bucket or self.store.scheme != scheme:
+            self.store = ObjectStore(bucket, self.settings, scheme)
+        self.prefix = prefix
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return str(checkpoint_id).lower().startswith("s3://")
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _store(self) -> ObjectStore:
+        if self.store is None:
+            raise ValueError("ObjectStoreWriter has no checkpoint URL: pass checkpoint_id or a URL")
+        return self.store
+
+    def set_up_storage_writer(self, *, is_coordinator: bool, rank: int = 0, world_size: int = 1,
+                              use_collectives: bool = True) -> None:
+        # Runs on every rank inside the save's first collective step: no rank writes data
+        # before the coordinator has finished this.
+        store = self._store()
+        self.rank, self.world_size, self.is_coordinator = rank, world_size, is_coordinator
+        self.atomic = use_collectives or world_size == 1
+        if self.atomic:
+            if is_coordinator:
+                self.remove_checkpoint()
+            return
+        stale = [METADATA_OBJECT, f"{rank}.metadata"]
+        if rank == 0:
+            # per-rank metadata of ranks this save does not have would be merged by a loader
+            stale += [n for n in self._names() if (m := _RANK_METADATA.match(n)) and int(m.group(1)) >= world_size]
+        store.delete([self._key(n) for n in stale])
+
+    def _names(self) -> list[str]:
+        base = self._key("")
+        return [key[len(base):] for key, size in self._store().list_objects(base, delimiter="/") if size >= 0]
+
+    def remove_checkpoint(self) -> None:
+        """Delete the id's ``.metadata`` first, then its other checkpoint objects and
+        unfinished uploads (an older checkpoint or an interrupted save's leftovers)."""
+        store = self._store()
+        store.delete([self._key(METADATA_OBJECT)])
+        names = [n for n in checkpoint_object_names(self._names()) if n != METADATA_OBJECT]
+        store.delete([self._key(n) for n in names])
+        store.abort_uploads(self._key(""))
+
+    def _write_object(self, name: str, data_writer: Callable[[Any], Any], pool: cf.ThreadPoolExecutor) -> int:
+        stream = _UploadStream(self._store(), self._key(name), pool)
+        try:
+            data_writer(stream)
+            return stream.finish()
+        except BaseException:
+            stream.abort()
+            raise
+
+    def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        with cf.ThreadPoolExecutor(self.settings.upload_concurrency, thread_name_prefix="hp-dcp-upload") as pool:
+            return write_rank_files(plan, planner, self.rank,
+                                    lambda name, data_writer: self._write_object(name, data_writer, pool))
+
+    def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # Every rank's execute_write returned (all_reduce): each data object is complete.
+        name = METADATA_OBJECT if self.atomic else f"{self.rank}.metadata"
+        self._store().put(self._key(name), metadata_to_json(with_stored_as(metadata)).encode())
+
+    def abort(self, error: BaseException) -> None:
+        """Nothing to undo: no ``.metadata`` was written, and the next save removes the rest."""
