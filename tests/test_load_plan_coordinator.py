@@ -55,7 +55,7 @@ def _load(rank, world_size, path):
         inner(plan, reader, planner, group)
 
     sd = _target(rank)
-    load_state_dict(sd, FileSystemReader(path), assign_readers=True, read_executor=recording)
+    load_state_dict(sd, FileSystemReader(path), read_executor=recording)
     ref = _reference()
     w_ok = all(torch.equal(view, ref["w"][box.offsets[0]:box.offsets[0] + box.sizes[0]])
                for box, view in sd["w"].pieces)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, TypeVar
 from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S, MAILBOX_POLL_MAX
 from hyper_parallel_dcp.core.timing import phase
+from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.mailbox_names import DONE_SUFFIX, ack_file, gather_file, result_file, scatter_file
 
 from . import safe_pickle
@@ -93,12 +94,9 @@ class FileMailbox(DistWrapper):
         """Write ``name`` then its marker, each atomically (temp name + rename)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / name
-        for target, data in ((path, safe_pickle.dumps((self.tag, obj))),
-                             (path.with_name(name + _DONE), self.tag.encode())):
-            tmp = target.with_name(f"{target.name}.{os.getpid()}.hp-dcp-tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, target)
+        payload, marker = safe_pickle.dumps((self.tag, obj)), self.tag.encode()
+        write_file_atomic(path, lambda f: f.write(payload), sync=False, unique_temp=True)
+        write_file_atomic(path.with_name(name + _DONE), lambda f: f.write(marker), sync=False, unique_temp=True)
 
     def _fetch(self, name: str, rank: int) -> Any:
         """Poll for ``name`` of this save (its marker carries our tag) and read it safely."""

@@ -21,10 +21,10 @@ which, with "wait only for the oldest broadcast in flight", cannot deadlock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 from hyper_parallel_dcp.core.metadata import MetadataIndex
-from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key
+from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key, sort_read_items
 from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, ReplicaGroup
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "ShardInfo",
     "ShardStep",
     "ShardTask",
-    "default_sort_items",
     "plan_broadcasts",
     "rank_schedule",
     "replica_groups_of",
@@ -104,11 +103,6 @@ class LaunchStep:
 Step = Union[ShardStep, LaunchStep]
 
 
-def default_sort_items(items: Iterable[ReadItem]) -> list[ReadItem]:
-    """The global read order for readers without their own ``sort_items``."""
-    return sorted(items, key=lambda it: (order_key(it.dest_index), order_key(it.storage_index), it.storage_offsets))
-
-
 def _assignment(plan: LoadPlan) -> ReaderAssignment:
     data = plan.planner_data
     return data if isinstance(data, ReaderAssignment) else ReaderAssignment()
@@ -125,12 +119,14 @@ def _shard_sort_key(dest: MetadataIndex, ranks: RankTuple) -> tuple[str, RankTup
     return order_key(dest), ranks
 
 
-def rank_schedule(plan: LoadPlan, rank: int, sort_items=default_sort_items) -> RankSchedule:
+def rank_schedule(plan: LoadPlan, rank: int,
+                  sort_items: Callable[[Iterable[ReadItem]], list[ReadItem]] = sort_read_items) -> RankSchedule:
     """Split ``plan`` (this rank's global plan) into replicated shards and tail reads.
 
     Replicated shards come from the plan's :class:`ReaderAssignment`, in the global
     order; every other item (unreplicated tensor shards, non-tensor objects) must be read
-    by this rank and goes to the tail, sorted by ``sort_items``.  Raises ``ValueError``
+    by this rank and goes to the tail, sorted by ``sort_items`` (the reader's
+    ``StorageReader.sort_items``).  Raises ``ValueError``
     naming the FQN when a tensor item is to be read by another rank outside any group.
     """
     by_dest: dict[MetadataIndex, list[ReadItem]] = {}

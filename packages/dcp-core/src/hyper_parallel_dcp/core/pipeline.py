@@ -46,6 +46,10 @@ def process_rank(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
     return 0, 1
 
 
+def _is_whole_world(group: Optional[dist.ProcessGroup]) -> bool:
+    return group is None or dist.get_world_size(group) == dist.get_world_size()
+
+
 def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
     md = copy.copy(metadata)
     md.storage_data = {}
@@ -179,15 +183,15 @@ def load_state_dict(
     coordinator_rank: int = 0,
     no_dist: bool = False,
     use_collectives: bool = True,
-    assign_readers: bool = False,
     read_executor: Optional[ReadExecutor] = None,
 ) -> None:
     """Load into ``state_dict`` in place (tensors copied into, objects replaced).
 
-    Only keys present in ``state_dict`` are loaded.  ``assign_readers`` makes the
-    coordinator choose one reader per replicated shard (each rank receives only its own
-    final plan); ``read_executor`` then runs the reads (e.g. read-once + broadcast)
-    instead of ``storage_reader.execute_read``.
+    Only keys present in ``state_dict`` are loaded.  ``read_executor`` (e.g. read-once +
+    broadcast) is used when this load exchanges plans (collectives on, more than one
+    rank, a checkpoint with a global ``.metadata``) over every rank of the default group:
+    then the coordinator chooses one reader per replicated shard and the executor runs
+    the reads instead of ``storage_reader.execute_read``.  Otherwise it is not called.
     """
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
@@ -199,11 +203,14 @@ def load_state_dict(
         metadata, use_collectives = _read_metadata(storage_reader, process_group, coordinator_rank, rank,
                                                    use_collectives and world_size > 1)
         dw = DistWrapper(process_group, use_dist=use_collectives, coordinator_rank=coordinator_rank)
+        # Whether read-once + broadcast runs is decided here, once, for the planner and
+        # for the read: only this step knows whether the plans are exchanged.  Replica
+        # groups are made with dist.new_group, which every rank of the default group must
+        # enter: a load on a sub-group reads each shard on each rank instead.
+        broadcast = read_executor is not None and dw.use_dist and _is_whole_world(process_group)
         paths: dict[str, Any] = {}
-        plan = _plan_load(state_dict, metadata, storage_reader, planner, dw, rank, world_size,
-                          assign_readers and dw.use_dist, paths)
-        _execute_read(plan, storage_reader, planner, dw, rank,
-                      read_executor if dw.use_dist else None, process_group)
+        plan = _plan_load(state_dict, metadata, storage_reader, planner, dw, rank, world_size, broadcast, paths)
+        _execute_read(plan, storage_reader, planner, dw, rank, read_executor if broadcast else None, process_group)
         _restore_objects(state_dict, planner, paths)
         restore_stateful(original, state_dict, stateful)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "WriteItem",
     "WriteItemType",
     "order_key",
+    "sort_read_items",
 ]
 
 
@@ -93,6 +94,14 @@ class LoadPlan:
     items: tuple[ReadItem, ...]
     storage_data: Any = None
     planner_data: Any = None
+
+
+def sort_read_items(items: Iterable[ReadItem]) -> list[ReadItem]:
+    """``items`` in the global read order: destination shard, then stored chunk, then
+    offsets (a new list).  The default of ``StorageReader.sort_items``; for the
+    filesystem layout it is file order, and it is the order a broadcast load ships shards.
+    """
+    return sorted(items, key=lambda it: (order_key(it.dest_index), order_key(it.storage_index), it.storage_offsets))
 
 
 class SavePlanner(abc.ABC):

@@ -23,8 +23,8 @@ from typing import Optional
 
 from hyper_parallel_dcp.core.errors import ConcurrentSaveError
 
+from .atomic import fsync_dir
 from .mailbox_names import MAILBOX_FILE
-from .safetensors_stream import fsync_dir
 
 __all__ = [
     "SaveLock",
