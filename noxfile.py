@@ -95,7 +95,8 @@ MYPY_TARGETS: dict[str, list[str]] = {
     "hf-convert": ["-p", "hyper_parallel_dcp.offline_transform"],
     "storage-object": ["-p", "hyper_parallel_dcp.storage_object"],
     "umbrella": ["-m", "hyper_parallel_dcp", "-m", "hyper_parallel_dcp.api", "-m", "hyper_parallel_dcp.demo",
-                 "-p", "hyper_parallel_dcp.cli", "-p", "hyper_parallel_dcp.benchmarks"],
+                 "-m", "hyper_parallel_dcp.manager", "-m", "hyper_parallel_dcp.retention",
+                 "-m", "hyper_parallel_dcp.step_storage", "-p", "hyper_parallel_dcp.cli", "-p", "hyper_parallel_dcp.benchmarks"],
 }
 
 
@@ -113,7 +114,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The end-to-end CPU demo: multi-process save, async save, resharded load, HF export."""
+    """The end-to-end CPU demo: training loops on CheckpointManager (sync, async), resharded restore, HF export."""
     _install_everything(session)
     session.run("python", "-m", "hyper_parallel_dcp", *session.posargs)
 

@@ -20,7 +20,7 @@ from hyper_parallel_dcp.benchmarks.state_dicts import dense_shapes, small_shapes
 from hyper_parallel_dcp.benchmarks.throttle import SharedBandwidth
 from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.metadata import ChunkStorageMetadata
-from hyper_parallel_dcp.core.standard_planner import _check_disjoint
+from hyper_parallel_dcp.core.save_planning import _check_disjoint
 
 
 def test_fit_exponent_recovers_power_laws():
@@ -169,7 +169,11 @@ def test_quick_mode_smoke(tmp_path):
         assert info["bytes_needed"] == expected
         assert info["ours.load.bytes_read"] in (expected, expected + replicated)
     assert [r["world"] for r in result["planning"]["rows"]] == [64, 128, 64, 128]
-    assert any(g["goal"].startswith("global planning") for g in result["goals"])
+    assert any(g["goal"].startswith("global save planning") for g in result["goals"])
+    assert any(g["goal"].startswith("global load planning with reader assignment") for g in result["goals"])
+    for row in result["planning"]["rows"]:
+        # a rank receives its own replica groups and readers only, never the world's plans
+        assert 0 < row["ours_load_rank_received_bytes"] <= 2 * row["ours_load_rank_own_plan_bytes"]
     assert "| goal | measured | met |" in (tmp_path / "README.md").read_text()
 
 

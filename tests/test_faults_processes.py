@@ -76,7 +76,7 @@ def _save_then_fail(rank: int, world_size: int, path: str, fault: str) -> str:
 
     from hyper_parallel_dcp import save
     from hyper_parallel_dcp.core import collectives
-    from hyper_parallel_dcp.storage_fs import filesystem
+    from hyper_parallel_dcp.storage_fs import atomic, filesystem
 
     save(_state(OLD, rank), checkpoint_id=path)
 
@@ -102,20 +102,20 @@ def _save_then_fail(rank: int, world_size: int, path: str, fault: str) -> str:
 
         collectives.DistWrapper.gather_object = gather_then_die
     elif fault == "kill_metadata" and rank == 0:
-        real_write = filesystem._write_file_atomic
+        real_write = filesystem.write_file_atomic
 
         def metadata_half_then_die(p, data_writer, sync):
             if p.name == ".metadata":
                 buf = io.BytesIO()
                 data_writer(buf)
-                tmp = p.with_name(p.name + filesystem._TMP_SUFFIX)
+                tmp = p.with_name(p.name + atomic.TMP_SUFFIX)
                 tmp.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
                 die()
             return real_write(p, data_writer, sync)
 
-        filesystem._write_file_atomic = metadata_half_then_die
+        filesystem.write_file_atomic = metadata_half_then_die
     elif fault == "enospc" and rank == 1:
-        filesystem.open = _full_disk_open  # this module's writes now hit a full disk
+        atomic.open = _full_disk_open  # every checkpoint file write now hits a full disk
     try:
         save(_state(NEW, rank), checkpoint_id=path)
     except Exception as exc:  # noqa: BLE001 - the error is the result

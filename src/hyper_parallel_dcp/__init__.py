@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "FileSystemReader": "hyper_parallel_dcp.storage_fs",
     "AsyncSaveResponse": "hyper_parallel_dcp.async_persist",
     "DataCopier": "hyper_parallel_dcp.async_persist",
+    "CheckpointManager": "hyper_parallel_dcp.manager",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 
 from hyper_parallel_dcp.core.backends import storage_reader_for, storage_writer_for
 from hyper_parallel_dcp.core.metadata import Metadata
-from hyper_parallel_dcp.core.pipeline import load_state_dict, process_rank, save_state_dict
+from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.planner import LoadPlanner, SavePlanner
 from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
@@ -48,13 +48,6 @@ def save(
     writer = storage_writer_for(checkpoint_id, storage_writer)
     return save_state_dict(state_dict, writer, planner, process_group=process_group, no_dist=no_dist,
                            use_collectives=use_collectives)
-
-
-def _broadcast_executor(groups: Any, batch_bytes: int) -> Any:
-    from hyper_parallel_dcp import broadcast
-
-    factory = getattr(broadcast, "make_read_executor", None)
-    return None if factory is None else factory(groups=groups, batch_bytes=batch_bytes)
 
 
 def load(
@@ -108,20 +101,12 @@ def load(
         if not hasattr(planner, "allow_partial_load"):
             raise ValueError(f"allow_partial_load=True given but {type(planner).__name__} has no such setting")
         planner.allow_partial_load = True  # type: ignore[attr-defined]
-    _, world_size = (0, 1) if no_dist else process_rank(process_group)
-    # Replica groups are made with dist.new_group, which every rank of the default group
-    # must enter: a sub-group load reads each shard on each rank instead.
-    broadcast_on = (broadcast_replicated_tensors and use_collectives and not no_dist and world_size > 1
-                    and process_group is None)
-    executor = _broadcast_executor(broadcast_groups, broadcast_batch_bytes) if broadcast_on else None
-    load_state_dict(
-        state_dict,
-        reader,
-        planner,
-        process_group=process_group,
-        no_dist=no_dist,
-        use_collectives=use_collectives,
-        assign_readers=executor is not None,
-        read_executor=executor,
-    )
+    executor = None
+    if broadcast_replicated_tensors:
+        # The pipeline decides whether it runs (collectives, a global plan, the whole world).
+        from hyper_parallel_dcp.broadcast import make_read_executor
+
+        executor = make_read_executor(groups=broadcast_groups, batch_bytes=broadcast_batch_bytes)
+    load_state_dict(state_dict, reader, planner, process_group=process_group, no_dist=no_dist,
+                    use_collectives=use_collectives, read_executor=executor)
 

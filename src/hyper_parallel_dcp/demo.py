@@ -1,9 +1,11 @@
 """End-to-end demo on CPU: ``python -m hyper_parallel_dcp``.
 
-A tiny language model is sharded tensor-parallel over 4 gloo processes and saved
-(synchronously and asynchronously); 2 processes with a different layout load both
-checkpoints and check every value; the checkpoint is exported to Hugging Face
-safetensors in one process and checked again.  Each phase prints its wall time.
+A tiny language model is sharded tensor-parallel over 4 gloo processes whose training
+loop checkpoints through :class:`CheckpointManager` (every 250 steps, keeping the last 2),
+once with synchronous and once with asynchronous saves; 2 processes with a different
+layout ``restore`` the newest step of both runs and check every value; that checkpoint is
+exported to Hugging Face safetensors in one process and checked again.  Each phase
+prints its wall time.
 """
 
 from __future__ import annotations
@@ -79,46 +81,72 @@ def _timed(timings: dict[str, float], name: str, fn, *args, **kwargs):
     return out
 
 
-def _save_worker(rank: int, world_size: int, sync_dir: str, async_dir: str) -> dict[str, float]:
-    import torch.distributed as dist
+#: The demo's training loop: steps 1..TRAIN_STEPS, a checkpoint every SAVE_EVERY, the last KEEP kept.
+TRAIN_STEPS, SAVE_EVERY, KEEP = 1000, 250, 2
 
+
+def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -> dict[str, float]:
+    """Two training loops that checkpoint through a CheckpointManager (sync, then async)."""
     import hyper_parallel_dcp as dcp
 
+    reference = reference_state_dict()
     timings: dict[str, float] = {}
-    sd = _sharded(reference_state_dict(), world_size, "tp", zeros=False)
-    _timed(timings, "save (sync)", dcp.save, sd, checkpoint_id=sync_dir)
-    _timed(timings, "save (sync, plan cache hit)", dcp.save, sd, checkpoint_id=sync_dir)
-    first = _timed(timings, "async_save #1: blocking (starts the writer)", dcp.async_save, sd, checkpoint_id=async_dir)
-    _timed(timings, "async_save #1: until landed", first.get_result, 300)
-    second = _timed(timings, "async_save #2: blocking (buffers reused)", dcp.async_save, sd, checkpoint_id=async_dir)
-    # training goes on here: the staged copy is independent of these tensors
-    for leaf in sd["model"].values():
-        leaf.to_local().zero_()
-    _timed(timings, "async_save #2: until landed", second.get_result, 300)
-    dist.barrier()
+    for label, root, use_async in (("sync", sync_root, False), ("async", async_root, True)):
+        sd = _sharded(reference, world_size, "tp", zeros=False)
+        shards = {name: leaf.to_local() for name, leaf in sd["model"].items()}
+        trained = {name: shard.clone() for name, shard in shards.items()}
+        # Keep the last 2 checkpoints, save every 250 steps; the async one returns once staged.
+        with dcp.CheckpointManager(root, keep_last=KEEP, save_interval_steps=SAVE_EVERY, async_save=use_async) as mgr:
+            saves = 0
+            for step in range(1, TRAIN_STEPS + 1):
+                # (forward, backward and optimizer step would be here; the weights stay the reference's)
+                for name, shard in shards.items():
+                    if use_async and step % SAVE_EVERY == 0:
+                        shard.copy_(trained[name])
+                sd["train"]["step"] = step
+                start = time.perf_counter()
+                if mgr.save(step, sd, metrics={"loss": 1.0 / step}):
+                    seconds = time.perf_counter() - start
+                    saves += 1
+                    name = (f"{label} save #1 (plans{', starts the writer' if use_async else ''})" if saves == 1
+                            else f"{label} save, later (plan cache{', waits for the previous to land' if use_async else ''})")
+                    timings[name] = max(timings.get(name, 0.0), seconds)
+                    if use_async:
+                        # training goes on at once: the staged copy is independent of these tensors
+                        # (the checkpoint of the last step lands while they are zero)
+                        for shard in shards.values():
+                            shard.zero_()
+            _timed(timings, f"{label} wait (landed, retention done)", mgr.wait)
+            kept = mgr.all_steps()
+        expected = list(range(SAVE_EVERY, TRAIN_STEPS + 1, SAVE_EVERY))[-KEEP:]
+        if kept != expected:
+            raise AssertionError(f"{label} run kept steps {kept}, expected {expected}")
     return timings
 
 
-def _load_worker(rank: int, world_size: int, sync_dir: str, async_dir: str) -> dict[str, float]:
+def _load_worker(rank: int, world_size: int, sync_root: str, async_root: str) -> dict[str, float]:
     import hyper_parallel_dcp as dcp
 
     timings: dict[str, float] = {}
     reference = reference_state_dict()
-    for label, path in (("sync", sync_dir), ("async", async_dir)):
+    for label, root in (("sync", sync_root), ("async", async_root)):
         sd = _sharded(reference, world_size, "other", zeros=True)
-        _timed(timings, f"resharded load ({label} checkpoint)", dcp.load, sd, checkpoint_id=path)
+        with dcp.CheckpointManager(root) as mgr:
+            step = _timed(timings, f"restore newest, resharded ({label} run)", mgr.restore, sd)
+        if step != TRAIN_STEPS:
+            raise AssertionError(f"restore of the {label} run picked step {step}, expected {TRAIN_STEPS}")
         for name, full in reference.items():
             got = sd["model"][name].full_tensor()
             if not torch.equal(got, full):
-                raise AssertionError(f"{name} differs after the resharded load of the {label} checkpoint")
+                raise AssertionError(f"{name} differs after the resharded restore of the {label} run")
             if not torch.equal(sd["optim"]["state"][name]["exp_avg"].full_tensor(), full.float() * 0.5):
-                raise AssertionError(f"optimizer state of {name} differs ({label} checkpoint)")
+                raise AssertionError(f"optimizer state of {name} differs ({label} run)")
             if sd["optim"]["state"][name]["step"] != 7:
-                raise AssertionError(f"optimizer step of {name} differs ({label} checkpoint)")
-        if sd["train"] != {"step": 1000, "data_cursor": "shard-17:offset-4096"}:
-            raise AssertionError(f"non-tensor state differs ({label} checkpoint): {sd['train']}")
+                raise AssertionError(f"optimizer step of {name} differs ({label} run)")
+        if sd["train"] != {"step": TRAIN_STEPS, "data_cursor": "shard-17:offset-4096"}:
+            raise AssertionError(f"non-tensor state differs ({label} run): {sd['train']}")
         if sd["optim"]["param_groups"] != [{"lr": 3e-4, "betas": (0.9, 0.95)}]:
-            raise AssertionError(f"param_groups differ ({label} checkpoint)")
+            raise AssertionError(f"param_groups differ ({label} run)")
     return timings
 
 
@@ -154,15 +182,18 @@ def main(argv: list[str] | None = None) -> int:
 
     root = args.keep or tempfile.mkdtemp(prefix="hp-dcp-demo-")
     os.makedirs(root, exist_ok=True)
-    sync_dir, async_dir, hf_dir = (os.path.join(root, n) for n in ("step_1000", "step_1000_async", "hf_export"))
+    # The sync run's steps live in root itself (root/step_1000); the async run and the HF export
+    # are directories of the user's in that root, which retention leaves alone.
+    sync_root, async_root, hf_dir = root, os.path.join(root, "async_run"), os.path.join(root, "hf_export")
+    sync_dir = os.path.join(sync_root, f"step_{TRAIN_STEPS}")
     params = sum(t.numel() for t in reference_state_dict().values())
     print(f"hyper-parallel-dcp demo: tiny LM, {params:,} bf16 parameters + Adam state, checkpoints under {root}")
     rows: list[tuple[str, str, float]] = []
     try:
         t0 = time.perf_counter()
-        saved = run_distributed(_save_worker, args.save_ranks, sync_dir, async_dir, timeout=600)
+        saved = run_distributed(_train_worker, args.save_ranks, sync_root, async_root, timeout=600)
         rows += [(f"{args.save_ranks} ranks, TP", k, max(t[k] for t in saved)) for k in saved[0]]
-        loaded = run_distributed(_load_worker, args.load_ranks, sync_dir, async_dir, timeout=600)
+        loaded = run_distributed(_load_worker, args.load_ranks, sync_root, async_root, timeout=600)
         rows += [(f"{args.load_ranks} ranks, resharded", k, max(t[k] for t in loaded)) for k in loaded[0]]
         exported = _hf_export(sync_dir, hf_dir)
         files = int(exported.pop("HF files written"))
@@ -175,8 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'where':<22} {'phase':<{width}}  seconds (slowest rank)")
     for where, phase, seconds in rows:
         print(f"{where:<22} {phase:<{width}}  {seconds:8.4f}")
-    print(f"\nAll values verified equal after the resharded loads and the HF export ({files} shard files). "
+    print(f"\nTraining loops saved every {SAVE_EVERY} steps up to {TRAIN_STEPS}, kept the last {KEEP}; all values "
+          f"verified equal after the resharded restores and the HF export ({files} shard files). "
           f"Total {total:.1f} s including process start-up.")
+    if args.keep:
+        print(f"Look at them:  hp-dcp ls {root}   hp-dcp latest {root}   hp-dcp inspect {sync_dir}")
     print("Per-phase logs of the library itself: HP_LOG_CONFIG=DCP:INFO python -m hyper_parallel_dcp")
     return 0
 

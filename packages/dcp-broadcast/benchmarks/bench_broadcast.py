@@ -46,12 +46,6 @@ class ThrottledReader(FileSystemReader):
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def read_tensor(self, item):
-        before = self.bytes_read
-        tensor = super().read_tensor(item)
-        self._transfer(self.bytes_read - before)
-        return tensor
-
     def read_into(self, item, dest):
         before = self.bytes_read
         super().read_into(item, dest)
@@ -97,7 +91,7 @@ def _small_worker(rank, world_size, path, n_shards, shard_bytes, repeats):
             ex = make_read_executor(batch_bytes=batch)
             dist.barrier()
             start = time.perf_counter()
-            load_state_dict(sd, FileSystemReader(path), assign_readers=True, read_executor=ex)
+            load_state_dict(sd, FileSystemReader(path), read_executor=ex)
             total = time.perf_counter() - start
             assert all(torch.equal(sd[k], ref[k]) for k in ref)
             run = {"broadcast_seconds": ex.stats.broadcast_seconds, "load_seconds": total,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from hyper_parallel_dcp.core.metadata import metadata_from_json
+from hyper_parallel_dcp.core.planner import LoadItemType
 from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
 from hyper_parallel_dcp.core.storage import StorageReader
 from hyper_parallel_dcp.core.testing import run_distributed
@@ -78,10 +82,49 @@ class _NoStreamReader(StorageReader):
         self.inner.execute_read(plan, planner)
 
 
-class _ViewsReader(FileSystemReader):
-    """Only ``read_items`` (mmap views, copied into place by the executor): the second path."""
+class _MinimalReader(StorageReader):
+    """Only the abstract methods, reading with the ``safetensors`` library itself (as a
+    third-party reader would): broadcast loads reach it through the default
+    ``read_into`` / ``read_object``, which run ``execute_read`` on one-item plans."""
 
-    read_into = None
+    def __init__(self, path):
+        self.path = Path(path)
+        self.metadata = None
+        self.bytes_read = 0
+        self.plans_executed = 0
+
+    def reset(self, checkpoint_id=None):
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+
+    def load_metadata(self):
+        self.metadata = metadata_from_json((self.path / ".metadata").read_bytes())
+        return self.metadata
+
+    def execute_read(self, plan, planner):
+        from safetensors import safe_open
+
+        from hyper_parallel_dcp.core.objects import deserialize_object
+
+        self.plans_executed += 1
+        for item in plan.items:
+            info = self.metadata.storage_data[item.storage_index]
+            file = self.path / info.relative_path
+            if item.type is LoadItemType.BYTE_IO:
+                with open(file, "rb") as f:
+                    f.seek(info.offset)
+                    blob = f.read(info.length)
+                self.bytes_read += len(blob)
+                planner.load_bytes(item, deserialize_object(blob, fqn=item.storage_index.fqn, file=str(file)))
+                continue
+            with safe_open(str(file), framework="pt") as f:
+                stored = f.get_slice(info.key)
+                data = stored[tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))]
+            data = data.reshape(item.lengths)  # a 0-d chunk comes back 0-d already
+            self.bytes_read += data.numel() * data.element_size()
+            target = planner.resolve_tensor(item)
+            target.copy_(data)
+            planner.commit_tensor(item, target)
 
 
 def _load_variants(rank, world_size, path, ref):
@@ -100,7 +143,7 @@ def _load_variants(rank, world_size, path, ref):
         sd = _targets(ref)
         reader = FileSystemReader(path)
         ex = None if kwargs is None else make_read_executor(**kwargs)
-        load_state_dict(sd, reader, assign_readers=ex is not None, read_executor=ex)
+        load_state_dict(sd, reader, read_executor=ex)
         stats = None if ex is None else (ex.stats.broadcasts, ex.stats.batched_broadcasts, ex.stats.bytes_broadcast,
                                          ex.stats.replicated_shards, ex.stats.groups_created)
         out[name] = (_mismatches(sd, ref), reader.bytes_read, stats)
@@ -111,7 +154,7 @@ def _load_variants(rank, world_size, path, ref):
     ex = make_read_executor(groups={tuple(range(world_size)): group})
     sd = _targets(ref)
     reader = FileSystemReader(path)
-    load_state_dict(sd, reader, assign_readers=True, read_executor=ex)
+    load_state_dict(sd, reader, read_executor=ex)
     out["prebuilt"] = (_mismatches(sd, ref), reader.bytes_read, (ex.stats.groups_used, ex.stats.groups_created))
     # Rank 2 loads only "big": the other keys form the replica group (0, 1).
     subset = {k: v for k, v in ref.items() if k == "big" or rank < 2}
@@ -119,16 +162,16 @@ def _load_variants(rank, world_size, path, ref):
     for name, groups in (("subset_lazy", None), ("subset_prebuilt", {(0, 1): pair} if rank < 2 else None)):
         ex = make_read_executor(groups=groups)
         sd = _targets(subset)
-        load_state_dict(sd, FileSystemReader(path), assign_readers=True, read_executor=ex)
+        load_state_dict(sd, FileSystemReader(path), read_executor=ex)
         out[name] = (_mismatches(sd, subset), 0, (ex.stats.groups_used, ex.stats.groups_created))
     sd = _targets(ref)
     plain = _NoStreamReader(path)
-    load_state_dict(sd, plain, assign_readers=True, read_executor=make_read_executor())
+    load_state_dict(sd, plain, read_executor=make_read_executor())
     out["generic_reader"] = (_mismatches(sd, ref), plain.inner.bytes_read, None)
     sd = _targets(ref)
-    views = _ViewsReader(path)
-    load_state_dict(sd, views, assign_readers=True, read_executor=make_read_executor(batch_bytes=0))
-    out["views_reader"] = (_mismatches(sd, ref), views.bytes_read, None)
+    minimal = _MinimalReader(path)
+    load_state_dict(sd, minimal, read_executor=make_read_executor())
+    out["minimal_reader"] = (_mismatches(sd, ref), minimal.bytes_read, minimal.plans_executed)
     return out
 
 
@@ -147,9 +190,12 @@ def test_replicated_state_is_read_once_and_broadcast(tmp_path):
         for name, (bad, _, _) in out.items():
             assert bad == [], f"rank {rank}, {name}: wrong values for {bad}"
     total = {name: sum(out[name][1] for out in results) for name in results[0]}
+    # the minimal reader ran one one-item plan per read: each tensor once, each object on every rank
+    n_objects = sum(1 for idx in md.storage_data if idx.offset is None)
+    assert sum(out["minimal_reader"][2] for out in results) == n_tensors + WORLD * n_objects
     # every rank reads its own copy of the non-tensor state in every mode
     assert total["off"] == WORLD * tensor_bytes + WORLD * object_bytes
-    for name in ("unbatched", "batched", "one_in_flight", "tiny_batches", "generic_reader", "views_reader",
+    for name in ("unbatched", "batched", "one_in_flight", "tiny_batches", "generic_reader", "minimal_reader",
                  "prebuilt"):
         assert total[name] == tensor_bytes + WORLD * object_bytes, name
     for out in results:
@@ -180,10 +226,6 @@ class _FailingReader(FileSystemReader):
         if item.dest_index.fqn == self.failing_fqn:
             raise OSError(f"injected read failure for {self.failing_fqn} on rank {self.rank}")
 
-    def read_tensor(self, item):
-        self._maybe_fail(item)
-        return super().read_tensor(item)
-
     def read_into(self, item, dest):
         self._maybe_fail(item)
         return super().read_into(item, dest)
@@ -195,7 +237,7 @@ def _load_with_failing_reader(rank, world_size, path, ref, batch_bytes):
 
     sd = _targets(ref)
     try:
-        load_state_dict(sd, _FailingReader(path, "big"), assign_readers=True,
+        load_state_dict(sd, _FailingReader(path, "big"),
                         read_executor=make_read_executor(batch_bytes=batch_bytes))
     except Exception as exc:  # noqa: BLE001 - what the test looks at
         return type(exc).__name__, str(exc)
@@ -231,7 +273,7 @@ def _load_with_failing_planner(rank, world_size, path, ref):
     from hyper_parallel_dcp.core.pipeline import load_state_dict
 
     try:
-        load_state_dict(_targets(ref), FileSystemReader(path), _PlannerWithoutShards(1), assign_readers=True,
+        load_state_dict(_targets(ref), FileSystemReader(path), _PlannerWithoutShards(1),
                         read_executor=make_read_executor())
     except Exception as exc:  # noqa: BLE001 - what the test looks at
         return type(exc).__name__, str(exc)

@@ -24,6 +24,7 @@ from hyper_parallel_dcp.broadcast.schedule import (
 from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key
 from hyper_parallel_dcp.core.ragged import RaggedShard
+from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment
 from hyper_parallel_dcp.core.standard_planner import (
     assign_readers,
     build_metadata,
@@ -151,12 +152,15 @@ def _global_plans(world=8):
 
 def test_required_groups_are_the_same_sorted_list_for_every_rank():
     plans = _global_plans()
-    groups = required_groups(plans)
+    groups = required_groups(plans[0])
     assert groups == [(0, 1, 2, 3), (0, 1, 6, 7), (0, 2), (1, 3)]
+    # every rank's own plan carries the same list, also ranks in no group (4, 5)
+    for plan in plans:
+        assert required_groups(plan) == groups
     # The one list is the union of the per-rank views: each rank's own plan lists exactly
     # the groups of that list it belongs to (ranks 4 and 5 hold no replicated shard).
     for rank, plan in enumerate(plans):
-        own = {ranks for _, ranks, _ in replica_groups_of(plan)}
+        own = {g.ranks for g in replica_groups_of(plan)}
         assert own == {g for g in groups if rank in g}, rank
     assert not replica_groups_of(plans[4]) and not replica_groups_of(plans[5])
 
@@ -208,7 +212,7 @@ def test_members_launch_a_groups_broadcasts_identically_and_in_one_global_order(
                            sum(torch.Size(it.lengths).numel() for it in t.items) * 4) for t in sched.shards]
         ops = _ops(plan_broadcasts(infos, batch_bytes))
         launched[r] = [(op.ranks, op.source, tuple(sched.shards[i].dest_index for i in op.shards)) for op in ops]
-    for group in required_groups(plans):
+    for group in required_groups(plans[0]):
         seqs = {r: [op for op in launched[r] if op[0] == group] for r in group}
         assert len({tuple(s) for s in seqs.values()}) == 1, group
         assert seqs[group[0]]
@@ -217,21 +221,18 @@ def test_members_launch_a_groups_broadcasts_identically_and_in_one_global_order(
         assert [op for op in launched[a] if op in common] == [op for op in launched[b] if op in common]
 
 
-def test_inconsistent_plans_are_refused_alike_on_every_rank():
+def test_a_plan_told_to_take_a_shard_outside_its_groups_is_refused():
     plans = _global_plans(4)
-    # rank 2 forgets its replica groups: the others still list it
-    broken = list(plans)
-    broken[2] = LoadPlan(plans[2].items, planner_data={"replica_groups": ()})
-    with pytest.raises(ValueError, match="listed by ranks"):
-        required_groups(broken)
+    # rank 2 loses its replica groups but keeps readers that are other ranks
+    broken = LoadPlan(plans[2].items, planner_data=ReaderAssignment((), plans[2].planner_data.required))
     with pytest.raises(ValueError, match="share no replica group"):
-        rank_schedule(broken[2], 2)
+        rank_schedule(broken, 2)
 
 
 def test_plans_without_reader_assignment_read_everything_locally():
     md = _metadata()
     plans = [create_local_load_plan(_holdings(r), md)[0] for r in range(4)]
-    assert required_groups(plans) == []
+    assert all(required_groups(plan) == [] for plan in plans)
     sched = rank_schedule(plans[1], 1)
     assert sched.shards == ()
     assert len(sched.tail) == len(plans[1].items)

@@ -151,7 +151,8 @@ def test_random_save_and_load_layouts_read_each_target_element_exactly_once(case
                [(it.dest_index, it.storage_index, it.lengths) for it in all_plans[rank].items]
         for it in plan.items:
             source_of.setdefault((rank, it.dest_index), set()).add(it.source)
-        for dest, ranks, src in plan.planner_data["replica_groups"]:
+        for group in plan.planner_data.groups:
+            dest, ranks, src = group.dest_index, group.ranks, group.source
             assert rank in ranks and src in ranks and len(ranks) > 1
             for member in ranks:
                 assert source_of.get((member, dest), {src}) <= {src}

@@ -48,9 +48,8 @@ def load_once(root: Path, verify: bool, half: bool, targets: dict[str, torch.Ten
         items.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, (0, 0)), (0, 0), idx, (0, 0),
                               (rows, target.shape[1])))
     start = time.perf_counter()
-    for item, tensor in reader.read_items(reader.sort_items(items)):
-        dest = targets[item.dest_index.fqn]
-        dest[: tensor.shape[0]].copy_(tensor)
+    for item in reader.sort_items(items):
+        reader.read_into(item, targets[item.dest_index.fqn][: item.lengths[0]])
     elapsed = time.perf_counter() - start
     reader.reset()
     return elapsed

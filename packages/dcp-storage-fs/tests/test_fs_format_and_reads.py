@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from hyper_parallel_dcp.core.chunks import slice_span
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import FileReads
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
-from hyper_parallel_dcp.storage_fs.direct_read import read_slice_into, slice_span
+from hyper_parallel_dcp.storage_fs.direct_read import read_slice_into
 from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, tensor_bytes, write_safetensors
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float64]

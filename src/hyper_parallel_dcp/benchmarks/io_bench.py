@@ -114,16 +114,8 @@ def _check_equal(target: dict, source: dict, what: str) -> None:
 def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """All save/load cases for one state dict kind on this rank; returns times by case."""
     import torch
-    import torch.distributed.checkpoint as tdcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.device_mesh import init_device_mesh
 
-    import hyper_parallel_dcp as hp
-    from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
-    from hyper_parallel_dcp.storage_fs import FileSystemReader
-
-    from . import references as ref
-    from .state_dicts import dense_shapes, make_state_dict, small_shapes
+    from .state_dicts import dense_shapes, small_shapes
 
     torch.set_num_threads(1)
     # torch's "overwriting an existing checkpoint" / "loading in a single process" notices
@@ -134,10 +126,7 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     # secondary cases (plan cache, cold, N->1, async) run fewer times to fit the budget
     reps2 = min(reps, cfg.get("reps_secondary", reps))
     shapes = dense_shapes(cfg["dense_mib"]) if cfg["kind"] == "dense" else small_shapes(cfg["small_count"], cfg["small_kib"])
-    mesh = init_device_mesh("cpu", (world_size,))
-    sd = make_state_dict(shapes, mesh=mesh)
-    target = make_state_dict(shapes, mesh=mesh, fill=False)
-    flipped = make_state_dict(shapes, mesh=mesh, flip=True, fill=False)
+    sd, target, flipped = _io_state_dicts(shapes, world_size)
     rec = _Recorder()
     rec.info["tensors"] = len(shapes)
     rec.info["pieces_per_rank"] = len(shapes)
@@ -145,6 +134,37 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     _references(rec, sd, root, rank, reps)
 
     ours, theirs = root / "ours", root / "torch"
+    _save_cases(rec, sd, ours, theirs, rank, reps, reps2)
+    our_load = _OurLoads(ours)
+    _load_cases(rec, our_load, sd, target, flipped, theirs, reps)
+    _cold_load_cases(rec, our_load, target, ours, theirs, reps2)
+    _n_to_1_cases(rec, our_load, shapes, theirs, rank, reps2)
+    if cfg.get("async", True):
+        _async_cases(rec, sd, root, rank, max(1, reps2))
+    _rm(ours, rank)
+    _rm(theirs, rank)
+    return {"times": rec.times, "info": rec.info}
+
+
+def _io_state_dicts(shapes: list, world_size: int) -> tuple[dict, dict, dict]:
+    """The saved state dict, an empty one of the same layout, and an empty resharded one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .state_dicts import make_state_dict
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return (make_state_dict(shapes, mesh=mesh), make_state_dict(shapes, mesh=mesh, fill=False),
+            make_state_dict(shapes, mesh=mesh, flip=True, fill=False))
+
+
+def _save_cases(rec: _Recorder, sd: dict, ours: Path, theirs: Path, rank: int, reps: int, reps2: int) -> None:
+    """Fresh saves (plan cache cleared), then saves with a warm plan cache."""
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    import hyper_parallel_dcp as hp
+    from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+
     for _ in range(reps):
         StandardSavePlanner.clear_cache()
         _rm(ours, rank)
@@ -162,12 +182,27 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
             sd, storage_writer=tdcp.FileSystemWriter(theirs),
             planner=DefaultSavePlanner(enable_plan_caching=True)))[0])
 
-    readers: list[Any] = []
 
-    def our_load(dest: dict, **kw: Any) -> None:
-        reader = FileSystemReader(ours)
-        readers.append(reader)
+class _OurLoads:
+    """``hp.load`` of ``ours`` through a fresh reader each time, kept for its byte count."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.readers: list[Any] = []
+
+    def __call__(self, dest: dict, **kw: Any) -> None:
+        import hyper_parallel_dcp as hp
+        from hyper_parallel_dcp.storage_fs import FileSystemReader
+
+        reader = FileSystemReader(self.path)
+        self.readers.append(reader)
         hp.load(dest, storage_reader=reader, **kw)
+
+
+def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, flipped: dict, theirs: Path,
+                reps: int) -> None:
+    """Same-layout and resharded loads from the page cache; checks the values loaded."""
+    import torch.distributed.checkpoint as tdcp
 
     for _ in range(reps):
         rec.add("ours.load", _timed(lambda: our_load(target))[0])
@@ -177,18 +212,33 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
             flipped, storage_reader=tdcp.FileSystemReader(theirs)))[0])
     # totals over all ranks: with read-once + broadcast one rank reads a replicated
     # shard for the others, so only the sums are comparable
-    rec.info["ours.load.bytes_read"] = _sum_over_ranks(readers[0].bytes_read)
-    rec.info["ours.load_resharded.bytes_read"] = _sum_over_ranks(readers[1].bytes_read)
+    rec.info["ours.load.bytes_read"] = _sum_over_ranks(our_load.readers[0].bytes_read)
+    rec.info["ours.load_resharded.bytes_read"] = _sum_over_ranks(our_load.readers[1].bytes_read)
     rec.info["bytes_needed"] = rec.info["global_bytes"]
     _check_equal(target, sd, "same-layout load")
     _check_equal(flipped, sd, "resharded load")
+
+
+def _cold_load_cases(rec: _Recorder, our_load: _OurLoads, target: dict, ours: Path, theirs: Path,
+                     reps2: int) -> None:
+    """Loads with the checkpoint files dropped from the page cache first."""
+    import torch.distributed.checkpoint as tdcp
+
+    from . import references as ref
+
     for _ in range(reps2):
         _barrier()
         ref.drop_page_cache(_files(ours) + _files(theirs))
         rec.add("ours.load_cold", _timed(lambda: our_load(target))[0])
         rec.add("torch.load_cold", _timed(lambda: tdcp.load(target, storage_reader=tdcp.FileSystemReader(theirs)))[0])
 
-    # world N -> 1: rank 0 alone loads everything into whole tensors, the others wait
+
+def _n_to_1_cases(rec: _Recorder, our_load: _OurLoads, shapes: list, theirs: Path, rank: int, reps2: int) -> None:
+    """World N -> 1: rank 0 alone loads everything into whole tensors, the others wait."""
+    import torch.distributed.checkpoint as tdcp
+
+    from .state_dicts import make_state_dict
+
     whole = make_state_dict(shapes, fill=False) if rank == 0 else {}
     for _ in range(reps2):
         rec.add("ours.load_n_to_1", _timed(lambda: our_load(whole, no_dist=True) if rank == 0 else None)[0])
@@ -196,12 +246,6 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
             lambda: tdcp.load(whole, storage_reader=tdcp.FileSystemReader(theirs), no_dist=True)
             if rank == 0 else None)[0])
     rec.info["n_to_1_bytes"] = rec.info["global_bytes"]
-
-    if cfg.get("async", True):
-        _async_cases(rec, sd, root, rank, max(1, reps2))
-    _rm(ours, rank)
-    _rm(theirs, rank)
-    return {"times": rec.times, "info": rec.info}
 
 
 def _sum_over_ranks(value: int) -> int:

@@ -4,9 +4,13 @@ For a synthetic LLM-like state dict laid out on a device mesh of ``world`` ranks
 each rank's save plan from pure geometry (:func:`placement_boxes`, no process group),
 then time what the coordinator does with all of them — dedup and metadata build — with
 this project's planner and with ``torch.distributed.checkpoint``'s default planner on
-the same input.  Load planning is timed for a resharded target: one rank's local plan
-(every rank does this in parallel) and, for the dense layout, the global reader
-assignment over all ranks' plans.
+the same input.  Load planning is timed for a resharded target: the slowest sampled
+rank's local plan (every rank does this in parallel; it includes the compact target
+description the rank sends) and the coordinator's reader assignment over every rank's
+target description.  The bytes of the planning collectives are the pickled objects the
+load pipeline sends: each rank's target description (gathered), each rank's answer
+(scattered), and each rank's own final plan for comparison; the all-gather design they
+replace made every rank receive every rank's plan.
 
 Two layouts:
 
@@ -19,7 +23,6 @@ Two layouts:
 
 from __future__ import annotations
 
-import functools
 import gc
 import math
 import pickle
@@ -202,22 +205,23 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.process_time() - t0, out
 
 
-def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_ranks: int = 4,
-                   assign_max_world: int = 2048) -> dict[str, Any]:
+def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_ranks: int = 4) -> dict[str, Any]:
     """Simulate one world size; returns a dict of CPU timings (seconds) and sizes (bytes).
 
-    The reader assignment over all ranks' load plans (dense only) is skipped above
-    ``assign_max_world``: it is O(world × items) and dominates the run time.
+    One record per (layout, world): other measurements of the same world add keys to it.
     """
     import torch
 
+    from hyper_parallel_dcp.core.gc_pause import gc_paused
     from hyper_parallel_dcp.core.layout import TensorShards
+    from hyper_parallel_dcp.core.load_planning import create_local_load_plan
     from hyper_parallel_dcp.core.metadata import metadata_to_json
-    from hyper_parallel_dcp.core.standard_planner import (
-        StandardSavePlanner,
-        assign_readers,
-        create_local_load_plan,
+    from hyper_parallel_dcp.core.reader_assignment import (
+        apply_reader_assignment,
+        assign_readers_from_layouts,
+        target_layout,
     )
+    from hyper_parallel_dcp.core.save_planning import StandardSavePlanner
 
     specs = layout.specs()
     mesh = layout.save_mesh(world)
@@ -250,23 +254,43 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
 
     sample = sorted({(world - 1) * i // max(1, load_ranks - 1) for i in range(load_ranks)})
     local_times = []
+    local_plans = {}
     for rank in sample:
         flat = target(rank)
-        t, _ = _timed(functools.partial(create_local_load_plan, flat, metadata))
+
+        def local_step(flat=flat) -> tuple:
+            plan = create_local_load_plan(flat, metadata)[0]
+            return plan, target_layout(plan, metadata)
+
+        t, local_plans[rank] = _timed(local_step)
         local_times.append(t)
     row["ours_local_load_plan_s"] = max(local_times)
-    if layout.name == "dense" and world <= assign_max_world:
-        # replicas over dp have identical targets: build one plan per tp coordinate
-        by_coord: dict[int, Any] = {}
-        all_load = []
-        for rank in range(world):
-            c = rank % lmesh[1]
-            if c not in by_coord:
-                by_coord[c] = create_local_load_plan(target(rank), metadata)[0]
-            all_load.append(by_coord[c])
-        t_assign, _ = _timed(lambda: assign_readers(all_load, metadata))
-        row["ours_assign_readers_s"] = t_assign
-        all_load = []
+    # Every rank's target description, from geometry: what target_layout() sends, with the
+    # request digest replaced by the shard's sizes (an opaque int to the coordinator).
+    # Data-parallel replicas get equal tuples, not shared objects, as after unpickling.
+    layouts = [_geometry_layout(specs, lmesh, rank, cache) for rank in range(world)]
+    def coordinator_step() -> list:
+        with gc_paused():  # as in load_state_dict
+            return assign_readers_from_layouts(layouts)
+
+    t_assign, replies = _timed(coordinator_step)
+    row["ours_global_load_s"] = t_assign
+    sent, received, own = [], [], []
+    for rank in sample:
+        plan, layout = local_plans[rank]
+        final = apply_reader_assignment(plan, replies[rank], rank)
+        sent.append(len(pickle.dumps(layout)))
+        received.append(len(pickle.dumps(("ok", replies[rank]))))
+        own.append(len(pickle.dumps(final)))
+    row["ours_load_rank_sent_bytes"] = max(sent)
+    row["ours_load_rank_received_bytes"] = max(received)
+    row["ours_load_rank_own_plan_bytes"] = min(own)
+    row["ours_load_received_over_own_plan"] = max(r / o for r, o in zip(received, own))
+    row["ours_load_coordinator_received_bytes"] = sum(len(pickle.dumps(lay)) for lay in layouts[:: max(1, world // 64)]
+                                                      ) * world // len(layouts[:: max(1, world // 64)])
+    # the all-gather design: every rank received every rank's plan (estimated from the sample)
+    row["allgather_load_rank_received_bytes"] = world * sum(own) // len(own)
+    layouts = replies = local_plans = None
 
     if with_torch:
         row.update(_torch_world(specs, mesh, lmesh, world, sample))
@@ -313,10 +337,17 @@ def _metadata_figures(text: str, metadata, deduped) -> dict[str, Any]:
             "torch_metadata_pickle_bytes": len(blob), "torch_metadata_unpickle_s": t_unpickle}
 
 
+def _geometry_layout(specs, lmesh, rank, cache) -> tuple:
+    """Rank ``rank``'s target description as :func:`target_layout` builds it (bfloat16)."""
+    return tuple((spec.fqn, tuple(box.offsets), box.volume * 2, hash(tuple(box.sizes)))
+                 for spec, box in rank_boxes(specs, lmesh, rank, cache) if box.volume)
+
+
 def _torch_world(specs, mesh, lmesh, world, sample) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     row: dict[str, Any] = {}
@@ -346,8 +377,12 @@ def _torch_world(specs, mesh, lmesh, world, sample) -> dict[str, Any]:
                 items.extend(create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], local))
             return items
 
-        t, _ = _timed(plan_rank)
+        t, items = _timed(plan_rank)
         local_times.append(t)
+        # torch's default load: gather the local plans, scatter each rank's plan back
+        plan_bytes = len(pickle.dumps(LoadPlan(items)))
+        row["torch_load_rank_sent_bytes"] = max(row.get("torch_load_rank_sent_bytes", 0), plan_bytes)
+        row["torch_load_rank_received_bytes"] = max(row.get("torch_load_rank_received_bytes", 0), plan_bytes)
     row["torch_local_load_plan_s"] = max(local_times)
     return row
 
@@ -388,14 +423,18 @@ def run_planning(worlds: Sequence[int], layouts: Sequence[str] = ("dense", "moe"
             if "torch_global_save_s" in row:
                 last = (world, row["torch_global_save_s"] + row["torch_local_load_plan_s"])
             rows.append(row)
-            log(f"planning {name} world={world}: ours global {row['ours_global_save_s']:.3f}s"
+            log(f"planning {name} world={world}: ours global save {row['ours_global_save_s']:.3f}s"
                 + (f", torch {row['torch_global_save_s']:.3f}s" if "torch_global_save_s" in row else "")
+                + f", global load {row['ours_global_load_s']:.3f}s"
+                + f", rank receives {row['ours_load_rank_received_bytes']} B"
+                + f" ({row['ours_load_received_over_own_plan']:.2f}x its plan)"
                 + f", metadata {row['ours_metadata_json_bytes'] / 1e6:.1f} MB")
     fits: dict[str, Any] = {}
     for name in layouts:
         sub = [r for r in rows if r["layout"] == name]
         for key in ("ours_global_save_s", "torch_global_save_s", "ours_local_load_plan_s",
-                    "torch_local_load_plan_s", "ours_assign_readers_s"):
+                    "torch_local_load_plan_s", "ours_global_load_s", "ours_load_rank_received_bytes",
+                    "ours_load_coordinator_received_bytes"):
             pts = [(r["world"], r[key]) for r in sub if r.get(key)]
             if len(pts) >= 2:
                 fits[f"{name}.{key}"] = fit_exponent([p[0] for p in pts], [p[1] for p in pts])

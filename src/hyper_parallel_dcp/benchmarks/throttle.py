@@ -4,8 +4,8 @@
 ``n`` bytes reserves the next ``n / bytes_per_s`` seconds of the one shared "link" under
 ``flock`` and sleeps until its slot ends, so N processes together never exceed the cap.
 :class:`ThrottledFileSystemReader` charges every byte the reader takes from storage
-(``bytes_read``) to it, whichever read path the load takes (``read_into``,
-``read_tensor``, ``read_object``); pass it to ``load(..., storage_reader=...)``.
+(``bytes_read``) to it, on both of the reader's read methods (``read_into``,
+``read_object``); pass it to ``load(..., storage_reader=...)``.
 """
 
 from __future__ import annotations
@@ -71,12 +71,6 @@ class ThrottledFileSystemReader(FileSystemReader):
         before = self.bytes_read
         super().read_into(item, dest)
         self._charge(before)
-
-    def read_tensor(self, item: ReadItem) -> Any:
-        before = self.bytes_read
-        tensor = super().read_tensor(item)
-        self._charge(before)
-        return tensor
 
     def read_object(self, item: ReadItem) -> Any:
         before = self.bytes_read

@@ -77,20 +77,25 @@ class _Side:
         self.reader.execute_read(planner.create_local_plan(), planner)
         return buf
 
-    def read_object(self, fqn: str) -> Any:
+    def read_object(self, fqn: str, rank: int = 0) -> Any:
+        """The object as ``rank`` loads it (its own copy of a rank-local object)."""
         from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
 
+        self.reader.rank = rank
         planner = StandardLoadPlanner()
         planner.set_up_planner({fqn: None}, self.metadata, is_coordinator=True)
         self.reader.execute_read(planner.create_local_plan(), planner)
         return planner.loaded_objects[fqn]
 
-    def object_blob(self, fqn: str) -> bytes:
+    def object_ranks(self, fqn: str) -> set[int]:
+        """Ranks that saved their own copy of ``fqn`` (rank-local state; empty for one copy)."""
+        return set(self.metadata.rank_objects.get(fqn, {}))
+
+    def object_blob(self, fqn: str, rank: int = 0) -> bytes:
         import os
 
-        from hyper_parallel_dcp.core.metadata import MetadataIndex
-
-        info = (self.metadata.storage_data or {})[MetadataIndex(fqn)]
+        info = self.metadata.object_storage(fqn, rank)
+        assert info is not None, fqn
         with open(self.path / info.relative_path, "rb") as f:
             return os.pread(f.fileno(), info.length, info.offset)
 
@@ -162,15 +167,25 @@ def _objects_equal(a: Any, b: Any) -> bool:
 
 
 def _diff_object(fqn: str, sa: _Side, sb: _Side) -> TensorDiff:
-    if sa.object_blob(fqn) == sb.object_blob(fqn):
-        return TensorDiff(fqn, True, "object")
+    """Equal when the copy every rank would load is equal (each rank's own copy of rank-local state)."""
     from hyper_parallel_dcp.core.errors import CheckpointError
 
-    try:
-        equal = _objects_equal(sa.read_object(fqn), sb.read_object(fqn))
-    except CheckpointError as exc:  # e.g. a class that is not allow-listed: bytes differ, cannot say more
-        return TensorDiff(fqn, False, f"object bytes differ (not loadable: {exc})")
-    return TensorDiff(fqn, equal, "object" if equal else "object differs")
+    ranks = sorted(sa.object_ranks(fqn) | sb.object_ranks(fqn)) or [0]
+    differing = []
+    for rank in ranks:
+        if sa.object_blob(fqn, rank) == sb.object_blob(fqn, rank):
+            continue
+        try:
+            equal = _objects_equal(sa.read_object(fqn, rank), sb.read_object(fqn, rank))
+        except CheckpointError as exc:  # e.g. a class that is not allow-listed: bytes differ, cannot say more
+            return TensorDiff(fqn, False, f"object bytes differ (not loadable: {exc})")
+        if not equal:
+            differing.append(rank)
+    if not differing:
+        return TensorDiff(fqn, True, "object")
+    if len(ranks) > 1:
+        return TensorDiff(fqn, False, f"object differs (copy of rank(s) {differing})")
+    return TensorDiff(fqn, False, "object differs")
 
 
 def diff_checkpoints(a: Path, b: Path, *, atol: float = 0.0, rtol: float = 0.0,

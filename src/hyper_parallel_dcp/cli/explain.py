@@ -3,8 +3,8 @@
 For every simulated rank of the target layout the target leaves are built as
 :class:`~hyper_parallel_dcp.core.layout.TensorShards` over meta-device views (from
 :func:`~hyper_parallel_dcp.core.layout.placement_boxes`), then the load planner's own
-functions run on them: :func:`~hyper_parallel_dcp.core.standard_planner.create_local_load_plan`
-per rank and :func:`~hyper_parallel_dcp.core.standard_planner.assign_readers` over all
+functions run on them: :func:`~hyper_parallel_dcp.core.load_planning.create_local_load_plan`
+per rank and :func:`~hyper_parallel_dcp.core.reader_assignment.assign_readers` over all
 ranks, exactly as ``load`` does after its all-gather.  Bytes are counted the way
 ``FileSystemReader`` counts ``bytes_read``: the span of each stored chunk a read touches
 (:func:`~hyper_parallel_dcp.core.chunks.span_elements`), plus the whole blob of each object.
@@ -21,6 +21,7 @@ import torch
 from hyper_parallel_dcp.core.chunks import span_elements
 from hyper_parallel_dcp.core.errors import CheckpointError
 from hyper_parallel_dcp.core.layout import TensorShards, placement_boxes
+from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -28,7 +29,7 @@ from hyper_parallel_dcp.core.metadata import (
     dtype_from_name,
 )
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem
-from hyper_parallel_dcp.core.standard_planner import assign_readers, create_local_load_plan
+from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, assign_readers
 
 from .target_spec import TargetSpec, placement_fits
 
@@ -360,8 +361,9 @@ def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) 
 
     groups: dict[tuple[Any, tuple[int, ...]], int] = {}
     for rank, plan_once in enumerate(read_once_plans):
-        data = plan_once.planner_data or {}
-        for dest, members, source in data.get("replica_groups", ()):
+        assignment = plan_once.planner_data
+        for group in assignment.groups if isinstance(assignment, ReaderAssignment) else ():
+            dest, members, source = group.dest_index, group.ranks, group.source
             nbytes = shard_bytes[source][dest]
             if rank == source:
                 rank_loads[rank].broadcast_sent += nbytes

@@ -46,6 +46,8 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
         entry = md.state_dict_metadata[fqn]
         if not isinstance(entry, TensorStorageMetadata):
             doc["objects"].append(fqn)
+            if fqn in md.rank_objects:  # rank-local state: one copy per saving rank
+                doc.setdefault("rank_local_objects", {})[fqn] = sorted(md.rank_objects[fqn])
             continue
         itemsize = entry.properties.dtype.itemsize
         tensor: dict[str, Any] = {

@@ -8,6 +8,7 @@ snapshotted.
 
 from .__about__ import __version__
 from .copier import DataCopier
-from .persist import AsyncSaveError, AsyncSaveResponse, async_save
+from .persist import AsyncSaveError, AsyncSaveFailureWarning, AsyncSaveResponse, async_save, shutdown_writer
 
-__all__ = ["AsyncSaveError", "AsyncSaveResponse", "DataCopier", "__version__", "async_save"]
+__all__ = ["AsyncSaveError", "AsyncSaveFailureWarning", "AsyncSaveResponse", "DataCopier", "__version__", "async_save",
+           "shutdown_writer"]

@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, TypeVar
 from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S, MAILBOX_POLL_MAX
 from hyper_parallel_dcp.core.timing import phase
+from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
+from hyper_parallel_dcp.storage_fs.mailbox_names import DONE_SUFFIX, ack_file, gather_file, result_file, scatter_file
 
 from . import safe_pickle
 
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-_DONE = ".done"
+_DONE = DONE_SUFFIX
 _POLL_FIRST_S = 0.001
 # The back-off cap grows with the job: a few ranks poll often (the save lands within a few
 # ms of the last file, where a fixed 50 ms cap added ~0.1 s per save on 2 ranks), while a
@@ -57,20 +59,7 @@ class RankIdentity(DistWrapper):
     """
 
     def __init__(self, rank: int, world_size: int):
-        self.group = None
-        self.use_dist = False
-        self.rank = rank
-        self.world_size = world_size
-        self.coordinator_rank = 0
-        self.global_coordinator = 0
-        self.is_coordinator = rank == 0
-        self._no_store_checks()
-
-    def _no_store_checks(self) -> None:
-        # DistWrapper's arrival check waits at a process group's store; there is none here
-        self._store = None
-        self._group_ranks = ()
-        self._step = "exchange"
+        super().__init__(None, use_dist=False, rank=rank, world_size=world_size)
 
 
 class FileMailbox(DistWrapper):
@@ -83,46 +72,31 @@ class FileMailbox(DistWrapper):
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str, *,
                  coordinator_rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world size {world_size}")
-        self.group = None
-        self.use_dist = world_size > 1
-        self.rank = rank
-        self.world_size = world_size
-        self.coordinator_rank = coordinator_rank
-        self.global_coordinator = coordinator_rank
-        self.is_coordinator = rank == coordinator_rank
+        super().__init__(None, use_dist=world_size > 1, coordinator_rank=coordinator_rank, rank=rank,
+                         world_size=world_size, timeout=timeout)
+        self._step = "exchange"  # the file names of collectives run outside a named step
         self.directory = Path(directory)
         self.tag = tag
-        self.timeout = timeout
         self.max_poll_s = min(MAILBOX_POLL_MAX.get(), max(_POLL_MIN_CAP_S, _POLL_MAX_PER_RANK_S * world_size))
-        RankIdentity._no_store_checks(self)  # type: ignore[arg-type]
 
     # -- naming ----------------------------------------------------------------------
     def _gather_name(self, rank: int) -> str:
-        if self._step == "plan":
-            return f"LOCAL_PLAN_{rank}.pkl"
-        if self._step == "write":
-            return f"STORAGE_DATA_{rank}.pkl"
-        return f".hp-dcp-mailbox-{self._step}-{rank}.pkl"
+        return gather_file(self._step, rank)
 
     def _scatter_name(self, rank: int) -> str:
-        return f".hp-dcp-mailbox-{self._step}-to-{rank}.pkl"
+        return scatter_file(self._step, rank)
 
     def _result_name(self) -> str:
-        return f".hp-dcp-mailbox-{self._step}-result.pkl"
+        return result_file(self._step)
 
     # -- file I/O --------------------------------------------------------------------
     def _post(self, name: str, obj: Any) -> None:
         """Write ``name`` then its marker, each atomically (temp name + rename)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / name
-        for target, data in ((path, safe_pickle.dumps((self.tag, obj))),
-                             (path.with_name(name + _DONE), self.tag.encode())):
-            tmp = target.with_name(f"{target.name}.{os.getpid()}.hp-dcp-tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, target)
+        payload, marker = safe_pickle.dumps((self.tag, obj)), self.tag.encode()
+        write_file_atomic(path, lambda f: f.write(payload), sync=False, unique_temp=True)
+        write_file_atomic(path.with_name(name + _DONE), lambda f: f.write(marker), sync=False, unique_temp=True)
 
     def _fetch(self, name: str, rank: int) -> Any:
         """Poll for ``name`` of this save (its marker carries our tag) and read it safely."""
@@ -223,13 +197,12 @@ class FileMailbox(DistWrapper):
         """
         if not self.use_dist:
             return
-        ack = ".hp-dcp-mailbox-ack-{}.pkl"
         if not self.is_coordinator:
-            self._post(ack.format(self.rank), None)
+            self._post(ack_file(self.rank), None)
             return
         saved_timeout, self.timeout = self.timeout, ack_timeout
         try:
-            self._fetch_all([(ack.format(r), r) for r in range(self.world_size) if r != self.rank])
+            self._fetch_all([(ack_file(r), r) for r in range(self.world_size) if r != self.rank])
         except MailboxTimeoutError as exc:
             logger.warning("async save mailbox clean-up in %s: %s", self.directory, exc)
         finally:
@@ -241,7 +214,7 @@ class FileMailbox(DistWrapper):
             for name in names:
                 self._remove_if_ours(name)
         for r in range(self.world_size):
-            self._remove_if_ours(ack.format(r))
+            self._remove_if_ours(ack_file(r))
 
     def _remove_if_ours(self, name: str) -> None:
         path = self.directory / name

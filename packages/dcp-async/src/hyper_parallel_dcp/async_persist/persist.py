@@ -18,25 +18,30 @@ import multiprocessing.util as mp_util
 import os
 import signal
 import threading
+import time
+import traceback
 import uuid
+import warnings
 from dataclasses import replace
 from typing import Any, Callable, Optional, Union
 
 from hyper_parallel_dcp.core import settings
 from hyper_parallel_dcp.core.backends import storage_writer_for, url_scheme
-from hyper_parallel_dcp.core.errors import CheckpointError
+from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointTimeoutError
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import process_rank
 from hyper_parallel_dcp.core.planner import SavePlanner
-from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+from hyper_parallel_dcp.core.save_planning import StandardSavePlanner
 from hyper_parallel_dcp.core.stateful import expand_stateful
 from hyper_parallel_dcp.core.storage import StorageWriter
 from hyper_parallel_dcp.core.timing import phase
 
+from .outcome import POLL_S, Outcomes
 from .staging import StagingArena, StagingStats
 from .writer import CacheEntry, SaveReply, SaveRequest, cache_key, clean_planner, writer_main
 
-__all__ = ["AsyncSaveError", "AsyncSaveResponse", "async_save", "staging_buffer_ptrs", "writer_pid"]
+__all__ = ["AsyncSaveError", "AsyncSaveFailureWarning", "AsyncSaveResponse", "async_save", "shutdown_writer",
+           "staging_buffer_ptrs", "writer_pid"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,34 @@ _SESSION_KEY = "hp_dcp_async_mailbox_session"
 
 
 class AsyncSaveError(CheckpointError):
-    """The background writer failed without a more specific error (e.g. it was killed)."""
+    """The background writer failed without a more specific error (e.g. it was killed),
+    or the save failed on another rank (the message names it)."""
+
+
+class AsyncSaveFailureWarning(RuntimeWarning):
+    """An earlier ``async_save`` failed and nobody looked at its response.
+
+    Issued by the next ``async_save`` on that rank (the failure was also logged at the
+    time); that next save goes ahead.
+    """
+
+
+class _Future(concurrent.futures.Future):
+    """A future that remembers whether its outcome was looked at."""
+
+    observed = False
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        self.observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        self.observed = True
+        return super().exception(timeout)
+
+    def peek_exception(self) -> Optional[BaseException]:
+        """The exception of a done future, without counting as looked at."""
+        return concurrent.futures.Future.exception(self, 0) if self.done() else None
 
 
 class AsyncSaveResponse:
@@ -64,7 +96,7 @@ class AsyncSaveResponse:
     """
 
     def __init__(self, checkpoint_id: Optional[str], staging: StagingStats, writer_pid: int):
-        self.persist_completion: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
+        self.persist_completion: concurrent.futures.Future[Metadata] = _Future()
         self.persist_completion.set_running_or_notify_cancel()  # a landing save cannot be cancelled
         self.checkpoint_id = checkpoint_id
         self.staging = staging
@@ -83,14 +115,22 @@ class AsyncSaveResponse:
     def done(self) -> bool:
         return self.persist_completion.done()
 
+    def _failure(self) -> Optional[BaseException]:
+        future = self.persist_completion
+        return future.peek_exception() if isinstance(future, _Future) else None
+
     def __repr__(self) -> str:
-        state = "landed" if self.done() and self.persist_completion.exception() is None else (
+        state = "landed" if self.done() and self._failure() is None else (
             "failed" if self.done() else "in flight")
         return f"AsyncSaveResponse({self.checkpoint_id!r}, {state})"
 
 
 def _timeout_s() -> float:
     return settings.ASYNC_TIMEOUT.get()
+
+
+#: Seconds the training process waits for its writer beyond the writer's own timeouts.
+_REPLY_GRACE_S = 60.0
 
 
 def _gloo_init_method() -> str:
@@ -114,6 +154,13 @@ def _gloo_init_method() -> str:
     return f"tcp://{host}:{gloo_port}"
 
 
+def _remote_failure(message: str, failed: dict[int, str]) -> AsyncSaveError:
+    """This rank's part went well (or was stopped) but the save failed on other ranks."""
+    exc = AsyncSaveError(message)
+    exc.failed_ranks = tuple(sorted(failed))  # type: ignore[attr-defined]
+    return exc
+
+
 class _Persister:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -122,7 +169,11 @@ class _Persister:
         self.conn: Any = None
         self.child_slabs: set[int] = set()
         self.inflight: Optional[AsyncSaveResponse] = None
+        self.last: Optional[AsyncSaveResponse] = None
         self.seq = 0
+        #: seq of the last coordinated save that failed on some rank; the next one first
+        #: waits until every rank's writer of that save is gone (resynchronisation)
+        self.failed_seq: Optional[int] = None
         self.session: Optional[str] = None
         self._exit_hook: Any = None
 
@@ -169,6 +220,19 @@ class _Persister:
             thread.join()
         self.inflight = None
 
+    def _surface_dropped(self) -> None:
+        """Warn about the previous save's failure if nobody looked at its response."""
+        last, self.last = self.last, None
+        if last is None:
+            return
+        future = last.persist_completion
+        exc = last._failure()
+        if exc is not None and isinstance(future, _Future) and not future.observed:
+            future.observed = True
+            warnings.warn(AsyncSaveFailureWarning(
+                f"the previous async_save{' into ' + last.checkpoint_id if last.checkpoint_id else ''} failed and "
+                f"its response was never checked: {type(exc).__name__}: {exc}"), stacklevel=4)
+
     def shutdown(self) -> None:
         """Wait for the save in flight, then stop the writer process and free the staging memory."""
         with self._lock:
@@ -205,6 +269,32 @@ class _Persister:
             self.session = token or os.environ.get("TORCHELASTIC_RUN_ID", "") or "job"
         return self.session
 
+    def _board(self, rank: int, world_size: int, process_group: Any = None) -> Optional[Outcomes]:
+        """The outcome board of a coordinated save (``None`` without a job store).
+
+        Keyed by the group's global ranks too: sub-groups that save at once (pipeline
+        stages) each have their own board.
+        """
+        try:
+            import torch.distributed as dist
+
+            store = dist.distributed_c10d._get_default_store()
+            group = "world" if process_group is None else ",".join(
+                map(str, dist.get_process_group_ranks(process_group)))
+        except Exception as exc:  # noqa: BLE001 - no process group: no cross-rank outcomes
+            logger.debug("async_save: no job store for the outcome board: %s", exc)
+            return None
+        return Outcomes(store, f"{self._mailbox_session(process_group)}/{group}", rank, world_size)
+
+    def _retire(self, proc: Any, seq: int, board: Optional[Outcomes]) -> None:
+        """Stop this save's writer (it may be stuck waiting for a dead peer) and say so."""
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+        if board is not None:
+            board.publish_retired(seq)
+            self.failed_seq = seq
+
     # -- one save ------------------------------------------------------------------------
     def submit(self, state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId],
                storage_writer: Optional[StorageWriter], planner: Optional[SavePlanner], no_dist: bool,
@@ -212,74 +302,104 @@ class _Persister:
                process_group: Any = None) -> AsyncSaveResponse:
         with self._lock:
             self._wait_inflight()
-            use_collectives = use_collectives and not no_dist
-            state_dict, _ = expand_stateful(state_dict)  # torch's Stateful leaves: their state_dict()
-            rank, world_size = (0, 1) if no_dist else process_rank(process_group)
-            gloo_init = mailbox_dir = None
-            if use_gloo and use_collectives:
-                gloo_init = _gloo_init_method()
-            writer = storage_writer_for(checkpoint_id, storage_writer, caller="async_save")
-            if no_dist or world_size == 1:
-                mode = "local"
-            elif not use_collectives:
-                mode = "none"
-            elif use_gloo:
-                mode = "gloo"
-            else:
-                target = checkpoint_id if checkpoint_id is not None else getattr(writer, "path", None)
-                if target is None:
-                    raise ValueError("async_save(use_gloo=False) exchanges plans through the checkpoint "
-                                     "directory and needs checkpoint_id")
-                if url_scheme(target) != "file":
-                    raise ValueError(f"async_save(use_gloo=False) on several ranks exchanges plans through files in "
-                                     f"the checkpoint directory; {target} is not a local path: pass use_gloo=True")
-                mailbox_dir = str(target)
-                mode = "files"
+            self._surface_dropped()
+            # Counted first, on every call: the same number on every rank, even when this
+            # call fails here on some ranks only; it names the save in the job's store.
             self.seq += 1
-            tag = f"{self._mailbox_session(process_group)}-{self.seq}" if mode == "files" else ""
+            seq = self.seq
+            use_collectives = use_collectives and not no_dist
+            rank, world_size = (0, 1) if no_dist else process_rank(process_group)
+            board = self._board(rank, world_size, process_group) if use_collectives and world_size > 1 else None
+            try:
+                if board is not None and self.failed_seq is not None:
+                    # After a failed save: every rank's writer of that save must be gone
+                    # before new writers meet (a survivor's would wait for a dead peer).
+                    board.wait_all(self.failed_seq, "retired", time.monotonic() + _timeout_s(), "resynchronise")
+                    self.failed_seq = None
+                state_dict, _ = expand_stateful(state_dict)  # torch's Stateful leaves: their state_dict()
+                return self._submit(seq, board, state_dict, checkpoint_id, storage_writer, planner, no_dist,
+                                    use_collectives, use_gloo, callback, rank, world_size, process_group)
+            except BaseException as exc:
+                if board is not None:
+                    board.publish_failure(seq, f"{type(exc).__name__}: {exc}")
+                    self._retire(self.proc, seq, board)
+                raise
 
-            started = self._ensure_process()  # starts first: the child imports torch while we stage
-            with phase("build_staged_state_dict", rank):
-                staged, stats = self.arena.stage(state_dict)
+    def _submit(self, seq: int, board: Optional[Outcomes], state_dict: dict[str, Any],
+                checkpoint_id: Optional[CheckpointId], storage_writer: Optional[StorageWriter],
+                planner: Optional[SavePlanner], no_dist: bool, use_collectives: bool, use_gloo: bool,
+                callback: Optional[Callable[[], None]], rank: int, world_size: int,
+                process_group: Any = None) -> AsyncSaveResponse:
+        gloo_init = mailbox_dir = None
+        if use_gloo and use_collectives:
+            gloo_init = _gloo_init_method()
+        writer = storage_writer_for(checkpoint_id, storage_writer, caller="async_save")
+        if no_dist or world_size == 1:
+            mode = "local"
+        elif not use_collectives:
+            mode = "none"
+        elif use_gloo:
+            mode = "gloo"
+        else:
+            target = checkpoint_id if checkpoint_id is not None else getattr(writer, "path", None)
+            if target is None:
+                raise ValueError("async_save(use_gloo=False) exchanges plans through the checkpoint "
+                                 "directory and needs checkpoint_id")
+            if url_scheme(target) != "file":
+                raise ValueError(f"async_save(use_gloo=False) on several ranks exchanges plans through files in "
+                                 f"the checkpoint directory; {target} is not a local path: pass use_gloo=True")
+            mailbox_dir = str(target)
+            mode = "files"
+        tag = f"{self._mailbox_session(process_group)}-{seq}" if mode == "files" else ""
 
-            planner_copy = clean_planner(planner)
-            cache = self._cache_to_send(planner_copy, staged.leaves.keys(), mode, rank, world_size,
-                                        use_collectives)
-            request = SaveRequest(
-                seq=self.seq, staged=staged,
-                new_slabs={i: t for i, t in self.arena.slabs.items() if i not in self.child_slabs},
-                storage_writer=writer, planner=planner_copy, mode=mode,
-                rank=0 if mode == "local" else rank, world_size=1 if mode == "local" else world_size,
-                no_dist=no_dist, use_collectives=use_collectives, gloo_init=gloo_init,
-                mailbox_dir=mailbox_dir, mailbox_tag=tag, timeout_s=_timeout_s(), cache=cache,
-            )
-            # A request larger than the pipe buffer blocks until the writer reads it; a writer
-            # started by this save is still importing torch (1-2 s), so the joining thread
-            # sends it instead of the caller (2000 tensors: first-save blocking 1.4 s -> the
-            # staging copy alone).
-            deferred: Optional[SaveRequest] = request if started else None
-            if not started:
-                with phase("send_to_writer", rank):
-                    try:
-                        self.conn.send(request)
-                    except (BrokenPipeError, ConnectionError, OSError):
-                        # the writer died between saves: start a fresh one, which needs every
-                        # slab, and let the joining thread send to it
-                        self._discard_process()
-                        self._ensure_process()
-                        request.new_slabs = dict(self.arena.slabs)
-                        deferred = request
+        started = self._ensure_process()  # starts first: the child imports torch while we stage
+        with phase("build_staged_state_dict", rank):
+            staged, stats = self.arena.stage(state_dict)
+
+        planner_copy = clean_planner(planner)
+        cache = self._cache_to_send(planner_copy, staged.leaves.keys(), mode, rank, world_size,
+                                    use_collectives)
+        request = SaveRequest(
+            seq=seq, staged=staged,
+            new_slabs={i: t for i, t in self.arena.slabs.items() if i not in self.child_slabs},
+            storage_writer=writer, planner=planner_copy, mode=mode,
+            rank=0 if mode == "local" else rank, world_size=1 if mode == "local" else world_size,
+            no_dist=no_dist, use_collectives=use_collectives, gloo_init=gloo_init,
+            mailbox_dir=mailbox_dir, mailbox_tag=tag, timeout_s=_timeout_s(), cache=cache,
+        )
+        # A request larger than the pipe buffer blocks until the writer reads it; a writer
+        # started by this save is still importing torch (1-2 s), so the joining thread
+        # sends it instead of the caller (2000 tensors: first-save blocking 1.4 s -> the
+        # staging copy alone).
+        deferred: Optional[SaveRequest] = request if started else None
+        failed_send: Optional[BaseException] = None
+        if not started:
+            with phase("send_to_writer", rank):
+                try:
+                    self.conn.send(request)  # pickled whole before any byte is written
+                except (BrokenPipeError, ConnectionError, OSError):
+                    # the writer died between saves: start a fresh one, which needs every
+                    # slab, and let the joining thread send to it
+                    self._discard_process()
+                    self._ensure_process()
+                    request.new_slabs = dict(self.arena.slabs)
+                    deferred = request
+                except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable leaf: fails the future
+                    failed_send = exc
+        if failed_send is None:
+            # What the writer holds once the request arrives.  A request that could not be
+            # sent never changes this (the next save sends those slabs again).
             self.child_slabs = set(staged.slab_ids)
-            response = AsyncSaveResponse(None if checkpoint_id is None else str(checkpoint_id), stats,
-                                         self.proc.pid)
-            response._thread = threading.Thread(
-                target=self._join,
-                args=(response, self.proc, self.conn, request.seq, cache, planner, callback, deferred),
-                name=f"hp-dcp-async-join-{self.seq}", daemon=False,
-            )
-            response._thread.start()
-            self.inflight = response
-            return response
+        response = AsyncSaveResponse(None if checkpoint_id is None else str(checkpoint_id), stats,
+                                     self.proc.pid)
+        response._thread = threading.Thread(
+            target=self._join,
+            args=(response, self.proc, self.conn, seq, cache, planner, callback, deferred, board, failed_send),
+            name=f"hp-dcp-async-join-{seq}", daemon=False,
+        )
+        response._thread.start()
+        self.inflight = self.last = response
+        return response
 
     @staticmethod
     def _cache_to_send(planner: Optional[SavePlanner], keys: Any, mode: str, rank: int, world_size: int,
@@ -296,9 +416,7 @@ class _Persister:
         if not isinstance(probe, StandardSavePlanner) or not probe.enable_plan_caching:
             return None
         r, w = (0, 1) if mode == "local" else (rank, world_size)
-        key = cache_key(probe, keys, r, w, use_collectives)
-        with StandardSavePlanner._cache_lock:
-            value = StandardSavePlanner._cache.get(key)
+        key, value = probe.plan_cache.export(cache_key(probe, keys, r, w, use_collectives))
         if value is not None:
             plan, metadata, fingerprint = value
             value = (replace(plan, save_id=f"{plan.save_id}-a{_persister_seq()}"), metadata, fingerprint)
@@ -306,16 +424,24 @@ class _Persister:
 
     def _join(self, response: AsyncSaveResponse, proc: Any, conn: Any, seq: int, sent: Optional[CacheEntry],
               planner: Optional[SavePlanner], callback: Optional[Callable[[], None]],
-              deferred: Optional[SaveRequest] = None) -> None:
+              deferred: Optional[SaveRequest] = None, board: Optional[Outcomes] = None,
+              failed_send: Optional[BaseException] = None) -> None:
         future = response.persist_completion
+        sent_ok = failed_send is None
         try:
+            if failed_send is not None:
+                raise failed_send
             if deferred is not None:
                 try:
                     conn.send(deferred)
                 except (BrokenPipeError, ConnectionError, OSError):
+                    sent_ok = False
                     proc.join(timeout=5)
                     raise AsyncSaveError(_death_message(proc, response.checkpoint_id)) from None
-            reply = _await_reply(proc, conn)
+                except BaseException:
+                    sent_ok = False
+                    raise
+            reply = _await_reply(proc, conn, board, seq, time.monotonic() + _timeout_s() + _REPLY_GRACE_S)
             if reply is None:
                 proc.join(timeout=5)
                 raise AsyncSaveError(_death_message(proc, response.checkpoint_id))
@@ -325,18 +451,35 @@ class _Persister:
                 exc = reply.error if reply.error is not None else AsyncSaveError(reply.error_text)
                 if reply.error is not None and hasattr(exc, "add_note"):
                     exc.add_note(f"raised in the async writer process (pid {proc.pid}):\n{reply.error_text}")
+                if board is not None:
+                    # Our writer's error may only be the echo of a peer's death ("connection
+                    # closed by peer"): when another rank reports its failure, name that rank.
+                    failed = _others_failed(board, seq, time.monotonic() + _ECHO_WAIT_S)
+                    if failed:
+                        raise _remote_failure(_remote_message(seq, failed, response.checkpoint_id,
+                                                              landed_here=False), failed) from exc
                 raise exc
+            if board is not None:
+                # Landed here; it is a success only if it landed on every rank.
+                board.publish_ok(seq)
+                failed = board.wait_all(seq, "ok", time.monotonic() + _timeout_s(), "finish")
+                if failed:
+                    raise _remote_failure(_remote_message(seq, failed, response.checkpoint_id, landed_here=True), failed)
             response.cache_hit = reply.cache_hit
-            if planner is not None and reply.cache_hit is not None and hasattr(planner, "cache_hit"):
+            if planner is not None and reply.cache_hit is not None:
                 planner.cache_hit = reply.cache_hit
             if reply.cache is not None and not reply.cache_hit:
-                key, value = reply.cache
-                with StandardSavePlanner._cache_lock:
-                    if value is None:
-                        StandardSavePlanner._cache.pop(key, None)
-                    else:
-                        StandardSavePlanner._cache[key] = value
+                StandardSavePlanner.plan_cache.install(reply.cache)
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the future
+            logger.error("async_save #%d%s failed on rank %s: %s: %s", seq,
+                         f" into {response.checkpoint_id}" if response.checkpoint_id else "",
+                         board.rank if board is not None else "-", type(exc).__name__, exc)
+            if board is not None and not hasattr(exc, "failed_ranks"):
+                board.publish_failure(seq, "".join(traceback.format_exception_only(type(exc), exc)).strip())
+            if board is not None or not sent_ok:
+                # a writer of a failed coordinated save may wait for a dead peer, and one
+                # that missed a request holds other slabs than we think: start afresh
+                self._retire(proc, seq, board)
             future.set_exception(exc)
             return
         if callback is not None:
@@ -347,10 +490,40 @@ class _Persister:
         future.set_result(reply.metadata)
 
 
-def _await_reply(proc: Any, conn: Any) -> Optional[SaveReply]:
-    """The writer's reply, or ``None`` if the writer died first."""
+#: Seconds a rank whose writer failed looks for a peer's failure that caused it.
+_ECHO_WAIT_S = 1.0
+
+
+def _others_failed(board: Outcomes, seq: int, until: float) -> dict[int, str]:
     while True:
-        ready = mp_connection.wait([conn, proc.sentinel])
+        failed = board.failures(seq)
+        failed.pop(board.rank, None)
+        if failed or time.monotonic() > until:
+            return failed
+        time.sleep(POLL_S)
+
+
+def _remote_message(seq: int, failed: dict[int, str], checkpoint_id: Optional[str], landed_here: bool) -> str:
+    ranks = sorted(failed)
+    where = f" into {checkpoint_id}" if checkpoint_id else ""
+    parts = "\n".join(f"[rank {r}] {failed[r]}" for r in ranks)
+    here = ("this rank's part had landed, but the checkpoint is not trusted" if landed_here else
+            "this rank's writer was stopped")
+    return (f"async save #{seq}{where} failed on rank(s) {ranks}; {here}. The next async_save starts new "
+            f"writer processes on every rank.\n{parts}")
+
+
+def _await_reply(proc: Any, conn: Any, board: Optional[Outcomes] = None, seq: int = 0,
+                 deadline: Optional[float] = None) -> Optional[SaveReply]:
+    """The writer's reply, or ``None`` if the writer died first.
+
+    With a ``board``, raises :class:`AsyncSaveError` as soon as another rank reports a
+    failure of save ``seq`` (a dead writer there: ours would wait for it); raises
+    :class:`CheckpointTimeoutError` once ``deadline`` passes without a reply.
+    """
+    while True:
+        timeout = POLL_S if board is not None else 1.0
+        ready = mp_connection.wait([conn, proc.sentinel], timeout=timeout)
         if conn in ready:
             try:
                 return conn.recv()
@@ -363,6 +536,15 @@ def _await_reply(proc: Any, conn: Any) -> Optional[SaveReply]:
             except (EOFError, OSError):
                 pass
             return None
+        if board is not None:
+            failed = board.failures(seq)
+            failed.pop(board.rank, None)
+            if failed:
+                raise _remote_failure(_remote_message(seq, failed, None, landed_here=False), failed)
+        if deadline is not None and time.monotonic() > deadline:
+            raise CheckpointTimeoutError(
+                f"async save #{seq}, phase 'write': the writer process (pid {proc.pid}) did not answer "
+                f"within {TIMEOUT_ENV} + {_REPLY_GRACE_S:g} s", "write", ())
 
 
 def _death_message(proc: Any, checkpoint_id: Optional[str]) -> str:
@@ -440,6 +622,16 @@ def async_save(
 def staging_buffer_ptrs() -> dict[Any, int]:
     """Host address of the staging slot of every known piece (``(fqn, offsets, sizes, dtype)``)."""
     return _get_persister().arena.buffer_ptrs()
+
+
+def shutdown_writer() -> None:
+    """Wait for the save in flight, stop the writer process and free the staging memory.
+
+    The next :func:`async_save` starts a new writer.  A no-op when none was started.
+    """
+    p = _persister
+    if p is not None:
+        p.shutdown()
 
 
 def writer_pid() -> Optional[int]:

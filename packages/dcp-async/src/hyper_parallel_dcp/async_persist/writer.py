@@ -10,7 +10,6 @@ end of the pipe closes.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import pickle
@@ -22,9 +21,10 @@ from typing import Any, Optional
 import torch
 
 from hyper_parallel_dcp.core.metadata import Metadata
+from hyper_parallel_dcp.core.plan_cache import PlanCacheEntry
 from hyper_parallel_dcp.core.planner import SavePlanner
+from hyper_parallel_dcp.core.save_planning import StandardSavePlanner
 from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S
-from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from hyper_parallel_dcp.core.storage import StorageWriter
 
 from .staging import StagedStateDict, materialize
@@ -33,8 +33,11 @@ __all__ = ["CacheEntry", "SaveReply", "SaveRequest", "writer_main"]
 
 logger = logging.getLogger(__name__)
 
+#: Launcher variables that describe the training job's rendezvous, not the writers' own.
+_LAUNCHER_ENV = ("TORCHELASTIC_USE_AGENT_STORE", "TORCH_DIST_INIT_BARRIER")
+
 # (plan-cache key, (final plan, metadata, fingerprint) or None for "no entry")
-CacheEntry = tuple[Any, Optional[tuple]]
+CacheEntry = PlanCacheEntry
 
 
 @dataclass
@@ -73,31 +76,16 @@ def clean_planner(planner: Optional[SavePlanner]) -> Optional[SavePlanner]:
     """A copy of ``planner`` without per-save state (which may reference a state dict's tensors)."""
     if planner is None or not isinstance(planner, StandardSavePlanner):
         return planner
-    fresh = copy.copy(planner)
-    fresh.flat = {}
-    fresh._data = {}
-    fresh._local_plan = None
-    fresh.cache_hit = False
-    return fresh
+    return planner.without_state()
 
 
 def cache_key(planner: StandardSavePlanner, flat_keys: Any, rank: int, world_size: int,
               use_collectives: bool) -> Any:
     """The plan-cache key ``planner`` would use for a state dict with ``flat_keys``."""
-    probe = clean_planner(planner)
-    assert isinstance(probe, StandardSavePlanner)
+    probe = planner.without_state()
     probe.set_up_planner(dict.fromkeys(flat_keys), is_coordinator=rank == 0, rank=rank,
                          world_size=world_size, use_collectives=use_collectives)
-    return probe._cache_key()
-
-
-def _install_cache(entry: CacheEntry) -> None:
-    key, value = entry
-    with StandardSavePlanner._cache_lock:
-        if value is None:
-            StandardSavePlanner._cache.pop(key, None)
-        else:
-            StandardSavePlanner._cache[key] = value
+    return probe.cache_key()
 
 
 class _Writer:
@@ -127,7 +115,7 @@ class _Writer:
             del self.slabs[slab_id]
         state_dict = materialize(req.staged, self.slabs)
         if req.cache is not None:
-            _install_cache(req.cache)
+            StandardSavePlanner.plan_cache.install(req.cache)
         planner = req.planner if req.planner is not None else StandardSavePlanner()
         kwargs: dict[str, Any] = {"no_dist": req.no_dist, "use_collectives": req.use_collectives}
         mailbox = None
@@ -148,11 +136,8 @@ class _Writer:
         reply = SaveReply(req.seq, metadata)
         if isinstance(planner, StandardSavePlanner):
             reply.cache_hit = planner.cache_hit
-            if planner._caching() and not planner.has_ragged:
-                key = planner._cache_key()
-                with StandardSavePlanner._cache_lock:
-                    value = StandardSavePlanner._cache.get(key)
-                reply.cache = (key, value)
+            if planner.caching:
+                reply.cache = planner.plan_cache.export(planner.cache_key())
         return reply
 
 
@@ -170,6 +155,11 @@ def writer_main(conn: Any) -> None:
     """Entry point of the writer process: serve :class:`SaveRequest` until told to stop."""
     import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor reductions
 
+    # Under torchrun the training process's environment says "join the agent's store"
+    # (TORCHELASTIC_USE_AGENT_STORE=True): then no writer would host the store of the
+    # writers' own gloo group on MASTER_PORT + 1 and every use_gloo save would time out.
+    for name in _LAUNCHER_ENV:
+        os.environ.pop(name, None)
     torch.set_num_threads(1)  # the writer hashes and writes; it must not compete with training
     writer = _Writer()
     logger.debug("async writer process %d started", os.getpid())

@@ -4,9 +4,9 @@ Called by the load pipeline on every rank instead of ``storage_reader.execute_re
 Each replicated shard is read by one member of its replica group (``ReadItem.source``)
 and broadcast to the others; the walk is pipelined — read, launch the async broadcast,
 move on, with at most :data:`MAX_IN_FLIGHT` broadcasts outstanding — and small shards are
-batched into one staging buffer per broadcast.  The reads themselves are the reader's own
-(``read_into`` or ``read_items`` behind a read-ahead thread, or ``execute_read`` on
-sub-plans for readers with neither); only *who* reads changes.
+batched into one staging buffer per broadcast.  The reads are the normal read path
+(``core.storage``: resolve the destination, ``reader.read_into`` / ``read_object``,
+commit), with the middle step on a read-ahead thread; only *who* reads changes.
 """
 
 from __future__ import annotations
@@ -14,14 +14,18 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from hyper_parallel_dcp.core.collectives import TIMEOUT_ENV, DistWrapper, collective_timeout
+from hyper_parallel_dcp.core.errors import CheckpointTimeoutError
+from hyper_parallel_dcp.core.faults import fault_point
+from hyper_parallel_dcp.core.planner import LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD
-from hyper_parallel_dcp.core.storage import StorageReader
+from hyper_parallel_dcp.core.storage import StorageReader, commit_read, resolve_destinations
 from hyper_parallel_dcp.core.timing import phase
 
 from .groups import broadcast_groups_for_load
@@ -32,7 +36,6 @@ from .schedule import (
     RankSchedule,
     ShardInfo,
     ShardTask,
-    default_sort_items,
     plan_broadcasts,
     rank_schedule,
     required_groups,
@@ -69,67 +72,37 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _direct_reads(reader: Any, pairs: Sequence[tuple[ReadItem, Optional[torch.Tensor]]]):
-    """``(item, target or object)`` for each pair, the bytes read straight into the target."""
-    for item, target in pairs:
-        if target is None:
-            yield item, reader.read_object(item)
-        else:
-            reader.read_into(item, target)
-            yield item, target
-
-
 class _Reads:
-    """This rank's reads, in schedule order, on a read-ahead thread where the reader allows.
+    """This rank's reads, in schedule order, on a read-ahead thread.
 
-    Three ways, best first: a reader with ``read_into`` fills the destination views
-    itself (``preadv`` for FileSystemReader, no mmap page faults); one with ``read_items``
-    yields source tensors that are copied into place here; any other reader gets
-    ``execute_read`` on a sub-plan per shard (no read-ahead).  The destinations are
-    resolved here, on the calling thread: the read-ahead thread touches only the reader.
-    After the first failure further reads are skipped (the broadcasts still go out, so no
-    peer waits forever); the failure is raised once the walk is over.
+    The normal read path split in three: the destinations are resolved here, on the
+    calling thread (``resolve_destinations``); the read-ahead thread runs the reader's
+    ``read_stream`` and touches only the reader and the destinations; each
+    result is committed here (``commit_read``) when the walk reaches it.  After the
+    first failure further reads are skipped (the broadcasts still go out, so no peer
+    waits forever); the failure is raised once the walk is over.
     """
 
     def __init__(self, reader: StorageReader, planner: LoadPlanner, ordered: list[ReadItem], depth: int) -> None:
-        self.reader = reader
         self.planner = planner
         self.error: Optional[BaseException] = None
-        self._direct = callable(getattr(reader, "read_into", None)) and callable(getattr(reader, "read_object", None))
         self._stream: Optional[ReadAhead] = None
         try:
-            if self._direct:
-                pairs = [(it, None if it.type is LoadItemType.BYTE_IO else planner.resolve_tensor(it))
-                         for it in ordered]
-                # a reader that keeps several reads in flight (an object store) streams them itself
-                stream = getattr(reader, "read_stream", None)
-                reads = stream if callable(stream) else (lambda p: _direct_reads(reader, p))
-                self._stream = ReadAhead(reads, pairs, depth)
-            elif callable(getattr(reader, "read_items", None)):
-                self._stream = ReadAhead(reader.read_items, ordered, depth)  # type: ignore[attr-defined]
+            destinations = list(resolve_destinations(planner, ordered))
+            self._stream = ReadAhead(reader.read_stream, destinations, depth)
         except Exception as exc:  # noqa: BLE001 - raised after the broadcasts are done
             self.error = exc
 
     def read(self, items: Sequence[ReadItem]) -> None:
-        if self.error is not None or not items:
+        if self.error is not None or self._stream is None or not items:
             return
         try:
-            if self._stream is None:
-                self.reader.execute_read(LoadPlan(tuple(items)), self.planner)
-                return
             for expected in items:
-                got, data = next(self._stream)
+                got, value = next(self._stream)
                 if got is not expected and got != expected:
                     raise RuntimeError(f"read-ahead returned {got.dest_index.fqn!r} where "
-                                       f"{expected.dest_index.fqn!r} was due (reader reordered items)")
-                if got.type is LoadItemType.BYTE_IO:
-                    self.planner.load_bytes(got, data)
-                elif self._direct:
-                    self.planner.commit_tensor(got, data)
-                else:
-                    target = self.planner.resolve_tensor(got)
-                    target.copy_(data)
-                    self.planner.commit_tensor(got, target)
+                                       f"{expected.dest_index.fqn!r} was due (read-ahead out of order)")
+                commit_read(self.planner, got, value)
         except Exception as exc:  # noqa: BLE001 - raised after the broadcasts are done
             self.error = exc
             self.close()
@@ -137,6 +110,18 @@ class _Reads:
     def close(self) -> None:
         if self._stream is not None:
             self._stream.close()
+
+
+@dataclass
+class _Walk:
+    """This rank's part of the load, planned before any group exists."""
+
+    schedule: RankSchedule
+    #: the local shard of each ``schedule.shards`` entry (what its broadcast ships)
+    shards: list[torch.Tensor]
+    steps: list
+    #: what this rank reads, in walk order: its shards for its groups, then the tail
+    reads: list[ReadItem]
 
 
 def _synchronize(devices: set) -> None:
@@ -175,95 +160,120 @@ class BroadcastReadExecutor:
         self.max_in_flight = max_in_flight
         self.read_ahead = read_ahead
         self.stats = BroadcastStats()
+        self._timeout = collective_timeout()
 
-    def __call__(self, plan: LoadPlan, global_plans: list[LoadPlan], storage_reader: StorageReader,
-                 planner: LoadPlanner, process_group: Optional[dist.ProcessGroup] = None) -> None:
+    def __call__(self, plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner,
+                 process_group: Optional[dist.ProcessGroup] = None) -> None:
         """Run this rank's part of the load; every rank of ``process_group`` must call.
 
-        ``global_plans`` are all ranks' plans after reader assignment (identical on every
-        rank); ``plan`` is this rank's.  Fills the planner's targets in place.  Raises
+        ``plan`` is this rank's final plan after reader assignment; its
+        ``ReaderAssignment`` lists the rank's replica groups and every group of the load.  Fills the planner's targets in place.  Raises
         ``ValueError`` (on every rank alike) for inconsistent plans, a process group that
         is not the whole world, or unusable ``groups``; an error of this rank's planner
         before the groups exist is raised here and as ``ValueError`` on the other ranks;
         a read failure is raised after this rank's broadcasts are done, so peers are
         never left waiting.
         """
-        world = dist.get_world_size()
-        if process_group is not None and dist.get_world_size(process_group) != world:
-            raise ValueError("read-once + broadcast needs the load to run on all ranks of the default group "
-                             f"({dist.get_world_size(process_group)} of {world} ranks given)")
-        to_global: Callable[[int], int] = (
-            (lambda r: r) if process_group is None else (lambda r: dist.get_global_rank(process_group, r))
-        )
+        _check_whole_world(process_group)
+        to_global = _global_rank_of(process_group)
         me = dist.get_rank(process_group)
         me_global = to_global(me)
-        sort_items = getattr(storage_reader, "sort_items", None) or default_sort_items
-        required = sorted({tuple(sorted(to_global(r) for r in ranks)) for ranks in required_groups(global_plans)})
-        if not required and not self.groups:
-            # Nothing is replicated anywhere (every rank sees the same global plans, so all
-            # ranks take this branch): the plain read path, without groups, read-ahead
-            # thread or exchange — 2000 sharded tensors on 2 ranks load ~25 % faster.
+        required = sorted({tuple(sorted(to_global(r) for r in ranks)) for ranks in required_groups(plan)})
+        if not required:
+            # Nothing is replicated anywhere (every rank got the same list of groups from
+            # the coordinator, so all ranks take this branch): the plain read path, without
+            # groups, read-ahead thread or exchange — 2000 sharded tensors on 2 ranks load
+            # ~25 % faster.
             self.stats = BroadcastStats(replicated_shards=0, tail_items=len(plan.items))
             storage_reader.execute_read(plan, planner)
             return
         # Everything that can fail on one rank alone happens before the groups are
         # created, and a failure travels with the group exchange: no rank is left
         # inside new_group or a broadcast waiting for a rank that gave up.
-        local_error: Optional[Exception] = None
+        walk, local_error = self._plan_walk(plan, me, storage_reader, planner)
+        self.stats = BroadcastStats(replicated_shards=len(walk.schedule.shards), tail_items=len(walk.schedule.tail))
+        # Every wait below has a deadline (HP_DCP_COLLECTIVE_TIMEOUT): the arrival checks
+        # name a rank that died or hangs before the group exchange and the broadcasts,
+        # new groups get that timeout, and each broadcast is waited for with it.
+        arrivals = DistWrapper(process_group, use_dist=True)
+        arrivals.arrive("broadcast_groups")
+        self._timeout = collective_timeout()
+        with broadcast_groups_for_load(required, me_global, self.groups, process_group,
+                                       local_error=local_error, timeout=self._timeout) as groups:
+            self._count_groups(groups)
+            reads = _Reads(storage_reader, planner, walk.reads, self.read_ahead)
+            try:
+                fault_point("load.broadcast", me_global)
+                arrivals.arrive("broadcast")
+                self._read_and_broadcast(walk, reads, groups, me, to_global, planner)
+            finally:
+                reads.close()
+        if reads.error is not None:
+            raise reads.error
+
+    # -- the steps of one call ---------------------------------------------------------
+    def _plan_walk(self, plan: LoadPlan, me: int, storage_reader: StorageReader,
+                   planner: LoadPlanner) -> tuple[_Walk, Optional[Exception]]:
+        """This rank's schedule, shards and broadcast steps; an error is returned, not
+        raised, so that it reaches the other ranks through the group exchange."""
         try:
-            schedule = rank_schedule(plan, me, sort_items)
+            schedule = rank_schedule(plan, me, storage_reader.sort_items)
             shards = [planner.resolve_shard(task.dest_index) for task in schedule.shards]
             infos = [ShardInfo(task.ranks, task.source, t.dtype, t.numel() * t.element_size(), str(t.device))
                      for task, t in zip(schedule.shards, shards)]
             steps = plan_broadcasts(infos, self.batch_bytes)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the group exchange
-            local_error = exc
-            schedule, shards, steps = RankSchedule((), ()), [], []
-        self.stats = stats = BroadcastStats(replicated_shards=len(schedule.shards), tail_items=len(schedule.tail))
-        ordered = [it for task in schedule.shards if task.source == me for it in task.items]
-        ordered.extend(schedule.tail)
+            return _Walk(RankSchedule((), ()), [], [], []), exc
+        reads = [it for task in schedule.shards if task.source == me for it in task.items]
+        reads.extend(schedule.tail)
+        return _Walk(schedule, shards, steps, reads), None
 
-        with broadcast_groups_for_load(required, me_global, self.groups, process_group,
-                                       local_error=local_error) as groups:
-            stats.groups_used = len(groups)
-            stats.groups_created = sum(1 for k, g in groups.items()
-                                       if g is not dist.group.WORLD and (self.groups or {}).get(k) is not g)
-            reads = _Reads(storage_reader, planner, ordered, self.read_ahead)
-            pending: collections.deque = collections.deque()
-            healthy = False
-            try:
-                with phase("read_and_broadcast", me):
-                    for step in steps:
-                        if isinstance(step, LaunchStep):
-                            started = time.perf_counter()
-                            while len(pending) >= self.max_in_flight:
-                                self._complete(pending.popleft())
-                            pending.append(self._launch(step.op, schedule.shards, shards, groups, me,
-                                                        to_global, planner))
-                            stats.broadcast_seconds += time.perf_counter() - started
-                        else:
-                            task = schedule.shards[step.index]
-                            if task.source == me:
-                                stats.shards_read_for_group += 1
-                                reads.read(task.items)
-                    # Nobody waits for these: reading them now overlaps the broadcasts
-                    # still in flight instead of delaying them.
-                    reads.read(schedule.tail)
-                    started = time.perf_counter()
-                    while pending:
-                        self._complete(pending.popleft())
-                    # On an accelerator, wait() only orders streams: let the broadcasts
-                    # finish on the device before their groups are destroyed below.
-                    _synchronize({t.device for t in shards if t.device.type not in ("cpu", "meta")})
-                    stats.broadcast_seconds += time.perf_counter() - started
-                healthy = True
-            finally:
-                reads.close()
-                if not healthy:
-                    # A collective failed (a peer is gone): waiting on the rest could hang.
-                    pending.clear()
-        if reads.error is not None:
-            raise reads.error
+    def _count_groups(self, groups: dict[tuple[int, ...], Any]) -> None:
+        self.stats.groups_used = len(groups)
+        self.stats.groups_created = sum(1 for k, g in groups.items()
+                                        if g is not dist.group.WORLD and (self.groups or {}).get(k) is not g)
+
+    def _read_and_broadcast(self, walk: _Walk, reads: _Reads, groups: dict[tuple[int, ...], Any], me: int,
+                            to_global: Callable[[int], int], planner: LoadPlanner) -> None:
+        """Walk the steps: read this rank's shards, launch and land the broadcasts, then
+        read the tail while the last broadcasts are in flight."""
+        stats = self.stats
+        pending: collections.deque = collections.deque()
+        healthy = False
+        try:
+            with phase("read_and_broadcast", me):
+                for step in walk.steps:
+                    if isinstance(step, LaunchStep):
+                        started = time.perf_counter()
+                        while len(pending) >= self.max_in_flight:
+                            self._complete(pending.popleft())
+                        pending.append(self._launch(step.op, walk.schedule.shards, walk.shards, groups, me,
+                                                    to_global, planner))
+                        stats.broadcast_seconds += time.perf_counter() - started
+                    else:
+                        task = walk.schedule.shards[step.index]
+                        if task.source == me:
+                            stats.shards_read_for_group += 1
+                            reads.read(task.items)
+                # Nobody waits for these: reading them now overlaps the broadcasts
+                # still in flight instead of delaying them.
+                reads.read(walk.schedule.tail)
+                started = time.perf_counter()
+                self._drain(pending, walk.shards)
+                stats.broadcast_seconds += time.perf_counter() - started
+            healthy = True
+        finally:
+            if not healthy:
+                # A collective failed (a peer is gone): waiting on the rest could hang.
+                pending.clear()
+
+    def _drain(self, pending: collections.deque, shards: list[torch.Tensor]) -> None:
+        """Wait for every broadcast still in flight, oldest first."""
+        while pending:
+            self._complete(pending.popleft())
+        # On an accelerator, wait() only orders streams: let the broadcasts finish on the
+        # device before their groups are destroyed.
+        _synchronize({t.device for t in shards if t.device.type not in ("cpu", "meta")})
 
     def _launch(self, op: BroadcastOp, tasks: Sequence[ShardTask], shards: list[torch.Tensor],
                 groups: dict[tuple[int, ...], Any], me: int, to_global: Callable[[int], int],
@@ -299,7 +309,11 @@ class BroadcastReadExecutor:
                 # dist.broadcast needs contiguous memory; a narrowed shard usually is not.
                 buffer = target.contiguous()
         stats.bytes_broadcast += buffer.numel() * buffer.element_size()
-        work = dist.broadcast(_as_bytes(buffer), src=to_global(op.source), group=group, async_op=True)
+        try:
+            work = dist.broadcast(_as_bytes(buffer), src=to_global(op.source), group=group, async_op=True)
+        except Exception as exc:  # noqa: BLE001 - a peer is gone: say which broadcast
+            raise self._broadcast_error(key, to_global(op.source), exc) from exc
+        work = _Pending(work, key, to_global(op.source))
         if not receiving:
             # The staging copy must live until the broadcast has landed.
             return work, (lambda: buffer)
@@ -315,18 +329,53 @@ class BroadcastReadExecutor:
 
         return work, land
 
-    @staticmethod
-    def _complete(entry: tuple[Any, Optional[Callable[[], Any]]]) -> None:
-        work, land = entry
-        work.wait()
+    def _broadcast_error(self, ranks: tuple[int, ...], source: int, exc: BaseException) -> CheckpointTimeoutError:
+        others = [r for r in ranks if r != dist.get_rank()]
+        return CheckpointTimeoutError(
+            f"checkpoint phase 'broadcast': the broadcast from rank {source} to replica group {list(ranks)} "
+            f"failed or did not finish within {self._timeout:g} s ({TIMEOUT_ENV}) on rank {dist.get_rank()}; "
+            f"rank(s) {others} of that group died or hang ({type(exc).__name__}: {exc})",
+            "broadcast", tuple(others))
+
+    def _complete(self, entry: tuple[Any, Optional[Callable[[], Any]]]) -> None:
+        pending, land = entry
+        try:
+            if self._timeout > 0:
+                pending.work.wait(timedelta(seconds=self._timeout))
+            else:
+                pending.work.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo: peer closed / timed out
+            raise self._broadcast_error(pending.ranks, pending.source, exc) from exc
         if land is not None:
             land()
+
+
+@dataclass
+class _Pending:
+    """A broadcast in flight, with what an error about it must name."""
+
+    work: Any
+    ranks: tuple[int, ...]
+    source: int
+
+
+def _check_whole_world(process_group: Optional[dist.ProcessGroup]) -> None:
+    world = dist.get_world_size()
+    if process_group is not None and dist.get_world_size(process_group) != world:
+        raise ValueError("read-once + broadcast needs the load to run on all ranks of the default group "
+                         f"({dist.get_world_size(process_group)} of {world} ranks given)")
+
+
+def _global_rank_of(process_group: Optional[dist.ProcessGroup]) -> Callable[[int], int]:
+    if process_group is None:
+        return lambda r: r
+    return lambda r: dist.get_global_rank(process_group, r)
 
 
 def make_read_executor(*, groups: Optional[dict[tuple[int, ...], Any]] = None,
                        batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: Optional[int] = None,
                        read_ahead: Optional[int] = None) -> BroadcastReadExecutor:
-    """A read executor for ``load_state_dict(..., assign_readers=True, read_executor=...)``.
+    """A read executor for ``load_state_dict(..., read_executor=...)``.
 
     See :class:`BroadcastReadExecutor`.  Raises ``ValueError`` for a negative
     ``batch_bytes`` or ``max_in_flight`` below 1.

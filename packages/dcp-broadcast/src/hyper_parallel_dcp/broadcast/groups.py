@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from datetime import timedelta
 from typing import Any, Iterator, Optional, Sequence
 
 import torch.distributed as dist
@@ -95,6 +96,7 @@ def broadcast_groups_for_load(
     provided: Optional[dict[RankTuple, Any]] = None,
     process_group: Optional[dist.ProcessGroup] = None,
     local_error: Optional[Exception] = None,
+    timeout: float = 0.0,
 ) -> Iterator[dict[RankTuple, Any]]:
     """Yield ``{rank tuple: group}`` for the required groups ``rank`` (global) belongs to.
 
@@ -105,7 +107,8 @@ def broadcast_groups_for_load(
     destroyed on exit in rank-tuple order by their members.  Groups from ``provided`` are
     used as they are and left alive.  Raises ``ValueError`` on every rank when a provided
     group does not match its key.
-    ``local_error`` (this rank could not prepare its part) is raised here and, as a
+    ``timeout`` (seconds, 0 = the default group's) bounds the creation of new groups and
+    their collectives.  ``local_error`` (this rank could not prepare its part) is raised here and, as a
     ``ValueError`` naming this rank, on every other rank — before any group exists.
     """
     to_create = _missing_groups(required, rank, provided, process_group, local_error)
@@ -121,7 +124,9 @@ def broadcast_groups_for_load(
     try:
         with phase("create_broadcast_groups", rank):
             for ranks in to_create:
-                group = dist.new_group(ranks=list(ranks))
+                # with a deadline: the store barrier inside new_group, and the group's collectives
+                group = (dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=timeout)) if timeout > 0
+                         else dist.new_group(ranks=list(ranks)))
                 if rank in ranks and _is_member_group(group):
                     created[ranks] = group
         usable.update(created)

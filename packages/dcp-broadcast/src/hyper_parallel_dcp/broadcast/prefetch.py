@@ -1,14 +1,12 @@
 """A background read-ahead over a storage reader's reads.
 
-The thread runs a generator of reads — ``preadv`` straight into the destination views,
-or opening files and slicing mmap views — a couple of items ahead of the main thread,
-which drives the broadcasts.
+The thread runs the read step of the normal read path (``StorageReader.read_stream``:
+``reader.read_into`` straight into the destination views, ``read_object`` for objects) a
+couple of items ahead of the main thread, which drives the broadcasts.
 Results come back strictly in the order given: the read order is the broadcast order,
 and splitting the two was measured slower (see the user guide), so this is a FIFO, not a
-completion table.  With mmap views, building a view touches the mapping, which lets the kernel's
-own read-ahead pull small tensors into the page cache before the main thread needs them.
-The thread touches only the reader (the destinations are resolved beforehand), never
-the planner.
+completion table.  The thread touches only the reader and the destinations (resolved
+beforehand), never the planner.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ from hyper_parallel_dcp.core.settings import READ_AHEAD
 __all__ = ["ReadAhead"]
 
 _DONE = object()
-# Kept small: each queued view pins an open file, and the reader keeps a bounded
-# number of files open (HP_DCP_FILES_KEPT, eight by default, for FileSystemReader).
+# Kept small: a couple of reads ahead keep the reader busy while the main thread
+# launches broadcasts, and the reads stay close to the broadcast order (measured best).
 # The executor passes HP_DCP_READ_AHEAD; this is its default.
 DEFAULT_DEPTH = READ_AHEAD.default
 
@@ -37,9 +35,10 @@ class _Failed:
 class ReadAhead:
     """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead.
 
-    ``read_items`` is a reader's ``read_items`` or any function returning an iterator over
-    ``items``.  Yields exactly what it yields, in its order; an exception raised by the
-    reader is re-raised in the consuming thread at the position where it happened.
+    ``read_items`` is any function returning an iterator over ``items`` (the broadcast
+    executor passes its reader's ``read_stream``).  Yields
+    exactly what it yields, in its order; an exception raised by the reader is re-raised
+    in the consuming thread at the position where it happened.
     ``close()`` (also on ``with`` exit) stops the thread; the generator is closed on the
     thread that ran it.
     """

@@ -1,7 +1,8 @@
 """Pure scheduling of a read-once + broadcast load: no process group, no tensors.
 
-From the global load plans (after ``assign_readers``) every rank derives, with no extra
-communication:
+From its own final load plan (whose ``planner_data`` is the rank's
+:class:`~hyper_parallel_dcp.core.reader_assignment.ReaderAssignment`, computed once on the
+coordinator) every rank derives, with no extra communication:
 
 * the replica groups the load needs (:func:`required_groups`) — the same sorted list on
   every rank, which is what makes group creation a well-formed collective;
@@ -20,10 +21,11 @@ which, with "wait only for the oldest broadcast in flight", cannot deadlock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 from hyper_parallel_dcp.core.metadata import MetadataIndex
-from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key
+from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key, sort_read_items
+from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, ReplicaGroup
 
 __all__ = [
     "BroadcastOp",
@@ -32,7 +34,6 @@ __all__ = [
     "ShardInfo",
     "ShardStep",
     "ShardTask",
-    "default_sort_items",
     "plan_broadcasts",
     "rank_schedule",
     "replica_groups_of",
@@ -102,17 +103,14 @@ class LaunchStep:
 Step = Union[ShardStep, LaunchStep]
 
 
-def default_sort_items(items: Iterable[ReadItem]) -> list[ReadItem]:
-    """The global read order for readers without their own ``sort_items``."""
-    return sorted(items, key=lambda it: (order_key(it.dest_index), order_key(it.storage_index), it.storage_offsets))
-
-
-def replica_groups_of(plan: LoadPlan) -> tuple[tuple[MetadataIndex, RankTuple, int], ...]:
-    """``(dest_index, ranks, source)`` of the multi-member groups ``plan``'s rank is in."""
+def _assignment(plan: LoadPlan) -> ReaderAssignment:
     data = plan.planner_data
-    if not isinstance(data, dict):
-        return ()
-    return tuple((dest, tuple(ranks), int(src)) for dest, ranks, src in data.get("replica_groups", ()))
+    return data if isinstance(data, ReaderAssignment) else ReaderAssignment()
+
+
+def replica_groups_of(plan: LoadPlan) -> tuple[ReplicaGroup, ...]:
+    """The multi-member replica groups ``plan``'s rank is in (none without an assignment)."""
+    return _assignment(plan).groups
 
 
 def _shard_sort_key(dest: MetadataIndex, ranks: RankTuple) -> tuple[str, RankTuple]:
@@ -121,12 +119,14 @@ def _shard_sort_key(dest: MetadataIndex, ranks: RankTuple) -> tuple[str, RankTup
     return order_key(dest), ranks
 
 
-def rank_schedule(plan: LoadPlan, rank: int, sort_items=default_sort_items) -> RankSchedule:
+def rank_schedule(plan: LoadPlan, rank: int,
+                  sort_items: Callable[[Iterable[ReadItem]], list[ReadItem]] = sort_read_items) -> RankSchedule:
     """Split ``plan`` (this rank's global plan) into replicated shards and tail reads.
 
-    Replicated shards come from ``plan.planner_data["replica_groups"]`` in the global
+    Replicated shards come from the plan's :class:`ReaderAssignment`, in the global
     order; every other item (unreplicated tensor shards, non-tensor objects) must be read
-    by this rank and goes to the tail, sorted by ``sort_items``.  Raises ``ValueError``
+    by this rank and goes to the tail, sorted by ``sort_items`` (the reader's
+    ``StorageReader.sort_items``).  Raises ``ValueError``
     naming the FQN when a tensor item is to be read by another rank outside any group.
     """
     by_dest: dict[MetadataIndex, list[ReadItem]] = {}
@@ -134,7 +134,8 @@ def rank_schedule(plan: LoadPlan, rank: int, sort_items=default_sort_items) -> R
         by_dest.setdefault(item.dest_index, []).append(item)
     shards: list[ShardTask] = []
     grouped: set[MetadataIndex] = set()
-    for dest, ranks, source in sorted(replica_groups_of(plan), key=lambda g: _shard_sort_key(g[0], g[1])):
+    for group in sorted(replica_groups_of(plan), key=lambda g: _shard_sort_key(g.dest_index, g.ranks)):
+        dest, ranks, source = group.dest_index, group.ranks, group.source
         if rank not in ranks or source not in ranks:
             raise ValueError(
                 f"{dest.fqn!r}: replica group {list(ranks)} of the shard at {list(dest.offset or ())} "
@@ -159,32 +160,14 @@ def rank_schedule(plan: LoadPlan, rank: int, sort_items=default_sort_items) -> R
     return RankSchedule(tuple(shards), tuple(sort_items(tail)))
 
 
-def required_groups(global_plans: Sequence[LoadPlan]) -> list[RankTuple]:
+def required_groups(plan: LoadPlan) -> list[RankTuple]:
     """Every multi-member replica group of the load, sorted by rank tuple.
 
-    Computed from all ranks' plans, so it is the same list on every rank (group creation
-    is a collective of all ranks, even of those in no group).  Also checks that each
-    group is listed by every member with the same reader (``ValueError`` otherwise, on
-    every rank alike).
+    The coordinator computed the list once for all ranks and each rank's plan carries it,
+    so it is the same on every rank (group creation is a collective of all ranks, even of
+    those in no group).
     """
-    seen: dict[tuple[MetadataIndex, RankTuple], int] = {}
-    listed_by: dict[tuple[MetadataIndex, RankTuple], set[int]] = {}
-    for rank, plan in enumerate(global_plans):
-        for dest, ranks, source in replica_groups_of(plan):
-            key = (dest, ranks)
-            if seen.setdefault(key, source) != source:
-                raise ValueError(
-                    f"{dest.fqn!r}: ranks disagree on the reader of the shard at {list(dest.offset or ())} "
-                    f"(group {list(ranks)}: {seen[key]} vs {source})"
-                )
-            listed_by.setdefault(key, set()).add(rank)
-    for (dest, ranks), members in listed_by.items():
-        if members != set(ranks):
-            raise ValueError(
-                f"{dest.fqn!r}: replica group {list(ranks)} of the shard at {list(dest.offset or ())} "
-                f"is listed by ranks {sorted(members)} only"
-            )
-    return sorted({ranks for _, ranks in listed_by})
+    return sorted(_assignment(plan).required)
 
 
 def plan_broadcasts(shards: Sequence[ShardInfo], batch_bytes: int) -> list[Step]:

@@ -19,6 +19,8 @@ __all__ = [
     "flat_range_to_boxes",
     "full_box",
     "runs_from_indices",
+    "row_major_strides",
+    "slice_span",
     "span_elements",
 ]
 
@@ -82,21 +84,39 @@ def full_box(shape: Sequence[int]) -> ChunkBox:
     return ChunkBox(tuple(0 for _ in shape), tuple(int(d) for d in shape))
 
 
-def span_elements(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> int:
-    """Elements of a row-major chunk spanned by reading the sub-box ``offsets+lengths``.
+def row_major_strides(sizes: Sequence[int]) -> list[int]:
+    """Element strides of a contiguous row-major array of shape ``sizes``."""
+    strides = [1] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+    return strides
+
+
+def slice_span(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int, bool]:
+    """``(first element, elements spanned, contiguous)`` of reading the sub-box
+    ``offsets+lengths`` of a row-major chunk of shape ``chunk_sizes``.
 
     The span runs from the first element touched to the last one: a column slice spans
-    every row it touches, a row-prefix slice spans exactly itself.  This is what an mmap
-    read of that slice pulls through the page cache.
+    every row it touches, a row-prefix slice spans exactly itself (``contiguous``).  The
+    filesystem reader reads exactly this span, and ``hp-dcp explain`` predicts a load's
+    bytes with it: one formula for both.  An empty box spans nothing; a 0-d chunk one
+    element.
     """
     if any(n == 0 for n in lengths):
-        return 0
-    strides = [1] * len(chunk_sizes)
-    for d in range(len(chunk_sizes) - 2, -1, -1):
-        strides[d] = strides[d + 1] * chunk_sizes[d + 1]
+        return 0, 0, True
+    strides = row_major_strides(chunk_sizes)
     first = sum(o * s for o, s in zip(offsets, strides))
     last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
-    return last - first + 1
+    span = last - first + 1
+    volume = 1
+    for n in lengths:
+        volume *= n
+    return first, span, span == volume
+
+
+def span_elements(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> int:
+    """Elements spanned by reading the sub-box ``offsets+lengths`` (see ``slice_span``)."""
+    return slice_span(chunk_sizes, offsets, lengths)[1]
 
 
 # A run is a contiguous range of global indices along one dimension: (start, length).

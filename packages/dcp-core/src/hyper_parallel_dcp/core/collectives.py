@@ -136,29 +136,47 @@ def _raise_failures(step: str, failures: dict[int, _Failure]) -> None:
 class DistWrapper:
     """Collectives over ``group`` with failure propagation; a no-op without a group."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], use_dist: bool, coordinator_rank: int = 0):
+    def __init__(self, group: Optional[dist.ProcessGroup], use_dist: bool, coordinator_rank: int = 0, *,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 timeout: Optional[float] = None) -> None:
+        """Collectives over ``group`` (``None``: the default group) when ``use_dist``.
+
+        ``rank`` and ``world_size`` make a wrapper for a process that belongs to a job
+        without being in its process group (the async writer): ``group`` must then be
+        ``None``; with ``use_dist=False`` every collective is the single-process no-op, and
+        a subclass that exchanges objects another way (files) passes ``use_dist=True`` and
+        overrides the raw object collectives.  Such a wrapper runs no arrival check (that
+        needs a group's store).  ``timeout`` defaults to ``HP_DCP_COLLECTIVE_TIMEOUT``.
+        Raises ``ValueError`` for a ``rank`` outside ``world_size``.
+        """
         self.group = group
-        self.use_dist = use_dist and dist.is_available() and dist.is_initialized()
-        if self.use_dist:
-            self.rank = dist.get_rank(group)
-            self.world_size = dist.get_world_size(group)
-            self.global_coordinator = (
-                dist.get_global_rank(group, coordinator_rank) if group is not None else coordinator_rank
-            )
-        else:
-            self.rank = 0
-            self.world_size = 1
-            self.global_coordinator = coordinator_rank
         self.coordinator_rank = coordinator_rank
-        self.is_coordinator = self.rank == coordinator_rank
-        self.timeout = collective_timeout()
+        self.global_coordinator = coordinator_rank
+        self.timeout = collective_timeout() if timeout is None else timeout
         self._step = "collective"
         self._store: Any = None
         self._group_ranks: tuple[int, ...] = ()
-        if self.use_dist and self.timeout > 0:
-            self._store = _default_store()
-            self._group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
-                range(self.world_size))
+        if rank is not None or world_size is not None:
+            if group is not None or rank is None or world_size is None:
+                raise ValueError("rank and world_size go together, and without a process group")
+            if not 0 <= rank < world_size:
+                raise ValueError(f"rank {rank} outside world size {world_size}")
+            self.use_dist = use_dist
+            self.rank, self.world_size = rank, world_size
+        else:
+            self.use_dist = use_dist and dist.is_available() and dist.is_initialized()
+            if self.use_dist:
+                self.rank = dist.get_rank(group)
+                self.world_size = dist.get_world_size(group)
+                if group is not None:
+                    self.global_coordinator = dist.get_global_rank(group, coordinator_rank)
+            else:
+                self.rank, self.world_size = 0, 1
+            if self.use_dist and self.timeout > 0:
+                self._store = _default_store()
+                self._group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                    range(self.world_size))
+        self.is_coordinator = self.rank == coordinator_rank
 
     # -- arrival check ---------------------------------------------------------------
     def _arrive(self, collective: str) -> None:
@@ -204,6 +222,17 @@ class DistWrapper:
                 store.delete_key(f"{name}/{seq - 1}/{self.rank}")
             except Exception:  # noqa: BLE001 - only housekeeping
                 pass
+
+    def arrive(self, step: str) -> None:
+        """Wait (at most the collective timeout) until every rank of the group got here.
+
+        For callers that run their own collectives (the broadcast load): raises
+        :class:`CheckpointTimeoutError` naming ``step`` and the ranks that never arrived.
+        Every member must call it at the same point.
+        """
+        if self.use_dist:
+            self._step = step
+            self._arrive("arrival")
 
     def _global_rank(self) -> int:
         return self._group_ranks[self.rank] if self._group_ranks else self.rank

@@ -160,6 +160,22 @@ class Metadata:
     storage_data: Mapping[MetadataIndex, StorageInfo] | None = None
     files: dict[str, int] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    #: Only in a view merged from ``{rank}.metadata`` files (never written): for an object
+    #: saved by several ranks under one FQN, saving rank → where that rank's copy is.
+    #: ``storage_data`` holds the lowest saving rank's copy; see :meth:`object_storage`.
+    rank_objects: dict[str, dict[int, StorageInfo]] = field(default_factory=dict)
+
+    def object_storage(self, fqn: str, rank: int) -> StorageInfo | None:
+        """Where the copy of object ``fqn`` that ``rank`` loads is (SPEC §4).
+
+        Rank-local state (RNG, data-loader position) saved by several ranks: rank ``r``
+        gets the copy rank ``r`` saved; a rank that saved none gets the lowest saving
+        rank's copy (the one in ``storage_data``).
+        """
+        copies = self.rank_objects.get(fqn)
+        if copies and rank in copies:
+            return copies[rank]
+        return (self.storage_data or {}).get(MetadataIndex(fqn))
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:

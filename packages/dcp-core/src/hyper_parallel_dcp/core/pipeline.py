@@ -16,19 +16,25 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from .collectives import DistWrapper
+from .errors import CheckpointTimeoutError
+from .faults import fault_point
 from .flatten import flatten_state_dict, match_stored_keys, set_by_path
+from .gc_pause import gc_paused
 from .layout import is_tensor_leaf
+from .load_planning import StandardLoadPlanner
 from .metadata import Metadata, MetadataIndex, StorageInfo
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from .standard_planner import StandardLoadPlanner, StandardSavePlanner, _gc_paused
+from .reader_assignment import apply_reader_assignment, assign_readers_from_layouts, target_layout
+from .save_planning import StandardSavePlanner
 from .stateful import expand_stateful, restore_stateful
 from .storage import StorageReader, StorageWriter, WriteResult
 from .timing import log_info, phase
 
 __all__ = ["ReadExecutor", "load_state_dict", "process_rank", "save_state_dict"]
 
-# (plan of this rank, global plans of all ranks, reader, planner, group) -> None
-ReadExecutor = Callable[[LoadPlan, list[LoadPlan], StorageReader, LoadPlanner, Optional[dist.ProcessGroup]], None]
+# (final plan of this rank, reader, planner, group) -> None; the plan's planner_data is the
+# rank's ReaderAssignment (its replica groups and every group the load needs)
+ReadExecutor = Callable[[LoadPlan, StorageReader, LoadPlanner, Optional[dist.ProcessGroup]], None]
 
 # save_id of a cached plan → how many times it was reused (same on every rank).
 _cache_uses: dict[str, itertools.count] = {}
@@ -38,6 +44,10 @@ def process_rank(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
+
+
+def _is_whole_world(group: Optional[dist.ProcessGroup]) -> bool:
+    return group is None or dist.get_world_size(group) == dist.get_world_size()
 
 
 def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
@@ -86,7 +96,7 @@ def save_state_dict(
     # A save or load allocates many small objects (plan items, metadata) while the
     # caller's large heap is alive: full collections re-traversing it cost more than the
     # planning itself (2000 tensors: ~0.2 s of a 0.3 s load), so the collector pauses.
-    with phase("save", rank), _gc_paused():
+    with phase("save", rank), gc_paused():
         try:
             return _save(state_dict, storage_writer, planner, dw, rank, world_size, is_coordinator, use_collectives)
         except BaseException as exc:
@@ -100,6 +110,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     looked_up: list[Optional[tuple[SavePlan, Optional[Metadata]]]] = [None]
 
     def set_up_step() -> bool:
+        fault_point("save.setup", rank)
         flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
         storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
                                              use_collectives=use_collectives)
@@ -116,12 +127,11 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         # sends all ranks through planning; otherwise the others would wait forever.
         hits = dw.all_gather("plan_cache", set_up_step)
         cached = looked_up[0] if all(hits) else None
-        if cached is None and looked_up[0] is not None and getattr(planner, "cache_hit", False):
-            # this rank's hit was not used
-            planner.cache_hit = False  # type: ignore[attr-defined]
     else:
         set_up_step()
         cached = looked_up[0]
+    fault_point("save.plan", rank)
+    planner.cache_hit = cached is not None
     if cached is not None:
         log_info(rank, "Hit final plan and metadata cache.")
         final_plan, global_metadata[0] = cached
@@ -146,12 +156,17 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
 
     def write_step() -> list[WriteResult]:
+        fault_point("save.write", rank)
         with phase("execute_write", rank):
-            return storage_writer.execute_write(final_plan, planner)
+            results = storage_writer.execute_write(final_plan, planner)
+        if not is_coordinator:
+            fault_point("save.commit", rank)
+        return results
 
     def finish_step(all_results: list[list[WriteResult]]) -> Metadata:
         assert global_metadata[0] is not None
         metadata = _attach_results(global_metadata[0], all_results)
+        fault_point("save.commit", rank)
         with phase("finalize_checkpoint", rank):
             storage_writer.finalize_checkpoint(metadata, all_results)
         return metadata
@@ -172,6 +187,7 @@ def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
     the first tensor moves; a broadcast sends it once over the network.  A failure to read
     is raised on every rank, naming the file.  Without collectives each rank reads itself.
     """
+    fault_point("load.setup", rank)
     if not dw.use_dist:
         with phase("read_metadata", rank):
             metadata = storage_reader.read_metadata()
@@ -205,14 +221,15 @@ def load_state_dict(
     coordinator_rank: int = 0,
     no_dist: bool = False,
     use_collectives: bool = True,
-    assign_readers: bool = False,
     read_executor: Optional[ReadExecutor] = None,
 ) -> None:
     """Load into ``state_dict`` in place (tensors copied into, objects replaced).
 
-    Only keys present in ``state_dict`` are loaded.  ``assign_readers`` makes the global
-    plan choose one reader per replicated shard; ``read_executor`` then runs the reads
-    (e.g. read-once + broadcast) instead of ``storage_reader.execute_read``.
+    Only keys present in ``state_dict`` are loaded.  ``read_executor`` (e.g. read-once +
+    broadcast) is used when this load exchanges plans (collectives on, more than one
+    rank, a checkpoint with a global ``.metadata``) over every rank of the default group:
+    then the coordinator chooses one reader per replicated shard and the executor runs
+    the reads instead of ``storage_reader.execute_read``.  Otherwise it is not called.
     """
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
@@ -220,52 +237,93 @@ def load_state_dict(
     original = state_dict
     state_dict, stateful = expand_stateful(state_dict)  # filled, then handed to load_state_dict
 
-    with phase("load", rank), _gc_paused():
+    with phase("load", rank), gc_paused():
         first = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
                             coordinator_rank=coordinator_rank)
         metadata_of, collectives_required = _share_metadata(storage_reader, first, rank)
-        use_collectives = use_collectives and collectives_required
-        dw = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
-                         coordinator_rank=coordinator_rank)
-        is_coordinator = rank == coordinator_rank
+        use_collectives = use_collectives and collectives_required and world_size > 1
+        dw = DistWrapper(process_group, use_dist=use_collectives, coordinator_rank=coordinator_rank)
+        # Whether read-once + broadcast runs is decided here, once, for the planner and
+        # for the read: only this step knows whether the plans are exchanged.  Replica
+        # groups are made with dist.new_group, which every rank of the default group must
+        # enter: a load on a sub-group reads each shard on each rank instead.
+        broadcast = read_executor is not None and dw.use_dist and _is_whole_world(process_group)
         paths: dict[str, Any] = {}
+        plan = _plan_load(state_dict, metadata_of, storage_reader, planner, dw, rank, world_size, broadcast, paths)
+        _execute_read(plan, storage_reader, planner, dw, rank, read_executor if broadcast else None, process_group)
+        _restore_objects(state_dict, planner, paths)
+        restore_stateful(original, state_dict, stateful)
 
-        def local_step() -> LoadPlan:
-            # The set-up runs inside the gathered step: a failure on one rank (e.g. two
-            # paths flattening to one FQN, metadata that does not parse) is raised on
-            # every rank instead of hanging them.
-            metadata = metadata_of()
-            flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
-            flat, found = match_stored_keys(flat, found, metadata.state_dict_metadata)  # torch DCP's lists
-            paths.update(found)
-            storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
-            planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
-            if isinstance(planner, StandardLoadPlanner):
-                planner.assign_readers = assign_readers and dw.use_dist
-            with phase("build_local_plan", rank):
-                return storage_reader.prepare_local_plan(planner.create_local_plan())
 
-        if dw.use_dist:
-            all_plans = dw.all_gather("plan", local_step)
-        else:
-            all_plans = [local_step()]
-        with phase("build_global_plan", rank):
-            global_plans = storage_reader.prepare_global_plan(planner.create_global_plan(all_plans))
-        plan = planner.finish_plan(global_plans[dw.rank])
+def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], storage_reader: StorageReader,
+               planner: LoadPlanner, dw: DistWrapper, rank: int, world_size: int, assign: bool,
+               paths: dict[str, Any]) -> LoadPlan:
+    """This rank's final load plan; fills ``paths`` (FQN → path in ``state_dict``).
 
+    Without reader assignment each rank plans alone, then one small collective check
+    raises a planning failure of any rank on every rank.  With it, each rank sends the
+    coordinator a compact description of its targets and receives its replica groups and
+    readers: no rank but the coordinator sees another rank's plan.
+    """
+    is_coordinator = rank == dw.coordinator_rank
+    local: list[LoadPlan] = []
+
+    def local_step() -> LoadPlan:
+        # The set-up runs inside the checked step: a failure on one rank (e.g. two paths
+        # flattening to one FQN, metadata that does not parse) is raised on every rank
+        # instead of hanging them.
+        fault_point("load.plan", rank)
+        metadata = metadata_of()
+        flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
+        flat, found = match_stored_keys(flat, found, metadata.state_dict_metadata)  # torch DCP's lists
+        paths.update(found)
+        storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
+        planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
+        with phase("build_local_plan", rank):
+            plan = storage_reader.prepare_local_plan(planner.create_local_plan())
+        local.append(plan)
+        return plan
+
+    if not assign:
         error: Optional[BaseException] = None
         try:
-            with phase("execute_read", rank):
-                if read_executor is not None and dw.use_dist:
-                    read_executor(plan, global_plans, storage_reader, planner, process_group)
-                else:
-                    storage_reader.execute_read(plan, planner)
+            local_step()
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
             error = exc
-        dw.check("read", error)
+        dw.check("plan", error)
+        return planner.finish_plan(local[0])
 
-        loaded = getattr(planner, "loaded_objects", {})
-        for fqn, value in loaded.items():
-            root_key = paths[fqn][0]
-            state_dict[root_key] = set_by_path(state_dict[root_key], paths[fqn][1:], value)
-        restore_stateful(original, state_dict, stateful)
+    def global_step(layouts: list[Any]) -> list[Any]:
+        with phase("build_global_plan", rank):
+            return assign_readers_from_layouts(layouts)
+
+    reply = dw.reduce_scatter("plan", lambda: target_layout(local_step(), metadata_of()), global_step)
+    return planner.finish_plan(apply_reader_assignment(local[0], reply, dw.rank))
+
+
+def _execute_read(plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner, dw: DistWrapper,
+                  rank: int, read_executor: Optional[ReadExecutor],
+                  process_group: Optional[dist.ProcessGroup]) -> None:
+    """Run the reads (through ``read_executor`` when given); a failure on any rank is
+    raised on every rank."""
+    error: Optional[BaseException] = None
+    try:
+        with phase("execute_read", rank):
+            fault_point("load.read", rank)
+            if read_executor is not None:
+                read_executor(plan, storage_reader, planner, process_group)
+            else:
+                storage_reader.execute_read(plan, planner)
+    except CheckpointTimeoutError:
+        raise  # a rank is gone: the check below would only wait for it once more
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
+        error = exc
+    dw.check("read", error)
+
+
+def _restore_objects(state_dict: dict[str, Any], planner: LoadPlanner, paths: dict[str, Any]) -> None:
+    """Put the loaded non-tensor objects back at their paths in ``state_dict``."""
+    loaded = getattr(planner, "loaded_objects", {})
+    for fqn, value in loaded.items():
+        root_key = paths[fqn][0]
+        state_dict[root_key] = set_by_path(state_dict[root_key], paths[fqn][1:], value)

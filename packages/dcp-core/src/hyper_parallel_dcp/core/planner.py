@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "WriteItem",
     "WriteItemType",
     "order_key",
+    "sort_read_items",
 ]
 
 
@@ -87,11 +88,20 @@ class ReadItem:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """A rank's read items.  ``planner_data`` of a global plan may carry replica groups."""
+    """A rank's read items.  ``planner_data`` of a final plan with read-once + broadcast is
+    the rank's :class:`~hyper_parallel_dcp.core.reader_assignment.ReaderAssignment`."""
 
     items: tuple[ReadItem, ...]
     storage_data: Any = None
     planner_data: Any = None
+
+
+def sort_read_items(items: Iterable[ReadItem]) -> list[ReadItem]:
+    """``items`` in the global read order: destination shard, then stored chunk, then
+    offsets (a new list).  The default of ``StorageReader.sort_items``; for the
+    filesystem layout it is file order, and it is the order a broadcast load ships shards.
+    """
+    return sorted(items, key=lambda it: (order_key(it.dest_index), order_key(it.storage_index), it.storage_offsets))
 
 
 class SavePlanner(abc.ABC):
@@ -100,7 +110,12 @@ class SavePlanner(abc.ABC):
     ``set_up_planner`` → (``lookup_cached_plan``) → ``create_local_plan`` → (gather) →
     ``create_global_plan`` on the coordinator → (scatter) → ``finish_plan`` →
     ``resolve_data`` for every item the storage writer writes.
+
+    ``cache_hit`` is set by the save pipeline: whether this save reused a cached plan on
+    every rank.
     """
+
+    cache_hit: bool = False
 
     @abc.abstractmethod
     def set_up_planner(self, state_dict: dict[str, Any], *, is_coordinator: bool, rank: int = 0,
@@ -131,9 +146,10 @@ class SavePlanner(abc.ABC):
 class LoadPlanner(abc.ABC):
     """Decides what each rank reads.  Called in this order by the load pipeline:
 
-    ``set_up_planner`` → ``create_local_plan`` → (all-gather) → ``create_global_plan``
-    (every rank, same input, same answer) → ``finish_plan`` → ``resolve_tensor`` /
-    ``commit_tensor`` / ``load_bytes`` while the storage reader reads.
+    ``set_up_planner`` → ``create_local_plan`` → (with read-once + broadcast: the
+    pipeline assigns readers on the coordinator and scatters each rank its part) →
+    ``finish_plan`` → ``resolve_tensor`` / ``commit_tensor`` / ``load_bytes`` while the
+    storage reader reads.  No rank ever receives another rank's plan.
     """
 
     @abc.abstractmethod
@@ -142,9 +158,6 @@ class LoadPlanner(abc.ABC):
 
     @abc.abstractmethod
     def create_local_plan(self) -> LoadPlan: ...
-
-    @abc.abstractmethod
-    def create_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]: ...
 
     @abc.abstractmethod
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan: ...

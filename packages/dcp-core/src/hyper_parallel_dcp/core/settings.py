@@ -31,6 +31,8 @@ __all__ = [
     "BROADCASTS_IN_FLIGHT",
     "COLLECTIVE_TIMEOUT",
     "DEFAULT_TIMEOUT_S",
+    "FAULT",
+    "FAULT_ONCE",
     "FILES_KEPT",
     "LOG_CONFIG",
     "MAILBOX_POLL_MAX",
@@ -137,6 +139,13 @@ READ_AHEAD: Setting[int] = Setting(
 BROADCASTS_IN_FLIGHT: Setting[int] = Setting(
     "HP_DCP_BROADCASTS_IN_FLIGHT", 8, _positive_int,
     "broadcasts a broadcast load keeps outstanding (each holds up to broadcast_batch_bytes of staging)")
+FAULT: Setting[str] = Setting(
+    "HP_DCP_FAULT", "", _text,
+    "test hook: <phase>@<rank>[,...] makes that rank SIGKILL itself at that checkpoint phase "
+    "(core.faults; for rehearsing failures, never in production)")
+FAULT_ONCE: Setting[str] = Setting(
+    "HP_DCP_FAULT_ONCE", "", _text,
+    "test hook: a file; with HP_DCP_FAULT only the first process to get there dies (it creates the file)")
 LOG_CONFIG: Setting[str] = Setting(
     "HP_LOG_CONFIG", "", _text,
     "comma-separated NAME:LEVEL; DCP:INFO turns on the per-phase timing lines")
@@ -144,5 +153,5 @@ LOG_CONFIG: Setting[str] = Setting(
 #: Every setting, in the order ``docs/tuning.md`` lists them.
 SETTINGS: tuple[Setting, ...] = (
     LOG_CONFIG, COLLECTIVE_TIMEOUT, ASYNC_TIMEOUT, ASYNC_GLOO_PORT, ASYNC_SHUTDOWN_TIMEOUT, MAILBOX_POLL_MAX,
-    FILES_KEPT, READ_AHEAD, BROADCASTS_IN_FLIGHT,
+    FILES_KEPT, READ_AHEAD, BROADCASTS_IN_FLIGHT, FAULT, FAULT_ONCE,
 )

@@ -1,20 +1,36 @@
-"""Storage interfaces: how a plan becomes bytes somewhere and back.
+"""Storage interfaces: how a plan becomes bytes somewhere and back, and the one read loop.
 
 A custom backend subclasses :class:`StorageWriter` / :class:`StorageReader` and overrides
 the abstract methods; the optional hooks have working defaults.
+
+Every load reads through one loop, ``read_items``: resolve each item's destination
+(planner), read it (``StorageReader.read_stream``: ``read_into`` / ``read_object``),
+hand it back (planner).  ``execute_read`` of the filesystem reader is that loop; the
+broadcast executor runs the same three steps with the middle one on its read-ahead
+thread (``resolve_destinations``, ``StorageReader.read_stream``, ``commit_read``).
 """
 
 from __future__ import annotations
 
 import abc
 import os
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
+
+import torch
 
 from .metadata import Metadata, MetadataIndex, StorageInfo
-from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from .planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, sort_read_items
 
-__all__ = ["StorageReader", "StorageWriter", "WriteResult"]
+__all__ = [
+    "ReadDestination",
+    "StorageReader",
+    "StorageWriter",
+    "WriteResult",
+    "commit_read",
+    "read_items",
+    "resolve_destinations",
+]
 
 
 @dataclass(frozen=True)
@@ -52,12 +68,19 @@ class StorageWriter(abc.ABC):
     def abort(self, error: BaseException) -> None:
         """Called on every rank when the save failed; remove what this save left behind."""
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        return True
-
 
 class StorageReader(abc.ABC):
+    """Reads a checkpoint.
+
+    Abstract: ``reset``, ``load_metadata`` and ``execute_read``.  A reader that can read
+    one item at a time should also override ``read_into`` and ``read_object``
+    and implement ``execute_read`` as ``read_items(self, planner, self.sort_items(...))``
+    (what the filesystem reader does): then a plain
+    load and a read-once + broadcast load read through the same code.  The defaults of
+    ``read_into`` / ``read_object`` run ``execute_read`` on a one-item plan, so a reader
+    that only has ``execute_read`` still works with broadcast loading.
+    """
+
     @abc.abstractmethod
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None: ...
 
@@ -73,8 +96,8 @@ class StorageReader(abc.ABC):
         self._known_metadata = metadata
 
     def read_metadata(self) -> Metadata:
-        """What the load pipeline calls: the metadata given to :meth:`use_metadata`, else
-        :meth:`load_metadata`."""
+        """What the load pipeline calls: the metadata given to ``use_metadata``, else
+        ``load_metadata``."""
         if self._known_metadata is not None:
             return self._known_metadata
         return self.load_metadata()
@@ -102,21 +125,132 @@ class StorageReader(abc.ABC):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
     @abc.abstractmethod
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Read every item of ``plan`` whose ``source`` is this rank (or ``None``)."""
+
+    def sort_items(self, items: Iterable[ReadItem]) -> list[ReadItem]:
+        """The order in which this reader reads ``items`` (a new list).
+
+        The default is the global order (``core.planner.sort_read_items``):
+        the file order of the filesystem layout and the order in which a broadcast load
+        ships shards.  Must be a pure function of ``items`` (every rank computes it alike).
+        """
+        return sort_read_items(items)
+
+    def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
+        """Fill ``dest`` (shape ``item.lengths``, the item's dtype) with the stored slice.
+
+        May run on a read-ahead thread: touches only the reader and ``dest``.  The default
+        runs ``execute_read`` on a one-item plan whose destination is ``dest``.
+        """
+        _execute_alone(self, item, dest)
+
+    def read_object(self, item: ReadItem) -> Any:
+        """The non-tensor object ``item`` names, restored.
+
+        May run on a read-ahead thread.  The default runs ``execute_read`` on a
+        one-item plan; raises ``RuntimeError`` if that delivers nothing.
+        """
+        return _execute_alone(self, item, None)
+
+    def read_stream(self, reads: Iterable[ReadDestination]) -> Iterator[tuple[ReadItem, Any]]:
+        """Read each ``(item, destination or None for an object)`` in the order given;
+        yields ``(item, filled destination or object)`` in that order.
+
+        The read step of every load (``read_items``, the broadcast executor's read-ahead
+        thread): touches only the reader and the destinations.  The default reads one item
+        at a time (``read_into`` / ``read_object``); a reader that keeps several reads in
+        flight (an object store) overrides it.
+        """
+        for item, dest in reads:
+            if dest is None:
+                yield item, self.read_object(item)
+            else:
+                self.read_into(item, dest)
+                yield item, dest
 
     @property
     def collectives_required(self) -> bool:
         """False when the metadata came from per-rank files (no global view was written)."""
         return True
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        return True
 
-    def describe(self) -> dict[str, Any]:
-        return {}
+# ------------------------------------------------------------------------- the read loop
+class ReadDestination(NamedTuple):
+    """A read item and where it goes: a tensor view, or ``None`` for an object."""
+
+    item: ReadItem
+    dest: Optional[torch.Tensor]
+
+
+def resolve_destinations(planner: LoadPlanner, items: Iterable[ReadItem]) -> Iterator[ReadDestination]:
+    """Each item with its destination view from ``planner`` (``None`` for objects).
+
+    Runs where the planner may be used (the calling thread), lazily."""
+    for item in items:
+        yield ReadDestination(item, None if item.type is LoadItemType.BYTE_IO else planner.resolve_tensor(item))
+
+
+def commit_read(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
+    """Hand one read result back to ``planner`` (``commit_tensor`` or ``load_bytes``)."""
+    if item.type is LoadItemType.BYTE_IO:
+        planner.load_bytes(item, value)
+    else:
+        planner.commit_tensor(item, value)
+
+
+def read_items(reader: StorageReader, planner: LoadPlanner, items: Iterable[ReadItem]) -> None:
+    """The read loop: every item of ``items``, in the order given, into ``planner``'s targets.
+
+    Raises what the reader or the planner raises, at the first failure.
+    """
+    for item, value in reader.read_stream(resolve_destinations(planner, items)):
+        commit_read(planner, item, value)
+
+
+class _OneItemPlanner(LoadPlanner):
+    """Receives one item from a reader's ``execute_read`` (the default ``read_into``)."""
+
+    def __init__(self, dest: Optional[torch.Tensor]) -> None:
+        self.dest = dest
+        self.delivered = False
+        self.value: Any = None
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata, *,
+                       is_coordinator: bool, rank: int = 0, world_size: int = 1) -> None:
+        raise NotImplementedError
+
+    def create_local_plan(self) -> LoadPlan:
+        raise NotImplementedError
+
+    def create_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
+        raise NotImplementedError
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        raise NotImplementedError
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        assert self.dest is not None
+        return self.dest
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        assert self.dest is not None
+        if tensor is not self.dest:
+            self.dest.copy_(tensor)
+        self.delivered = True
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        self.value = value
+        self.delivered = True
+
+
+def _execute_alone(reader: StorageReader, item: ReadItem, dest: Optional[torch.Tensor]) -> Any:
+    """Read one item through ``reader.execute_read``: into ``dest``, or returns the object."""
+    receiver = _OneItemPlanner(dest)
+    # source=None: "this rank", whatever rank the reader was set up with.
+    reader.execute_read(LoadPlan((replace(item, source=None),)), receiver)
+    if not receiver.delivered:
+        raise RuntimeError(f"{type(reader).__name__}.execute_read delivered nothing for {item.storage_index.fqn!r} "
+                           f"(chunk at {list(item.storage_index.offset or ())})")
+    return receiver.value

@@ -11,9 +11,7 @@ the touched pages of a multi-GB mapping.
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -21,7 +19,12 @@ from typing import Any, Optional, Union
 import torch
 
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
-from hyper_parallel_dcp.storage_fs.safetensors_stream import SAFETENSORS_DTYPES, tensor_bytes
+from hyper_parallel_dcp.storage_fs.safetensors_stream import (
+    SAFETENSORS_DTYPES,
+    SafetensorsHeaderError,
+    read_header,
+    tensor_bytes,
+)
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -36,8 +39,6 @@ __all__ = [
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-# A header larger than this is not a safetensors header (the format caps it at 100 MB).
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -55,48 +56,27 @@ class SafetensorsEntry:
 def read_safetensors_header(file: Union[str, os.PathLike]) -> list[SafetensorsEntry]:
     """The tensors of one safetensors file, in file order (by data offset).
 
-    Raises :class:`CheckpointNotFoundError` when the file is missing and
-    :class:`CheckpointFormatError` / :class:`CorruptCheckpointError` naming the file (and
-    tensor) when the header cannot be read or points outside the file.
+    Parsed by the checkpoint reader's own header parser
+    (``hyper_parallel_dcp.storage_fs.safetensors_stream.read_header``), so both accept
+    the same files.  Raises ``CheckpointNotFoundError`` when the file is missing,
+    ``CorruptCheckpointError`` naming the file when the header is malformed or points
+    outside the file, and ``CheckpointFormatError`` naming the tensor when its dtype
+    has no torch equivalent.
     """
     path = Path(file)
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise CorruptCheckpointError(f"{path} is not a safetensors file: only {size} bytes")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > min(_MAX_HEADER, size - 8):
-                raise CorruptCheckpointError(
-                    f"{path} is not a safetensors file or is truncated: header of {header_len} bytes in a file of {size}"
-                )
-            header = json.loads(f.read(header_len))
+            header = read_header(f, os.fstat(f.fileno()).st_size)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"safetensors file {path} is missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointFormatError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointFormatError(f"{path}: the safetensors header is not a JSON object")
-    data_start = 8 + header_len
+    except SafetensorsHeaderError as exc:
+        raise CorruptCheckpointError(f"{path} is not a valid safetensors file: {exc}") from None
     entries = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype_code, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointFormatError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from None
-        dtype = _DTYPES.get(dtype_code)
+    for name, entry in header.items():
+        dtype = _DTYPES.get(entry.dtype)
         if dtype is None:
-            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {dtype_code}, which this tool cannot convert")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0 or data_start + end > size:
-            raise CorruptCheckpointError(
-                f"{path}: tensor {name!r} ({dtype_code} {list(shape)}) claims bytes [{begin}, {end}) of a data "
-                f"section of {size - data_start} bytes (expected {nbytes} bytes; file truncated or corrupt)"
-            )
-        entries.append(SafetensorsEntry(name, path, dtype, shape, data_start + begin, nbytes))
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {entry.dtype}, which this tool cannot convert")
+        entries.append(SafetensorsEntry(name, path, dtype, entry.shape, entry.begin, entry.end - entry.begin))
     entries.sort(key=lambda e: e.start)
     return entries
 

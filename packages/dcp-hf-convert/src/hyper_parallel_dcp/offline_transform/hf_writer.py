@@ -15,6 +15,7 @@ what it has produced and not yet written in memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -26,7 +27,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, fsync_dir, write_safetensors
+from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
+from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, write_safetensors
 
 from .hf_source import INDEX_SUFFIX, SINGLE_FILE
 from .progress import ConversionReport, Progress
@@ -38,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 INDEX_FILE = SINGLE_FILE.removesuffix(".safetensors") + INDEX_SUFFIX
 _SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_TMP_SUFFIX = ".hp-dcp-tmp"
 
 
 @dataclass(frozen=True)
@@ -103,20 +104,6 @@ def plan_huggingface_shards(specs: Sequence[TensorSpec], max_shard_size: Union[i
     return HFShardPlan(files, sum(s.nbytes for s in specs), sum(math.prod(s.shape) for s in specs))
 
 
-def _write_atomic(path: Path, write: Callable, sync: bool) -> None:
-    tmp = path.with_name(path.name + _TMP_SUFFIX)
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _remove_stale(dst: Path, plan: HFShardPlan) -> None:
     """Drop weight files of an earlier export that the new one does not replace (as
     ``save_pretrained`` does); every other file in ``dst`` (config.json, tokenizer) stays."""
@@ -165,7 +152,7 @@ def write_huggingface_checkpoint(
                             label=f"tensor {name!r} of {file}")
                 for name in names
             ]
-            _write_atomic(root / file, lambda f, entries=entries: write_safetensors(f, entries), sync_files)
+            write_file_atomic(root / file, functools.partial(write_safetensors, entries=entries), sync_files)
             report.files.append(file)
         if plan.is_sharded:
             index = {
@@ -173,7 +160,7 @@ def write_huggingface_checkpoint(
                 "weight_map": plan.weight_map(),
             }
             text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
-            _write_atomic(root / INDEX_FILE, lambda f: f.write(text), sync_files)
+            write_file_atomic(root / INDEX_FILE, lambda f: f.write(text), sync_files)
             report.files.append(INDEX_FILE)
         _remove_stale(root, plan)
         if sync_files:

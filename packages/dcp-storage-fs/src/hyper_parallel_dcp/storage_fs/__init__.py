@@ -4,6 +4,7 @@ from hyper_parallel_dcp.core.backends import storage_writer_for
 
 from .__about__ import __version__
 from .filesystem import METADATA_FILE, FileSystemReader, FileSystemWriter, load_checkpoint_metadata
+from .rank_metadata import load_rank_metadata, merge_rank_metadata
 from .torch_dcp import TorchDCPReader, is_torch_dcp_checkpoint, storage_reader_for_path
 
 __all__ = [
@@ -14,6 +15,8 @@ __all__ = [
     "__version__",
     "is_torch_dcp_checkpoint",
     "load_checkpoint_metadata",
+    "load_rank_metadata",
+    "merge_rank_metadata",
     "storage_reader_for_path",
     "storage_writer_for",
 ]

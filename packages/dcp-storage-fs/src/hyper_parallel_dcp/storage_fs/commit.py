@@ -23,7 +23,8 @@ from typing import Optional
 
 from hyper_parallel_dcp.core.errors import ConcurrentSaveError
 
-from .safetensors_stream import fsync_dir
+from .atomic import fsync_dir
+from .mailbox_names import MAILBOX_FILE
 
 __all__ = [
     "SaveLock",
@@ -34,8 +35,7 @@ __all__ = [
 ]
 
 _ARTIFACT = re.compile(
-    r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes)|.*\.hp-dcp-tmp|"
-    r"(LOCAL_PLAN|STORAGE_DATA)_\d+\.pkl(\.done)?|\.hp-dcp-.*)$"
+    r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes)|.*\.hp-dcp-tmp|" + MAILBOX_FILE + r")$"
 )
 
 

@@ -10,25 +10,20 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 import xxhash
-from safetensors import safe_open
 
-from hyper_parallel_dcp.core.chunks import span_elements
 from hyper_parallel_dcp.core.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
 from hyper_parallel_dcp.core.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageInfo,
@@ -38,26 +33,24 @@ from hyper_parallel_dcp.core.metadata import (
 )
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import (
-    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
     SavePlan,
     SavePlanner,
-    order_key,
 )
 from hyper_parallel_dcp.core.settings import FILES_KEPT
-from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult
+from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult, read_items
 
+from .atomic import fsync_dir, write_file_atomic
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
 from .direct_read import read_slice_into
 from .rank_files import with_stored_as, write_rank_files
+from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
 from .safetensors_stream import (
     HeaderEntry,
     SafetensorsHeaderError,
     entry_mismatch,
-    from_stored,
-    fsync_dir,
     read_header,
 )
 
@@ -72,34 +65,6 @@ __all__ = [
 ]
 
 METADATA_FILE = ".metadata"
-_RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
-_TMP_SUFFIX = ".hp-dcp-tmp"
-
-
-def _write_file_atomic(path: Path, data_writer, sync: bool) -> int:
-    """Write via ``data_writer(f)`` to a temp name, fsync, rename; returns the size.
-
-    On any failure the temp file is removed and an ``OSError`` (disk full, quota, I/O
-    error) is re-raised as one of the same class whose message names ``path``.
-    """
-    tmp = path.with_name(path.name + _TMP_SUFFIX)
-    try:
-        with open(tmp, "wb") as f:
-            data_writer(f)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, path)
-    except BaseException as exc:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        if isinstance(exc, OSError) and exc.errno is not None:
-            raise type(exc)(exc.errno, f"writing checkpoint file {path} failed: {exc.strerror}") from exc
-        raise
-    return size
 
 
 class FileSystemWriter(StorageWriter):
@@ -127,10 +92,6 @@ class FileSystemWriter(StorageWriter):
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
         self._save_id = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        return "://" not in str(checkpoint_id)
 
     def _target(self) -> Path:
         if self.path is None:
@@ -190,7 +151,7 @@ class FileSystemWriter(StorageWriter):
                 # Per-rank metadata of ranks this save does not have (an earlier save on
                 # more ranks) would be merged into this checkpoint by a loader.
                 for entry in os.scandir(out_dir):
-                    match = _RANK_METADATA.match(entry.name)
+                    match = RANK_METADATA.match(entry.name)
                     if match and int(match.group(1)) >= self.world_size:
                         stale_files.append(Path(entry.path))
             for stale in stale_files:
@@ -199,14 +160,14 @@ class FileSystemWriter(StorageWriter):
                 except FileNotFoundError:
                     pass
         return write_rank_files(plan, planner, self.rank,
-                                lambda name, data_writer: _write_file_atomic(out_dir / name, data_writer, self.sync_files))
+                                lambda name, data_writer: write_file_atomic(out_dir / name, data_writer, self.sync_files))
 
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         name = METADATA_FILE if self.atomic else f"{self.rank}.metadata"
         text = metadata_to_json(with_stored_as(metadata)).encode()
-        _write_file_atomic(out_dir / name, lambda f: f.write(text), self.sync_files)
+        write_file_atomic(out_dir / name, lambda f: f.write(text), self.sync_files)
         try:
             if self.atomic:
                 commit_directory(out_dir, self._target())
@@ -233,48 +194,24 @@ class FileSystemWriter(StorageWriter):
 
 
 # ------------------------------------------------------------------------------ reading
-def merge_rank_metadata(parts: Sequence[tuple[int, Metadata]]) -> Metadata:
-    """One view of a checkpoint saved without collectives: every ``(rank, {rank}.metadata)``
-    merged (first saver of an object wins, chunks deduplicated and sorted)."""
-    sd: dict[str, Any] = {}
-    storage: dict[MetadataIndex, StorageInfo] = {}
-    files: dict[str, int] = {}
-    seen: dict[str, set] = {}
-    for _, md in sorted(parts, key=lambda p: p[0]):
-        for fqn, entry in md.state_dict_metadata.items():
-            if isinstance(entry, BytesStorageMetadata):
-                sd.setdefault(fqn, entry)
-                continue
-            mine = sd.get(fqn)
-            if mine is None:
-                mine = sd[fqn] = TensorStorageMetadata(entry.properties, entry.size, [])
-                seen[fqn] = set()
-            for chunk in entry.chunks:
-                if chunk.offsets not in seen[fqn]:
-                    seen[fqn].add(chunk.offsets)
-                    mine.chunks.append(ChunkStorageMetadata(chunk.offsets, chunk.sizes))
-        for index, info in (md.storage_data or {}).items():
-            storage.setdefault(index, info)
-        files.update(md.files)
-    for entry in sd.values():
-        if isinstance(entry, TensorStorageMetadata):
-            entry.chunks.sort(key=lambda c: c.offsets)
-    return Metadata(state_dict_metadata=sd, storage_data=storage, files=files)
-
-
 @dataclass(frozen=True)
 class StoredMetadata:
     """A checkpoint's ``.metadata`` as stored: what one rank reads and broadcasts to the rest.
 
-    ``data`` is the JSON; ``source`` names the file(s) in errors; ``is_global`` is false
-    when it is the merge of ``{rank}.metadata`` files (re-encoded as one document).
+    ``data`` is the JSON of ``.metadata``; ``source`` names the file(s) in errors.  For a
+    checkpoint saved without collectives ``merged`` is the merge of its ``{rank}.metadata``
+    files instead (it carries every rank's copy of a rank-local object, which one JSON
+    document does not) and ``is_global`` is false.
     """
 
     data: bytes
     source: str
     is_global: bool
+    merged: Optional[Metadata] = None
 
     def parse(self) -> Metadata:
+        if self.merged is not None:
+            return self.merged
         return metadata_from_json(self.data, source=self.source)
 
 
@@ -291,12 +228,13 @@ def read_stored_metadata(path: Union[str, os.PathLike]) -> StoredMetadata:
         return StoredMetadata(global_file.read_bytes(), str(global_file), True)
     except FileNotFoundError:
         pass
-    merged = _merge_rank_files(root)
-    return StoredMetadata(metadata_to_json(merged).encode(), f"{root}/{{rank}}.metadata (merged)", False)
+    merged = merge_rank_metadata(load_rank_metadata(root))
+    return StoredMetadata(b"", f"{root}/{{rank}}.metadata (merged)", False, merged)
 
 
 def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, bool]:
-    """Read ``.metadata`` or, failing that, merge every ``{rank}.metadata``.
+    """Read ``.metadata`` or, failing that, merge every ``{rank}.metadata``
+    (:func:`merge_rank_metadata`: each rank's own copy of a rank-local object is kept).
 
     Returns ``(metadata, is_global)``.  Raises :class:`CheckpointNotFoundError` naming the
     directory when it or any metadata is missing, :class:`CheckpointFormatError` when the
@@ -312,32 +250,17 @@ def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, b
         text = None
     if text is not None:
         return metadata_from_json(text, source=str(global_file)), True
-    return _merge_rank_files(root), False
-
-
-def _merge_rank_files(root: Path) -> Metadata:
-    parts = []
-    for entry in os.scandir(root):
-        match = _RANK_METADATA.match(entry.name)
-        if match:
-            parts.append((int(match.group(1)), metadata_from_json(Path(entry.path).read_bytes(), source=entry.path)))
-    if not parts:
-        raise CheckpointNotFoundError(
-            f"{root} holds no checkpoint: neither {METADATA_FILE} nor any {{rank}}.metadata file "
-            "(an interrupted save leaves none)"
-        )
-    return merge_rank_metadata(parts)
+    return merge_rank_metadata(load_rank_metadata(root)), False
 
 
 class _OpenFile:
-    """An open shard file: its checked header, the ``safe_open`` handle, and an mmap for hashing."""
+    """An open shard file: its checked header, and an mmap for hashing (made on first use)."""
 
-    def __init__(self, path: Path, fobj: Any, size: int, header: dict[str, HeaderEntry], handle: Any):
+    def __init__(self, path: Path, fobj: Any, size: int, header: dict[str, HeaderEntry]):
         self.path = path
         self.fobj = fobj
         self.size = size
         self.header = header
-        self.handle = handle
         self._map: Optional[mmap.mmap] = None
 
     def hash_range(self, offset: int, length: int) -> str:
@@ -355,15 +278,17 @@ class _OpenFile:
             self._map.close()
             self._map = None
         self.fobj.close()
-        self.handle = None
 
 
 class FileSystemReader(StorageReader):
-    """Reads a checkpoint directory through ``safetensors.safe_open`` (mmap).
+    """Reads a checkpoint directory: each item's slice straight into its destination.
 
-    Only the slice each read item needs is touched; reads go in the global
-    ``(fqn, offset)`` order; up to ``HP_DCP_FILES_KEPT`` files (default 8) stay open.  ``bytes_read``
-    counts the file bytes the reads span (a column slice spans every row it touches).
+    Every tensor read is ``read_into`` (``preadv`` of the slice's byte span into the
+    destination, see ``direct_read``), every object read ``read_object``; a plain
+    load (``execute_read``) and a broadcast load both run them through
+    ``core.storage.read_items``, in the global ``(fqn, offset)`` order.  Up to
+    ``HP_DCP_FILES_KEPT`` files (default 8) stay open.  ``bytes_read`` counts the file
+    bytes the reads span (a column slice spans every row it touches).
     ``verify`` checks the xxh3 checksum of every stored chunk a read touches (the whole
     chunk is hashed once per reader).
     """
@@ -388,10 +313,6 @@ class FileSystemReader(StorageReader):
         self._verified = set()
         self._checked = set()
         self.bytes_read = 0
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        return "://" not in str(checkpoint_id)
 
     def _root(self) -> Path:
         if self.path is None:
@@ -459,14 +380,10 @@ class FileSystemReader(StorageReader):
                 header = read_header(fobj, actual)
             except SafetensorsHeaderError as exc:
                 raise CorruptCheckpointError(f"checkpoint file {file} is not a valid safetensors file: {exc}") from None
-            try:
-                handle = safe_open(str(file), framework="pt", device="cpu")
-            except Exception as exc:  # noqa: BLE001 - the library raises several types on bad input
-                raise CorruptCheckpointError(f"checkpoint file {file} cannot be opened as safetensors: {exc}") from None
         except BaseException:
             fobj.close()
             raise
-        opened = _OpenFile(file, fobj, actual, header, handle)
+        opened = _OpenFile(file, fobj, actual, header)
         self._handles[name] = opened
         if len(self._handles) > self.files_kept:
             self._handles.popitem(last=False)[1].close()
@@ -508,7 +425,7 @@ class FileSystemReader(StorageReader):
             )
         self._verified.add(index)
 
-    def _checked_chunk(self, item: ReadItem) -> tuple[StorageInfo, _OpenFile, tuple[int, ...], str]:
+    def _checked_chunk(self, item: ReadItem) -> tuple[StorageInfo, _OpenFile, tuple[int, ...], torch.dtype]:
         """Open the item's file, check header/size/bounds (and with ``verify`` the checksum)."""
         index = item.storage_index
         info = self._storage_info(index)
@@ -517,9 +434,9 @@ class FileSystemReader(StorageReader):
             raise CheckpointFormatError(f"{index.fqn!r}: tensor chunk stored without a key")
         chunk_sizes = self._chunk_sizes(index)
         where = f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
+        md = self.metadata.state_dict_metadata[index.fqn] if self.metadata else None
+        assert isinstance(md, TensorStorageMetadata)
         if index not in self._checked:
-            md = self.metadata.state_dict_metadata[index.fqn] if self.metadata else None
-            assert isinstance(md, TensorStorageMetadata)
             why = entry_mismatch(opened.header.get(info.key), info.key, md.properties.dtype, chunk_sizes,
                                  info.offset, info.length)
             if why is not None:
@@ -532,46 +449,28 @@ class FileSystemReader(StorageReader):
             )
         if self.verify:
             self._verify_chunk(index, info, opened)
-        return info, opened, chunk_sizes, where
+        return info, opened, chunk_sizes, md.properties.dtype
 
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
         """Fill ``dest`` (shape ``item.lengths``) with the stored slice, straight from the file.
 
-        Same checks as :meth:`read_tensor`; the bytes go from the page cache into ``dest``
-        with ``preadv`` when the slice is contiguous in the file (see ``direct_read``).
+        Checks the file's size and safetensors header against the metadata first (once
+        per chunk), and with ``verify`` the checksum of the whole stored chunk (once per
+        chunk); raises ``CorruptCheckpointError`` naming file, FQN and chunk on any
+        disagreement.  The bytes go from the page cache into ``dest`` with ``preadv``
+        when the slice is contiguous in the file (see ``direct_read``).
         """
-        info, opened, chunk_sizes, _ = self._checked_chunk(item)
-        md = self.metadata.state_dict_metadata[item.storage_index.fqn] if self.metadata else None
-        assert isinstance(md, TensorStorageMetadata)
+        info, opened, chunk_sizes, dtype = self._checked_chunk(item)
         self.bytes_read += read_slice_into(
-            opened.fobj.fileno(), str(opened.path), info.offset, chunk_sizes, md.properties.dtype,
+            opened.fobj.fileno(), str(opened.path), info.offset, chunk_sizes, dtype,
             item.storage_offsets, item.lengths, dest,
         )
 
-    def read_tensor(self, item: ReadItem) -> torch.Tensor:
-        """The stored slice ``item`` asks for, as a (usually zero-copy mmap) tensor view.
-
-        Checks the file's size and safetensors header against the metadata first, and with
-        ``verify`` the checksum of the whole stored chunk (once per chunk); raises
-        :class:`CorruptCheckpointError` naming file, FQN and chunk on any disagreement.
-        """
-        info, opened, chunk_sizes, where = self._checked_chunk(item)
-        try:
-            if not item.lengths:
-                tensor = opened.handle.get_tensor(info.key)
-            else:
-                slices = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
-                tensor = opened.handle.get_slice(info.key)[slices]
-        except Exception as exc:  # noqa: BLE001 - the library raises several types on bad input
-            raise CorruptCheckpointError(f"{where}: cannot read key {info.key!r}: {exc}") from None
-        md = self.metadata.state_dict_metadata[item.storage_index.fqn] if self.metadata else None
-        assert isinstance(md, TensorStorageMetadata)
-        tensor = from_stored(tensor, md.properties.dtype)
-        self.bytes_read += span_elements(chunk_sizes, item.storage_offsets, item.lengths) * tensor.element_size()
-        return tensor
-
     def read_object(self, item: ReadItem) -> Any:
+        """The stored object; from a per-rank checkpoint, the copy this rank saved (SPEC §4)."""
         info = self._storage_info(item.storage_index)
+        if self.metadata is not None and self.metadata.rank_objects:
+            info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info
         file = self._root() / info.relative_path
         try:
             with open(file, "rb") as f:
@@ -589,25 +488,6 @@ class FileSystemReader(StorageReader):
             )
         return deserialize_object(blob, fqn=item.storage_index.fqn, file=str(file))
 
-    def read_items(self, items: Sequence[ReadItem]) -> Iterator[tuple[ReadItem, Any]]:
-        """Read ``items`` in the order given; yields ``(item, tensor view or object)``."""
-        for item in items:
-            if item.type is LoadItemType.BYTE_IO:
-                yield item, self.read_object(item)
-            else:
-                yield item, self.read_tensor(item)
-
-    @staticmethod
-    def sort_items(items: Sequence[ReadItem]) -> list[ReadItem]:
-        """The global read order: by destination shard, then stored chunk, then offsets."""
-        return sorted(items, key=lambda it: (order_key(it.dest_index), order_key(it.storage_index), it.storage_offsets))
-
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         mine = [it for it in plan.items if it.source is None or it.source == self.rank]
-        for item in self.sort_items(mine):
-            if item.type is LoadItemType.BYTE_IO:
-                planner.load_bytes(item, self.read_object(item))
-            else:
-                target = planner.resolve_tensor(item)
-                self.read_into(item, target)
-                planner.commit_tensor(item, target)
+        read_items(self, planner, self.sort_items(mine))

@@ -30,7 +30,8 @@ from hyper_parallel_dcp.core.metadata import (
 )
 
 from .files import CheckpointFiles, LocalFiles, as_checkpoint_files
-from .filesystem import METADATA_FILE, merge_rank_metadata
+from .filesystem import METADATA_FILE
+from .rank_metadata import RANK_METADATA, merge_rank_metadata
 from .safetensors_stream import SafetensorsHeaderError, entry_mismatch, read_header
 from .torch_dcp import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 
@@ -43,8 +44,8 @@ __all__ = [
 ]
 
 PathLike = Union[str, os.PathLike, CheckpointFiles]
-_RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
 _STEP = re.compile(r"(\d+)$")
+_MANAGER_STEP = re.compile(r"^step_\d+$")
 #: Bytes hashed per read while verifying (bounded memory, large sequential reads).
 _READ_BLOCK = 16 * 1024 * 1024
 #: More problems than this are summarised (a wholly wrong directory would list thousands).
@@ -123,7 +124,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     except OSError as exc:
         _add(problems, f"{root} cannot be listed: {exc}")
         return None, None
-    ranks = sorted((int(m.group(1)), n) for n in names if (m := _RANK_METADATA.match(n)))
+    ranks = sorted((int(m.group(1)), n) for n in names if (m := RANK_METADATA.match(n)))
     if not ranks:
         _add(problems, f"{root} holds neither {METADATA_FILE} nor any {{rank}}.metadata file "
                        "(the save never finished, or this is not a checkpoint)")
@@ -132,7 +133,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     missing = sorted(set(range(ranks[-1][0] + 1)) - {r for r, _ in ranks})
     if missing:
         _add(problems, f"{root}: the rank-local metadata of rank(s) {missing} is missing")
-    parts = []
+    parts: dict[int, Metadata] = {}
     version = None  # typed Optional[int] by the single-file branch above
     for rank, name in ranks:
         file = root.where(name)
@@ -143,7 +144,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
             continue
         version = _peek_version(text) if version is None else version
         try:
-            parts.append((rank, metadata_from_json(text, source=file)))
+            parts[rank] = metadata_from_json(text, source=file)
         except CheckpointFormatError as exc:
             _add(problems, str(exc))
     if len(parts) != len(ranks):
@@ -210,7 +211,7 @@ def check_complete(path: PathLike) -> CompletenessReport:
             _add(problems, f"{file} has {actual} bytes, the metadata records {expected} (truncated or replaced)")
         elif expected < 0 and kind != "torch-dcp":
             _add(problems, f"{root}: the metadata records no size for {name}")
-    for index, info in (md.storage_data or {}).items():
+    for index, info in _stored_items(md):
         size = sizes.get(info.relative_path)
         if size is not None and info.offset + info.length > size:
             _add(problems, f"{root.where(info.relative_path)}: {_item_name(index)} needs bytes "
@@ -224,6 +225,17 @@ def check_complete(path: PathLike) -> CompletenessReport:
                               version if version is not None else md.format_version, md)
 
 
+def _stored_items(md: Metadata) -> list[tuple[MetadataIndex, StorageInfo]]:
+    """Every stored item, with every rank's copy of a rank-local object (merged views)."""
+    items = list((md.storage_data or {}).items())
+    listed = {(info.relative_path, info.offset) for _, info in items}
+    for fqn, copies in md.rank_objects.items():
+        for info in copies.values():
+            if (info.relative_path, info.offset) not in listed:
+                items.append((MetadataIndex(fqn), info))
+    return items
+
+
 def _item_name(index: MetadataIndex) -> str:
     if index.offset is None:
         return f"object {index.fqn!r}"
@@ -235,7 +247,9 @@ def find_latest_checkpoint(root: PathLike) -> Optional[Union[Path, str]]:
 
     Looks at the direct subdirectories of ``root`` whose names end in an integer
     (``step_100``, ``global_step2000``, ``300``), newest first, and returns the first that
-    :func:`check_complete` accepts; hidden entries (staging directories) are skipped.
+    :func:`check_complete` accepts; hidden entries (staging directories) are skipped.  When
+    ``root`` has ``step_N`` subdirectories (a ``CheckpointManager`` root), only those count:
+    a sibling run directory such as ``fsdp4`` is not step 4.
     Returns ``None`` when ``root`` does not exist or holds no complete checkpoint; the
     checkpoint's ``Path`` (a URL for an object store) otherwise.
     """
@@ -245,12 +259,17 @@ def find_latest_checkpoint(root: PathLike) -> Optional[Union[Path, str]]:
     except (FileNotFoundError, NotADirectoryError):
         return None
     candidates = []
+    manager_steps = []
     for name, size in entries:
         if name.startswith("."):
             continue
         match = _STEP.search(name)
         if match and size is None:
             candidates.append((int(match.group(1)), name))
+            if _MANAGER_STEP.match(name):
+                manager_steps.append(candidates[-1])
+    if manager_steps:
+        candidates = manager_steps
     for _, name in sorted(candidates, reverse=True):
         child = base.child(name)
         if check_complete(child).complete:
@@ -292,7 +311,7 @@ def verify_checkpoint(path: PathLike, *,
     if md is None:
         return VerifyReport(root, False, problems, 0, 0)
     by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
-    for index, info in (md.storage_data or {}).items():
+    for index, info in _stored_items(md):
         by_file[info.relative_path].append((index, info))
     total = sum(info.length for items in by_file.values() for _, info in items)
     done = chunks = checked = 0

@@ -1,4 +1,4 @@
-"""Streaming writer of standard safetensors files, hashing each tensor as it is written.
+"""The safetensors format: a streaming writer that hashes as it writes, and the one header parser.
 
 The ``safetensors`` library serialises a whole dict at once and orders tensors by dtype
 first; a checkpoint needs chunks laid out in the global ``(fqn, offset)`` order (so a
@@ -6,13 +6,17 @@ load reads each file sequentially), written straight from tensor memory without 
 the file in RAM, and a checksum computed on the bytes as they pass.  The file format is
 the standard one (8-byte little-endian header length, JSON header padded to 8 bytes,
 then the data), so ``safetensors.safe_open`` reads these files as is.
+
+``read_header`` is the only safetensors header parser of the project: the
+filesystem reader, the offline verifier and the Hugging Face importer all use it, so
+they accept and refuse the same files.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import os
+import math
 import struct
 from typing import BinaryIO, NamedTuple, Sequence, TypeGuard
 
@@ -169,8 +173,10 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry]) -> list[tuple
     return out
 
 
-#: Largest header we accept; a corrupted length field must not make us allocate gigabytes.
-MAX_HEADER_BYTES = 256 * 1024 * 1024
+#: Largest header accepted: the ``safetensors`` library's own limit (100 MB), so that every
+#: file this parser accepts the library opens too; a corrupted length field must not make
+#: us allocate gigabytes either.
+MAX_HEADER_BYTES = 100_000_000
 
 
 class SafetensorsHeaderError(ValueError):
@@ -211,6 +217,7 @@ def read_header(f: BinaryIO, file_size: int) -> dict[str, HeaderEntry]:
         raise SafetensorsHeaderError("header is not a JSON object")
     data_start = 8 + length
     known = set(SAFETENSORS_DTYPES.values()) | {"F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C128"}
+    itemsize = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
     out: dict[str, HeaderEntry] = {}
     for key, entry in doc.items():
         if key == "__metadata__":
@@ -227,8 +234,32 @@ def read_header(f: BinaryIO, file_size: int) -> dict[str, HeaderEntry]:
             raise SafetensorsHeaderError(
                 f"header entry {key!r}: data range [{begin}, {end}) lies outside the {file_size - data_start} data bytes"
             )
+        if dtype in itemsize and end - begin != math.prod(shape) * itemsize[dtype]:
+            raise SafetensorsHeaderError(
+                f"header entry {key!r}: {dtype} {list(shape)} needs {math.prod(shape) * itemsize[dtype]} bytes, "
+                f"its data range [{begin}, {end}) holds {end - begin}"
+            )
         out[key] = HeaderEntry(dtype, tuple(shape), data_start + begin, data_start + end)
+    _check_tiling(out, data_start, file_size)
     return out
+
+
+def _check_tiling(entries: dict[str, HeaderEntry], data_start: int, file_size: int) -> None:
+    """The data ranges must cover the data section exactly, without gaps or overlaps (the
+    ``safetensors`` library refuses a file otherwise)."""
+    pos = data_start
+    for key, entry in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if entry.begin != pos:
+            raise SafetensorsHeaderError(
+                f"header entry {key!r} starts at data byte {entry.begin - data_start}, expected "
+                f"{pos - data_start} (data ranges overlap or leave a gap)"
+            )
+        pos = entry.end
+    if pos != file_size:
+        raise SafetensorsHeaderError(
+            f"the tensors' data ends at data byte {pos - data_start} but the file has {file_size - data_start} "
+            "data bytes (trailing bytes)"
+        )
 
 
 def entry_mismatch(entry: HeaderEntry | None, key: str, dtype: torch.dtype, shape: Sequence[int],
@@ -254,10 +285,3 @@ def entry_mismatch(entry: HeaderEntry | None, key: str, dtype: torch.dtype, shap
 def _int_list(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -541,15 +541,6 @@ class TorchDCPReader(FileSystemReader):
             stored = stored.narrow(d, o, n)
         copy_into(dest, stored)
 
-    def read_tensor(self, item: ReadItem) -> torch.Tensor:
-        """The stored slice ``item`` asks for, in its stored dtype."""
-        md = self.metadata.state_dict_metadata[item.storage_index.fqn] if self.metadata else None
-        assert isinstance(md, TensorStorageMetadata)
-        lengths = item.lengths or tuple(self._chunk_sizes(item.storage_index))
-        out = torch.empty(lengths, dtype=md.properties.dtype)
-        self.read_into(item, out)
-        return out
-
     def read_object(self, item: ReadItem) -> Any:
         index = item.storage_index
         info = self._storage_info(index)

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import torch
 import xxhash
 
+from hyper_parallel_dcp.core.chunks import slice_span
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import (
     Metadata,
@@ -33,12 +34,11 @@ from hyper_parallel_dcp.core.metadata import (
 )
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel_dcp.core.storage import StorageReader
-from hyper_parallel_dcp.storage_fs.direct_read import slice_span
-from hyper_parallel_dcp.storage_fs.filesystem import FileSystemReader, merge_rank_metadata
+from hyper_parallel_dcp.core.storage import StorageReader, read_items
+from hyper_parallel_dcp.storage_fs.rank_metadata import RANK_METADATA, merge_rank_metadata
 
 from .client import ObjectStore, ObjectStoreSettings, parse_url
-from .writer import _RANK_METADATA, METADATA_OBJECT
+from .writer import METADATA_OBJECT
 
 __all__ = ["READ_OVERHEAD", "ObjectStoreReader", "byte_runs"]
 
@@ -186,11 +186,11 @@ class ObjectStoreReader(StorageReader):
         if text is not None:
             self.metadata, self._is_global = metadata_from_json(text, source=f"{self.url}/{METADATA_OBJECT}"), True
             return self.metadata
-        parts = []
+        parts: dict[int, Metadata] = {}
         for key, size in store.list_objects(self._key(""), delimiter="/"):
-            match = _RANK_METADATA.match(key.rsplit("/", 1)[-1])
+            match = RANK_METADATA.match(key.rsplit("/", 1)[-1])
             if match and size >= 0:
-                parts.append((int(match.group(1)), metadata_from_json(store.get(key), source=store.url(key))))
+                parts[int(match.group(1))] = metadata_from_json(store.get(key), source=store.url(key))
         if not parts:
             raise CheckpointNotFoundError(f"{self.url} holds no checkpoint: neither {METADATA_OBJECT} nor any "
                                           "{rank}.metadata object (an interrupted save leaves none)")
@@ -354,17 +354,11 @@ class ObjectStoreReader(StorageReader):
         mismatch, :class:`ObjectStoreError` naming bucket and key when a request fails."""
         self._finish(self._start(item, dest))
 
-    def read_tensor(self, item: ReadItem) -> torch.Tensor:
-        """The stored slice ``item`` asks for, in a new tensor."""
-        md, chunk_sizes = self._tensor_md(item.storage_index)
-        shape = tuple(item.lengths) if item.lengths else tuple(chunk_sizes)
-        out = torch.empty(shape, dtype=md.properties.dtype)
-        self.read_into(item, out)
-        return out
-
     def read_object(self, item: ReadItem) -> Any:
         """A pickled object, fetched with one ranged GET of exactly its bytes."""
         info = self._info(item.storage_index)
+        if self.metadata is not None and self.metadata.rank_objects:  # per-rank save: this rank's copy (SPEC §4)
+            info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info
         blob = bytearray(info.length)
         if info.length:
             self._fetch(info.relative_path, info.offset, memoryview(blob))
@@ -375,16 +369,6 @@ class ObjectStoreReader(StorageReader):
             raise CorruptCheckpointError(f"checksum mismatch in {where}: object {item.storage_index.fqn!r} "
                                          "does not match its recorded xxh3")
         return deserialize_object(bytes(blob), fqn=item.storage_index.fqn, file=where)
-
-    def read_items(self, items: Sequence[ReadItem]) -> Iterator[tuple[ReadItem, Any]]:
-        """Read ``items`` in the order given; yields ``(item, tensor or object)``."""
-        for item in items:
-            if item.type is LoadItemType.BYTE_IO:
-                yield item, self.read_object(item)
-            else:
-                yield item, self.read_tensor(item)
-
-    sort_items = staticmethod(FileSystemReader.sort_items)
 
     def read_stream(self, pairs: Iterable[tuple[ReadItem, Optional[torch.Tensor]]]
                     ) -> Iterator[tuple[ReadItem, Any]]:
@@ -442,12 +426,6 @@ class ObjectStoreReader(StorageReader):
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Read this rank's items (``source`` None or this rank) in the global order through
-        :meth:`read_stream`, committing each as it lands."""
+        ``read_stream`` (the one read loop, ``core.storage.read_items``)."""
         mine = [it for it in plan.items if it.source is None or it.source == self.rank]
-        pairs = ((it, None if it.type is LoadItemType.BYTE_IO else planner.resolve_tensor(it))
-                 for it in self.sort_items(mine))
-        for item, value in self.read_stream(pairs):
-            if item.type is LoadItemType.BYTE_IO:
-                planner.load_bytes(item, value)
-            else:
-                planner.commit_tensor(item, value)
+        read_items(self, planner, self.sort_items(mine))

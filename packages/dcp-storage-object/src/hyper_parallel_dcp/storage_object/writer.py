@@ -25,6 +25,7 @@ from hyper_parallel_dcp.core.metadata import Metadata, metadata_to_json
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner
 from hyper_parallel_dcp.core.storage import StorageWriter, WriteResult
 from hyper_parallel_dcp.storage_fs.rank_files import with_stored_as, write_rank_files
+from hyper_parallel_dcp.storage_fs.rank_metadata import RANK_METADATA
 
 from .client import ObjectStore, ObjectStoreSettings, parse_url
 
@@ -33,7 +34,6 @@ __all__ = ["METADATA_OBJECT", "ObjectStoreWriter", "checkpoint_object_names"]
 METADATA_OBJECT = ".metadata"
 #: The names a checkpoint consists of (what a new save to the id removes).
 _CHECKPOINT_NAME = re.compile(r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes))$")
-_RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
 
 
 def checkpoint_object_names(names: list[str]) -> list[str]:
@@ -197,7 +197,7 @@ class ObjectStoreWriter(StorageWriter):
         stale = [METADATA_OBJECT, f"{rank}.metadata"]
         if rank == 0:
             # per-rank metadata of ranks this save does not have would be merged by a loader
-            stale += [n for n in self._names() if (m := _RANK_METADATA.match(n)) and int(m.group(1)) >= world_size]
+            stale += [n for n in self._names() if (m := RANK_METADATA.match(n)) and int(m.group(1)) >= world_size]
         store.delete([self._key(n) for n in stale])
 
     def _names(self) -> list[str]:

@@ -1,0 +1,172 @@
+"""Load planning: read items for the local targets, and the default load planner.
+
+Every target piece ∩ every stored chunk it overlaps → one :class:`ReadItem`; the pieces
+must be covered exactly.  Pure apart from the planner class, which keeps the target
+views the reads fill.
+"""
+
+from __future__ import annotations
+
+import bisect
+from operator import attrgetter
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from .chunks import ChunkBox
+from .errors import MismatchError, MissingKeyError, MissingRegionError
+from .layout import TensorShards, is_tensor_leaf, to_tensor_shards
+from .metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from .planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+__all__ = ["StandardLoadPlanner", "create_local_load_plan"]
+
+
+class _ChunkIndex:
+    """Stored chunks of one tensor, sorted by dim-0 offset for quick overlap queries."""
+
+    def __init__(self, chunks: Sequence[ChunkStorageMetadata]):
+        self.chunks = sorted(chunks, key=attrgetter("offsets"))
+        self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
+        self.max_len = max((c.sizes[0] if c.sizes else 1 for c in self.chunks), default=0)
+
+    def overlapping(self, box: ChunkBox) -> Iterable[tuple[int, ChunkStorageMetadata]]:
+        if box.ndim == 0:
+            yield from enumerate(self.chunks)
+            return
+        lo = bisect.bisect_left(self.starts, box.offsets[0] - self.max_len + 1)
+        hi = bisect.bisect_left(self.starts, box.offsets[0] + box.sizes[0])
+        for i in range(lo, hi):
+            yield i, self.chunks[i]
+
+
+def create_local_load_plan(
+    flat: dict[str, Any], metadata: Metadata, shards: Optional[dict[str, TensorShards]] = None,
+    allow_partial_load: bool = False,
+) -> tuple[LoadPlan, dict[str, TensorShards]]:
+    """Read items for every target leaf: target pieces ∩ stored chunks.
+
+    A stored dtype other than the target's is cast by the copy into the target (as
+    ``torch.distributed.checkpoint`` does).  Raises :class:`MissingKeyError` for a key the
+    checkpoint lacks (skipped with ``allow_partial_load``), :class:`MismatchError` for a
+    shape or kind mismatch and :class:`MissingRegionError` when stored chunks do not cover
+    a target piece.
+    """
+    items: list[ReadItem] = []
+    shards = {} if shards is None else shards
+    indexes: dict[str, _ChunkIndex] = {}
+    sd_md = metadata.state_dict_metadata
+    for fqn, leaf in flat.items():
+        md = sd_md.get(fqn)
+        if md is None:
+            if allow_partial_load or (isinstance(leaf, dict) and not leaf):
+                # Left as it is.  An empty dict (a fresh optimizer's ``state``) holds no
+                # key to load, as torch.distributed.checkpoint sees it.
+                continue
+            raise MissingKeyError(
+                f"key {fqn!r} is not in the checkpoint ({len(sd_md)} keys stored); "
+                "remove it from the state dict to load the rest"
+            )
+        if not is_tensor_leaf(leaf):
+            if isinstance(md, TensorStorageMetadata):
+                raise MismatchError(f"{fqn!r} is stored as a tensor but the target is a {type(leaf).__name__}")
+            index = MetadataIndex(fqn)
+            items.append(ReadItem(LoadItemType.BYTE_IO, index, (), index, (), ()))
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise MismatchError(f"{fqn!r} is stored as an object but the target is a tensor")
+        target = to_tensor_shards(leaf, fqn)
+        shards[fqn] = target
+        if tuple(md.size) != target.global_shape:
+            raise MismatchError(
+                f"{fqn!r}: shape mismatch: checkpoint has {list(md.size)}, target expects {list(target.global_shape)}"
+            )
+        cindex = indexes.get(fqn)
+        if cindex is None:
+            cindex = indexes[fqn] = _ChunkIndex(md.chunks)
+        for box, _view in target.pieces:
+            if box.is_empty():
+                continue
+            covered = 0
+            dest = MetadataIndex(fqn, box.offsets)
+            for pos, chunk in cindex.overlapping(box):
+                inter = box.intersect(ChunkBox(chunk.offsets, chunk.sizes))
+                if inter is None:
+                    continue
+                covered += inter.volume
+                items.append(ReadItem(
+                    LoadItemType.TENSOR,
+                    dest,
+                    inter.relative_to(box),
+                    MetadataIndex(fqn, chunk.offsets, pos),
+                    tuple(a - b for a, b in zip(inter.offsets, chunk.offsets)),
+                    inter.sizes,
+                ))
+            if covered != box.volume:
+                raise MissingRegionError(
+                    f"{fqn!r}: the checkpoint does not cover the requested region offsets={list(box.offsets)} "
+                    f"sizes={list(box.sizes)} ({covered} of {box.volume} elements stored)"
+                )
+    return LoadPlan(tuple(items)), shards
+
+
+
+class StandardLoadPlanner(LoadPlanner):
+    """Default load planner: exact-cover reads into views of the caller's tensors.
+
+    Which rank reads a replicated shard is not the planner's concern: the load pipeline
+    assigns readers (:mod:`hyper_parallel_dcp.core.reader_assignment`) when read-once +
+    broadcast is on.  ``allow_partial_load``: target keys the checkpoint lacks are left
+    untouched instead of raising :class:`MissingKeyError`.
+    """
+
+    def __init__(self, allow_partial_load: bool = False) -> None:
+        self.allow_partial_load = allow_partial_load
+        self.flat: dict[str, Any] = {}
+        self.metadata: Optional[Metadata] = None
+        self.is_coordinator = True
+        self.rank = 0
+        self.world_size = 1
+        self.shards: dict[str, TensorShards] = {}
+        self._pieces: dict[MetadataIndex, torch.Tensor] = {}
+        self.loaded_objects: dict[str, Any] = {}
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata, *,
+                       is_coordinator: bool, rank: int = 0, world_size: int = 1) -> None:
+        self.flat = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+        self.rank = rank
+        self.world_size = world_size
+        self.shards = {}
+        self._pieces = {}
+        self.loaded_objects = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        plan, self.shards = create_local_load_plan(self.flat, self.metadata,
+                                                   allow_partial_load=self.allow_partial_load)
+        for fqn, shard in self.shards.items():
+            for box, view in shard.pieces:
+                self._pieces[MetadataIndex(fqn, box.offsets)] = view
+        return plan
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        return new_plan
+
+    def resolve_shard(self, dest_index: MetadataIndex) -> torch.Tensor:
+        return self._pieces[dest_index]
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        view = self._pieces[read_item.dest_index]
+        for d, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            if off or length != view.shape[d]:
+                view = view.narrow(d, off, length)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        # Targets are views of the caller's tensors, already written in place.
+        pass
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        self.loaded_objects[read_item.dest_index.fqn] = value

@@ -1,0 +1,269 @@
+"""Read-once + broadcast: replica groups and one byte-balanced reader per replicated shard.
+
+The load pipeline runs this in three steps, so that no rank but the coordinator ever holds
+more than its own plan:
+
+1. every rank describes its target compactly (:func:`target_layout`: per local shard its
+   FQN, offsets, bytes and a digest of its read requests) and sends it to the coordinator;
+2. the coordinator groups the ranks whose requests for a shard are identical and picks
+   the readers (:func:`assign_readers_from_layouts`), then sends each rank only what
+   concerns it: its multi-member groups with their readers, and the list of every
+   multi-member rank tuple (group creation is a collective of all ranks);
+3. each rank applies its answer to its own plan (:func:`apply_reader_assignment`).
+
+The rule (SPEC §5): shards are visited largest first (ties: global order, then rank
+tuple) and each goes to the member with the fewest bytes assigned so far (ties: lowest
+rank); a shard only one rank reads counts for that rank.  :func:`assign_readers` runs the
+three steps in one process over all plans (``hp-dcp explain``, tests).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence, Union
+
+from .metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from .planner import LoadItemType, LoadPlan, order_key
+
+__all__ = [
+    "AssignmentReply",
+    "ReaderAssignment",
+    "ReplicaGroup",
+    "TargetLayout",
+    "apply_reader_assignment",
+    "assign_readers",
+    "assign_readers_from_layouts",
+    "target_layout",
+]
+
+RankTuple = tuple[int, ...]
+# A rank tuple on the wire: a range when its ranks step evenly (every device-mesh group),
+# else the tuple.  range(3, 8192, 4) pickles to a few bytes where the tuple takes 6 KB.
+PackedRanks = Union[range, RankTuple]
+# (fqn, offsets of the local shard, bytes of the shard, digest of its read requests)
+TargetEntry = tuple[str, tuple[int, ...], int, int]
+TargetLayout = tuple[TargetEntry, ...]
+# (fqn, offsets, packed ranks, reader) per multi-member group of the rank, in global order;
+# then every multi-member rank tuple of the load, sorted.  None: nothing is replicated.
+AssignmentReply = Optional[tuple[tuple[tuple[str, tuple[int, ...], PackedRanks, int], ...], tuple[PackedRanks, ...]]]
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """A replicated local shard: the ranks whose read requests for it are identical, and
+    the one of them that reads it from storage (``source``) and broadcasts it."""
+
+    dest_index: MetadataIndex
+    ranks: RankTuple
+    source: int
+
+
+@dataclass(frozen=True)
+class ReaderAssignment:
+    """A rank's part of the reader assignment, carried as ``LoadPlan.planner_data``.
+
+    ``groups``: the multi-member replica groups this rank is in, in the global order
+    ``(fqn, offset)``.  ``required``: every multi-member rank tuple of the load, sorted —
+    the same on every rank, which makes creating the groups a well-formed collective.
+    """
+
+    groups: tuple[ReplicaGroup, ...] = ()
+    required: tuple[RankTuple, ...] = ()
+
+
+def _pack(ranks: RankTuple) -> PackedRanks:
+    if len(ranks) > 2:
+        step = ranks[1] - ranks[0]
+        if step > 0 and ranks[-1] - ranks[0] == step * (len(ranks) - 1) and ranks == tuple(
+                range(ranks[0], ranks[-1] + 1, step)):
+            return range(ranks[0], ranks[-1] + 1, step)
+    return ranks
+
+
+def target_layout(plan: LoadPlan, metadata: Metadata) -> TargetLayout:
+    """What the coordinator needs of one rank's local plan: one entry per tensor shard.
+
+    The digest is ``hash`` of the sorted request tuples, which hold only ints, so it is
+    the same in every process; ranks are grouped only when FQN, offsets, bytes and digest
+    all agree (the requests are the shard ∩ the stored chunks, so equal boxes give equal
+    requests).
+    """
+    requests: dict[MetadataIndex, list[tuple]] = {}
+    elements: dict[MetadataIndex, int] = {}
+    for item in plan.items:
+        if item.type is not LoadItemType.TENSOR:
+            continue
+        dest = item.dest_index
+        reqs = requests.get(dest)
+        if reqs is None:
+            reqs = requests[dest] = []
+            elements[dest] = 0
+        reqs.append((item.storage_index.offset, item.storage_offsets, item.dest_offsets, item.lengths))
+        elements[dest] += math.prod(item.lengths)
+    sd = metadata.state_dict_metadata
+    out = []
+    for dest, reqs in requests.items():
+        md = sd[dest.fqn]
+        itemsize = md.properties.dtype.itemsize if isinstance(md, TensorStorageMetadata) else 1
+        reqs.sort()
+        out.append((dest.fqn, dest.offset or (), elements[dest] * itemsize, hash(tuple(reqs))))
+    return tuple(out)
+
+
+class _Group:
+    __slots__ = ("classes", "key", "nbytes", "ranks", "source")
+
+    def __init__(self, key: TargetEntry, first_class: int) -> None:
+        self.key = key
+        self.nbytes = key[2]
+        self.classes = [first_class]
+        self.ranks: RankTuple = ()
+        self.source = -1
+
+
+def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[AssignmentReply]:
+    """The coordinator's step: one :data:`AssignmentReply` per rank, from every rank's layout.
+
+    O(total shards) dictionary work plus O(replicated shards × members) in tensor ops;
+    ranks with identical layouts (data-parallel replicas) share one answer object.
+    """
+    # Ranks with equal layouts form a class (tuple hashing and comparison run in C).
+    class_of: dict[TargetLayout, int] = {}
+    class_ranks: list[list[int]] = []
+    for rank, layout in enumerate(layouts):
+        c = class_of.setdefault(layout, len(class_ranks))
+        if c == len(class_ranks):
+            class_ranks.append([rank])
+        else:
+            class_ranks[c].append(rank)
+    class_layouts = list(class_of)
+    groups: dict[TargetEntry, _Group] = {}
+    get = groups.get
+    for c, layout in enumerate(class_layouts):
+        for entry in layout:
+            group = get(entry)
+            if group is None:
+                groups[entry] = _Group(entry, c)
+            else:
+                group.classes.append(c)
+    members_of: dict[tuple[int, ...], RankTuple] = {}
+    replicated: list[_Group] = []
+    # shards only one rank reads, by size: [(rank, group), ...]
+    singles: dict[int, list[tuple[int, _Group]]] = {}
+    for group in groups.values():
+        classes = group.classes
+        if len(classes) == 1 and len(class_ranks[classes[0]]) == 1:
+            by_size = singles.get(group.nbytes)
+            if by_size is None:
+                by_size = singles[group.nbytes] = []
+            by_size.append((class_ranks[classes[0]][0], group))
+            continue
+        key = tuple(classes)
+        ranks = members_of.get(key)
+        if ranks is None:
+            ranks = members_of[key] = tuple(sorted(r for c in classes for r in class_ranks[c]))
+        group.ranks = ranks
+        replicated.append(group)
+    if not replicated:
+        return [None] * len(layouts)
+    order_keys = {id(g): order_key(MetadataIndex(g.key[0], g.key[1])) for g in replicated}
+    replicated.sort(key=lambda g: (-g.nbytes, order_keys[id(g)], g.ranks))
+    _choose_readers(replicated, singles, len(layouts), order_keys)
+
+    packed: dict[RankTuple, PackedRanks] = {}
+    for ranks in members_of.values():
+        packed[ranks] = _pack(ranks)
+    required = tuple(packed[r] for r in sorted(packed))
+    per_class: list[list[tuple]] = [[] for _ in class_layouts]
+    for group in sorted(replicated, key=lambda g: (order_keys[id(g)], g.ranks)):
+        answer = (group.key[0], group.key[1], packed[group.ranks], group.source)
+        for c in group.classes:
+            per_class[c].append(answer)
+    replies: list[AssignmentReply] = [None] * len(layouts)
+    for c, answers in enumerate(per_class):
+        reply = (tuple(answers), required)
+        for r in class_ranks[c]:
+            replies[r] = reply
+    return replies
+
+
+def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int, _Group]]], world: int,
+                    order_keys: dict[int, str]) -> None:
+    """Set ``source`` of every replicated group (given in visiting order).
+
+    A shard only one rank reads still counts for that rank at its place in the visiting
+    order: such shards are bucketed by the number of replicated groups that precede them
+    (found per distinct size; only a size equal to a replicated shard's needs the order
+    keys), and each bucket is added just before the group it precedes.
+    """
+    neg = [-g.nbytes for g in replicated]
+    m = len(replicated)
+    # bucket j: (nbytes, ranks) of single-reader shards visited just before group j
+    buckets: list[list[tuple[int, list[int]]]] = [[] for _ in range(m)]
+    tie_keys: Optional[list[tuple[str, RankTuple]]] = None
+    for nbytes, members in singles.items():
+        lo = bisect.bisect_left(neg, -nbytes)
+        hi = bisect.bisect_right(neg, -nbytes)
+        if lo == hi:
+            if lo < m:
+                buckets[lo].append((nbytes, [rank for rank, _ in members]))
+            continue
+        if tie_keys is None:
+            tie_keys = [(order_keys[id(g)], g.ranks) for g in replicated]
+        for rank, g in members:
+            # equal size: the global order, then the rank tuple, decides (as in the sort)
+            mine = (order_key(MetadataIndex(g.key[0], g.key[1])), (rank,))
+            pos = bisect.bisect_left(tie_keys, mine, lo, hi)
+            if pos < m:
+                buckets[pos].append((nbytes, [rank]))
+    assigned = [0] * world
+    for group, bucket in zip(replicated, buckets):
+        for nbytes, ranks in bucket:
+            for rank, count in Counter(ranks).items():
+                assigned[rank] += count * nbytes
+        # min keeps the first of equal keys and members ascend: ties go to the lowest rank
+        reader = min(group.ranks, key=assigned.__getitem__)
+        assigned[reader] += group.nbytes
+        group.source = reader
+
+
+def apply_reader_assignment(plan: LoadPlan, reply: AssignmentReply, rank: int) -> LoadPlan:
+    """This rank's final plan: ``plan`` with every item's reader and a :class:`ReaderAssignment`.
+
+    With nothing replicated anywhere (``reply`` is ``None``) the items are unchanged
+    (``source`` ``None``: read by this rank).
+    """
+    if reply is None:
+        return replace(plan, planner_data=ReaderAssignment())
+    answers, required_packed = reply
+    unpacked: dict[int, RankTuple] = {}
+
+    def unpack(ranks: PackedRanks) -> RankTuple:
+        out = unpacked.get(id(ranks))
+        if out is None:
+            out = unpacked[id(ranks)] = tuple(ranks)
+        return out
+
+    source_of: dict[tuple[str, tuple[int, ...]], int] = {}
+    groups = []
+    for fqn, offsets, ranks, source in answers:
+        source_of[(fqn, offsets)] = source
+        groups.append(ReplicaGroup(MetadataIndex(fqn, offsets), unpack(ranks), source))
+    items = tuple(
+        replace(it, source=source_of.get((it.dest_index.fqn, it.dest_index.offset or ()), rank))
+        if it.type is LoadItemType.TENSOR else replace(it, source=rank)
+        for it in plan.items
+    )
+    return replace(plan, items=items,
+                   planner_data=ReaderAssignment(tuple(groups), tuple(unpack(r) for r in required_packed)))
+
+
+def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata) -> list[LoadPlan]:
+    """Every rank's final plan at once: the three steps of the load pipeline in one process."""
+    replies = assign_readers_from_layouts([target_layout(p, metadata) for p in all_plans])
+    return [apply_reader_assignment(p, reply, r) for r, (p, reply) in enumerate(zip(all_plans, replies))]
+
+

@@ -1,0 +1,408 @@
+"""``CheckpointManager``: save every N steps, keep the last K, resume from the newest complete.
+
+Step ``N`` lives at ``root/step_N`` (so ``hp-dcp latest root`` finds it).  The rules that
+keep it crash-safe at every moment:
+
+- A checkpoint counts once its ``.metadata`` is committed (the save's last, atomic act);
+  ``restore`` and retention look at nothing else, so a save killed at any moment is just
+  an incomplete directory or a hidden staging directory, never a candidate.
+- Retention runs only after a save is durable, on one rank (the coordinator), inside a
+  collective step: every rank waits until it is decided, and an error there is raised on
+  every rank.  It never deletes the newest complete step, a step being written (an
+  ``async_save`` in flight) or read (:meth:`FileSystemSteps.reading`), or anything in
+  ``root`` that is not ``step_N`` or a leftover of a save.  A deleted step is first
+  renamed away in one step, so it is never seen half deleted.
+- With ``async_save=True`` a save returns once staged; the next ``save``/``wait``/
+  ``close`` waits for it to land (every rank, one collective: a failure on any rank is
+  raised on all of them, once), and only then runs the retention that landing triggers —
+  while the next save is already in flight.
+
+All storage access goes through :mod:`hyper_parallel_dcp.step_storage`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import os
+import signal
+import threading
+import time
+from contextlib import ExitStack
+from typing import Any, Optional, Union
+
+from hyper_parallel_dcp.core.collectives import DistWrapper
+from hyper_parallel_dcp.core.errors import CheckpointNotFoundError
+
+from .retention import best_steps, steps_to_delete
+from .step_storage import step_storage_for
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+_MODES = ("min", "max")
+
+
+def _positive_or_none(name: str, value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+    return value
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    if step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step}")
+    return int(step)
+
+
+def _check_metrics(metrics: Any) -> dict[str, Any]:
+    """Plain JSON values (0-d tensors and numpy scalars become numbers); ``ValueError`` otherwise."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics must be a dict of name -> number/str/bool, got {type(metrics).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise ValueError(f"metric names must be strings, got {key!r}")
+        if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+            value = value.item()
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise ValueError(f"metric {key!r} must be a number, string, bool or None, got {type(value).__name__}")
+        out[key] = value
+    return out
+
+
+class CheckpointManager:
+    """Checkpoints of a training loop under ``root``: ``root/step_N`` per saved step.
+
+    ``keep_last``: how many of the newest complete checkpoints retention keeps (``None``:
+    all); ``keep_every``: also keep every step that is a multiple of it; ``keep_best`` with
+    ``best_metric`` (and ``best_mode`` ``"min"``/``"max"``): also keep the best that many by
+    the metric given to :meth:`save`.  ``save_interval_steps``: :meth:`save` saves when
+    ``step % save_interval_steps == 0`` (or ``force``).  ``async_save``: save through
+    :func:`hyper_parallel_dcp.async_save` (``save`` returns once staged).
+    ``save_on_preemption``: install a SIGTERM handler; the next :meth:`save` after a SIGTERM
+    reached any rank saves (whatever the interval), waits until it has landed, and sets
+    :attr:`preempted` (costs one small collective per ``save`` call; must be constructed
+    in the main thread).
+
+    Every rank of the default process group must call :meth:`save`, :meth:`restore`,
+    :meth:`wait` and :meth:`close` (they are collective, like ``save``/``load``).
+    :meth:`latest_step`, :meth:`all_steps` and :meth:`metrics` only read storage.
+
+    Raises ``ValueError`` for a setting out of range, ``NotADirectoryError`` naming
+    ``root`` when it is an existing regular file.  A missing ``root`` is an empty one.
+    """
+
+    def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = 3,
+                 keep_every: Optional[int] = None, save_interval_steps: int = 1, async_save: bool = False,
+                 keep_best: Optional[int] = None, best_metric: Optional[str] = None, best_mode: str = "min",
+                 save_on_preemption: bool = False):
+        self.keep_last = _positive_or_none("keep_last", keep_last)
+        self.keep_every = _positive_or_none("keep_every", keep_every)
+        interval = _positive_or_none("save_interval_steps", save_interval_steps)
+        if interval is None:
+            raise ValueError("save_interval_steps must be an integer >= 1, got None")
+        self.save_interval_steps = interval
+        self.keep_best = _positive_or_none("keep_best", keep_best)
+        if best_mode not in _MODES:
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if self.keep_best is not None and not (isinstance(best_metric, str) and best_metric):
+            raise ValueError("keep_best needs best_metric, the name of a metric passed to save(metrics=...)")
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+        self.async_save = bool(async_save)
+        if not isinstance(root, (str, os.PathLike)):
+            raise ValueError(f"root must be a path or URL, got {type(root).__name__}")
+        self.root = root
+        self._steps = step_storage_for(root)
+        self._steps.check_root()
+        self._inflight: Optional[tuple[int, Any]] = None  # (step, AsyncSaveResponse)
+        self._retention_due = False
+        self._retained_once = False
+        self._used_async = False
+        self._closed = False
+        self._info_cache: dict[int, Optional[dict[str, Any]]] = {}
+        self._signal_received = False
+        self.preempted = False
+        self.save_on_preemption = bool(save_on_preemption)
+        self._previous_handler: Any = None
+        if self.save_on_preemption:
+            if threading.current_thread() is not threading.main_thread():
+                raise ValueError("save_on_preemption=True installs a SIGTERM handler and needs the main thread")
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # -- queries (storage only, no collective) ----------------------------------------------
+    def latest_step(self) -> Optional[int]:
+        """The newest complete step under ``root`` (``None`` if there is none)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def all_steps(self) -> list[int]:
+        """The complete steps under ``root``, ascending (an async save counts once landed)."""
+        return [e.step for e in self._steps.list_steps() if e.complete]
+
+    def metrics(self, step: int) -> Optional[dict[str, Any]]:
+        """The metrics saved with ``step`` (rank 0's ``save(metrics=...)``), ``None`` if none were stored."""
+        info = self._steps.read_info(_check_step(step))
+        metrics = info.get("metrics") if info else None
+        return metrics if isinstance(metrics, dict) else None
+
+    # -- save --------------------------------------------------------------------------------
+    def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
+             metrics: Optional[dict[str, Any]] = None) -> bool:
+        """Save ``state_dict`` as ``step`` when ``step % save_interval_steps == 0`` or ``force``.
+
+        Returns True when this call saved.  Synchronous: the checkpoint is committed and the
+        retention it triggers decided when this returns.  With ``async_save=True``: returns
+        once staged; first waits for the previous async save to land (raising its error on
+        every rank, once; this step is then not saved) and runs that save's retention while
+        this one is in flight.  ``metrics`` (small JSON values, rank 0's are kept) are stored
+        with the step (``hp-dcp-step.json``) and used by ``keep_best``.  Saving a step that
+        exists replaces it atomically.  Collective: every rank calls with the same ``step``.
+
+        Raises ``ValueError`` for a negative or non-integer step or bad metrics,
+        ``RuntimeError`` after :meth:`close`, and what ``save``/``async_save`` raise.
+        """
+        self._check_open()
+        step = _check_step(step)
+        dw = DistWrapper(None, use_dist=True)
+        preempting = False
+        if self.save_on_preemption:
+            flags = dw.all_gather("checkpoint manager: preemption check", lambda: self._signal_received)
+            preempting = any(flags)
+        if not (force or preempting or step % self.save_interval_steps == 0):
+            return False
+
+        def write_info(_: list[None]) -> None:
+            # rank 0's metrics are stored; checked here so that bad ones fail every rank, and
+            # only on a saving step (reading an accelerator tensor costs a device sync)
+            info = {"step": step, "saved_at": time.time(), "metrics": _check_metrics(metrics)}
+            self._info_cache.pop(step, None)
+            self._steps.write_info(step, info)
+
+        self._land(dw, f"checkpoint manager: land the previous save, prepare step {step}", write_info)
+        location = self._steps.location(step)
+        if self.async_save:
+            from hyper_parallel_dcp.async_persist import async_save
+
+            self._used_async = True
+            staging_error: Optional[BaseException] = None
+            try:
+                self._inflight = (step, async_save(state_dict, checkpoint_id=location))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
+                staging_error = exc
+            # One collective: a staging error on any rank is raised on all of them (none is left
+            # waiting here), else the previous save's retention runs while this one is in flight
+            # (the first save of a job also tidies what an earlier, killed job left).
+            self._retain(dw, protected=frozenset({step}), local_error=staging_error,
+                         run=self._retention_due or not self._retained_once)
+        else:
+            from hyper_parallel_dcp.api import save
+
+            save(state_dict, checkpoint_id=location)
+            self._retention_due = True
+            self._retain(dw, protected=frozenset())
+        if preempting:
+            self.wait()
+            self._signal_received = False
+            self.preempted = True
+            logger.warning("checkpoint manager: saved step %d after SIGTERM (preemption) into %s", step, location)
+        return True
+
+    def _land(self, dw: DistWrapper, label: str, then: Any = None) -> None:
+        """Wait until the async save in flight (if any) landed on every rank, then run
+        ``then`` on the coordinator; a failure anywhere is raised on every rank."""
+        inflight, self._inflight = self._inflight, None
+
+        def land() -> None:
+            if inflight is not None:
+                inflight[1].get_result()
+
+        if inflight is None and then is None:
+            return
+        dw.all_reduce(label, land, then if then is not None else (lambda _: None))
+        if inflight is not None:
+            self._retention_due = True
+
+    def _retain(self, dw: DistWrapper, protected: frozenset[int], local_error: Optional[BaseException] = None,
+                run: bool = True) -> list[int]:
+        """Retention, decided and done by the coordinator; every rank returns once it is done.
+
+        ``local_error`` (this rank's failure just before) is raised on every rank instead;
+        ``run=False`` only exchanges that.
+        """
+        def check() -> None:
+            if local_error is not None:
+                raise local_error
+
+        deleted: list[int] = dw.all_reduce("checkpoint manager: retention", check,
+                                           lambda _: self._apply_retention(protected) if run else [])
+        if run:
+            self._retention_due = False
+            self._retained_once = True
+        return deleted
+
+    def _apply_retention(self, protected: frozenset[int]) -> list[int]:
+        complete = [e.step for e in self._steps.list_steps() if e.complete]
+        if not complete:
+            return []
+        best: frozenset[int] = frozenset()
+        if self.keep_best is not None and self.keep_last is not None:
+            best = frozenset(best_steps(self._metric_values(complete), self.keep_best, self.best_mode))
+        doomed = steps_to_delete(complete, keep_last=self.keep_last, keep_every=self.keep_every, best=best,
+                                 protected=protected)
+        deleted = []
+        for step in doomed:
+            try:
+                removed = self._steps.remove_step(step)
+            except OSError as exc:  # the checkpoint just saved is durable: a failed deletion must not fail it
+                logger.warning("checkpoint manager: could not delete step %d under %s: %s", step, self.root, exc)
+                continue
+            if removed:
+                deleted.append(step)
+                self._info_cache.pop(step, None)
+            else:
+                logger.info("checkpoint manager: step %d is being written or read; kept for now", step)
+        newest = max(complete)
+        cleaned = []
+        for item in self._steps.find_leftovers(protected=protected, older_than=newest, max_step=newest):
+            try:
+                if self._steps.remove_leftover(item):
+                    cleaned.append(item)
+            except OSError as exc:
+                logger.warning("checkpoint manager: could not remove %s: %s", item.location, exc)
+        if deleted or cleaned:
+            logger.info("checkpoint manager: retention under %s deleted step(s) %s, removed %d leftover(s) of "
+                        "interrupted saves", self.root, deleted, len(cleaned))
+        return deleted
+
+    def _metric_values(self, complete: list[int]) -> dict[int, float]:
+        values = {}
+        for step in complete:
+            if step not in self._info_cache:
+                self._info_cache[step] = self._steps.read_info(step)
+            info = self._info_cache[step]
+            metrics = info.get("metrics") if info else None
+            value = metrics.get(self.best_metric) if isinstance(metrics, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+                values[step] = float(value)
+        return values
+
+    # -- restore -----------------------------------------------------------------------------
+    def restore(self, state_dict: dict[str, Any], step: Optional[int] = None) -> Optional[int]:
+        """Load the newest complete step (or ``step``) into ``state_dict`` in place; returns it.
+
+        The coordinator picks the newest step whose ``.metadata`` and files are whole
+        (metadata and sizes checked, no data read; a broken one is skipped with a warning)
+        and every rank loads that one; ``None`` (nothing loaded) when there is none.  The
+        step is held against deletion while it loads.  Waits for a save in flight first.
+        Collective, like ``load``; the target layout may differ from the saved one.
+
+        Raises :class:`CheckpointNotFoundError` when ``step`` is given and not complete,
+        ``ValueError`` for a bad ``step``, and what ``load`` raises.
+        """
+        self._check_open()
+        wanted = None if step is None else _check_step(step)
+        self.wait()
+        dw = DistWrapper(None, use_dist=True)
+        with ExitStack() as held:
+
+            def choose(_: list[None]) -> Optional[int]:
+                if wanted is not None:
+                    problems = self._steps.completeness_problems(wanted)
+                    if problems:
+                        raise CheckpointNotFoundError(
+                            f"step {wanted} under {self.root} cannot be restored: {'; '.join(problems[:3])}")
+                    held.enter_context(self._steps.reading(wanted))
+                    return wanted
+                for entry in reversed(self._steps.list_steps()):
+                    if not entry.complete:
+                        continue
+                    problems = self._steps.completeness_problems(entry.step)
+                    if problems:
+                        logger.warning("checkpoint manager: skipping step %d, not loadable: %s", entry.step,
+                                       "; ".join(problems[:3]))
+                        continue
+                    try:
+                        held.enter_context(self._steps.reading(entry.step))
+                    except CheckpointNotFoundError:
+                        continue
+                    return entry.step
+                return None
+
+            chosen: Optional[int] = dw.all_reduce("checkpoint manager: choose the step to restore",
+                                                  lambda: None, choose)
+            if chosen is None:
+                return None
+            from hyper_parallel_dcp.api import load
+
+            load(state_dict, checkpoint_id=self._steps.location(chosen))
+            dw.barrier()  # the coordinator holds the step until every rank has read it
+        return chosen
+
+    # -- wait / close ------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Return once every save in flight has landed and its retention is done.
+
+        Re-raises (on every rank, once) the error of an async save that failed; that step
+        counts as an interrupted save.  Collective when a save is in flight.
+        """
+        self._check_open()
+        if self._inflight is None and not self._retention_due:
+            return
+        dw = DistWrapper(None, use_dist=True)
+        self._land(dw, "checkpoint manager: land the save in flight")
+        if self._retention_due:
+            self._retain(dw, protected=frozenset())
+
+    def close(self) -> None:
+        """:meth:`wait`, then release the async writer process and the SIGTERM handler.
+
+        Idempotent; the manager cannot save or restore afterwards.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self._previous_handler)
+                self._previous_handler = None
+            if self._used_async:
+                from hyper_parallel_dcp.async_persist import shutdown_writer
+
+                shutdown_writer()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - do not hide the exception that is already propagating
+            logger.exception("checkpoint manager: close() failed while handling another exception")
+
+    # -- internals ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager({self.root!r}) is closed")
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._signal_received = True
+        logger.warning("checkpoint manager: SIGTERM received; the next save() saves and sets .preempted")
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every}, "
+                f"save_interval_steps={self.save_interval_steps}, async_save={self.async_save})")

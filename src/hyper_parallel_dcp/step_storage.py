@@ -1,0 +1,462 @@
+"""Every storage operation :class:`CheckpointManager`, ``hp-dcp ls`` and ``hp-dcp clean`` make.
+
+A manager root holds one checkpoint per saved step, ``root/step_N`` (``N`` written as
+``str(N)``: ``step_007`` is not a step), beside whatever else the user keeps there.
+:class:`FileSystemSteps` answers, for a filesystem root: which steps exist and which are
+complete (``.metadata`` present, §4), their size, age and stored info (metrics), removes
+a step crash-safely, and finds and removes what saves that died left behind.  An object
+store gets its own class with the same methods (:func:`step_storage_for` picks by URL).
+
+What a killed save leaves on a filesystem (read from ``storage_fs/commit.py`` and
+``async_persist/mailbox.py``, and seen by killing saves):
+
+- ``.step_N.hp-dcp-staging-<id>/`` beside the step: the data written so far;
+- ``.step_N.hp-dcp-old-<id>/``: the replaced (or, here, retired) checkpoint whose removal
+  was interrupted;
+- ``.step_N.hp-dcp-lock``: the save lock file (its ``flock`` died with the process);
+- ``step_N/`` without ``.metadata``, holding ``LOCAL_PLAN_r.pkl``, ``STORAGE_DATA_r.pkl``,
+  ``.hp-dcp-mailbox-*`` files of an ``async_save`` and the manager's ``hp-dcp-step.json``;
+- ``*.hp-dcp-tmp`` files inside either.
+
+A save that is still running holds the ``flock`` of ``.step_N.hp-dcp-lock`` (its
+coordinator does, from planning to commit); nothing of a step whose lock is held is
+touched.  The few moments a live save has files but no lock (other ranks' mailbox files
+before the coordinator locks, the acknowledgements after the commit) are covered by
+``grace``: entries modified in the last ``grace`` seconds are left alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Protocol, Union
+
+from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
+from hyper_parallel_dcp.storage_fs.commit import SaveLock, is_checkpoint_artifact
+
+__all__ = ["INFO_FILE", "FileSystemSteps", "Leftover", "StepEntry", "StepStorage", "step_name", "step_storage_for"]
+
+logger = logging.getLogger(__name__)
+
+#: The manager's small per-step JSON (step, time, metrics), written into the step directory
+#: before the save commits, so the commit carries it into the checkpoint.
+INFO_FILE = "hp-dcp-step.json"
+_METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
+_HIDDEN = re.compile(r"^\.step_(0|[1-9][0-9]*)\.hp-dcp-(staging|old|lock|readlock)(-.*)?$")
+_RANK_METADATA = re.compile(r"^\d+\.metadata$")  # a rank-local save (use_collectives=False): loadable, not ours
+_MAILBOX = re.compile(r"^((LOCAL_PLAN|STORAGE_DATA)_\d+\.pkl(\.done)?|\.hp-dcp-mailbox-.*|.*\.hp-dcp-tmp)$")
+
+
+def step_name(step: int) -> str:
+    """The directory name of ``step``: ``step_N``."""
+    return f"step_{step}"
+
+
+def parse_step_name(name: str) -> Optional[int]:
+    """``N`` for a directory name ``step_N`` (canonical integer), else ``None``."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One ``step_N`` directory: where it is and whether its save committed ``.metadata``."""
+
+    step: int
+    location: str
+    complete: bool
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Something a dead save left: ``kind`` is ``staging``, ``old``, ``lock``, ``readlock``,
+    ``mailbox`` (files inside a step directory) or ``incomplete`` (a whole step directory)."""
+
+    step: int
+    kind: str
+    location: str
+    bytes: int
+    paths: tuple[str, ...] = field(default=())
+
+
+class StepStorage(Protocol):
+    """What the manager and ``hp-dcp ls``/``clean`` need from a root; :class:`FileSystemSteps`
+    is the filesystem one.  An object-store implementation provides the same methods
+    (its ``remove_step`` must first make the step incomplete, e.g. delete ``.metadata``)."""
+
+    root: Any
+
+    def check_root(self) -> None: ...
+    def location(self, step: int) -> str: ...
+    def list_steps(self) -> list[StepEntry]: ...
+    def is_complete(self, step: int) -> bool: ...
+    def completeness_problems(self, step: int) -> list[str]: ...
+    def size_bytes(self, step: int) -> int: ...
+    def saved_at(self, step: int) -> Optional[float]: ...
+    def read_info(self, step: int) -> Optional[dict[str, Any]]: ...
+    def write_info(self, step: int, info: dict[str, Any]) -> None: ...
+    def remove_step(self, step: int) -> bool: ...
+    def reading(self, step: int) -> AbstractContextManager[None]: ...
+    def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
+                       max_step: Optional[int] = None, grace: float = 0.0,
+                       check_running: bool = True) -> list[Leftover]: ...
+    def remove_leftover(self, item: Leftover) -> bool: ...
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    if not os.path.isdir(path) or os.path.islink(path):
+        return st.st_size
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _newest_mtime(path: str) -> float:
+    """The newest mtime of ``path`` and its direct entries (a writer touches one of them)."""
+    try:
+        newest = os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return 0.0
+    if os.path.isdir(path) and not os.path.islink(path):
+        try:
+            for entry in os.scandir(path):
+                try:
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+                except FileNotFoundError:
+                    pass
+        except FileNotFoundError:
+            pass
+    return newest
+
+
+class FileSystemSteps:
+    """The step directories under a filesystem ``root`` (see the module docstring).
+
+    Never touches an entry of ``root`` that is not ``step_N`` or one of the hidden
+    ``.step_N.hp-dcp-*`` names the save machinery creates.
+    """
+
+    def __init__(self, root: Union[str, os.PathLike]):
+        self.root = Path(root)
+
+    # -- reading -----------------------------------------------------------------------
+    def check_root(self) -> None:
+        """Raise ``NotADirectoryError`` naming ``root`` when it exists and is not a directory."""
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(f"checkpoint manager root {self.root} exists and is not a directory")
+
+    def location(self, step: int) -> str:
+        """The ``checkpoint_id`` that ``save``/``load`` use for ``step``."""
+        return str(self.root / step_name(step))
+
+    def list_steps(self) -> list[StepEntry]:
+        """Every ``step_N`` directory, ascending by step; a missing root has none."""
+        try:
+            entries = list(os.scandir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for entry in entries:
+            step = parse_step_name(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                out.append(StepEntry(step, entry.path, os.path.isfile(os.path.join(entry.path, _METADATA))))
+        return sorted(out, key=lambda e: e.step)
+
+    def is_complete(self, step: int) -> bool:
+        return os.path.isfile(os.path.join(self.location(step), _METADATA))
+
+    def completeness_problems(self, step: int) -> list[str]:
+        """Why ``step`` would not load (metadata and file sizes, no data read); empty when fine."""
+        from hyper_parallel_dcp.storage_fs.integrity import check_complete
+
+        report = check_complete(self.location(step))
+        return [] if report.complete and report.metadata is not None and self.is_complete(step) else (
+            report.problems or [f"{self.location(step)} has no {_METADATA}"])
+
+    def size_bytes(self, step: int) -> int:
+        return _tree_bytes(self.location(step))
+
+    def saved_at(self, step: int) -> Optional[float]:
+        """When the step was committed (``.metadata``'s mtime), else the directory's mtime."""
+        for p in (os.path.join(self.location(step), _METADATA), self.location(step)):
+            try:
+                return os.stat(p).st_mtime
+            except FileNotFoundError:
+                continue
+        return None
+
+    def read_info(self, step: int) -> Optional[dict[str, Any]]:
+        """The step's ``hp-dcp-step.json`` (``{"step", "saved_at", "metrics"}``), or ``None``."""
+        try:
+            doc = json.loads(Path(self.location(step), INFO_FILE).read_bytes())
+        except (FileNotFoundError, NotADirectoryError, ValueError, UnicodeDecodeError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    # -- writing -----------------------------------------------------------------------
+    def write_info(self, step: int, info: dict[str, Any]) -> None:
+        """Write the step's info file atomically, before its save starts (the commit carries
+        it into the new checkpoint).  Creates ``root`` and the step directory as needed."""
+        directory = Path(self.location(step))
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / INFO_FILE
+        tmp = directory / f"{INFO_FILE}.{os.getpid()}.hp-dcp-tmp"
+        tmp.write_text(json.dumps(info, sort_keys=True))
+        os.replace(tmp, target)
+
+    def remove_step(self, step: int) -> bool:
+        """Delete ``step``'s directory; False (nothing done) when a save into it or a
+        :meth:`reading` of it is running, or it is gone already.
+
+        Crash-safe: the directory is first renamed to a hidden ``.step_N.hp-dcp-old-*``
+        name in one step, so it is never seen half deleted as a step; a crash while the
+        renamed tree is removed leaves a leftover that the next retention removes.
+        """
+        target = self.root / step_name(step)
+        lock = SaveLock(target)
+        try:
+            lock.acquire()
+        except ConcurrentSaveError:
+            return False
+        try:
+            with self._exclusive_readlock(step) as free:
+                if not free:
+                    return False
+                trash = self.root / f".{target.name}.hp-dcp-old-retired-{os.getpid()}-{time.time_ns()}"
+                try:
+                    os.rename(target, trash)
+                except FileNotFoundError:
+                    return False
+        finally:
+            lock.release()
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+
+    # -- readers -------------------------------------------------------------------------
+    def _readlock_path(self, step: int) -> Path:
+        return self.root / f".{step_name(step)}.hp-dcp-readlock"
+
+    @contextmanager
+    def reading(self, step: int) -> Iterator[None]:
+        """Hold ``step`` against :meth:`remove_step` (a shared ``flock``) while it is loaded.
+
+        Raises :class:`CheckpointNotFoundError` when the step is no longer complete once
+        the lock is held (it was removed meanwhile).
+        """
+        path = self._readlock_path(step)
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:  # a read-only root (an evaluation job): nobody deletes there
+                logger.debug("no read lock for %s: %s", self.location(step), exc)
+                if not self.is_complete(step):
+                    raise CheckpointNotFoundError(f"checkpoint {self.location(step)} is not complete") from None
+                yield
+                return
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # a remover unlinked it meanwhile: lock the new file
+        try:
+            if not self.is_complete(step):
+                raise CheckpointNotFoundError(f"checkpoint {self.location(step)} was removed before it could be loaded")
+            yield
+        finally:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the last reader removes the file
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    os.unlink(path)
+            except OSError:
+                pass  # another reader holds it, or it is gone already
+            finally:
+                os.close(fd)
+
+    @contextmanager
+    def _exclusive_readlock(self, step: int) -> Iterator[bool]:
+        """Yields True holding the read lock exclusively (no reader), False when a reader holds it."""
+        path = self._readlock_path(step)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            yield True
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EACCES):
+                    yield False
+                    return
+                raise
+            try:
+                os.unlink(path)  # while locked: a reader that opened it re-opens the new file
+            except FileNotFoundError:
+                pass
+            yield True
+        finally:
+            os.close(fd)
+
+    # -- what dead saves left -----------------------------------------------------------------
+    def _save_running(self, step: int) -> bool:
+        """True while some process holds the save lock of ``step`` (a probe that changes nothing)."""
+        return not self._lock_free(self.root / f".{step_name(step)}.hp-dcp-lock")
+
+    @staticmethod
+    def _lock_free(path: Path) -> bool:
+        """Nobody holds a ``flock`` on ``path`` (or it does not exist); the probe's lock is
+        dropped at once and the file left as found."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)  # closing releases the probe's lock
+        return True
+
+    def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
+                       max_step: Optional[int] = None, grace: float = 0.0,
+                       check_running: bool = True) -> list[Leftover]:
+        """What dead saves left under ``root``, for steps not in ``protected``.
+
+        Hidden staging/old directories, lock files nobody holds and mailbox/temp files in
+        complete step directories are always candidates; a step directory without
+        ``.metadata`` only when its step is below ``older_than`` (the newest complete step)
+        and it holds nothing but checkpoint files (a directory with a file of the user's is
+        left alone and logged).  A step whose save lock is held (a save is running) and
+        entries modified in the last ``grace`` seconds are skipped, and with ``max_step``
+        everything of a higher step.  ``check_running=False`` probes no lock (changes
+        nothing, lists no lock files) and so also lists the files of a running save.
+        """
+        try:
+            entries = list(os.scandir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        now = time.time()
+        running: dict[int, bool] = {}
+
+        def busy(step: int, path: str) -> bool:
+            if step in protected or (grace > 0 and now - _newest_mtime(path) < grace):
+                return True
+            if not check_running:
+                return False
+            if step not in running:
+                running[step] = self._save_running(step)
+            return running[step]
+
+        out: list[Leftover] = []
+        for entry in entries:
+            hidden = _HIDDEN.match(entry.name)
+            if hidden:
+                step, kind = int(hidden.group(1)), hidden.group(2)
+                if max_step is not None and step > max_step:
+                    continue
+                if kind in ("lock", "readlock"):
+                    if not check_running or step in protected or (kind == "lock" and self._save_running(step)):
+                        continue
+                    if kind == "readlock" and not self._readlock_free(step):
+                        continue
+                    out.append(Leftover(step, kind, entry.path, 0))
+                elif not busy(step, entry.path):
+                    out.append(Leftover(step, kind, entry.path, _tree_bytes(entry.path)))
+                continue
+            parsed = parse_step_name(entry.name)
+            if parsed is None or not entry.is_dir(follow_symlinks=False) or (max_step is not None and parsed > max_step):
+                continue
+            step = parsed
+            try:
+                names = os.listdir(entry.path)
+            except FileNotFoundError:
+                continue
+            if _METADATA in names:
+                stray = [n for n in names if _MAILBOX.match(n)]
+                if stray and not busy(step, entry.path):
+                    paths = tuple(os.path.join(entry.path, n) for n in stray)
+                    out.append(Leftover(step, "mailbox", entry.path, sum(_tree_bytes(p) for p in paths), paths))
+                continue
+            if older_than is None or step >= older_than or busy(step, entry.path):
+                continue
+            foreign = [n for n in names if (n != INFO_FILE and not is_checkpoint_artifact(n)) or _RANK_METADATA.match(n)]
+            if foreign:
+                logger.warning("%s has no %s but holds files that are not a checkpoint's (%s); left alone",
+                               entry.path, _METADATA, ", ".join(sorted(foreign)[:5]))
+                continue
+            out.append(Leftover(step, "incomplete", entry.path, _tree_bytes(entry.path)))
+        return sorted(out, key=lambda x: (x.step, x.kind, x.location))
+
+    def _readlock_free(self, step: int) -> bool:
+        return self._lock_free(self._readlock_path(step))
+
+    def remove_leftover(self, item: Leftover) -> bool:
+        """Remove ``item`` (re-checking the save lock); False when it is in use or gone."""
+        if item.kind == "readlock":
+            with self._exclusive_readlock(item.step) as free:
+                return free
+        lock = SaveLock(self.root / step_name(item.step))
+        try:
+            lock.acquire()  # also keeps a new save of this step out while we remove
+        except ConcurrentSaveError:
+            return False
+        try:
+            if item.kind == "lock":
+                return True  # release() below unlinks the lock file
+            if item.kind == "mailbox":
+                for p in item.paths:
+                    try:
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        pass
+                return True
+            if item.kind == "incomplete":
+                if os.path.exists(os.path.join(item.location, _METADATA)):
+                    return False  # a save completed it meanwhile
+                trash = self.root / f".{step_name(item.step)}.hp-dcp-old-incomplete-{os.getpid()}-{time.time_ns()}"
+                try:
+                    os.rename(item.location, trash)
+                except FileNotFoundError:
+                    return False
+                shutil.rmtree(trash, ignore_errors=True)
+                return True
+            shutil.rmtree(item.location, ignore_errors=True)
+            return not os.path.exists(item.location)
+        finally:
+            lock.release()
+
+
+def step_storage_for(root: Union[str, os.PathLike]) -> StepStorage:
+    """The step storage of a manager root: a filesystem path, or a URL of a backend that has one.
+
+    Raises ``ValueError`` for a URL scheme no step storage exists for.
+    """
+    text = os.fspath(root)
+    if "://" in str(text):
+        scheme = str(text).split("://", 1)[0]
+        raise ValueError(f"CheckpointManager has no step storage for {scheme}:// roots yet ({text}); "
+                         "use a filesystem path")
+    return FileSystemSteps(text)
