@@ -78,15 +78,20 @@ def test_tools_see_every_rank_copy(tmp_path: Path) -> None:
     dcp.save({"meta": {"rank_specific": "changed", "step": 11}, "w": torch.arange(8.0)},
              checkpoint_id=str(tmp_path / "r1"), no_dist=True)
     shutil.copy(tmp_path / "r1" / "_rank0_.bytes", other / "_rank1_.bytes")
-    import json
+    from dataclasses import replace
 
-    md1 = json.loads((other / "1.metadata").read_text())
-    new = json.loads((tmp_path / "r1" / ".metadata").read_text())
-    new_objs = {e["fqn"]: e for e in new["storage_data"] if e["fqn"].startswith("meta.")}
-    md1["storage_data"] = [dict(new_objs[e["fqn"]], file="_rank1_.bytes") if e["fqn"] in new_objs else e
-                           for e in md1["storage_data"]]
-    md1["files"]["_rank1_.bytes"] = new["files"]["_rank0_.bytes"]
-    (other / "1.metadata").write_text(json.dumps(md1))
+    from hyper_parallel_dcp.core.metadata import metadata_from_json, metadata_to_json
+
+    # rank 1's metadata now points its objects at the changed copy (in format 2, as saved)
+    md1 = metadata_from_json((other / "1.metadata").read_bytes())
+    new = metadata_from_json((tmp_path / "r1" / ".metadata").read_bytes())
+    storage = dict(md1.storage_data)
+    for index, info in new.storage_data.items():
+        if index.fqn.startswith("meta."):
+            storage[index] = replace(info, relative_path="_rank1_.bytes")
+    md1.storage_data = storage
+    md1.files = {**md1.files, "_rank1_.bytes": new.files["_rank0_.bytes"]}
+    (other / "1.metadata").write_text(metadata_to_json(md1))
     result = diff_checkpoints(ckpt, other, show_progress=False)
     by_fqn = {k.fqn: k for k in result.keys}
     assert by_fqn["meta.step"].equal
