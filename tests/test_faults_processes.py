@@ -76,7 +76,7 @@ def _save_then_fail(rank: int, world_size: int, path: str, fault: str) -> str:
 
     from hyper_parallel_dcp import save
     from hyper_parallel_dcp.core import collectives
-    from hyper_parallel_dcp.storage_fs import atomic, filesystem
+    from hyper_parallel_dcp.storage_fs import atomic, filesystem, rank_files
 
     save(_state(OLD, rank), checkpoint_id=path)
 
@@ -84,14 +84,14 @@ def _save_then_fail(rank: int, world_size: int, path: str, fault: str) -> str:
         os.kill(os.getpid(), _signal.SIGKILL)
 
     if fault == "kill_write" and rank == 1:
-        real = filesystem.write_safetensors
+        real = rank_files.write_safetensors
 
         def half_then_die(f, entries):
             real(f, entries[:1])  # part of the file is on disk, then the rank is killed
             f.flush()
             die()
 
-        filesystem.write_safetensors = half_then_die
+        rank_files.write_safetensors = half_then_die
     elif fault == "kill_exchange" and rank == 1:
         real_gather = collectives.DistWrapper.gather_object
 
@@ -215,13 +215,13 @@ def test_concurrent_save_refused_on_every_rank(tmp_path: Path) -> None:
 _SLOW_SAVER = """
 import sys, torch
 from hyper_parallel_dcp import save
-from hyper_parallel_dcp.storage_fs import filesystem
-real = filesystem.write_safetensors
+from hyper_parallel_dcp.storage_fs import rank_files
+real = rank_files.write_safetensors
 def slow(f, entries):
     open(sys.argv[2], "w").close()  # tell the test we are inside the save (holding the lock)
     sys.stdin.readline()  # and stay there until the test says go (a line, or stdin closed)
     return real(f, entries)
-filesystem.write_safetensors = slow
+rank_files.write_safetensors = slow
 value = float(sys.argv[3])
 try:
     save({"w": torch.full((64, 8), value), "own0": torch.full((32,), value), "own1": torch.full((32,), value + 1),

@@ -91,14 +91,25 @@ def parse_url(url: str) -> tuple[str, str, str]:
     return scheme.lower(), bucket, prefix.strip("/")
 
 
-_clients: dict[tuple[int, ObjectStoreSettings, Optional[str], Optional[str]], Any] = {}
+#: The standard variables the client is configured from (SPEC §11).
+_AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+            "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE")
+
+
+def _aws_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in _AWS_ENV if k in os.environ}
+
+
+_clients: dict[tuple[int, ObjectStoreSettings, tuple[tuple[str, str], ...]], Any] = {}
 _clients_lock = threading.Lock()
 
 
-def _shared_client(s: ObjectStoreSettings) -> Any:
-    """One botocore client per process and settings: building one costs ~0.3 s (service
-    model loading), more than a small save; botocore clients are thread-safe."""
-    key = (os.getpid(), s, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_ACCESS_KEY_ID"))
+def _shared_client(s: ObjectStoreSettings, env: dict[str, str]) -> Any:
+    """One botocore client per process, settings and AWS environment ``env``: building one
+    costs ~0.3 s (service model loading), more than a small save; botocore clients are
+    thread-safe.  ``env`` is applied explicitly, so a store pickled into another process
+    (the async writer, started before the caller set its variables) uses the caller's."""
+    key = (os.getpid(), s, tuple(sorted(env.items())))
     client = _clients.get(key)
     if client is None:
         with _clients_lock:
@@ -116,8 +127,17 @@ def _shared_client(s: ObjectStoreSettings) -> Any:
                     request_checksum_calculation="when_required",
                     response_checksum_validation="when_required",
                 )
-                client = botocore.session.get_session().create_client("s3", endpoint_url=s.endpoint_url,
-                                                                      config=config)
+                session = botocore.session.Session()
+                if "AWS_ACCESS_KEY_ID" in env and "AWS_SECRET_ACCESS_KEY" in env:
+                    session.set_credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
+                                            env.get("AWS_SESSION_TOKEN"))
+                if "AWS_PROFILE" in env:
+                    session.set_config_variable("profile", env["AWS_PROFILE"])
+                region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+                if region:
+                    session.set_config_variable("region", region)
+                endpoint = s.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+                client = session.create_client("s3", endpoint_url=endpoint, config=config)
                 _clients[key] = client
     return client
 
@@ -167,13 +187,18 @@ class ObjectStore:
         self.settings = settings or ObjectStoreSettings()
         self._client: Any = None
         self._pid = -1
+        self._env: Optional[dict[str, str]] = None  # None: this process's environment
         self.retries = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"bucket": self.bucket, "scheme": self.scheme, "settings": self.settings}
+        # the AWS environment travels with the store: the receiving process (the async
+        # writer) may have been started before the caller set it
+        env = self._env if self._env is not None else _aws_env()
+        return {"bucket": self.bucket, "scheme": self.scheme, "settings": self.settings, "env": env}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["bucket"], state["settings"], state["scheme"])  # type: ignore[misc]
+        self._env = state.get("env")
 
     def url(self, key: str) -> str:
         return f"{self.scheme}://{self.bucket}/{key}"
@@ -181,7 +206,7 @@ class ObjectStore:
     @property
     def client(self) -> Any:
         if self._client is None or self._pid != os.getpid():
-            self._client = _shared_client(self.settings)
+            self._client = _shared_client(self.settings, self._env if self._env is not None else _aws_env())
             self._pid = os.getpid()
         return self._client
 
@@ -224,7 +249,9 @@ class ObjectStore:
             }.get(code, "")
             detail = _describe(exc) + (f" — {hint}" if hint else "")
         else:
-            endpoint = self.settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "the default AWS endpoint")
+            env = self._env if self._env is not None else _aws_env()
+            endpoint = (self.settings.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+                        or "the default AWS endpoint")
             detail = f"{_describe(exc)} (endpoint {endpoint})"
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         return ObjectStoreError(f"{where} failed{tries}: {detail}")
