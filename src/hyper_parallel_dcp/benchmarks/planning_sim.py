@@ -290,7 +290,9 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
                                                       ) * world // len(layouts[:: max(1, world // 64)])
     # the all-gather design: every rank received every rank's plan (estimated from the sample)
     row["allgather_load_rank_received_bytes"] = world * sum(own) // len(own)
-    layouts = replies = local_plans = None
+    layouts.clear()  # free before the torch side
+    local_plans.clear()
+    replies = None
 
     if with_torch:
         row.update(_torch_world(specs, mesh, lmesh, world, sample))

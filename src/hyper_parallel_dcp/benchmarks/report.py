@@ -77,7 +77,7 @@ def evaluate_goals(io: dict[str, Any], planning: Optional[dict[str, Any]]) -> li
         worlds_run = {r["world"] for r in rows}
         at = 8192 if 8192 in worlds_run else max(worlds_run)
         for layout in sorted({r["layout"] for r in rows}):
-            row = next((r for r in rows if r["layout"] == layout and r["world"] == at), {})
+            row: dict[str, Any] = next((r for r in rows if r["layout"] == layout and r["world"] == at), {})
             goal(f"global save planning ({layout}) at {at} simulated ranks < 2 s",
                  row.get("ours_global_save_s"), 2.0, "{:.2f} s")
             goal(f"global load planning with reader assignment ({layout}) at {at} simulated ranks < 2 s",

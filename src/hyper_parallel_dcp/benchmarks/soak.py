@@ -148,7 +148,7 @@ def _run_job(spec: dict, world: int, env: dict, deadline_s: float) -> tuple[dict
             if p.is_alive():
                 p.kill()
                 p.join()
-            if hung:
+            if hung and p.pid is not None:
                 try:
                     os.killpg(p.pid, signal.SIGKILL)  # its writer too, or it would finish the save later
                 except ProcessLookupError:
@@ -254,7 +254,7 @@ def soak(rounds: int, world: int, fault_rate: float, seed: int, timeout_s: float
         if op in ("save", "async_save") and not fired and not errors:
             complete[target] = value
         if op == "async_save" and all(s == "ok" and "next_error" not in v for s, v in outcome.values()):
-            complete[spec["dir2"]] = value + 0.5
+            complete[str(spec["dir2"])] = value + 0.5
         for path, val in sorted(complete.items()):
             if not _check_complete(Path(path), val, world):
                 report["lost_complete_checkpoints"] += 1

@@ -252,10 +252,12 @@ def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
             elif isinstance(existing, BytesStorageMetadata):
                 raise ValueError(f"{fqn!r} is an object on some ranks and a tensor on rank {rank}")
             elif first[fqn] != (item.global_shape, item.dtype):
+                assert item.global_shape is not None  # a tensor item
                 raise ValueError(
                     f"{fqn!r} has global shape {list(existing.size)} / {dtype_name(existing.properties.dtype)} "
                     f"on one rank but {list(item.global_shape)} / {item.dtype} on rank {rank}"
                 )
+            assert item.index.offset is not None and item.sizes is not None  # a tensor item
             existing.chunks.append(ChunkStorageMetadata(item.index.offset, item.sizes))
     for fqn, md in sd.items():
         if isinstance(md, TensorStorageMetadata):
