@@ -157,10 +157,6 @@ class ObjectStoreReader(StorageReader):
         self.bytes_read = 0
         self.requests = 0
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return str(checkpoint_id).lower().startswith("s3://")
-
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 

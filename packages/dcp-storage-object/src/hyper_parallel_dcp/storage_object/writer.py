@@ -171,10 +171,6 @@ class ObjectStoreWriter(StorageWriter):
             self.store = ObjectStore(bucket, self.settings, scheme)
         self.prefix = prefix
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return str(checkpoint_id).lower().startswith("s3://")
-
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
