@@ -98,8 +98,11 @@ class _MinimalReader(StorageReader):
             self.path = Path(checkpoint_id)
 
     def load_metadata(self):
-        self.metadata = metadata_from_json((self.path / ".metadata").read_bytes())
-        return self.metadata
+        return metadata_from_json((self.path / ".metadata").read_bytes())
+
+    def set_up_storage_reader(self, metadata, *, is_coordinator, rank=0):
+        # with collectives only the coordinator reads .metadata; every rank gets it here
+        self.metadata = metadata
 
     def execute_read(self, plan, planner):
         from safetensors import safe_open

@@ -120,7 +120,9 @@ class StorageReader(abc.ABC):
         return payload
 
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
-        """Called on every rank once the metadata is known."""
+        """Called on every rank once the metadata is known.  With collectives only the
+        coordinator reads the metadata from storage: a reader keeps what its reads need
+        from here, not from :meth:`load_metadata`."""
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
