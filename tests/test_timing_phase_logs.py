@@ -55,9 +55,13 @@ def test_every_phase_logs_one_line_per_rank_in_the_guide_format(tmp_path):
         # global planning and the commit happen on the coordinator only
         assert save.count("build_global_plan") == save.count("finalize_checkpoint") == (1 if rank == 0 else 0)
         assert save[-1] == "save"  # the outer phase closes last
-        for phase in ("load", "read_metadata", "build_local_plan", "build_global_plan", "execute_read"):
+        for phase in ("load", "read_metadata", "parse_metadata", "build_local_plan", "execute_read"):
             assert load.count(phase) == 1, (rank, phase, load)
-        assert "all_gather_object" in load and load[-1] == "load"
+        # reader assignment runs on the coordinator alone: the others send their targets
+        # (gather) and receive their own part (scatter); the metadata is read once and broadcast
+        assert load.count("build_global_plan") == (1 if rank == 0 else 0), (rank, load)
+        assert "gather_object" in load and "scatter_object" in load and "broadcast_object" in load
+        assert load[-1] == "load"
 
 
 def test_no_log_lines_without_hp_log_config(tmp_path, monkeypatch, capfd):
