@@ -43,6 +43,7 @@ __all__ = [
     "dtype_name",
     "metadata_from_json",
     "metadata_to_json",
+    "tensor_metadata_from_columns",
 ]
 
 #: Version of the ``.metadata`` JSON schema this code writes and the newest it reads.
@@ -315,9 +316,7 @@ def metadata_to_json(metadata: Metadata) -> str:
             objects[fqn] = {} if found is None else _v2_entry(found, file_of, with_key=True)
             continue
         ndim = len(md.size)
-        chunks = md.chunks
-        offsets = [c.offsets for c in chunks]
-        sizes = [c.sizes for c in chunks]
+        offsets, sizes = _chunk_tuples(md)
         if any(len(o) != ndim for o in offsets) or any(len(z) != ndim for z in sizes):
             raise ValueError(f"{fqn!r}: a chunk's offsets or sizes do not have {ndim} entries (tensor size "
                              f"{list(md.size)})")
@@ -325,11 +324,11 @@ def metadata_to_json(metadata: Metadata) -> str:
             "dtype": dtype_name(md.properties.dtype),
             **({"stored_as": dtype_name(md.properties.stored_as)} if md.properties.stored_as else {}),
             "size": list(md.size),
-            "count": len(chunks),
+            "count": len(offsets),
             "offsets": list(chain.from_iterable(offsets)),
             # Chunks of one tensor are mostly the same size (TP/EP/FSDP shards): then the
             # size is written once for all of them.
-            "sizes": list(sizes[0]) if len(chunks) > 1 and sizes.count(sizes[0]) == len(sizes)
+            "sizes": list(sizes[0]) if len(sizes) > 1 and sizes.count(sizes[0]) == len(sizes)
             else list(chain.from_iterable(sizes)),
         }
         infos = [stored.pop(o, None) for o in offsets]
@@ -474,7 +473,11 @@ class _TensorColumns:
         return list(zip(*[iter(flat)] * self.ndim))
 
     def chunks(self) -> list[ChunkStorageMetadata]:
-        return list(map(ChunkStorageMetadata, self._tuples(self.offsets), self._tuples(self.sizes)))
+        return list(map(ChunkStorageMetadata, *self.tuples()))
+
+    def tuples(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Every chunk's offsets and sizes, as two lists of tuples."""
+        return self._tuples(self.offsets), self._tuples(self.sizes)
 
     def stored(self) -> int:
         return 0 if self.file is None else self.count - self.file.count(-1)
@@ -508,7 +511,11 @@ class _TensorColumns:
 
 
 class _ColumnarTensorStorageMetadata(TensorStorageMetadata):
-    """A parsed tensor whose ``chunks`` list is built on first access (then a plain list).
+    """A tensor whose ``chunks`` list is built on first access (then a plain list).
+
+    Made by parsing format 2 and by the save planner (:func:`tensor_metadata_from_columns`):
+    a coordinator that only writes the metadata out, and a rank that loads a few tensors,
+    never build the other per-chunk objects.
 
     Compares equal to a :class:`TensorStorageMetadata` with the same fields;
     ``dataclasses.replace`` on it gives a plain-list instance.
@@ -537,6 +544,28 @@ class _ColumnarTensorStorageMetadata(TensorStorageMetadata):
         return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(TensorStorageMetadata))
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like its base
+
+
+def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: torch.Size, count: int,
+                                 offsets: list[int], sizes: list[int]) -> TensorStorageMetadata:
+    """A :class:`TensorStorageMetadata` with ``count`` chunks given as flat columns:
+    ``offsets`` and ``sizes`` hold ``len(size)`` integers per chunk, chunk after chunk.
+
+    The chunk objects are built only when ``chunks`` is first read (:func:`metadata_to_json`
+    reads the columns).  Keeps (does not copy) both lists; equal to the plain instance with
+    the same chunks.
+    """
+    columns = _TensorColumns(fqn, len(size), count, offsets, sizes, None, None, None, None, {},
+                             (properties.stored_as or properties.dtype).itemsize)
+    return _ColumnarTensorStorageMetadata._from_columns(properties, size, columns)
+
+
+def _chunk_tuples(md: TensorStorageMetadata) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The offsets and sizes of ``md``'s chunks, from its columns while ``chunks`` is unbuilt."""
+    if isinstance(md, _ColumnarTensorStorageMetadata) and "chunks" not in md.__dict__:
+        return md._columns.tuples()
+    chunks = md.chunks
+    return [c.offsets for c in chunks], [c.sizes for c in chunks]
 
 
 class _StorageView(Mapping[MetadataIndex, StorageInfo]):
