@@ -449,7 +449,7 @@ def _v2_entry(info: StorageInfo, file_of: Any, *, with_key: bool) -> dict[str, A
 
 
 class _TensorColumns:
-    """One tensor's chunk columns as parsed; per-chunk objects are built on demand."""
+    """One tensor's chunk columns, as parsed or as planned; per-chunk objects are built on demand."""
 
     def __init__(self, fqn: str, ndim: int, count: int, offsets: list[int], sizes: list[int],
                  file: Optional[list[int]], offset: Optional[list[int]], length: Optional[list[int]],
@@ -546,16 +546,16 @@ class _ColumnarTensorStorageMetadata(TensorStorageMetadata):
     __hash__ = None  # type: ignore[assignment]  # mutable, like its base
 
 
-def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: torch.Size, count: int,
+def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: torch.Size, count: int, ndim: int,
                                  offsets: list[int], sizes: list[int]) -> TensorStorageMetadata:
     """A :class:`TensorStorageMetadata` with ``count`` chunks given as flat columns:
-    ``offsets`` and ``sizes`` hold ``len(size)`` integers per chunk, chunk after chunk.
+    ``offsets`` and ``sizes`` hold ``ndim`` integers per chunk, chunk after chunk.
 
     The chunk objects are built only when ``chunks`` is first read (:func:`metadata_to_json`
     reads the columns).  Keeps (does not copy) both lists; equal to the plain instance with
     the same chunks.
     """
-    columns = _TensorColumns(fqn, len(size), count, offsets, sizes, None, None, None, None, {},
+    columns = _TensorColumns(fqn, ndim, count, offsets, sizes, None, None, None, None, {},
                              (properties.stored_as or properties.dtype).itemsize)
     return _ColumnarTensorStorageMetadata._from_columns(properties, size, columns)
 
