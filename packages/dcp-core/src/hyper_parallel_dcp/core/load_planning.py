@@ -8,36 +8,70 @@ views the reads fill.
 from __future__ import annotations
 
 import bisect
-from operator import attrgetter
-from typing import Any, Iterable, Optional, Sequence
+from itertools import islice
+from operator import le
+from typing import Any, Iterable, Optional
 
 import torch
 
 from .chunks import ChunkBox
 from .errors import MismatchError, MissingKeyError, MissingRegionError
 from .layout import TensorShards, is_tensor_leaf, to_tensor_shards
-from .metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from .metadata import Metadata, MetadataIndex, TensorStorageMetadata, chunk_columns
 from .planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 __all__ = ["StandardLoadPlanner", "create_local_load_plan"]
 
 
 class _ChunkIndex:
-    """Stored chunks of one tensor, sorted by dim-0 offset for quick overlap queries."""
+    """Stored chunks of one tensor, looked up by dim-0 interval (bisect).
 
-    def __init__(self, chunks: Sequence[ChunkStorageMetadata]):
-        self.chunks = sorted(chunks, key=attrgetter("offsets"))
-        self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
-        self.max_len = max((c.sizes[0] if c.sizes else 1 for c in self.chunks), default=0)
+    Built from the metadata's chunk columns without building a chunk object: the save
+    planner stores chunks sorted by offsets, so the dim-0 starts are a slice of the
+    offsets column, checked sorted in C; only unsorted metadata (format 1 written by
+    hand, a merged ``{rank}.metadata`` view) is sorted here.  A rank then builds objects
+    only for the chunks its own pieces may overlap: its plan costs O(its items), not
+    O(stored chunks of every tensor it touches) as when every chunk list was sorted.
+    """
 
-    def overlapping(self, box: ChunkBox) -> Iterable[tuple[int, ChunkStorageMetadata]]:
-        if box.ndim == 0:
-            yield from enumerate(self.chunks)
+    def __init__(self, md: TensorStorageMetadata):
+        self.ndim, self.offsets, self.sizes = chunk_columns(md)
+        count = len(self.offsets) // self.ndim if self.ndim else len(md.chunks)
+        self.count = count
+        self.order: Optional[list[int]] = None
+        if not self.ndim:
+            return
+        starts = self.offsets[::self.ndim]
+        if not all(map(le, starts, islice(starts, 1, None))) or not _tuples_sorted(self.offsets, self.ndim):
+            # chunks visited in (offsets) order, as the planner always did
+            keys = list(zip(*[iter(self.offsets)] * self.ndim))
+            self.order = sorted(range(count), key=keys.__getitem__)
+            starts = [starts[i] for i in self.order]
+        self.starts = starts
+        self.max_len = max(self.sizes[::self.ndim], default=0)
+
+    def overlapping(self, box: ChunkBox) -> Iterable[tuple[int, ChunkBox]]:
+        """``(position in md.chunks, stored box)`` of every chunk that may overlap ``box``."""
+        ndim = self.ndim
+        if ndim == 0 or box.ndim == 0:
+            for pos in range(self.count):
+                yield pos, ChunkBox((), ())
             return
         lo = bisect.bisect_left(self.starts, box.offsets[0] - self.max_len + 1)
         hi = bisect.bisect_left(self.starts, box.offsets[0] + box.sizes[0])
+        offsets, sizes, order = self.offsets, self.sizes, self.order
         for i in range(lo, hi):
-            yield i, self.chunks[i]
+            pos = i if order is None else order[i]
+            at = pos * ndim
+            yield pos, ChunkBox(tuple(offsets[at:at + ndim]), tuple(sizes[at:at + ndim]))
+
+
+def _tuples_sorted(flat: list[int], ndim: int) -> bool:
+    """Whether the ``ndim``-tuples laid end to end in ``flat`` ascend (compared in C)."""
+    if ndim == 1:
+        return True  # the caller checked the starts
+    tuples = list(zip(*[iter(flat)] * ndim))
+    return all(map(le, tuples, islice(tuples, 1, None)))
 
 
 def create_local_load_plan(
@@ -83,14 +117,14 @@ def create_local_load_plan(
             )
         cindex = indexes.get(fqn)
         if cindex is None:
-            cindex = indexes[fqn] = _ChunkIndex(md.chunks)
+            cindex = indexes[fqn] = _ChunkIndex(md)
         for box, _view in target.pieces:
             if box.is_empty():
                 continue
             covered = 0
             dest = MetadataIndex(fqn, box.offsets)
             for pos, chunk in cindex.overlapping(box):
-                inter = box.intersect(ChunkBox(chunk.offsets, chunk.sizes))
+                inter = box.intersect(chunk)
                 if inter is None:
                     continue
                 covered += inter.volume

@@ -38,6 +38,7 @@ __all__ = [
     "StorageInfo",
     "TensorProperties",
     "TensorStorageMetadata",
+    "chunk_columns",
     "chunk_key",
     "dtype_from_name",
     "dtype_name",
@@ -558,6 +559,22 @@ def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: t
     columns = _TensorColumns(fqn, ndim, count, offsets, sizes, None, None, None, None, {},
                              (properties.stored_as or properties.dtype).itemsize)
     return _ColumnarTensorStorageMetadata._from_columns(properties, size, columns)
+
+
+def chunk_columns(md: TensorStorageMetadata) -> tuple[int, list[int], list[int]]:
+    """``(ndim, offsets, sizes)``: every chunk's offsets and sizes as flat lists, ``ndim``
+    integers per chunk, in ``md.chunks`` order (chunk ``pos`` at ``[pos * ndim:(pos + 1) * ndim]``).
+
+    For metadata parsed from format 2 or built by the save planner these are its own
+    columns (do not modify them), and no chunk object is built.
+    """
+    if isinstance(md, _ColumnarTensorStorageMetadata) and "chunks" not in md.__dict__:
+        columns = md._columns
+        return columns.ndim, columns.offsets, columns.sizes
+    chunks = md.chunks
+    ndim = len(chunks[0].offsets) if chunks else len(md.size)
+    return (ndim, list(chain.from_iterable(c.offsets for c in chunks)),
+            list(chain.from_iterable(c.sizes for c in chunks)))
 
 
 def _chunk_tuples(md: TensorStorageMetadata) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
