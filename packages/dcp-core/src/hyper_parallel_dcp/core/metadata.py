@@ -546,6 +546,12 @@ class _ColumnarTensorStorageMetadata(TensorStorageMetadata):
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like its base
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as the plain dataclass: what crosses a process boundary (the save's
+        # broadcast of the metadata, the async mailbox's allow-listed unpickler) is the
+        # same record as before chunks became columns.
+        return TensorStorageMetadata, (self.properties, self.size, self.chunks)
+
 
 def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: torch.Size, count: int, ndim: int,
                                  offsets: list[int], sizes: list[int]) -> TensorStorageMetadata:
