@@ -300,7 +300,11 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 def _build_metadata(plans: Sequence[SavePlan], items: list[WriteItem]) -> Metadata:
-    fqns, types, shapes, dtypes, offsets, sizes = zip(*map(_item_row, items))
+    """:func:`build_metadata` of ``items``, the plans' items concatenated (not empty)."""
+    fqns, types, shapes, dtypes, item_offsets, item_sizes = zip(*map(_item_row, items))
+    offsets: Sequence[tuple[int, ...]] = item_offsets
+    sizes: Sequence[tuple[int, ...]] = item_sizes
+    group_of: list[int]
     first_at: dict[str, int] = {}
     group_of = list(map(first_at.setdefault, fqns, range(len(fqns))))  # position of the FQN's first item
     if len(set(zip(fqns, map(id, types), shapes, dtypes))) != len(first_at):
@@ -308,7 +312,9 @@ def _build_metadata(plans: Sequence[SavePlan], items: list[WriteItem]) -> Metada
     tensor_type = WriteItemType.TENSOR
     if types.count(tensor_type) != len(types):
         is_tensor = list(map(is_, types, repeat(tensor_type)))
-        group_of, offsets, sizes = (list(compress(column, is_tensor)) for column in (group_of, offsets, sizes))
+        group_of = list(compress(group_of, is_tensor))
+        offsets = list(compress(offsets, is_tensor))
+        sizes = list(compress(sizes, is_tensor))
     ndims = list(map(len, offsets))
     if ndims != list(map(len, sizes)):
         at = next(i for i, (o, z) in enumerate(zip(offsets, sizes)) if len(o) != len(z))
@@ -331,6 +337,7 @@ def _build_metadata(plans: Sequence[SavePlan], items: list[WriteItem]) -> Metada
         members = order[begin:begin + count]
         begin += count
         first_offsets = items[at].index.offset
+        assert first_offsets is not None  # a tensor item
         ndim = len(first_offsets)
         if bool((ndim_column[members] != ndim).any()):
             raise ValueError(f"{fqn!r}: chunks with {ndim} and with other numbers of offsets (the first at "
