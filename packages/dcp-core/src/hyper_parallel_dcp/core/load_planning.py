@@ -8,8 +8,6 @@ views the reads fill.
 from __future__ import annotations
 
 import bisect
-from itertools import islice
-from operator import le
 from typing import Any, Iterable, Optional
 
 import torch
@@ -24,31 +22,37 @@ __all__ = ["StandardLoadPlanner", "create_local_load_plan"]
 
 
 class _ChunkIndex:
-    """Stored chunks of one tensor, looked up by dim-0 interval (bisect).
+    """Stored chunks of one tensor, found by bisecting their starts on dims 0 and 1.
 
     Built from the metadata's chunk columns without building a chunk object: the save
-    planner stores chunks sorted by offsets, so the dim-0 starts are a slice of the
-    offsets column, checked sorted in C; only unsorted metadata (format 1 written by
-    hand, a merged ``{rank}.metadata`` view) is sorted here.  A rank then builds objects
-    only for the chunks its own pieces may overlap: its plan costs O(its items), not
-    O(stored chunks of every tensor it touches) as when every chunk list was sorted.
+    planner stores chunks sorted by offsets (the metadata knows it, or checks a parsed
+    tensor once), so the starts are slices of the offsets column; only unsorted metadata
+    (format 1 written by hand, a merged ``{rank}.metadata`` view) is sorted here.  A piece
+    then visits the chunks whose dim-0 and dim-1 intervals can meet it — for the MoE
+    expert tensors, sharded on dim 0 and dim 1, a handful instead of every dim-1 shard of
+    its experts — and builds boxes only for those: a rank's plan costs about its own items,
+    not the stored chunks of every tensor it touches.
     """
 
     def __init__(self, md: TensorStorageMetadata):
-        self.ndim, self.offsets, self.sizes = chunk_columns(md)
-        count = len(self.offsets) // self.ndim if self.ndim else len(md.chunks)
-        self.count = count
+        self.ndim, self.offsets, self.sizes, ascending = chunk_columns(md)
+        ndim = self.ndim
+        self.count = len(self.offsets) // ndim if ndim else len(md.chunks)
         self.order: Optional[list[int]] = None
-        if not self.ndim:
+        if not ndim:
             return
-        starts = self.offsets[::self.ndim]
-        if not all(map(le, starts, islice(starts, 1, None))) or not _tuples_sorted(self.offsets, self.ndim):
-            # chunks visited in (offsets) order, as the planner always did
-            keys = list(zip(*[iter(self.offsets)] * self.ndim))
-            self.order = sorted(range(count), key=keys.__getitem__)
-            starts = [starts[i] for i in self.order]
-        self.starts = starts
-        self.max_len = max(self.sizes[::self.ndim], default=0)
+        if not ascending:  # chunks visited in (offsets) order, as the planner always did
+            keys = list(zip(*[iter(self.offsets)] * ndim))
+            self.order = sorted(range(self.count), key=keys.__getitem__)
+        self.starts = self._column(self.offsets, 0)
+        self.max_len = max(self.sizes[::ndim], default=0)
+        if ndim > 1:
+            self.starts1 = self._column(self.offsets, 1)
+            self.max_len1 = max(self.sizes[1::ndim], default=0)
+
+    def _column(self, flat: list[int], dim: int) -> list[int]:
+        values = flat[dim::self.ndim]
+        return values if self.order is None else [values[i] for i in self.order]
 
     def overlapping(self, box: ChunkBox) -> Iterable[tuple[int, ChunkBox]]:
         """``(position in md.chunks, stored box)`` of every chunk that may overlap ``box``."""
@@ -57,21 +61,22 @@ class _ChunkIndex:
             for pos in range(self.count):
                 yield pos, ChunkBox((), ())
             return
-        lo = bisect.bisect_left(self.starts, box.offsets[0] - self.max_len + 1)
-        hi = bisect.bisect_left(self.starts, box.offsets[0] + box.sizes[0])
+        starts = self.starts
+        lo = bisect.bisect_left(starts, box.offsets[0] - self.max_len + 1)
+        hi = bisect.bisect_left(starts, box.offsets[0] + box.sizes[0])
         offsets, sizes, order = self.offsets, self.sizes, self.order
-        for i in range(lo, hi):
-            pos = i if order is None else order[i]
-            at = pos * ndim
-            yield pos, ChunkBox(tuple(offsets[at:at + ndim]), tuple(sizes[at:at + ndim]))
-
-
-def _tuples_sorted(flat: list[int], ndim: int) -> bool:
-    """Whether the ``ndim``-tuples laid end to end in ``flat`` ascend (compared in C)."""
-    if ndim == 1:
-        return True  # the caller checked the starts
-    tuples = list(zip(*[iter(flat)] * ndim))
-    return all(map(le, tuples, islice(tuples, 1, None)))
+        while lo < hi:
+            # chunks with one dim-0 start ascend on dim 1: bisect there too
+            end = bisect.bisect_right(starts, starts[lo], lo, hi)
+            first, last = lo, end
+            if ndim > 1:
+                first = bisect.bisect_left(self.starts1, box.offsets[1] - self.max_len1 + 1, lo, end)
+                last = bisect.bisect_left(self.starts1, box.offsets[1] + box.sizes[1], first, end)
+            for i in range(first, last):
+                pos = i if order is None else order[i]
+                at = pos * ndim
+                yield pos, ChunkBox(tuple(offsets[at:at + ndim]), tuple(sizes[at:at + ndim]))
+            lo = end
 
 
 def create_local_load_plan(

@@ -21,8 +21,8 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from itertools import chain
-from operator import add
+from itertools import chain, islice
+from operator import add, le
 from typing import Any, Optional, Union
 
 import torch
@@ -467,6 +467,8 @@ class _TensorColumns:
         self.keys = keys
         self.itemsize = itemsize
         self._positions: Optional[dict[tuple[int, ...], int]] = None
+        #: whether chunks ascend by offsets: known for planned columns, checked once if parsed
+        self.ascending: Optional[bool] = None
 
     def _tuples(self, flat: list[int]) -> list[tuple[int, ...]]:
         if self.ndim == 0:
@@ -554,9 +556,11 @@ class _ColumnarTensorStorageMetadata(TensorStorageMetadata):
 
 
 def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: torch.Size, count: int, ndim: int,
-                                 offsets: list[int], sizes: list[int]) -> TensorStorageMetadata:
+                                 offsets: list[int], sizes: list[int], *,
+                                 ascending: Optional[bool] = None) -> TensorStorageMetadata:
     """A :class:`TensorStorageMetadata` with ``count`` chunks given as flat columns:
-    ``offsets`` and ``sizes`` hold ``ndim`` integers per chunk, chunk after chunk.
+    ``offsets`` and ``sizes`` hold ``ndim`` integers per chunk, chunk after chunk;
+    ``ascending=True`` when the caller sorted the chunks by offsets (``None``: unknown).
 
     The chunk objects are built only when ``chunks`` is first read (:func:`metadata_to_json`
     reads the columns).  Keeps (does not copy) both lists; equal to the plain instance with
@@ -564,23 +568,34 @@ def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: t
     """
     columns = _TensorColumns(fqn, ndim, count, offsets, sizes, None, None, None, None, {},
                              (properties.stored_as or properties.dtype).itemsize)
+    columns.ascending = None if ascending is None else bool(ascending)
     return _ColumnarTensorStorageMetadata._from_columns(properties, size, columns)
 
 
-def chunk_columns(md: TensorStorageMetadata) -> tuple[int, list[int], list[int]]:
-    """``(ndim, offsets, sizes)``: every chunk's offsets and sizes as flat lists, ``ndim``
-    integers per chunk, in ``md.chunks`` order (chunk ``pos`` at ``[pos * ndim:(pos + 1) * ndim]``).
+def chunk_columns(md: TensorStorageMetadata) -> tuple[int, list[int], list[int], bool]:
+    """``(ndim, offsets, sizes, ascending)``: every chunk's offsets and sizes as flat lists,
+    ``ndim`` integers per chunk, in ``md.chunks`` order (chunk ``pos`` at
+    ``[pos * ndim:(pos + 1) * ndim]``), and whether the chunks ascend by offsets.
 
     For metadata parsed from format 2 or built by the save planner these are its own
-    columns (do not modify them), and no chunk object is built.
+    columns (do not modify them), no chunk object is built, and ``ascending`` is known
+    (the planner sorts) or checked once per parsed tensor.
     """
     if isinstance(md, _ColumnarTensorStorageMetadata) and "chunks" not in md.__dict__:
         columns = md._columns
-        return columns.ndim, columns.offsets, columns.sizes
+        if columns.ascending is None:
+            columns.ascending = _ascending(columns.offsets, columns.ndim)
+        return columns.ndim, columns.offsets, columns.sizes, columns.ascending
     chunks = md.chunks
     ndim = len(chunks[0].offsets) if chunks else len(md.size)
-    return (ndim, list(chain.from_iterable(c.offsets for c in chunks)),
-            list(chain.from_iterable(c.sizes for c in chunks)))
+    offsets = list(chain.from_iterable(c.offsets for c in chunks))
+    return ndim, offsets, list(chain.from_iterable(c.sizes for c in chunks)), _ascending(offsets, ndim)
+
+
+def _ascending(flat: list[int], ndim: int) -> bool:
+    """Whether the ``ndim``-tuples laid end to end in ``flat`` ascend (compared in C)."""
+    tuples = list(zip(*[iter(flat)] * ndim)) if ndim else []
+    return all(map(le, tuples, islice(tuples, 1, None)))
 
 
 def _chunk_tuples(md: TensorStorageMetadata) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:

@@ -352,7 +352,7 @@ def _build_metadata(plans: Sequence[SavePlan], items: list[WriteItem]) -> Metada
         columns[fqn] = chunk_offsets, chunk_sizes
         sd[fqn] = tensor_metadata_from_columns(fqn, TensorProperties(dtype_from_name(dtypes[at])),
                                                torch.Size(shapes[at]), count, ndim, chunk_offsets.flatten().tolist(),
-                                               chunk_sizes.flatten().tolist())
+                                               chunk_sizes.flatten().tolist(), ascending=True)
     for fqn, (chunk_offsets, chunk_sizes) in columns.items():
         _check_disjoint(fqn, chunk_offsets, chunk_sizes)
     return Metadata(state_dict_metadata=sd)
