@@ -52,13 +52,16 @@ class StorageBackend:
     ``writer(checkpoint_id)`` and ``reader(checkpoint_id, verify=...)`` build a fresh
     writer/reader for ``checkpoint_id`` (``verify=None``: the reader's default);
     ``files(location)`` the location's ``CheckpointFiles`` (list, size, read, delete: what
-    the integrity checks, the ``hp-dcp`` tools and retention use).
+    the integrity checks, the ``hp-dcp`` tools and retention use); ``steps(root)`` the
+    :class:`~hyper_parallel_dcp.core.steps.StepStorage` of a checkpoint-manager root
+    (``CheckpointManager``, ``hp-dcp ls``/``clean``), ``None`` when the scheme has none.
     """
 
     scheme: str
     writer: Callable[[CheckpointId], StorageWriter]
     reader: Callable[..., StorageReader]
     files: Optional[Callable[[CheckpointId], Any]] = None
+    steps: Optional[Callable[[CheckpointId], Any]] = None
 
 
 _registry: dict[str, StorageBackend] = {}
