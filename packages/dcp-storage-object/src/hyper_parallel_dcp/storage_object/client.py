@@ -21,10 +21,11 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointNotFoundError
+from hyper_parallel_dcp.core.settings import OBJECT_LOCK_STALE_AFTER
 from hyper_parallel_dcp.core.timing import configure_from_env
 
 __all__ = ["ObjectStore", "ObjectStoreError", "ObjectStoreSettings", "parse_url"]
@@ -47,8 +48,9 @@ class ObjectStoreSettings:
     bytes.  ``connect_timeout`` / ``read_timeout`` bound every request (seconds);
     ``max_attempts`` tries per request, backoff ``backoff_base * 2**n`` (jittered,
     capped at ``backoff_max``).  ``endpoint_url`` overrides ``AWS_ENDPOINT_URL``.
-    ``lock_refresh``: how often a save rewrites its lock object; ``lock_stale_after``: a
-    lock not rewritten for that long was left by a dead save and is taken over
+    ``lock_refresh``: how often a save rewrites its lock object (default a sixth of
+    ``lock_stale_after``); ``lock_stale_after`` (default ``HP_DCP_OBJECT_LOCK_STALE_AFTER``,
+    60 s): a lock not rewritten for that long was left by a dead save and is taken over
     (``locks.py``).
     """
 
@@ -63,10 +65,12 @@ class ObjectStoreSettings:
     backoff_base: float = 0.2
     backoff_max: float = 10.0
     endpoint_url: Optional[str] = None
-    lock_stale_after: float = 60.0
-    lock_refresh: float = 10.0
+    lock_stale_after: float = field(default_factory=OBJECT_LOCK_STALE_AFTER.get)
+    lock_refresh: float = 0.0  # 0: a sixth of lock_stale_after
 
     def __post_init__(self) -> None:
+        if not self.lock_refresh:
+            object.__setattr__(self, "lock_refresh", self.lock_stale_after / 6)
         if self.part_size < 5 * MiB:
             raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size}")
         if self.multipart_threshold < self.part_size:
