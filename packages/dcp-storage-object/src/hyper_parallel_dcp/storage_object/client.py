@@ -419,7 +419,7 @@ class ObjectStore:
             token = page["NextContinuationToken"]
 
     def delete(self, keys: list[str]) -> None:
-        """Delete ``keys`` (missing ones are fine), 1000 per request."""
+        """Delete ``keys`` (missing ones are fine), 1000 per request; no request for none."""
         for i in range(0, len(keys), 1000):
             batch = keys[i:i + 1000]
 

@@ -214,9 +214,11 @@ class ObjectStoreWriter(StorageWriter):
         """Delete the id's ``.metadata`` first, then its other checkpoint objects and
         unfinished uploads (an older checkpoint or an interrupted save's leftovers)."""
         store = self._store()
-        store.delete([self._key(METADATA_OBJECT)])
-        names = [n for n in checkpoint_object_names(self._names()) if n != METADATA_OBJECT]
-        store.delete([self._key(n) for n in names])
+        names = checkpoint_object_names(self._names())
+        if METADATA_OBJECT in names:  # first, alone: the id never has a .metadata describing other objects
+            store.delete([self._key(METADATA_OBJECT)])
+        # a fresh id (the manager's steps) costs the two listings only
+        store.delete([self._key(n) for n in names if n != METADATA_OBJECT])
         store.abort_uploads(self._key(""))
 
     def _write_object(self, name: str, data_writer: Callable[[Any], Any], pool: cf.ThreadPoolExecutor) -> int:
