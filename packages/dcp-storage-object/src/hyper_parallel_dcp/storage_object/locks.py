@@ -13,6 +13,9 @@ An object store has no lock that dies with its process.  What stands in for one:
   holder whose rewrite fails the condition lost its lock and fails before its commit.
   A save that finds a lock watches it for a while (:meth:`ObjectLease.acquire`): a live
   holder renews it (the second save is refused), a dead one's turns stale (taken over).
+  When the holder ran on this machine (same host, boot and pid namespace) and its process
+  is gone, its lock is taken over at once: a job restarted on the node of a killed one
+  does not wait for staleness.
 - **Reader marks**: a reader of a step (``CheckpointManager.restore``) creates its own
   ``.{leaf}.hp-dcp-readlock-<token>``, rewritten the same way; retention deletes no step
   with a fresh mark (see ``steps.py`` for the order that makes this safe).
@@ -36,7 +39,7 @@ from hyper_parallel_dcp.core.errors import ConcurrentSaveError
 
 from .client import ObjectStore, ObjectStoreError
 
-__all__ = ["ObjectLease", "is_stale", "lock_key", "readlock_prefix"]
+__all__ = ["ObjectLease", "holder_is_dead", "is_stale", "lock_key", "readlock_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,40 @@ def lock_key(prefix: str) -> str:
 def readlock_prefix(prefix: str) -> str:
     """The key prefix of the reader marks of the checkpoint at ``prefix``."""
     return _beside(prefix, "hp-dcp-readlock-")
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _process_start(pid: int) -> str:
+    """The start time (clock ticks since boot) of ``pid``, ``""`` when there is no such process."""
+    stat = _read_text(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[-1].split()[19] if stat else ""
+
+
+def _machine() -> dict[str, str]:
+    """Who can tell whether a holder is alive: the same host, boot and pid namespace."""
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return {"host": socket.gethostname(), "boot": _read_text("/proc/sys/kernel/random/boot_id"), "pidns": pidns}
+
+
+def holder_is_dead(doc: dict) -> bool:
+    """True when the lock's holder provably died: it ran on this machine, in this pid
+    namespace and boot, and its process (pid and start time) no longer exists.  False
+    when unknown (another machine, or no ``/proc``): then only staleness tells."""
+    here = _machine()
+    if not here["pidns"] or not here["boot"] or any(doc.get(k) != v for k, v in here.items()):
+        return False
+    pid = doc.get("pid")
+    return isinstance(pid, int) and _process_start(pid) != doc.get("start")
 
 
 def is_stale(modified: float, stale_after: float, now: Optional[float] = None) -> bool:
@@ -80,8 +117,8 @@ class ObjectLease:
         self.lost = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._doc = {"token": self.token, "purpose": what, "pid": os.getpid(), "host": socket.gethostname(),
-                     "since": time.time()}
+        self._doc = {"token": self.token, "purpose": what, "pid": os.getpid(), "start": _process_start(os.getpid()),
+                     "since": time.time(), **_machine()}
 
     def _body(self) -> bytes:
         # a new body (so a new ETag) at each renewal: that is how a waiting save sees a live holder
@@ -92,12 +129,18 @@ class ObjectLease:
         """A fresh unique name part (hex) for a reader mark."""
         return uuid.uuid4().hex
 
-    def _holder(self) -> str:
+    def _holder_doc(self) -> dict:
         try:
             doc = json.loads(self.store.get(self.key))
-            return f"{doc.get('purpose', 'save')} by pid {doc.get('pid')} on {doc.get('host')}"
-        except Exception:  # noqa: BLE001 - only for the message
+        except Exception:  # noqa: BLE001 - gone meanwhile, or not ours: unknown holder
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def _holder(self, doc: Optional[dict] = None) -> str:
+        doc = self._holder_doc() if doc is None else doc
+        if not doc:
             return "holder unknown"
+        return f"{doc.get('purpose', 'save')} by pid {doc.get('pid')} on {doc.get('host')}"
 
     def acquire(self, wait: bool = True) -> None:
         """Create the object (exclusive: only when absent).
@@ -126,6 +169,13 @@ class ObjectLease:
                                self.store.url(self.key), time.time() - modified)
                 self.store.delete_if(self.key, etag)
                 continue
+            if seen is None:
+                doc = self._holder_doc()
+                if holder_is_dead(doc):  # a killed save on this machine: no need to wait for staleness
+                    logger.warning("%s: taking over the lock %s of %s, which is no longer running", self.target,
+                                   self.store.url(self.key), self._holder(doc))
+                    self.store.delete_if(self.key, etag)
+                    continue
             if not wait or (seen is not None and etag != seen) or time.monotonic() > deadline:
                 raise ConcurrentSaveError(
                     f"another save into {self.target} is in progress ({self._holder()}; lock object "
