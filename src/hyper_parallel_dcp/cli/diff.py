@@ -59,6 +59,7 @@ class _Side:
         from hyper_parallel_dcp.core.backends import storage_reader_for, url_scheme
 
         self.path = path
+        self.reader: Any
         if url_scheme(str(path)) == "file":
             from hyper_parallel_dcp.storage_fs import storage_reader_for_path
 
