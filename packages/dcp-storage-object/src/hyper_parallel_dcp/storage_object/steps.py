@@ -225,6 +225,8 @@ class ObjectSteps:
             step = parsed
             if older_than is None or step >= older_than or step in protected:
                 continue
+            if self.is_complete(step):  # one HEAD: a complete step's objects are not listed
+                continue
             objects = self._objects(step)
             names = [name for name, _, _ in objects]
             if METADATA_OBJECT in names or not objects:
