@@ -28,6 +28,7 @@ cannot renew its object for that long (a stalled process) loses it.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import logging
 import re
@@ -86,14 +87,16 @@ class ObjectSteps:
         next(iter(self.store.list_objects(self._key(""), delimiter="/")), None)
 
     def list_steps(self) -> list[StepEntry]:
-        """Every ``step_N/`` prefix, ascending by step (one HEAD each for ``.metadata``)."""
+        """Every ``step_N/`` prefix, ascending by step (a HEAD of each one's ``.metadata``,
+        several in flight: a root keeping hundreds of steps costs one round trip per batch)."""
         base = self._key("")
-        out = []
-        for key, size in self.store.list_objects(base, delimiter="/"):
-            step = parse_step_name(key[len(base):].rstrip("/")) if size < 0 else None
-            if step is not None:
-                out.append(StepEntry(step, self.location(step), self.is_complete(step)))
-        return sorted(out, key=lambda e: e.step)
+        found = sorted(step for key, size in self.store.list_objects(base, delimiter="/")
+                       if size < 0 and (step := parse_step_name(key[len(base):].rstrip("/"))) is not None)
+        if len(found) <= 1:
+            return [StepEntry(step, self.location(step), self.is_complete(step)) for step in found]
+        with cf.ThreadPoolExecutor(min(16, len(found)), thread_name_prefix="hp-dcp-steps") as pool:
+            complete = list(pool.map(self.is_complete, found))
+        return [StepEntry(step, self.location(step), done) for step, done in zip(found, complete)]
 
     def is_complete(self, step: int) -> bool:
         return self.store.size(f"{self._step_prefix(step)}/{METADATA_OBJECT}") is not None
