@@ -195,3 +195,26 @@ def test_half_deleted_step_is_incomplete_and_a_leftover(s3_test_env):
     sd = {"w": torch.zeros(16)}
     _load(sd, steps.location(4))
     assert torch.equal(sd["w"], torch.full((16,), 4.0))
+
+
+def test_lock_of_a_dead_process_on_this_machine_is_a_leftover_at_once(s3_test_env):
+    import json
+
+    from hyper_parallel_dcp.storage_object.locks import _machine, _process_start
+
+    steps = ObjectSteps(f"s3://{TEST_BUCKET}/steps-d", ObjectStoreSettings(lock_stale_after=600))
+    for step in (1, 2):
+        _save({"w": torch.full((4,), float(step))}, steps.location(step))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store = ObjectStore(TEST_BUCKET)
+    store.delete(["steps-d/step_1/.metadata"])  # its save died mid-way, on this machine
+    store.put("steps-d/.step_1.hp-dcp-lock", json.dumps({"pid": dead.pid, "start": "1", **_machine()}).encode())
+    alive = {"pid": os.getpid(), "start": _process_start(os.getpid()), **_machine()}
+    store.put("steps-d/.step_2.hp-dcp-readlock-abc123", json.dumps(alive).encode())  # a live reader
+    found = steps.find_leftovers(older_than=2)
+    assert [(x.step, x.kind) for x in found] == [(1, "incomplete"), (1, "lock")]  # no wait for 600 s
+    assert [steps.remove_leftover(x) for x in found] == [True, False]  # the clean-up took the lock over
+    assert _keys("steps-d/") == ["steps-d/.step_2.hp-dcp-readlock-abc123", "steps-d/step_2/.metadata",
+                                 "steps-d/step_2/_rank0_.safetensors"]
+    assert steps.remove_step(2) is False  # the live reader's mark keeps it

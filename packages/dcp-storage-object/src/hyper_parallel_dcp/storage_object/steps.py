@@ -18,7 +18,7 @@ translated to a store that has no rename and no ``flock``:
   off (the manager restores the next older step) or the deletion does (kept for now).
 - **Leftovers of dead saves**: an incomplete ``step_N`` older than the newest complete
   step holding only checkpoint objects, and lock/reader-mark objects not renewed for
-  ``lock_stale_after`` seconds.  Unfinished multipart uploads under a removed step are
+  ``lock_stale_after`` seconds or whose holder ran on this machine and is gone.  Unfinished multipart uploads under a removed step are
   aborted with it.
 
 Limits (documented in the README): staleness is judged by ``Last-Modified`` against this
@@ -42,7 +42,7 @@ from hyper_parallel_dcp.storage_fs.commit import is_checkpoint_artifact
 
 from .client import ObjectStore, ObjectStoreError, ObjectStoreSettings, parse_url
 from .files import ObjectFiles
-from .locks import ObjectLease, is_stale, lock_key, readlock_prefix
+from .locks import ObjectLease, holder_is_dead, is_stale, lock_key, readlock_prefix
 from .writer import METADATA_OBJECT
 
 __all__ = ["ObjectSteps", "object_steps"]
@@ -194,6 +194,17 @@ class ObjectSteps:
             mark.release()
 
     # -- what dead saves left -------------------------------------------------------------
+    def _abandoned(self, key: str, modified: float, now: Optional[float] = None) -> bool:
+        """The lock or mark at ``key`` was left by a dead holder: not renewed for
+        ``lock_stale_after``, or its holder ran on this machine and its process is gone."""
+        if is_stale(modified, self.store.settings.lock_stale_after, now):
+            return True
+        try:
+            doc = json.loads(self.store.get(key))
+        except (CheckpointNotFoundError, ValueError, UnicodeDecodeError):
+            return False
+        return isinstance(doc, dict) and holder_is_dead(doc)
+
     def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
                        max_step: Optional[int] = None, grace: float = 0.0,
                        check_running: bool = True) -> list[Leftover]:
@@ -207,7 +218,6 @@ class ObjectSteps:
         running save too).
         """
         base = self._key("")
-        stale_after = self.store.settings.lock_stale_after
         now = time.time()
         out: list[Leftover] = []
         entries = list(self.store.list_modified(base, delimiter="/"))
@@ -219,7 +229,7 @@ class ObjectSteps:
                 step = int(hidden.group(1))
                 kind = "lock" if hidden.group(2) == "lock" else "readlock"
                 if (check_running and step not in protected and (max_step is None or step <= max_step)
-                        and is_stale(modified, stale_after, now)):
+                        and self._abandoned(key, modified, now)):
                     out.append(Leftover(step, kind, self.store.url(key), size))
         for key, size, _ in entries:
             parsed = parse_step_name(key[len(base):].rstrip("/")) if size < 0 else None
@@ -237,7 +247,8 @@ class ObjectSteps:
             if grace > 0 and now - max(modified for _, _, modified in objects) < grace:
                 continue
             lock_modified = locks.get(self._lock_key(step))
-            if check_running and lock_modified is not None and not is_stale(lock_modified, stale_after, now):
+            if check_running and lock_modified is not None and not self._abandoned(self._lock_key(step),
+                                                                                  lock_modified, now):
                 continue
             foreign = [n for n in names if (n != INFO_FILE and not is_checkpoint_artifact(n)) or "/" in n
                        or _RANK_METADATA.match(n)]
@@ -253,7 +264,7 @@ class ObjectSteps:
         if item.kind in ("lock", "readlock"):
             key = parse_url(item.location)[2]
             found = self.store.stat(key)
-            if found is None or not is_stale(found[1], self.store.settings.lock_stale_after):
+            if found is None or not self._abandoned(key, found[1]):
                 return False
             return self.store.delete_if(key, found[2])
         if item.kind != "incomplete":
