@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -90,6 +91,12 @@ def test_simulated_planning_matches_torch_chunk_counts():
     assert moe["save_mesh"] == [1, 64] and moe["chunks_stored"] > 64
 
 
+def _columns(chunks):
+    """Offsets and sizes as the metadata build checks them: int64 rows sorted by offsets."""
+    chunks = sorted(chunks, key=lambda c: c.offsets)
+    return torch.tensor([c.offsets for c in chunks]), torch.tensor([c.sizes for c in chunks])
+
+
 def _overlaps_brute(chunks):
     boxes = [ChunkBox(c.offsets, c.sizes) for c in chunks]
     return any(a.intersect(b) is not None for a, b in itertools.combinations(boxes, 2))
@@ -104,17 +111,17 @@ def test_overlap_check_agrees_with_brute_force(raw):
         return  # build_metadata never sees two chunks at one offset (dedup merges them)
     if _overlaps_brute(chunks):
         with pytest.raises(ValueError, match="overlap"):
-            _check_disjoint("t", chunks)
+            _check_disjoint("t", *_columns(chunks))
     else:
-        _check_disjoint("t", chunks)
+        _check_disjoint("t", *_columns(chunks))
 
 
 def test_grid_tiling_is_accepted():
     chunks = [ChunkStorageMetadata((i * 4, j * 3), (4, 3)) for i in range(16) for j in range(16)]
-    _check_disjoint("t", chunks)
+    _check_disjoint("t", *_columns(chunks))
     chunks.append(ChunkStorageMetadata((5, 5), (1, 1)))
     with pytest.raises(ValueError, match="overlap"):
-        _check_disjoint("t", chunks)
+        _check_disjoint("t", *_columns(chunks))
 
 
 def test_shared_bandwidth_reserves_consecutive_slots(tmp_path):

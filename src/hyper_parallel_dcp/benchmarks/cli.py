@@ -19,8 +19,8 @@ __all__ = ["main"]
 # name -> (dense MiB, small count, small KiB, broadcast MiB, reps, secondary reps, planning worlds)
 PRESETS: dict[str, tuple[float, int, float, float, int, int, tuple[int, ...]]] = {
     "quick": (32, 200, 64, 16, 1, 1, (64, 256)),
-    "default": (256, 2000, 128, 64, 3, 1, (64, 256, 1024, 8192)),
-    "full": (1024, 2000, 512, 256, 5, 3, (64, 128, 256, 512, 1024, 2048, 4096, 8192)),
+    "default": (256, 2000, 128, 64, 3, 1, (1024, 8192, 16384)),
+    "full": (1024, 2000, 512, 256, 5, 3, (64, 256, 1024, 2048, 4096, 8192, 16384)),
 }
 
 

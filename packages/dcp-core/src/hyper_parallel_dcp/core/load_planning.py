@@ -8,36 +8,75 @@ views the reads fill.
 from __future__ import annotations
 
 import bisect
-from operator import attrgetter
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
 import torch
 
 from .chunks import ChunkBox
 from .errors import MismatchError, MissingKeyError, MissingRegionError
 from .layout import TensorShards, is_tensor_leaf, to_tensor_shards
-from .metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from .metadata import Metadata, MetadataIndex, TensorStorageMetadata, chunk_columns
 from .planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 __all__ = ["StandardLoadPlanner", "create_local_load_plan"]
 
 
 class _ChunkIndex:
-    """Stored chunks of one tensor, sorted by dim-0 offset for quick overlap queries."""
+    """Stored chunks of one tensor, found by bisecting their starts on dims 0 and 1.
 
-    def __init__(self, chunks: Sequence[ChunkStorageMetadata]):
-        self.chunks = sorted(chunks, key=attrgetter("offsets"))
-        self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
-        self.max_len = max((c.sizes[0] if c.sizes else 1 for c in self.chunks), default=0)
+    Built from the metadata's chunk columns without building a chunk object: the save
+    planner stores chunks sorted by offsets (the metadata knows it, or checks a parsed
+    tensor once), so the starts are slices of the offsets column; only unsorted metadata
+    (format 1 written by hand, a merged ``{rank}.metadata`` view) is sorted here.  A piece
+    then visits the chunks whose dim-0 and dim-1 intervals can meet it — for the MoE
+    expert tensors, sharded on dim 0 and dim 1, a handful instead of every dim-1 shard of
+    its experts — and builds boxes only for those: a rank's plan costs about its own items,
+    not the stored chunks of every tensor it touches.
+    """
 
-    def overlapping(self, box: ChunkBox) -> Iterable[tuple[int, ChunkStorageMetadata]]:
-        if box.ndim == 0:
-            yield from enumerate(self.chunks)
+    def __init__(self, md: TensorStorageMetadata):
+        self.ndim, self.offsets, self.sizes, ascending = chunk_columns(md)
+        ndim = self.ndim
+        self.count = len(self.offsets) // ndim if ndim else len(md.chunks)
+        self.order: Optional[list[int]] = None
+        if not ndim:
             return
-        lo = bisect.bisect_left(self.starts, box.offsets[0] - self.max_len + 1)
-        hi = bisect.bisect_left(self.starts, box.offsets[0] + box.sizes[0])
-        for i in range(lo, hi):
-            yield i, self.chunks[i]
+        if not ascending:  # chunks visited in (offsets) order, as the planner always did
+            keys = list(zip(*[iter(self.offsets)] * ndim))
+            self.order = sorted(range(self.count), key=keys.__getitem__)
+        self.starts = self._column(self.offsets, 0)
+        self.max_len = max(self.sizes[::ndim], default=0)
+        if ndim > 1:
+            self.starts1 = self._column(self.offsets, 1)
+            self.max_len1 = max(self.sizes[1::ndim], default=0)
+
+    def _column(self, flat: list[int], dim: int) -> list[int]:
+        values = flat[dim::self.ndim]
+        return values if self.order is None else [values[i] for i in self.order]
+
+    def overlapping(self, box: ChunkBox) -> Iterable[tuple[int, ChunkBox]]:
+        """``(position in md.chunks, stored box)`` of every chunk that may overlap ``box``."""
+        ndim = self.ndim
+        if ndim == 0 or box.ndim == 0:
+            for pos in range(self.count):
+                yield pos, ChunkBox((), ())
+            return
+        starts = self.starts
+        lo = bisect.bisect_left(starts, box.offsets[0] - self.max_len + 1)
+        hi = bisect.bisect_left(starts, box.offsets[0] + box.sizes[0])
+        offsets, sizes, order = self.offsets, self.sizes, self.order
+        while lo < hi:
+            # chunks with one dim-0 start ascend on dim 1: bisect there too
+            end = bisect.bisect_right(starts, starts[lo], lo, hi)
+            first, last = lo, end
+            if ndim > 1:
+                first = bisect.bisect_left(self.starts1, box.offsets[1] - self.max_len1 + 1, lo, end)
+                last = bisect.bisect_left(self.starts1, box.offsets[1] + box.sizes[1], first, end)
+            for i in range(first, last):
+                pos = i if order is None else order[i]
+                at = pos * ndim
+                yield pos, ChunkBox(tuple(offsets[at:at + ndim]), tuple(sizes[at:at + ndim]))
+            lo = end
 
 
 def create_local_load_plan(
@@ -83,14 +122,14 @@ def create_local_load_plan(
             )
         cindex = indexes.get(fqn)
         if cindex is None:
-            cindex = indexes[fqn] = _ChunkIndex(md.chunks)
+            cindex = indexes[fqn] = _ChunkIndex(md)
         for box, _view in target.pieces:
             if box.is_empty():
                 continue
             covered = 0
             dest = MetadataIndex(fqn, box.offsets)
             for pos, chunk in cindex.overlapping(box):
-                inter = box.intersect(ChunkBox(chunk.offsets, chunk.sizes))
+                inter = box.intersect(chunk)
                 if inter is None:
                     continue
                 covered += inter.volume

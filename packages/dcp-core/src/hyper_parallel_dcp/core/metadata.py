@@ -21,8 +21,8 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from itertools import chain
-from operator import add
+from itertools import chain, islice
+from operator import add, le
 from typing import Any, Optional, Union
 
 import torch
@@ -38,11 +38,13 @@ __all__ = [
     "StorageInfo",
     "TensorProperties",
     "TensorStorageMetadata",
+    "chunk_columns",
     "chunk_key",
     "dtype_from_name",
     "dtype_name",
     "metadata_from_json",
     "metadata_to_json",
+    "tensor_metadata_from_columns",
 ]
 
 #: Version of the ``.metadata`` JSON schema this code writes and the newest it reads.
@@ -315,9 +317,7 @@ def metadata_to_json(metadata: Metadata) -> str:
             objects[fqn] = {} if found is None else _v2_entry(found, file_of, with_key=True)
             continue
         ndim = len(md.size)
-        chunks = md.chunks
-        offsets = [c.offsets for c in chunks]
-        sizes = [c.sizes for c in chunks]
+        offsets, sizes = _chunk_tuples(md)
         if any(len(o) != ndim for o in offsets) or any(len(z) != ndim for z in sizes):
             raise ValueError(f"{fqn!r}: a chunk's offsets or sizes do not have {ndim} entries (tensor size "
                              f"{list(md.size)})")
@@ -325,11 +325,11 @@ def metadata_to_json(metadata: Metadata) -> str:
             "dtype": dtype_name(md.properties.dtype),
             **({"stored_as": dtype_name(md.properties.stored_as)} if md.properties.stored_as else {}),
             "size": list(md.size),
-            "count": len(chunks),
+            "count": len(offsets),
             "offsets": list(chain.from_iterable(offsets)),
             # Chunks of one tensor are mostly the same size (TP/EP/FSDP shards): then the
             # size is written once for all of them.
-            "sizes": list(sizes[0]) if len(chunks) > 1 and sizes.count(sizes[0]) == len(sizes)
+            "sizes": list(sizes[0]) if len(sizes) > 1 and sizes.count(sizes[0]) == len(sizes)
             else list(chain.from_iterable(sizes)),
         }
         infos = [stored.pop(o, None) for o in offsets]
@@ -450,7 +450,7 @@ def _v2_entry(info: StorageInfo, file_of: Any, *, with_key: bool) -> dict[str, A
 
 
 class _TensorColumns:
-    """One tensor's chunk columns as parsed; per-chunk objects are built on demand."""
+    """One tensor's chunk columns, as parsed or as planned; per-chunk objects are built on demand."""
 
     def __init__(self, fqn: str, ndim: int, count: int, offsets: list[int], sizes: list[int],
                  file: Optional[list[int]], offset: Optional[list[int]], length: Optional[list[int]],
@@ -467,6 +467,8 @@ class _TensorColumns:
         self.keys = keys
         self.itemsize = itemsize
         self._positions: Optional[dict[tuple[int, ...], int]] = None
+        #: whether chunks ascend by offsets: known for planned columns, checked once if parsed
+        self.ascending: Optional[bool] = None
 
     def _tuples(self, flat: list[int]) -> list[tuple[int, ...]]:
         if self.ndim == 0:
@@ -474,7 +476,11 @@ class _TensorColumns:
         return list(zip(*[iter(flat)] * self.ndim))
 
     def chunks(self) -> list[ChunkStorageMetadata]:
-        return list(map(ChunkStorageMetadata, self._tuples(self.offsets), self._tuples(self.sizes)))
+        return list(map(ChunkStorageMetadata, *self.tuples()))
+
+    def tuples(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Every chunk's offsets and sizes, as two lists of tuples."""
+        return self._tuples(self.offsets), self._tuples(self.sizes)
 
     def stored(self) -> int:
         return 0 if self.file is None else self.count - self.file.count(-1)
@@ -508,7 +514,11 @@ class _TensorColumns:
 
 
 class _ColumnarTensorStorageMetadata(TensorStorageMetadata):
-    """A parsed tensor whose ``chunks`` list is built on first access (then a plain list).
+    """A tensor whose ``chunks`` list is built on first access (then a plain list).
+
+    Made by parsing format 2 and by the save planner (:func:`tensor_metadata_from_columns`):
+    a coordinator that only writes the metadata out, and a rank that loads a few tensors,
+    never build the other per-chunk objects.
 
     Compares equal to a :class:`TensorStorageMetadata` with the same fields;
     ``dataclasses.replace`` on it gives a plain-list instance.
@@ -537,6 +547,63 @@ class _ColumnarTensorStorageMetadata(TensorStorageMetadata):
         return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(TensorStorageMetadata))
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like its base
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as the plain dataclass: what crosses a process boundary (the save's
+        # broadcast of the metadata, the async mailbox's allow-listed unpickler) is the
+        # same record as before chunks became columns.
+        return TensorStorageMetadata, (self.properties, self.size, self.chunks)
+
+
+def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: torch.Size, count: int, ndim: int,
+                                 offsets: list[int], sizes: list[int], *,
+                                 ascending: Optional[bool] = None) -> TensorStorageMetadata:
+    """A :class:`TensorStorageMetadata` with ``count`` chunks given as flat columns:
+    ``offsets`` and ``sizes`` hold ``ndim`` integers per chunk, chunk after chunk;
+    ``ascending=True`` when the caller sorted the chunks by offsets (``None``: unknown).
+
+    The chunk objects are built only when ``chunks`` is first read (:func:`metadata_to_json`
+    reads the columns).  Keeps (does not copy) both lists; equal to the plain instance with
+    the same chunks.
+    """
+    columns = _TensorColumns(fqn, ndim, count, offsets, sizes, None, None, None, None, {},
+                             (properties.stored_as or properties.dtype).itemsize)
+    columns.ascending = None if ascending is None else bool(ascending)
+    return _ColumnarTensorStorageMetadata._from_columns(properties, size, columns)
+
+
+def chunk_columns(md: TensorStorageMetadata) -> tuple[int, list[int], list[int], bool]:
+    """``(ndim, offsets, sizes, ascending)``: every chunk's offsets and sizes as flat lists,
+    ``ndim`` integers per chunk, in ``md.chunks`` order (chunk ``pos`` at
+    ``[pos * ndim:(pos + 1) * ndim]``), and whether the chunks ascend by offsets.
+
+    For metadata parsed from format 2 or built by the save planner these are its own
+    columns (do not modify them), no chunk object is built, and ``ascending`` is known
+    (the planner sorts) or checked once per parsed tensor.
+    """
+    if isinstance(md, _ColumnarTensorStorageMetadata) and "chunks" not in md.__dict__:
+        columns = md._columns
+        if columns.ascending is None:
+            columns.ascending = _ascending(columns.offsets, columns.ndim)
+        return columns.ndim, columns.offsets, columns.sizes, columns.ascending
+    chunks = md.chunks
+    ndim = len(chunks[0].offsets) if chunks else len(md.size)
+    offsets = list(chain.from_iterable(c.offsets for c in chunks))
+    return ndim, offsets, list(chain.from_iterable(c.sizes for c in chunks)), _ascending(offsets, ndim)
+
+
+def _ascending(flat: list[int], ndim: int) -> bool:
+    """Whether the ``ndim``-tuples laid end to end in ``flat`` ascend (compared in C)."""
+    tuples = list(zip(*[iter(flat)] * ndim)) if ndim else []
+    return all(map(le, tuples, islice(tuples, 1, None)))
+
+
+def _chunk_tuples(md: TensorStorageMetadata) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The offsets and sizes of ``md``'s chunks, from its columns while ``chunks`` is unbuilt."""
+    if isinstance(md, _ColumnarTensorStorageMetadata) and "chunks" not in md.__dict__:
+        return md._columns.tuples()
+    chunks = md.chunks
+    return [c.offsets for c in chunks], [c.sizes for c in chunks]
 
 
 class _StorageView(Mapping[MetadataIndex, StorageInfo]):
