@@ -44,7 +44,7 @@ from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteR
 
 from .atomic import fsync_dir, write_file_atomic
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
-from .direct_read import read_slice_into
+from .direct_read import FileMapping, read_slice_into
 from .rank_files import with_stored_as, write_rank_files
 from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
 from .safetensors_stream import (
@@ -254,14 +254,25 @@ def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, b
 
 
 class _OpenFile:
-    """An open shard file: its checked header, and an mmap for hashing (made on first use)."""
+    """An open shard file: its checked header, an mmap for hashing and a mapping for
+    column slices (each made on first use)."""
 
     def __init__(self, path: Path, fobj: Any, size: int, header: dict[str, HeaderEntry]):
         self.path = path
         self.fobj = fobj
+        self.fd = fobj.fileno()
         self.size = size
         self.header = header
         self._map: Optional[mmap.mmap] = None
+        self._mapping: Optional[FileMapping] = None
+        self._mapping_tried = False
+
+    def mapping(self) -> Optional[FileMapping]:
+        """The file mapped for strided copies (``None`` where it cannot be mapped)."""
+        if not self._mapping_tried:
+            self._mapping_tried = True
+            self._mapping = FileMapping.open(self.fd, self.size)
+        return self._mapping
 
     def hash_range(self, offset: int, length: int) -> str:
         """xxh3-64 of the file's bytes ``[offset, offset + length)``, hashed in place (mmap)."""
@@ -277,6 +288,9 @@ class _OpenFile:
         if self._map is not None:
             self._map.close()
             self._map = None
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
         self.fobj.close()
 
 
@@ -458,12 +472,13 @@ class FileSystemReader(StorageReader):
         per chunk), and with ``verify`` the checksum of the whole stored chunk (once per
         chunk); raises ``CorruptCheckpointError`` naming file, FQN and chunk on any
         disagreement.  The bytes go from the page cache into ``dest`` with ``preadv``
-        when the slice is contiguous in the file (see ``direct_read``).
+        when the slice is contiguous in the file, with one strided copy from a mapping
+        of the file when it is a large column slice (see ``direct_read``).
         """
         info, opened, chunk_sizes, dtype = self._checked_chunk(item)
         self.bytes_read += read_slice_into(
-            opened.fobj.fileno(), str(opened.path), info.offset, chunk_sizes, dtype,
-            item.storage_offsets, item.lengths, dest,
+            opened.fd, str(opened.path), info.offset, chunk_sizes, dtype,
+            item.storage_offsets, item.lengths, dest, opened.mapping(),
         )
 
     def read_object(self, item: ReadItem) -> Any:
