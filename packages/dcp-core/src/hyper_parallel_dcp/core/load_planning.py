@@ -8,12 +8,12 @@ views the reads fill.
 from __future__ import annotations
 
 import bisect
-from operator import attrgetter
+import math
+from operator import add, sub
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from .chunks import ChunkBox
 from .errors import MismatchError, MissingKeyError, MissingRegionError
 from .layout import TensorShards, is_tensor_leaf, to_tensor_shards
 from .metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -23,21 +23,50 @@ __all__ = ["StandardLoadPlanner", "create_local_load_plan"]
 
 
 class _ChunkIndex:
-    """Stored chunks of one tensor, sorted by dim-0 offset for quick overlap queries."""
+    """Stored chunks of one tensor, sorted by dim-0 offset for quick overlap queries.
+
+    Yields each chunk with its position in the metadata's ``chunks`` list (the lookup
+    hint of :class:`MetadataIndex`), and finds a chunk that equals a target piece exactly
+    (every same-layout load) with one dictionary lookup.
+    """
 
     def __init__(self, chunks: Sequence[ChunkStorageMetadata]):
-        self.chunks = sorted(chunks, key=attrgetter("offsets"))
-        self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
-        self.max_len = max((c.sizes[0] if c.sizes else 1 for c in self.chunks), default=0)
+        self._raw = chunks
+        self._exact: Optional[dict[tuple[tuple[int, ...], tuple[int, ...]], int]] = None
+        self.chunks: list[tuple[int, ChunkStorageMetadata]] = []
+        self.starts: list[int] = []
+        self.max_len = -1  # the sorted view is built on the first overlap query
 
-    def overlapping(self, box: ChunkBox) -> Iterable[tuple[int, ChunkStorageMetadata]]:
-        if box.ndim == 0:
-            yield from enumerate(self.chunks)
+    def _sort(self) -> None:
+        chunks = self._raw
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].offsets)
+        self.chunks = [(i, chunks[i]) for i in order]
+        self.starts = [c.offsets[0] if c.offsets else 0 for _, c in self.chunks]
+        self.max_len = max((c.sizes[0] if c.sizes else 1 for _, c in self.chunks), default=0)
+
+    def exact(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Optional[int]:
+        """Position of the stored chunk whose box is exactly ``offsets+sizes``, or None."""
+        chunks = self._raw
+        if len(chunks) <= 4:
+            for i, c in enumerate(chunks):
+                if c.offsets == offsets and c.sizes == sizes:
+                    return i
+            return None
+        if self._exact is None:
+            self._exact = {}
+            for i, c in enumerate(chunks):
+                self._exact.setdefault((tuple(c.offsets), tuple(c.sizes)), i)
+        return self._exact.get((offsets, sizes))
+
+    def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterable[tuple[int, ChunkStorageMetadata]]:
+        if self.max_len < 0:
+            self._sort()
+        if not offsets:
+            yield from self.chunks
             return
-        lo = bisect.bisect_left(self.starts, box.offsets[0] - self.max_len + 1)
-        hi = bisect.bisect_left(self.starts, box.offsets[0] + box.sizes[0])
-        for i in range(lo, hi):
-            yield i, self.chunks[i]
+        lo = bisect.bisect_left(self.starts, offsets[0] - self.max_len + 1)
+        hi = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
+        yield from self.chunks[lo:hi]
 
 
 def create_local_load_plan(
@@ -81,31 +110,44 @@ def create_local_load_plan(
             raise MismatchError(
                 f"{fqn!r}: shape mismatch: checkpoint has {list(md.size)}, target expects {list(target.global_shape)}"
             )
-        cindex = indexes.get(fqn)
-        if cindex is None:
-            cindex = indexes[fqn] = _ChunkIndex(md.chunks)
+        chunks = md.chunks
         for box, _view in target.pieces:
-            if box.is_empty():
+            b_off, b_size = box.offsets, box.sizes
+            if 0 in b_size:
                 continue
+            dest = MetadataIndex(fqn, b_off)
+            # Plain tuples, not ChunkBox objects: this loop runs once per piece × chunk
+            # (~1 us saved per item, the per-tensor budget being ~0.1 ms in all).
+            cindex = indexes.get(fqn)
+            if cindex is None:
+                cindex = indexes[fqn] = _ChunkIndex(chunks)
+            pos = cindex.exact(b_off, b_size)
+            if pos is not None:  # the piece is a stored chunk (a same-layout load)
+                zeros = (0,) * len(b_off)
+                items.append(ReadItem(LoadItemType.TENSOR, dest, zeros, MetadataIndex(fqn, b_off, pos), zeros, b_size))
+                continue
+            volume = math.prod(b_size)
             covered = 0
-            dest = MetadataIndex(fqn, box.offsets)
-            for pos, chunk in cindex.overlapping(box):
-                inter = box.intersect(ChunkBox(chunk.offsets, chunk.sizes))
-                if inter is None:
+            b_end = tuple(map(add, b_off, b_size))
+            for pos, chunk in cindex.overlapping(b_off, b_size):
+                c_off = chunk.offsets
+                lo = tuple(map(max, b_off, c_off))
+                sizes = tuple(map(sub, map(min, b_end, map(add, c_off, chunk.sizes)), lo))
+                if any(n <= 0 for n in sizes):
                     continue
-                covered += inter.volume
+                covered += math.prod(sizes)
                 items.append(ReadItem(
                     LoadItemType.TENSOR,
                     dest,
-                    inter.relative_to(box),
-                    MetadataIndex(fqn, chunk.offsets, pos),
-                    tuple(a - b for a, b in zip(inter.offsets, chunk.offsets)),
-                    inter.sizes,
+                    tuple(map(sub, lo, b_off)),
+                    MetadataIndex(fqn, c_off, pos),
+                    tuple(map(sub, lo, c_off)),
+                    sizes,
                 ))
-            if covered != box.volume:
+            if covered != volume:
                 raise MissingRegionError(
-                    f"{fqn!r}: the checkpoint does not cover the requested region offsets={list(box.offsets)} "
-                    f"sizes={list(box.sizes)} ({covered} of {box.volume} elements stored)"
+                    f"{fqn!r}: the checkpoint does not cover the requested region offsets={list(b_off)} "
+                    f"sizes={list(b_size)} ({covered} of {volume} elements stored)"
                 )
     return LoadPlan(tuple(items)), shards
 
