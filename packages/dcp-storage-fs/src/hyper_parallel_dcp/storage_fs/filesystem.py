@@ -412,13 +412,17 @@ class FileSystemReader(StorageReader):
             )
         return info
 
-    def _chunk_sizes(self, index: MetadataIndex) -> tuple[int, ...]:
+    def _chunk_sizes(self, index: MetadataIndex, md: Optional[TensorStorageMetadata] = None) -> tuple[int, ...]:
         assert self.metadata is not None
-        md = self.metadata.state_dict_metadata[index.fqn]
-        assert isinstance(md, TensorStorageMetadata)
-        if index.index is not None and index.index < len(md.chunks) and md.chunks[index.index].offsets == index.offset:
-            return md.chunks[index.index].sizes
-        for chunk in md.chunks:
+        if md is None:
+            found = self.metadata.state_dict_metadata[index.fqn]
+            assert isinstance(found, TensorStorageMetadata)
+            md = found
+        chunks = md.chunks
+        hint = index.index
+        if hint is not None and hint < len(chunks) and chunks[hint].offsets == index.offset:
+            return chunks[hint].sizes
+        for chunk in chunks:
             if chunk.offsets == index.offset:
                 return chunk.sizes
         raise CheckpointFormatError(f"{index.fqn!r}: no stored chunk at offsets {index.offset}")
@@ -446,19 +450,23 @@ class FileSystemReader(StorageReader):
         opened = self._open(info.relative_path)
         if info.key is None:
             raise CheckpointFormatError(f"{index.fqn!r}: tensor chunk stored without a key")
-        chunk_sizes = self._chunk_sizes(index)
-        where = f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
-        md = self.metadata.state_dict_metadata[index.fqn] if self.metadata else None
+        assert self.metadata is not None
+        md = self.metadata.state_dict_metadata[index.fqn]
         assert isinstance(md, TensorStorageMetadata)
+        chunk_sizes = self._chunk_sizes(index, md)
+
+        def where() -> str:  # built only for an error: this runs once per item
+            return f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
+
         if index not in self._checked:
             why = entry_mismatch(opened.header.get(info.key), info.key, md.properties.dtype, chunk_sizes,
                                  info.offset, info.length)
             if why is not None:
-                raise CorruptCheckpointError(f"{where}: {why}")
+                raise CorruptCheckpointError(f"{where()}: {why}")
             self._checked.add(index)
         if item.lengths and any(o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, chunk_sizes)):
             raise CheckpointFormatError(
-                f"{where}: requested region offsets={list(item.storage_offsets)} lengths={list(item.lengths)} "
+                f"{where()}: requested region offsets={list(item.storage_offsets)} lengths={list(item.lengths)} "
                 f"exceeds the stored chunk of size {list(chunk_sizes)}"
             )
         if self.verify:
