@@ -163,6 +163,9 @@ def test_rank_killed_mid_save(tmp_path: Path, fault: str, survivor: int, phase: 
 
     save({"w": torch.full((64, 8), 3.0), "own0": torch.zeros(32), "own1": torch.ones(32), "step": 3},
          checkpoint_id=path, no_dist=True)
+    from hyper_parallel_dcp.storage_fs import wait_for_removals
+
+    assert wait_for_removals(timeout=60)  # the checkpoint it replaced is deleted in the background
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.hp-dcp-staging")]
     assert _load_values(path)["step"] == 3
 

@@ -16,8 +16,8 @@ from safetensors import safe_open
 from hyper_parallel_dcp.core.chunks import slice_span
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import FileReads
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
-from hyper_parallel_dcp.storage_fs.direct_read import read_slice_into
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, direct_read
+from hyper_parallel_dcp.storage_fs.direct_read import FileMapping, read_slice_into
 from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, tensor_bytes, write_safetensors
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float64]
@@ -97,6 +97,59 @@ def test_read_slice_into_matches_indexing(tmp_path_factory, case):
     assert spanned == reads.bytes_from(lambda p, o: True)
     _, span, contiguous = slice_span(shape, offsets, lengths)
     assert contiguous == (span == math.prod(lengths))
+
+
+@settings(max_examples=150, deadline=None)
+@given(slices(), st.sampled_from([0, 13, 64]))
+def test_mapped_slice_read_matches_indexing(tmp_path_factory, case, prefix_len):
+    """Column slices copied from a mapping of the file hold the same values, and the span
+    reported is the same as when read with ``preadv``; nothing goes through ``preadv``
+    except where the mapping cannot serve (an offset not aligned to the element size) or
+    the slice is contiguous in the file."""
+    shape, offsets, lengths, dtype, strided_dest = case
+    chunk = _tensor(shape, dtype, 11)
+    path = tmp_path_factory.mktemp("m") / "chunk.bin"
+    prefix = b"\x02" * prefix_len
+    path.write_bytes(prefix + bytes(tensor_bytes(chunk.contiguous())))
+    if strided_dest:
+        dest = torch.zeros(tuple(reversed(lengths)), dtype=dtype).permute(*reversed(range(len(lengths))))
+    else:
+        dest = torch.zeros(lengths, dtype=dtype)
+    first, span, contiguous = slice_span(shape, offsets, lengths)
+    fd = os.open(path, os.O_RDONLY)
+    mapping = FileMapping.open(fd, os.fstat(fd).st_size)
+    assert mapping is not None, "Linux maps files"
+    try:
+        # every slice goes through the mapping here, however small
+        with FileReads() as reads, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(direct_read, "MAPPED_SLICE_MIN_BYTES", 0)
+            spanned = read_slice_into(fd, str(path), prefix_len, shape, dtype, offsets, lengths, dest, mapping)
+    finally:
+        mapping.close()
+        os.close(fd)
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
+    assert torch.equal(dest, chunk[index])
+    assert spanned == span * dtype.itemsize
+    aligned = (prefix_len + first * dtype.itemsize) % dtype.itemsize == 0
+    via_preadv = (contiguous and dest.is_contiguous()) or not aligned
+    assert reads.bytes_from(lambda p, o: True) == (spanned if via_preadv else 0)
+
+
+def test_mapping_refuses_a_range_past_the_end(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(range(64)))
+    fd = os.open(path, os.O_RDONLY)
+    mapping = FileMapping.open(fd, 64)
+    try:
+        assert mapping is not None
+        assert mapping.slice_view(0, (8, 4), torch.int16, 0, 32, (8, 2)) is not None
+        # 40 int16 elements need 80 bytes: the file has 64, so no view (and no SIGBUS)
+        assert mapping.slice_view(0, (10, 4), torch.int16, 0, 40, (10, 2)) is None
+        assert FileMapping.open(fd, 0) is None  # an empty file is not mapped
+    finally:
+        mapping.close()
+        os.close(fd)
+
 
 
 def _data_start(path) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from hyper_parallel_dcp.core.errors import ConcurrentSaveError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import metadata_from_json
-from hyper_parallel_dcp.storage_fs.commit import SaveLock, remove_stale_staging, staging_dir
+from hyper_parallel_dcp.storage_fs.commit import SaveLock, remove_stale_staging, staging_dir, wait_for_removals
 from hyper_parallel_dcp.storage_fs.integrity import check_complete, verify_checkpoint
 from hyper_parallel_dcp.storage_fs.testing import load, save
 
@@ -76,6 +76,9 @@ def test_a_new_save_replaces_the_old_keeping_user_files(tmp_path: Path) -> None:
     save(_state(2.0), checkpoint_id=path, no_dist=True)
     _assert_values(_loaded(path), 2.0)
     assert (path / "notes.txt").read_text() == "mine" and (path / "extra" / "cfg.json").read_text() == "{}"
+    # the replaced checkpoint is deleted in the background: at most it is still going
+    assert {p.name for p in tmp_path.iterdir()} <= {"ckpt"} | {p.name for p in tmp_path.glob(".ckpt.hp-dcp-staging-*")}
+    assert wait_for_removals(timeout=60)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "no staging, trash or lock left beside it"
 
 

@@ -23,6 +23,9 @@ PRESETS: dict[str, tuple[float, int, float, float, int, int, tuple[int, ...]]] =
     "full": (1024, 2000, 512, 256, 5, 3, (64, 256, 1024, 2048, 4096, 8192, 16384)),
 }
 
+#: the per-tensor case of every preset: (count, KiB) — whole save / load time ÷ count
+TINY = (1000, 4.0)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -40,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-mib", type=float, help="size of the dense LLM-like state dict (MiB)")
     p.add_argument("--small-count", type=int, help="number of small sharded tensors")
     p.add_argument("--small-kib", type=float, help="size of each small tensor (KiB, global)")
+    p.add_argument("--tiny-count", type=int, default=TINY[0],
+                   help=f"tensors of the per-tensor cost case (default {TINY[0]}; 0 skips it)")
+    p.add_argument("--tiny-kib", type=float, default=TINY[1],
+                   help=f"size of each tensor of the per-tensor cost case (KiB, global; default {TINY[1]:g})")
     p.add_argument("--bcast-mib", type=float, help="size of the replicated state dict for broadcast loads")
     p.add_argument("--bcast-worlds", default="2,4", help="replication factors for broadcast loads (default 2,4)")
     p.add_argument("--cap-mb-s", type=float, default=200.0, help="shared storage bandwidth cap for broadcast loads")
@@ -86,13 +93,22 @@ def _run_io(cfg: dict[str, Any], world: int, timeout: float, log) -> dict[str, A
     from .io_bench import io_worker
 
     out = {}
-    for kind in ("dense", "small"):
+    for kind in ("dense", "small", "tiny"):
+        if kind == "tiny" and not cfg.get("tiny_count"):
+            continue
         t0 = time.perf_counter()
         results = run_distributed(io_worker, world, dict(cfg, kind=kind), timeout=timeout)
         r0 = results[0]
         out[kind] = {"world": world, "summary": _summaries(r0["times"]), "times": r0["times"], "info": r0["info"],
                      "wall_s": time.perf_counter() - t0}
         s = out[kind]["summary"]
+        if kind == "tiny":
+            n = r0["info"]["tensors"]
+            log(f"io tiny ({n} tensors): ours save {s['ours.save']['median']:.3f}s "
+                f"({1000 * s['ours.save']['median'] / n:.3f} ms a tensor), torch save {s['torch.save']['median']:.3f}s | "
+                f"ours load {s['ours.load']['median']:.3f}s ({1000 * s['ours.load']['median'] / n:.3f} ms a tensor), "
+                f"torch load {s['torch.load']['median']:.3f}s ({out[kind]['wall_s']:.0f}s)")
+            continue
         log(f"io {kind}: ours save {s['ours.save']['median']:.3f}s torch save {s['torch.save']['median']:.3f}s "
             f"raw write {s['ref.raw_write_fsync']['median']:.3f}s | ours load {s['ours.load']['median']:.3f}s "
             f"torch load {s['torch.load']['median']:.3f}s ({out[kind]['wall_s']:.0f}s)")
@@ -169,6 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "dense_mib": args.dense_mib or dense_mib,
         "small_count": args.small_count or small_count,
         "small_kib": args.small_kib or small_kib,
+        "tiny_count": args.tiny_count,
+        "tiny_kib": args.tiny_kib,
         "bcast_mib": args.bcast_mib or bcast_mib,
         "reps": args.reps or reps,
         "reps_secondary": args.reps or reps2,

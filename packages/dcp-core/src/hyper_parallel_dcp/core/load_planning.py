@@ -8,11 +8,12 @@ views the reads fill.
 from __future__ import annotations
 
 import bisect
+import math
+from operator import add, sub
 from typing import Any, Iterable, Optional
 
 import torch
 
-from .chunks import ChunkBox
 from .errors import MismatchError, MissingKeyError, MissingRegionError
 from .layout import TensorShards, is_tensor_leaf, to_tensor_shards
 from .metadata import Metadata, MetadataIndex, TensorStorageMetadata, chunk_columns
@@ -54,28 +55,56 @@ class _ChunkIndex:
         values = flat[dim::self.ndim]
         return values if self.order is None else [values[i] for i in self.order]
 
-    def overlapping(self, box: ChunkBox) -> Iterable[tuple[int, ChunkBox]]:
-        """``(position in md.chunks, stored box)`` of every chunk that may overlap ``box``."""
+    def exact(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Optional[int]:
+        """Position in ``md.chunks`` of the stored chunk whose box is exactly ``offsets+sizes``.
+
+        Every same-layout load asks this first: a bisection to the chunks starting where
+        the piece starts, instead of the overlap arithmetic.
+        """
         ndim = self.ndim
-        if ndim == 0 or box.ndim == 0:
+        if ndim == 0 or not offsets:
+            return 0 if self.count else None
+        starts = self.starts
+        lo = bisect.bisect_left(starts, offsets[0])
+        hi = bisect.bisect_right(starts, offsets[0], lo)
+        if ndim > 1 and hi - lo > 1:
+            lo = bisect.bisect_left(self.starts1, offsets[1], lo, hi)
+            hi = bisect.bisect_right(self.starts1, offsets[1], lo, hi)
+        flat_off, flat_size, order = self.offsets, self.sizes, self.order
+        for i in range(lo, hi):
+            pos = i if order is None else order[i]
+            at = pos * ndim
+            if tuple(flat_off[at:at + ndim]) == offsets and tuple(flat_size[at:at + ndim]) == sizes:
+                return pos
+        return None
+
+    def overlapping(
+        self, offsets: tuple[int, ...], sizes: tuple[int, ...],
+    ) -> Iterable[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """``(position in md.chunks, offsets, sizes)`` of every chunk that may overlap the box.
+
+        Plain tuples, not ChunkBox objects: the caller's loop runs once per piece × chunk.
+        """
+        ndim = self.ndim
+        if ndim == 0 or not offsets:
             for pos in range(self.count):
-                yield pos, ChunkBox((), ())
+                yield pos, (), ()
             return
         starts = self.starts
-        lo = bisect.bisect_left(starts, box.offsets[0] - self.max_len + 1)
-        hi = bisect.bisect_left(starts, box.offsets[0] + box.sizes[0])
-        offsets, sizes, order = self.offsets, self.sizes, self.order
+        lo = bisect.bisect_left(starts, offsets[0] - self.max_len + 1)
+        hi = bisect.bisect_left(starts, offsets[0] + sizes[0])
+        flat_off, flat_size, order = self.offsets, self.sizes, self.order
         while lo < hi:
             # chunks with one dim-0 start ascend on dim 1: bisect there too
             end = bisect.bisect_right(starts, starts[lo], lo, hi)
             first, last = lo, end
             if ndim > 1:
-                first = bisect.bisect_left(self.starts1, box.offsets[1] - self.max_len1 + 1, lo, end)
-                last = bisect.bisect_left(self.starts1, box.offsets[1] + box.sizes[1], first, end)
+                first = bisect.bisect_left(self.starts1, offsets[1] - self.max_len1 + 1, lo, end)
+                last = bisect.bisect_left(self.starts1, offsets[1] + sizes[1], first, end)
             for i in range(first, last):
                 pos = i if order is None else order[i]
                 at = pos * ndim
-                yield pos, ChunkBox(tuple(offsets[at:at + ndim]), tuple(sizes[at:at + ndim]))
+                yield pos, tuple(flat_off[at:at + ndim]), tuple(flat_size[at:at + ndim])
             lo = end
 
 
@@ -124,27 +153,38 @@ def create_local_load_plan(
         if cindex is None:
             cindex = indexes[fqn] = _ChunkIndex(md)
         for box, _view in target.pieces:
-            if box.is_empty():
+            b_off, b_size = box.offsets, box.sizes
+            if 0 in b_size:
                 continue
+            dest = MetadataIndex(fqn, b_off)
+            # Plain tuples, not ChunkBox objects: this loop runs once per piece × chunk
+            # (~1 us saved per item, the per-tensor budget being ~0.1 ms in all).
+            pos = cindex.exact(b_off, b_size)
+            if pos is not None:  # the piece is a stored chunk (a same-layout load)
+                zeros = (0,) * len(b_off)
+                items.append(ReadItem(LoadItemType.TENSOR, dest, zeros, MetadataIndex(fqn, b_off, pos), zeros, b_size))
+                continue
+            volume = math.prod(b_size)
             covered = 0
-            dest = MetadataIndex(fqn, box.offsets)
-            for pos, chunk in cindex.overlapping(box):
-                inter = box.intersect(chunk)
-                if inter is None:
+            b_end = tuple(map(add, b_off, b_size))
+            for pos, c_off, c_size in cindex.overlapping(b_off, b_size):
+                lo = tuple(map(max, b_off, c_off))
+                sizes = tuple(map(sub, map(min, b_end, map(add, c_off, c_size)), lo))
+                if any(n <= 0 for n in sizes):
                     continue
-                covered += inter.volume
+                covered += math.prod(sizes)
                 items.append(ReadItem(
                     LoadItemType.TENSOR,
                     dest,
-                    inter.relative_to(box),
-                    MetadataIndex(fqn, chunk.offsets, pos),
-                    tuple(a - b for a, b in zip(inter.offsets, chunk.offsets)),
-                    inter.sizes,
+                    tuple(map(sub, lo, b_off)),
+                    MetadataIndex(fqn, c_off, pos),
+                    tuple(map(sub, lo, c_off)),
+                    sizes,
                 ))
-            if covered != box.volume:
+            if covered != volume:
                 raise MissingRegionError(
-                    f"{fqn!r}: the checkpoint does not cover the requested region offsets={list(box.offsets)} "
-                    f"sizes={list(box.sizes)} ({covered} of {box.volume} elements stored)"
+                    f"{fqn!r}: the checkpoint does not cover the requested region offsets={list(b_off)} "
+                    f"sizes={list(b_size)} ({covered} of {volume} elements stored)"
                 )
     return LoadPlan(tuple(items)), shards
 

@@ -3,6 +3,7 @@
 from hyper_parallel_dcp.core.backends import storage_writer_for
 
 from .__about__ import __version__
+from .commit import wait_for_removals
 from .filesystem import METADATA_FILE, FileSystemReader, FileSystemWriter, load_checkpoint_metadata
 from .rank_metadata import load_rank_metadata, merge_rank_metadata
 from .torch_dcp import TorchDCPReader, is_torch_dcp_checkpoint, storage_reader_for_path
@@ -19,4 +20,5 @@ __all__ = [
     "merge_rank_metadata",
     "storage_reader_for_path",
     "storage_writer_for",
+    "wait_for_removals",
 ]

@@ -5,10 +5,18 @@ A save with a global view writes into a hidden staging directory beside the targ
 and then puts the staging directory in place of the target in one step (``renameat2``
 with ``RENAME_EXCHANGE`` where the kernel has it).  Until then the old checkpoint loads;
 after a crash at any moment either the old or the new one is at the target path.
+
+The replaced checkpoint is deleted on a background thread: unlinking a GiB of files
+frees its blocks and page-cache pages in the kernel (87 ms of a 0.46 s save of 123 MiB
+per rank, on the coordinator, while every rank waits), and nothing needs it gone before
+the save returns.  A process waits for its deletions when it exits
+(:func:`wait_for_removals`); one killed first leaves a hidden ``.<name>.hp-dcp-*``
+directory, which the next save into that directory removes.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import fcntl
@@ -17,6 +25,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -32,6 +41,7 @@ __all__ = [
     "is_checkpoint_artifact",
     "remove_stale_staging",
     "staging_dir",
+    "wait_for_removals",
 ]
 
 _ARTIFACT = re.compile(
@@ -179,16 +189,48 @@ def commit_directory(staging: Path, target: Path) -> None:
                 pass
         if _exchange(staging, target):
             fsync_dir(target.parent)
-            shutil.rmtree(staging, ignore_errors=True)  # the old checkpoint, now at the staging path
+            _remove_in_background(staging)  # the old checkpoint, now at the staging path
             return
         trash = target.parent / f".{target.name}.hp-dcp-old-{os.getpid()}-{time.time_ns()}"
         os.rename(target, trash)
         os.rename(staging, target)
         fsync_dir(target.parent)
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove_in_background(trash)
         return
     os.rename(staging, target)
     fsync_dir(target.parent)
+
+
+_removals: list[threading.Thread] = []
+_removals_lock = threading.Lock()
+
+
+def _remove_in_background(path: Path) -> None:
+    """``rmtree(path)`` on a daemon thread (a replaced checkpoint: no reader can reach it)."""
+    thread = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
+                              name="hp-dcp-remove-replaced", daemon=True)
+    with _removals_lock:
+        _removals[:] = [t for t in _removals if t.is_alive()]
+        _removals.append(thread)
+    thread.start()
+
+
+def wait_for_removals(timeout: Optional[float] = None) -> bool:
+    """Wait until the replaced checkpoints this process is deleting are gone.
+
+    Returns whether all deletions finished within ``timeout`` seconds (``None``: wait).
+    Runs at interpreter exit; a benchmark calls it so that the deletion of one save does
+    not overlap the next measurement.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _removals_lock:
+        pending = list(_removals)
+    for thread in pending:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in pending)
+
+
+atexit.register(wait_for_removals)
 
 
 def _link_or_copy(src: str, dst: str | os.PathLike) -> None:

@@ -44,7 +44,7 @@ from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteR
 
 from .atomic import fsync_dir, write_file_atomic
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
-from .direct_read import read_slice_into
+from .direct_read import FileMapping, read_slice_into
 from .rank_files import with_stored_as, write_rank_files
 from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
 from .safetensors_stream import (
@@ -254,14 +254,25 @@ def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, b
 
 
 class _OpenFile:
-    """An open shard file: its checked header, and an mmap for hashing (made on first use)."""
+    """An open shard file: its checked header, an mmap for hashing and a mapping for
+    column slices (each made on first use)."""
 
     def __init__(self, path: Path, fobj: Any, size: int, header: dict[str, HeaderEntry]):
         self.path = path
         self.fobj = fobj
+        self.fd = fobj.fileno()
         self.size = size
         self.header = header
         self._map: Optional[mmap.mmap] = None
+        self._mapping: Optional[FileMapping] = None
+        self._mapping_tried = False
+
+    def mapping(self) -> Optional[FileMapping]:
+        """The file mapped for strided copies (``None`` where it cannot be mapped)."""
+        if not self._mapping_tried:
+            self._mapping_tried = True
+            self._mapping = FileMapping.open(self.fd, self.size)
+        return self._mapping
 
     def hash_range(self, offset: int, length: int) -> str:
         """xxh3-64 of the file's bytes ``[offset, offset + length)``, hashed in place (mmap)."""
@@ -277,6 +288,9 @@ class _OpenFile:
         if self._map is not None:
             self._map.close()
             self._map = None
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
         self.fobj.close()
 
 
@@ -398,13 +412,17 @@ class FileSystemReader(StorageReader):
             )
         return info
 
-    def _chunk_sizes(self, index: MetadataIndex) -> tuple[int, ...]:
+    def _chunk_sizes(self, index: MetadataIndex, md: Optional[TensorStorageMetadata] = None) -> tuple[int, ...]:
         assert self.metadata is not None
-        md = self.metadata.state_dict_metadata[index.fqn]
-        assert isinstance(md, TensorStorageMetadata)
-        if index.index is not None and index.index < len(md.chunks) and md.chunks[index.index].offsets == index.offset:
-            return md.chunks[index.index].sizes
-        for chunk in md.chunks:
+        if md is None:
+            found = self.metadata.state_dict_metadata[index.fqn]
+            assert isinstance(found, TensorStorageMetadata)
+            md = found
+        chunks = md.chunks
+        hint = index.index
+        if hint is not None and hint < len(chunks) and chunks[hint].offsets == index.offset:
+            return chunks[hint].sizes
+        for chunk in chunks:
             if chunk.offsets == index.offset:
                 return chunk.sizes
         raise CheckpointFormatError(f"{index.fqn!r}: no stored chunk at offsets {index.offset}")
@@ -432,19 +450,23 @@ class FileSystemReader(StorageReader):
         opened = self._open(info.relative_path)
         if info.key is None:
             raise CheckpointFormatError(f"{index.fqn!r}: tensor chunk stored without a key")
-        chunk_sizes = self._chunk_sizes(index)
-        where = f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
-        md = self.metadata.state_dict_metadata[index.fqn] if self.metadata else None
+        assert self.metadata is not None
+        md = self.metadata.state_dict_metadata[index.fqn]
         assert isinstance(md, TensorStorageMetadata)
+        chunk_sizes = self._chunk_sizes(index, md)
+
+        def where() -> str:  # built only for an error: this runs once per item
+            return f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
+
         if index not in self._checked:
             why = entry_mismatch(opened.header.get(info.key), info.key, md.properties.dtype, chunk_sizes,
                                  info.offset, info.length)
             if why is not None:
-                raise CorruptCheckpointError(f"{where}: {why}")
+                raise CorruptCheckpointError(f"{where()}: {why}")
             self._checked.add(index)
         if item.lengths and any(o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, chunk_sizes)):
             raise CheckpointFormatError(
-                f"{where}: requested region offsets={list(item.storage_offsets)} lengths={list(item.lengths)} "
+                f"{where()}: requested region offsets={list(item.storage_offsets)} lengths={list(item.lengths)} "
                 f"exceeds the stored chunk of size {list(chunk_sizes)}"
             )
         if self.verify:
@@ -458,12 +480,13 @@ class FileSystemReader(StorageReader):
         per chunk), and with ``verify`` the checksum of the whole stored chunk (once per
         chunk); raises ``CorruptCheckpointError`` naming file, FQN and chunk on any
         disagreement.  The bytes go from the page cache into ``dest`` with ``preadv``
-        when the slice is contiguous in the file (see ``direct_read``).
+        when the slice is contiguous in the file, with one strided copy from a mapping
+        of the file when it is a large column slice (see ``direct_read``).
         """
         info, opened, chunk_sizes, dtype = self._checked_chunk(item)
         self.bytes_read += read_slice_into(
-            opened.fobj.fileno(), str(opened.path), info.offset, chunk_sizes, dtype,
-            item.storage_offsets, item.lengths, dest,
+            opened.fd, str(opened.path), info.offset, chunk_sizes, dtype,
+            item.storage_offsets, item.lengths, dest, opened.mapping(),
         )
 
     def read_object(self, item: ReadItem) -> Any:
