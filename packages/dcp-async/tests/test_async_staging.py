@@ -156,3 +156,42 @@ def _dtensor_worker(rank: int, world_size: int) -> list[str]:
 @pytest.mark.distributed
 def test_dtensor_fast_path_values_and_placement_change() -> None:
     assert run_distributed(_dtensor_worker, 2, timeout=120) == [[], []]
+
+
+def test_start_writer_ahead_then_first_save_lands_with_its_values(tmp_path) -> None:
+    import async_test_api as dcp
+
+    from hyper_parallel_dcp.async_persist import shutdown_writer, start_writer
+    from hyper_parallel_dcp.async_persist.persist import writer_pid
+
+    shutdown_writer()
+    start_writer()
+    pid = writer_pid()
+    assert pid is not None
+    start_writer()  # a no-op while it runs
+    assert writer_pid() == pid
+    try:
+        sd = _plain_state(3)
+        expected = _expect_plain(sd)
+        resp = dcp.async_save(sd, checkpoint_id=tmp_path / "ckpt")
+        assert resp.writer_pid == pid  # the first save used the writer started ahead
+        sd["w"].zero_()  # staging owns its copy at once, also with the slab filled later
+        resp.get_result(timeout=300)
+        target = _plain_state(0)
+        target["opt"]["step"] = None
+        dcp.load(target, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+        assert _expect_plain(target).keys() == expected.keys()
+        _assert_same({k: ({(0,) * v.dim(): v} if isinstance(v, torch.Tensor) else v)
+                      for k, v in _flat(target).items()}, expected)
+    finally:
+        shutdown_writer()
+
+
+def _flat(sd: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for key, value in sd.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out

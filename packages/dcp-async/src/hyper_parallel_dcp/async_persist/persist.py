@@ -40,7 +40,7 @@ from .staging import StagingArena, StagingStats
 from .writer import CacheEntry, SaveReply, SaveRequest, cache_key, clean_planner, writer_main
 
 __all__ = ["AsyncSaveError", "AsyncSaveFailureWarning", "AsyncSaveResponse", "async_save", "shutdown_writer",
-           "staging_buffer_ptrs", "writer_pid"]
+           "staging_buffer_ptrs", "start_writer", "writer_pid"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,8 @@ class _Persister:
         self.child_slabs: set[int] = set()
         #: (key, entry object of this process's plan cache) that the writer holds too
         self.child_cache: Optional[tuple[Any, Any]] = None
+        #: the writer was started but has no request yet (it may still be importing torch)
+        self.writer_fresh = False
         self.inflight: Optional[AsyncSaveResponse] = None
         self.last: Optional[AsyncSaveResponse] = None
         self.seq = 0
@@ -205,6 +207,7 @@ class _Persister:
         self.proc, self.conn = proc, parent_end
         self.child_slabs = set()
         self.child_cache = None
+        self.writer_fresh = True
         if self._exit_hook is None:
             # Runs inside multiprocessing's exit handler *before* it joins non-daemon
             # children (which would otherwise wait forever for our idle writer).
@@ -245,6 +248,11 @@ class _Persister:
             warnings.warn(AsyncSaveFailureWarning(
                 f"the previous async_save{' into ' + last.checkpoint_id if last.checkpoint_id else ''} failed and "
                 f"its response was never checked: {type(exc).__name__}: {exc}"), stacklevel=4)
+
+    def prestart(self) -> None:
+        """Start the writer process now unless one is running (see :func:`start_writer`)."""
+        with self._lock:
+            self._ensure_process()
 
     def shutdown(self) -> None:
         """Wait for the save in flight, then stop the writer process and free the staging memory."""
@@ -365,7 +373,10 @@ class _Persister:
             mode = "files"
         tag = f"{self._mailbox_session(process_group)}-{seq}" if mode == "files" else ""
 
-        started = self._ensure_process()  # starts first: the child imports torch while we stage
+        # Started first: the child imports torch while we stage.  A writer that has not had
+        # a request yet (just started, or by start_writer()) may still be importing torch.
+        started = self._ensure_process() or self.writer_fresh
+        self.writer_fresh = False
         with phase("build_staged_state_dict", rank):
             # A writer started by this save is still importing torch (1-2 s): whatever its
             # first request needs is finished by the joining thread (a new slab's fill).
@@ -639,6 +650,17 @@ def async_save(
         no_dist=no_dist, use_collectives=use_collectives, use_gloo=use_gloo, callback=callback,
         process_group=process_group,
     )
+
+
+def start_writer() -> None:
+    """Start this process's async writer process now, in the background; returns at once.
+
+    Optional: the first :func:`async_save` starts it otherwise, and then that save's time
+    to landed includes the writer's start (it imports torch: 1-2 s).  Call it early (at
+    start-up, before the first training step) to take that off the first checkpoint.  A
+    no-op while a writer is running; :func:`shutdown_writer` stops it.
+    """
+    _get_persister().prestart()
 
 
 def staging_buffer_ptrs() -> dict[Any, int]:
