@@ -170,8 +170,8 @@ class _Persister:
         self.proc: Any = None
         self.conn: Any = None
         self.child_slabs: set[int] = set()
-        #: (key, entry object of this process's plan cache) that the writer holds too
-        self.child_cache: Optional[tuple[Any, Any]] = None
+        #: plan-cache key -> the entry object of this process's cache that the writer holds too
+        self.child_cache: dict[Any, Any] = {}
         #: the writer was started but has no request yet (it may still be importing torch)
         self.writer_fresh = False
         self.inflight: Optional[AsyncSaveResponse] = None
@@ -201,12 +201,13 @@ class _Persister:
             # CPU) overlaps the first save's staging, and on a busy host it took the cores
             # the training processes stage on (2 ranks on 2 cores: first-save blocking 3x a
             # clone).  The writer only persists in the background; training comes first.
+            assert proc.pid is not None  # started; pid 0 would mean this process
             os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + _WRITER_NICE))
         except OSError as exc:  # the process is already gone, or priorities are not ours to set
             logger.debug("async_save: cannot lower the writer's priority: %s", exc)
         self.proc, self.conn = proc, parent_end
         self.child_slabs = set()
-        self.child_cache = None
+        self.child_cache = {}
         self.writer_fresh = True
         if self._exit_hook is None:
             # Runs inside multiprocessing's exit handler *before* it joins non-daemon
@@ -390,8 +391,7 @@ class _Persister:
             rank=0 if mode == "local" else rank, world_size=1 if mode == "local" else world_size,
             no_dist=no_dist, use_collectives=use_collectives, gloo_init=gloo_init,
             mailbox_dir=mailbox_dir, mailbox_tag=tag, timeout_s=_timeout_s(), cache=cache,
-            cache_held=cache is not None and cache[1] is not None and self.child_cache is not None
-            and self.child_cache[0] == cache[0] and self.child_cache[1] is cache[1],
+            cache_held=cache is not None and cache[1] is not None and self.child_cache.get(cache[0]) is cache[1],
             save_suffix=f"-a{seq}",
         )
         if request.cache_held:
@@ -413,6 +413,7 @@ class _Persister:
                     # slab and the whole cache entry, and let the joining thread send to it
                     self._discard_process()
                     self._ensure_process()
+                    self.writer_fresh = False  # this request is its first
                     request.cache, request.cache_held = cache, False
                     deferred = request
                 except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable leaf: fails the future
@@ -435,7 +436,7 @@ class _Persister:
     def _note_cache_sent(self, cache: Optional[CacheEntry]) -> None:
         """The writer now holds ``cache`` (sent whole, or held already)."""
         if cache is not None and cache[1] is not None:
-            self.child_cache = cache
+            self.child_cache[cache[0]] = cache[1]
 
     @staticmethod
     def _cache_to_send(planner: Optional[SavePlanner], keys: Any, mode: str, rank: int, world_size: int,

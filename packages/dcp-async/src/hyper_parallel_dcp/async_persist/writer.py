@@ -107,8 +107,10 @@ class _Writer:
         key, value = req.cache
         if req.cache_held:
             value = self.held.get(key)  # missing: this save plans afresh (on every rank)
+        elif value is not None:
+            self.held[key] = value
         else:
-            self.held = {key: value} if value is not None else {}
+            self.held.pop(key, None)
         if value is not None:
             plan, metadata, fingerprint = value
             value = (replace(plan, save_id=f"{plan.save_id}{req.save_suffix}"), metadata, fingerprint)
@@ -160,7 +162,7 @@ class _Writer:
             if planner.caching:
                 reply.cache = planner.plan_cache.export(planner.cache_key())
                 if not planner.cache_hit and reply.cache[1] is not None:
-                    self.held = {reply.cache[0]: reply.cache[1]}  # what the training process installs
+                    self.held[reply.cache[0]] = reply.cache[1]  # what the training process installs
         return reply
 
 
