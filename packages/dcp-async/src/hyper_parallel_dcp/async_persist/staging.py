@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -164,6 +165,7 @@ class StagingArena:
         # a slab allocated and filled after stage() returned, see stage(defer_new_slab=True):
         # (slab id, bytes, every piece's slot in copy order, {position: private host copy})
         self._pending: Optional[tuple[int, int, list[_Slot], dict[int, torch.Tensor]]] = None
+        self._pending_lock = threading.Lock()  # complete() runs on the joining thread
 
     @property
     def slabs(self) -> dict[int, torch.Tensor]:
@@ -359,16 +361,17 @@ class StagingArena:
 
         Called before the writer maps the slabs (and by anything that reads them).
         """
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        slab_id, nbytes, slots, private = pending
-        self._slabs[slab_id] = _Slab(slab_id, nbytes, None)
-        dsts = [self._slabs[sid].view(offset, sizes, dtype) for sid, offset, sizes, dtype in slots]
-        torch._foreach_copy_([dsts[i] for i in private], list(private.values()))
-        private.clear()  # free the private copies now
-        if self._layout is not None:
-            self._layout.dsts = dsts
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+            if pending is None:
+                return
+            slab_id, nbytes, slots, private = pending
+            self._slabs[slab_id] = _Slab(slab_id, nbytes, None)
+            dsts = [self._slabs[sid].view(offset, sizes, dtype) for sid, offset, sizes, dtype in slots]
+            torch._foreach_copy_([dsts[i] for i in private], list(private.values()))
+            private.clear()  # free the private copies now
+            if self._layout is not None:
+                self._layout.dsts = dsts
 
     def _release_unused(self, live: set[int], keep: int = -1) -> None:
         """Release the slabs none of ``live`` (and not ``keep``); forget their slots."""
