@@ -8,30 +8,12 @@ import pytest
 import torch
 
 from hyper_parallel_dcp.core.testing import run_distributed
-from hyper_parallel_dcp.storage_object.testing import S3Proxy, create_bucket, s3_env, s3_server
+from hyper_parallel_dcp.storage_object.testing import TEST_BUCKET
 
-BUCKET = "ckpts"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with s3_server() as url:
-        create_bucket(url, BUCKET)
-        yield url
+BUCKET = TEST_BUCKET
+pytest_plugins = ("hyper_parallel_dcp.storage_object.testing",)
 
 
-@pytest.fixture
-def proxy(server):
-    with S3Proxy(server) as p:
-        yield p
-
-
-@pytest.fixture
-def env(proxy, monkeypatch):
-    values = s3_env(proxy.url)
-    for k, v in values.items():
-        monkeypatch.setenv(k, v)
-    return values
 
 
 def _full():
@@ -50,22 +32,22 @@ def _broadcast_worker(rank, world_size, url, full):
 
 
 @pytest.mark.distributed
-def test_broadcast_load_fetches_each_replicated_byte_once(env, proxy):
+def test_broadcast_load_fetches_each_replicated_byte_once(s3_test_env, s3_proxy):
     import hyper_parallel_dcp as dcp
 
     url = f"s3://{BUCKET}/bcast"
     full = _full()
     dcp.save(full, checkpoint_id=url, no_dist=True)
     needed = sum(v.numel() * v.element_size() for v in full.values())
-    proxy.reset_counts()
-    assert run_distributed(_broadcast_worker, 2, url, full, env=env) == [[], []]
-    fetched = proxy.get_bytes[f"/{BUCKET}/bcast/_rank0_.safetensors"]
+    s3_proxy.reset_counts()
+    assert run_distributed(_broadcast_worker, 2, url, full, env=s3_test_env) == [[], []]
+    fetched = s3_proxy.get_bytes[f"/{BUCKET}/bcast/_rank0_.safetensors"]
     # plain tensors are replicated on both ranks: one rank reads them, the other receives
     assert fetched == needed, (fetched, needed)
 
 
 # ------------------------------------------------------------------------- async save
-def test_async_save_to_s3(env, proxy):
+def test_async_save_to_s3(s3_test_env, s3_proxy):
     import hyper_parallel_dcp as dcp
 
     url = f"s3://{BUCKET}/async/step_5"
@@ -78,7 +60,7 @@ def test_async_save_to_s3(env, proxy):
 
 
 # ------------------------------------------------------------ hp-dcp and hp-dcp-convert
-def test_tools_on_s3_urls(env, proxy, tmp_path, capsys):
+def test_tools_on_s3_urls(s3_test_env, s3_proxy, tmp_path, capsys):
     import json
 
     import hyper_parallel_dcp as dcp

@@ -203,7 +203,8 @@ class CheckpointManager:
             self._used_async = True
             staging_error: Optional[BaseException] = None
             try:
-                self._inflight = (step, async_save(state_dict, checkpoint_id=location))
+                self._inflight = (step, async_save(state_dict, checkpoint_id=location,
+                                                   use_gloo=self._async_needs_gloo(location)))
             except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
                 staging_error = exc
             # One collective: a staging error on any rank is raised on all of them (none is left
@@ -402,6 +403,17 @@ class CheckpointManager:
             logger.exception("checkpoint manager: close() failed while handling another exception")
 
     # -- internals ---------------------------------------------------------------------------
+    @staticmethod
+    def _async_needs_gloo(location: str) -> bool:
+        """Several ranks saving asynchronously to a URL (``s3://``): the writers exchange
+        plans through their own gloo group (the default exchanges files in the checkpoint
+        directory, which a bucket is not)."""
+        import torch.distributed as dist
+
+        from hyper_parallel_dcp.core.backends import url_scheme
+
+        return url_scheme(location) != "file" and dist.is_initialized() and dist.get_world_size() > 1
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"CheckpointManager({self.root!r}) is closed")

@@ -5,7 +5,8 @@ A manager root holds one checkpoint per saved step, ``root/step_N`` (``N`` writt
 :class:`FileSystemSteps` answers, for a filesystem root: which steps exist and which are
 complete (``.metadata`` present, §4), their size, age and stored info (metrics), removes
 a step crash-safely, and finds and removes what saves that died left behind.  An object
-store gets its own class with the same methods (:func:`step_storage_for` picks by URL).
+store's package registers its own class with the same methods (``storage_object.steps``;
+:func:`step_storage_for` picks by URL scheme through the backend registry).
 
 What a killed save leaves on a filesystem (read from ``storage_fs/commit.py`` and
 ``async_persist/mailbox.py``, and seen by killing saves):
@@ -35,82 +36,25 @@ import os
 import re
 import shutil
 import time
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional, Protocol, Union
+from typing import Any, Iterator, Optional, Union
 
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
+from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, StepStorage, parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.commit import SaveLock, is_checkpoint_artifact
 
-__all__ = ["INFO_FILE", "FileSystemSteps", "Leftover", "StepEntry", "StepStorage", "step_name", "step_storage_for"]
+__all__ = [
+    "INFO_FILE", "FileSystemSteps", "Leftover", "StepEntry", "StepStorage", "parse_step_name", "step_name",
+    "step_storage_for",
+]
 
 logger = logging.getLogger(__name__)
 
-#: The manager's small per-step JSON (step, time, metrics), written into the step directory
-#: before the save commits, so the commit carries it into the checkpoint.
-INFO_FILE = "hp-dcp-step.json"
 _METADATA = ".metadata"
-_STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
 _HIDDEN = re.compile(r"^\.step_(0|[1-9][0-9]*)\.hp-dcp-(staging|old|lock|readlock)(-.*)?$")
 _RANK_METADATA = re.compile(r"^\d+\.metadata$")  # a rank-local save (use_collectives=False): loadable, not ours
 _MAILBOX = re.compile(r"^((LOCAL_PLAN|STORAGE_DATA)_\d+\.pkl(\.done)?|\.hp-dcp-mailbox-.*|.*\.hp-dcp-tmp)$")
-
-
-def step_name(step: int) -> str:
-    """The directory name of ``step``: ``step_N``."""
-    return f"step_{step}"
-
-
-def parse_step_name(name: str) -> Optional[int]:
-    """``N`` for a directory name ``step_N`` (canonical integer), else ``None``."""
-    match = _STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
-
-
-@dataclass(frozen=True)
-class StepEntry:
-    """One ``step_N`` directory: where it is and whether its save committed ``.metadata``."""
-
-    step: int
-    location: str
-    complete: bool
-
-
-@dataclass(frozen=True)
-class Leftover:
-    """Something a dead save left: ``kind`` is ``staging``, ``old``, ``lock``, ``readlock``,
-    ``mailbox`` (files inside a step directory) or ``incomplete`` (a whole step directory)."""
-
-    step: int
-    kind: str
-    location: str
-    bytes: int
-    paths: tuple[str, ...] = field(default=())
-
-
-class StepStorage(Protocol):
-    """What the manager and ``hp-dcp ls``/``clean`` need from a root; :class:`FileSystemSteps`
-    is the filesystem one.  An object-store implementation provides the same methods
-    (its ``remove_step`` must first make the step incomplete, e.g. delete ``.metadata``)."""
-
-    root: Any
-
-    def check_root(self) -> None: ...
-    def location(self, step: int) -> str: ...
-    def list_steps(self) -> list[StepEntry]: ...
-    def is_complete(self, step: int) -> bool: ...
-    def completeness_problems(self, step: int) -> list[str]: ...
-    def size_bytes(self, step: int) -> int: ...
-    def saved_at(self, step: int) -> Optional[float]: ...
-    def read_info(self, step: int) -> Optional[dict[str, Any]]: ...
-    def write_info(self, step: int, info: dict[str, Any]) -> None: ...
-    def remove_step(self, step: int) -> bool: ...
-    def reading(self, step: int) -> AbstractContextManager[None]: ...
-    def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
-                       max_step: Optional[int] = None, grace: float = 0.0,
-                       check_running: bool = True) -> list[Leftover]: ...
-    def remove_leftover(self, item: Leftover) -> bool: ...
 
 
 def _tree_bytes(path: str) -> int:
@@ -450,13 +394,22 @@ class FileSystemSteps:
 
 
 def step_storage_for(root: Union[str, os.PathLike]) -> StepStorage:
-    """The step storage of a manager root: a filesystem path, or a URL of a backend that has one.
+    """The step storage of a manager root: :class:`FileSystemSteps` for a path, else the one
+    the storage backend of the URL's scheme registers (``s3://``: the storage-object package).
 
-    Raises ``ValueError`` for a URL scheme no step storage exists for.
+    Raises ``UnknownSchemeError`` (a ``ValueError``) naming the package to install for a
+    scheme without a backend, ``ValueError`` for a backend without step storage.
     """
+    from hyper_parallel_dcp.core.backends import backend_for, url_scheme
+
     text = os.fspath(root)
-    if "://" in str(text):
-        scheme = str(text).split("://", 1)[0]
-        raise ValueError(f"CheckpointManager has no step storage for {scheme}:// roots yet ({text}); "
-                         "use a filesystem path")
-    return FileSystemSteps(text)
+    if url_scheme(text) == "file":
+        from hyper_parallel_dcp.storage_fs.backend import local_path
+
+        return FileSystemSteps(local_path(text))
+    backend = backend_for(text)
+    if backend.steps is None:
+        raise ValueError(f"the storage backend for {backend.scheme}:// has no step storage; CheckpointManager "
+                         f"cannot manage {text}")
+    steps: StepStorage = backend.steps(text)
+    return steps

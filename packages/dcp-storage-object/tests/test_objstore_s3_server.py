@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from hyper_parallel_dcp.core.testing import run_distributed
-from hyper_parallel_dcp.storage_object import ObjectStoreError, ObjectStoreSettings
-from hyper_parallel_dcp.storage_object.testing import S3Proxy, create_bucket, free_port, s3_env, s3_server
+from hyper_parallel_dcp.storage_object import ObjectStoreError, ObjectStoreSettings, ObjectStoreWriter
+from hyper_parallel_dcp.storage_object.testing import TEST_BUCKET, S3Proxy, free_port, s3_env, s3_server
 
-BUCKET = "ckpts"
+BUCKET = TEST_BUCKET
+pytest_plugins = ("hyper_parallel_dcp.storage_object.testing",)
 
 
 def _save(state_dict, url, writer=None):
@@ -38,25 +39,6 @@ def _load(state_dict, url, reader=None, no_dist=True):
     load_state_dict(state_dict, storage_reader_for(url, reader), no_dist=no_dist)
 
 
-@pytest.fixture(scope="module")
-def server():
-    with s3_server() as url:
-        create_bucket(url, BUCKET)
-        yield url
-
-
-@pytest.fixture
-def proxy(server):
-    with S3Proxy(server) as p:
-        yield p
-
-
-@pytest.fixture
-def env(proxy, monkeypatch):
-    values = s3_env(proxy.url)
-    for k, v in values.items():
-        monkeypatch.setenv(k, v)
-    return values
 
 
 def _full():
@@ -98,11 +80,11 @@ def _load_worker(rank, world_size, url, full):
 
 
 @pytest.mark.distributed
-def test_save_4_ranks_load_resharded_on_2(env, proxy):
+def test_save_4_ranks_load_resharded_on_2(s3_test_env, s3_proxy):
     url = f"s3://{BUCKET}/run/step_1"
     full = _full()
-    run_distributed(_save_worker, 4, url, full, env=env)
-    results = run_distributed(_load_worker, 2, url, full, env=env)
+    run_distributed(_save_worker, 4, url, full, env=s3_test_env)
+    results = run_distributed(_load_worker, 2, url, full, env=s3_test_env)
     assert results == [([], 12), ([], 12)]
     from hyper_parallel_dcp.storage_fs.integrity import verify_checkpoint
 
@@ -130,17 +112,17 @@ def _list(proxy_url, prefix):
     return sorted(objects), uploads
 
 
-def test_killed_save_leaves_no_metadata_and_next_save_cleans_up(env, proxy):
+def test_killed_save_leaves_no_metadata_and_next_save_cleans_up(s3_test_env, s3_proxy):
     url = f"s3://{BUCKET}/killed/step_2"
     old = {"a": torch.arange(10.0), "b": torch.ones(3)}
     _save(old, url)
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, url], env={**os.environ, **env})
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, url], env={**os.environ, **s3_test_env})
     try:
-        assert proxy.first_part.wait(120), "the save never uploaded a part"
+        assert s3_proxy.first_part.wait(120), "the save never uploaded a part"
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(30)
-    objects, uploads = _list(proxy.url, "killed/")
+    objects, uploads = _list(s3_proxy.url, "killed/")
     # documented rule: the old checkpoint is gone once a new save starts; no .metadata
     # describes objects that are not there
     assert "killed/step_2/.metadata" not in objects
@@ -149,8 +131,13 @@ def test_killed_save_leaves_no_metadata_and_next_save_cleans_up(env, proxy):
         _load({"a": torch.zeros(10)}, url)
     # the next save to the id removes the leftovers and commits a complete checkpoint
     new = {"c": torch.arange(6.0)}
-    _save(new, url)
-    objects, uploads = _list(proxy.url, "killed/")
+    # the killed save's lock object is still there, fresh (60 s by default) but its holder,
+    # on this machine, is gone: taken over at once rather than after it turns stale
+    assert "killed/.step_2.hp-dcp-lock" in objects
+    started = time.monotonic()
+    _save(new, None, ObjectStoreWriter(url, settings=ObjectStoreSettings(lock_stale_after=600)))
+    assert time.monotonic() - started < 60
+    objects, uploads = _list(s3_proxy.url, "killed/")
     assert objects == ["killed/step_2/.metadata", "killed/step_2/_rank0_.safetensors"] and uploads == []
     sd = {"c": torch.zeros(6)}
     _load(sd, url)
@@ -159,7 +146,7 @@ def test_killed_save_leaves_no_metadata_and_next_save_cleans_up(env, proxy):
 
 # --------------------------------------------------------------------------- faults
 @pytest.mark.parametrize("fault", ["503", "drop"])
-def test_faulty_server_checkpoint_still_correct_and_retries_logged(server, monkeypatch, fault):
+def test_faulty_server_checkpoint_still_correct_and_retries_logged(s3_endpoint, monkeypatch, fault):
     from hyper_parallel_dcp.storage_object import ObjectStoreReader, ObjectStoreWriter
 
     records: list[logging.LogRecord] = []
@@ -175,7 +162,7 @@ def test_faulty_server_checkpoint_still_correct_and_retries_logged(server, monke
     settings = ObjectStoreSettings(part_size=5 << 20, multipart_threshold=5 << 20, range_size=1 << 20,
                                    backoff_base=0.01, read_timeout=10)
     try:
-        with S3Proxy(server, fail_every=4, fault=fault) as proxy:
+        with S3Proxy(s3_endpoint, fail_every=4, fault=fault) as proxy:
             for k, v in s3_env(proxy.url).items():
                 monkeypatch.setenv(k, v)
             url = f"s3://{BUCKET}/faulty-{fault}"
@@ -196,7 +183,7 @@ def test_faulty_server_checkpoint_still_correct_and_retries_logged(server, monke
 
 
 # ------------------------------------------------------------------ permanent errors
-def test_missing_bucket_names_it(env):
+def test_missing_bucket_names_it(s3_test_env):
     started = time.monotonic()
     with pytest.raises(Exception, match="no-such-bucket") as info:
         _save({"a": torch.ones(2)}, "s3://no-such-bucket/x")
@@ -231,7 +218,7 @@ def test_unreachable_endpoint_fails_within_the_timeout(monkeypatch):
 
 
 # -------------------------------------------- what checkpoint retention needs from a root
-def test_object_files_primitives_for_a_root_of_steps(env, proxy):
+def test_object_files_primitives_for_a_root_of_steps(s3_test_env, s3_proxy):
     from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
     from hyper_parallel_dcp.storage_fs.integrity import check_complete, find_latest_checkpoint
     from hyper_parallel_dcp.storage_object import ObjectFiles, ObjectStore

@@ -66,3 +66,10 @@ def test_settings_validated():
         ObjectStoreSettings(part_size=1 << 20)
     with pytest.raises(ValueError, match="read_concurrency"):
         ObjectStoreSettings(read_concurrency=0)
+
+
+def test_gs_and_az_urls_say_what_to_do_instead():
+    with pytest.raises(UnknownSchemeError, match=r"'gs://'.*storage.googleapis.com.*s3://BUCKET.*untested"):
+        storage_writer_for("gs://bkt/run/step_1", None)
+    with pytest.raises(UnknownSchemeError, match=r"'az://'.*Azure Blob Storage.*mounted path"):
+        backend_for("az://container/run")

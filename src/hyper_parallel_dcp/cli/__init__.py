@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="hp-dcp",
-        description="Tools for hyper-parallel-dcp checkpoints (directories written by hyper_parallel_dcp.save).",
+        description="Tools for hyper-parallel-dcp checkpoints (directories or s3:// URLs written by "
+                    "hyper_parallel_dcp.save).",
         epilog="run 'hp-dcp COMMAND --help' for the options of a command\n"
                "a checkpoint to try them on:  python -m hyper_parallel_dcp --keep /tmp/hp-demo  "
                "(then: hp-dcp inspect /tmp/hp-demo/step_1000)\n" + _EXIT_CODES,
@@ -79,7 +80,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
                     "and the files and bytes each rank wrote.  Reads metadata only.",
         epilog="example:  hp-dcp inspect /ckpt/step_1000 --json\n" + _EXIT_CODES + " (1: not complete)",
         formatter_class=_RAW)
-    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or s3:// URL")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--chunks", action="store_true",
                    help="also list every stored chunk (offsets, sizes, file, byte offset, checksum)")
@@ -93,7 +94,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
                     "with the one recorded at save time.  Names the file, FQN and chunk of every problem.",
         epilog="example:  hp-dcp verify /ckpt/step_1000\n" + _EXIT_CODES + " (1: incomplete or corrupt)",
         formatter_class=_RAW)
-    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or s3:// URL")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -103,7 +104,7 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
         description="Simulate loading CKPT into the layout described by --target, without processes or "
                     "accelerators, using the same planner code as hyper_parallel_dcp.load.",
         epilog=_EXPLAIN_EPILOG, formatter_class=_RAW)
-    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or s3:// URL")
     p.add_argument("--target", "-t", metavar="SPEC", required=True, help="target layout file (.json, .yaml)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--keys", action="store_true", help="also list the placements chosen for every key")
@@ -120,8 +121,8 @@ def _add_diff(sub: argparse._SubParsersAction) -> None:
         epilog="example:  hp-dcp diff /ckpt/step_1000 /ckpt/step_1000_resumed --rtol 1e-6\n"
                + _EXIT_CODES + " (1: they differ)",
         formatter_class=_RAW)
-    p.add_argument("a", metavar="A", help="first checkpoint directory")
-    p.add_argument("b", metavar="B", help="second checkpoint directory")
+    p.add_argument("a", metavar="A", help="first checkpoint (directory or s3:// URL)")
+    p.add_argument("b", metavar="B", help="second checkpoint (directory or s3:// URL)")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
     p.add_argument("--all", action="store_true", help="list equal keys too, not only those that differ")
@@ -141,7 +142,7 @@ def _add_latest(sub: argparse._SubParsersAction) -> None:
         epilog="example:  CKPT=$(hp-dcp latest /ckpt) && echo resuming from $CKPT\n"
                + _EXIT_CODES + " (1: no complete checkpoint)",
         formatter_class=_RAW)
-    p.add_argument("root", metavar="ROOT", help="directory holding one subdirectory per saved step")
+    p.add_argument("root", metavar="ROOT", help="directory (or s3:// prefix) holding one subdirectory per saved step")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -153,7 +154,7 @@ def _add_ls(sub: argparse._SubParsersAction) -> None:
                     "then what interrupted saves left behind (see 'hp-dcp clean').  Reads only; changes nothing.",
         epilog="example:  hp-dcp ls /ckpt --json\n" + _EXIT_CODES,
         formatter_class=_RAW)
-    p.add_argument("root", metavar="ROOT", help="directory holding step_N subdirectories")
+    p.add_argument("root", metavar="ROOT", help="directory or s3:// prefix holding step_N subdirectories")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -164,10 +165,12 @@ def _add_clean(sub: argparse._SubParsersAction) -> None:
                     "(.step_N.hp-dcp-staging-*, .step_N.hp-dcp-old-*), lock files nobody holds, async-save mailbox "
                     "files, and step directories without .metadata older than the newest complete step.  A save "
                     "that is still running (it holds its lock) is never touched, nor anything modified in the last "
-                    "--grace seconds, nor any file or directory that is not a checkpoint's.",
+                    "--grace seconds, nor any file or directory that is not a checkpoint's.  On an s3:// root: "
+                    "step_N/ prefixes without .metadata older than the newest complete step, and lock objects "
+                    "not renewed for HP_DCP_OBJECT_LOCK_STALE_AFTER seconds (or whose holder ran here and is gone).",
         epilog="example:  hp-dcp clean /ckpt --dry-run\n" + _EXIT_CODES + " (1: something was in use and kept)",
         formatter_class=_RAW)
-    p.add_argument("root", metavar="ROOT", help="directory holding step_N subdirectories")
+    p.add_argument("root", metavar="ROOT", help="directory or s3:// prefix holding step_N subdirectories")
     p.add_argument("--dry-run", "-n", action="store_true", help="only list what would be removed")
     p.add_argument("--grace", type=float, default=60.0, metavar="SECONDS",
                    help="leave anything modified in the last SECONDS alone (default 60; 0 once the job is gone)")

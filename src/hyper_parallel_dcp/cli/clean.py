@@ -11,14 +11,14 @@ __all__ = ["run"]
 
 def run(args: Any) -> int:
     """Remove (or with ``--dry-run`` list) the leftovers; exit 1 when one could not be removed."""
-    from hyper_parallel_dcp.step_storage import FileSystemSteps
+    from hyper_parallel_dcp.step_storage import step_storage_for
 
     root = existing_dir(args.root, "checkpoint root")
     if args.grace < 0:
         from ._common import UsageError
 
         raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
-    steps = FileSystemSteps(root)
+    steps = step_storage_for(root)
     complete = [e.step for e in steps.list_steps() if e.complete]
     newest = complete[-1] if complete else None
     found = steps.find_leftovers(older_than=newest, grace=args.grace)

@@ -1,8 +1,8 @@
 """``hp-dcp diff``: per-tensor differences between two checkpoints, streamed.
 
 Tensors are compared one at a time, in row blocks of at most ``block_bytes`` per side,
-each block read through the normal load path (``StandardLoadPlanner`` +
-``FileSystemReader.execute_read`` into a buffer covering just that block), so memory stays
+each block read through the normal load path (``StandardLoadPlanner`` + the storage
+reader of the checkpoint's backend, a directory or ``s3://``, into a buffer covering just that block), so memory stays
 near two blocks whatever the checkpoint size, and the two checkpoints may have been saved
 with different layouts.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, print_json, print_table, progress
@@ -42,8 +41,8 @@ class TensorDiff:
 class DiffResult:
     """Result of :func:`diff_checkpoints`."""
 
-    a: Path
-    b: Path
+    a: Any  # a Path, or a URL (s3://...)
+    b: Any
     keys: list[TensorDiff] = field(default_factory=list)
     only_in_a: list[str] = field(default_factory=list)
     only_in_b: list[str] = field(default_factory=list)
@@ -56,11 +55,17 @@ class DiffResult:
 class _Side:
     """One checkpoint opened for block reads through the standard load path."""
 
-    def __init__(self, path: Path):
-        from hyper_parallel_dcp.storage_fs import storage_reader_for_path
+    def __init__(self, path: Any):
+        from hyper_parallel_dcp.core.backends import storage_reader_for, url_scheme
 
         self.path = path
-        self.reader = storage_reader_for_path(path)
+        self.reader: Any
+        if url_scheme(str(path)) == "file":
+            from hyper_parallel_dcp.storage_fs import storage_reader_for_path
+
+            self.reader = storage_reader_for_path(path)  # also a torch.distributed.checkpoint directory
+        else:
+            self.reader = storage_reader_for(str(path), None)
         self.metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(self.metadata, is_coordinator=True, rank=0)
 
@@ -92,12 +97,13 @@ class _Side:
         return set(self.metadata.rank_objects.get(fqn, {}))
 
     def object_blob(self, fqn: str, rank: int = 0) -> bytes:
-        import os
+        from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
 
         info = self.metadata.object_storage(fqn, rank)
         assert info is not None, fqn
-        with open(self.path / info.relative_path, "rb") as f:
-            return os.pread(f.fileno(), info.length, info.offset)
+        with as_checkpoint_files(str(self.path)).open(info.relative_path) as f:
+            f.seek(info.offset)
+            return f.read(info.length)
 
 
 def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, float, int]:
@@ -188,7 +194,7 @@ def _diff_object(fqn: str, sa: _Side, sb: _Side) -> TensorDiff:
     return TensorDiff(fqn, False, "object differs")
 
 
-def diff_checkpoints(a: Path, b: Path, *, atol: float = 0.0, rtol: float = 0.0,
+def diff_checkpoints(a: Any, b: Any, *, atol: float = 0.0, rtol: float = 0.0,
                      block_bytes: int = DEFAULT_BLOCK_BYTES, show_progress: bool = True) -> DiffResult:
     """Compare every key of the checkpoints at ``a`` and ``b``.
 

@@ -30,10 +30,10 @@ def _metrics_text(metrics: Any) -> str:
 
 def run(args: Any) -> int:
     """List the steps (exit 0); a root that is not a directory is a usage error."""
-    from hyper_parallel_dcp.step_storage import FileSystemSteps
+    from hyper_parallel_dcp.step_storage import step_storage_for
 
     root = existing_dir(args.root, "checkpoint root")
-    steps = FileSystemSteps(root)
+    steps = step_storage_for(root)
     now = time.time()
     rows: list[dict[str, Any]] = []
     for entry in steps.list_steps():

@@ -36,6 +36,17 @@ _PROVIDERS = {
     "file": "hyper-parallel-dcp-storage-fs",
     "s3": "hyper-parallel-dcp-storage-object (pip install 'hyper-parallel-dcp[s3]')",
 }
+#: Schemes no package provides, and what to do instead (nothing here is claimed to work
+#: that was not tested: GCS's S3-compatible XML API was not tried).
+_NOT_PROVIDED = {
+    "gs": "Google Cloud Storage has no native backend; its S3-compatible XML API may serve through the "
+          "s3:// backend (AWS_ENDPOINT_URL=https://storage.googleapis.com, HMAC keys in AWS_ACCESS_KEY_ID / "
+          "AWS_SECRET_ACCESS_KEY, then s3://BUCKET/...), untested by this project",
+    "gcs": "use s3:// through Google Cloud Storage's S3-compatible XML API (see gs://), untested by this project",
+    "az": "Azure Blob Storage has no backend here (it has no S3 API); save to a local or mounted path "
+          "(e.g. blobfuse2) instead",
+    "abfs": "Azure Blob Storage has no backend here (see az://)",
+}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 CheckpointId = Union[str, os.PathLike]
@@ -52,13 +63,16 @@ class StorageBackend:
     ``writer(checkpoint_id)`` and ``reader(checkpoint_id, verify=...)`` build a fresh
     writer/reader for ``checkpoint_id`` (``verify=None``: the reader's default);
     ``files(location)`` the location's ``CheckpointFiles`` (list, size, read, delete: what
-    the integrity checks, the ``hp-dcp`` tools and retention use).
+    the integrity checks, the ``hp-dcp`` tools and retention use); ``steps(root)`` the
+    :class:`~hyper_parallel_dcp.core.steps.StepStorage` of a checkpoint-manager root
+    (``CheckpointManager``, ``hp-dcp ls``/``clean``), ``None`` when the scheme has none.
     """
 
     scheme: str
     writer: Callable[[CheckpointId], StorageWriter]
     reader: Callable[..., StorageReader]
     files: Optional[Callable[[CheckpointId], Any]] = None
+    steps: Optional[Callable[[CheckpointId], Any]] = None
 
 
 _registry: dict[str, StorageBackend] = {}
@@ -107,6 +121,9 @@ def backend_for(checkpoint_id: CheckpointId) -> StorageBackend:
         _load_entry_points()
         backend = _registry.get(scheme)
     if backend is None:
+        if scheme in _NOT_PROVIDED:
+            raise UnknownSchemeError(f"checkpoint_id {os.fspath(checkpoint_id)!r}: hyper-parallel-dcp has no "
+                                     f"storage backend for '{scheme}://'; {_NOT_PROVIDED[scheme]}")
         provider = _PROVIDERS.get(scheme)
         hint = f"install {provider}" if provider else "no hyper-parallel-dcp package supports it"
         raise UnknownSchemeError(f"checkpoint_id {os.fspath(checkpoint_id)!r}: no storage backend for "

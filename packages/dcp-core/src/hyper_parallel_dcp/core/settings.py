@@ -36,6 +36,7 @@ __all__ = [
     "FILES_KEPT",
     "LOG_CONFIG",
     "MAILBOX_POLL_MAX",
+    "OBJECT_LOCK_STALE_AFTER",
     "READ_AHEAD",
     "SETTINGS",
     "Setting",
@@ -139,6 +140,10 @@ READ_AHEAD: Setting[int] = Setting(
 BROADCASTS_IN_FLIGHT: Setting[int] = Setting(
     "HP_DCP_BROADCASTS_IN_FLIGHT", 8, _positive_int,
     "broadcasts a broadcast load keeps outstanding (each holds up to broadcast_batch_bytes of staging)")
+OBJECT_LOCK_STALE_AFTER: Setting[float] = Setting(
+    "HP_DCP_OBJECT_LOCK_STALE_AFTER", 60.0, _seconds,
+    "object storage: seconds after which a save's lock object that was not renewed counts as left by a "
+    "dead save (taken over by the next save, removed by retention); holders renew it every sixth of that")
 FAULT: Setting[str] = Setting(
     "HP_DCP_FAULT", "", _text,
     "test hook: <phase>@<rank>[,...] makes that rank SIGKILL itself at that checkpoint phase "
@@ -153,5 +158,5 @@ LOG_CONFIG: Setting[str] = Setting(
 #: Every setting, in the order ``docs/tuning.md`` lists them.
 SETTINGS: tuple[Setting, ...] = (
     LOG_CONFIG, COLLECTIVE_TIMEOUT, ASYNC_TIMEOUT, ASYNC_GLOO_PORT, ASYNC_SHUTDOWN_TIMEOUT, MAILBOX_POLL_MAX,
-    FILES_KEPT, READ_AHEAD, BROADCASTS_IN_FLIGHT, FAULT, FAULT_ONCE,
+    FILES_KEPT, READ_AHEAD, BROADCASTS_IN_FLIGHT, OBJECT_LOCK_STALE_AFTER, FAULT, FAULT_ONCE,
 )

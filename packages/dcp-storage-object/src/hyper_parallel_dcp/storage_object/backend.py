@@ -9,6 +9,7 @@ from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 
 from .files import object_files
 from .reader import ObjectStoreReader
+from .steps import object_steps
 from .writer import ObjectStoreWriter
 
 __all__ = ["S3_BACKEND"]
@@ -22,4 +23,4 @@ def _reader(checkpoint_id: Any, *, verify: Optional[bool] = None) -> StorageRead
     return ObjectStoreReader(str(checkpoint_id), verify=bool(verify))
 
 
-S3_BACKEND = StorageBackend("s3", _writer, _reader, object_files)
+S3_BACKEND = StorageBackend("s3", _writer, _reader, object_files, object_steps)

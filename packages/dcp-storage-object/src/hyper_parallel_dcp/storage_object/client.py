@@ -21,10 +21,11 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointNotFoundError
+from hyper_parallel_dcp.core.settings import OBJECT_LOCK_STALE_AFTER
 from hyper_parallel_dcp.core.timing import configure_from_env
 
 __all__ = ["ObjectStore", "ObjectStoreError", "ObjectStoreSettings", "parse_url"]
@@ -47,6 +48,10 @@ class ObjectStoreSettings:
     bytes.  ``connect_timeout`` / ``read_timeout`` bound every request (seconds);
     ``max_attempts`` tries per request, backoff ``backoff_base * 2**n`` (jittered,
     capped at ``backoff_max``).  ``endpoint_url`` overrides ``AWS_ENDPOINT_URL``.
+    ``lock_refresh``: how often a save rewrites its lock object (default a sixth of
+    ``lock_stale_after``); ``lock_stale_after`` (default ``HP_DCP_OBJECT_LOCK_STALE_AFTER``,
+    60 s): a lock not rewritten for that long was left by a dead save and is taken over
+    (``locks.py``).
     """
 
     part_size: int = 16 * MiB
@@ -60,8 +65,12 @@ class ObjectStoreSettings:
     backoff_base: float = 0.2
     backoff_max: float = 10.0
     endpoint_url: Optional[str] = None
+    lock_stale_after: float = field(default_factory=OBJECT_LOCK_STALE_AFTER.get)
+    lock_refresh: float = 0.0  # 0: a sixth of lock_stale_after
 
     def __post_init__(self) -> None:
+        if not self.lock_refresh:
+            object.__setattr__(self, "lock_refresh", self.lock_stale_after / 6)
         if self.part_size < 5 * MiB:
             raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {self.part_size}")
         if self.multipart_threshold < self.part_size:
@@ -71,6 +80,9 @@ class ObjectStoreSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
             raise ValueError("timeouts must be positive")
+        if not 0 < self.lock_refresh < self.lock_stale_after:
+            raise ValueError(f"lock_refresh must be positive and below lock_stale_after, got {self.lock_refresh} "
+                             f"and {self.lock_stale_after}")
 
 
 class ObjectStoreError(CheckpointError, OSError):
@@ -170,6 +182,10 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _status(exc: Any) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
 class _ShortBody(Exception):
     """A response body ended before its length (the connection was cut)."""
 
@@ -261,6 +277,59 @@ class ObjectStore:
         """One PUT of ``data`` (bytes-like) to ``key``."""
         self._call("PUT", key, lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=data))
 
+    def put_if(self, key: str, data: bytes, *, absent: bool = False, etag: Optional[str] = None) -> Optional[str]:
+        """A conditional PUT: with ``absent`` only when ``key`` does not exist
+        (``If-None-Match: *``), with ``etag`` only when the object still has that ETag
+        (``If-Match``).  Returns the new object's ETag, ``None`` when the condition failed
+        (HTTP 412, or 409 for a conditional write racing another)."""
+        import botocore.exceptions as bx
+
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": data}
+        if absent:
+            kwargs["IfNoneMatch"] = "*"
+        if etag is not None:
+            kwargs["IfMatch"] = etag
+
+        def run() -> Optional[str]:
+            try:
+                return str(self.client.put_object(**kwargs)["ETag"])
+            except bx.ClientError as exc:
+                if _status(exc) in (412, 409) or (etag is not None and _status(exc) == 404):
+                    return None
+                raise
+
+        return self._call("PUT", key, run)
+
+    def delete_if(self, key: str, etag: str) -> bool:
+        """Delete ``key`` only while it has ``etag`` (``If-Match``); False when it changed or is gone."""
+        import botocore.exceptions as bx
+
+        def run() -> bool:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
+                return True
+            except bx.ClientError as exc:
+                if _status(exc) in (412, 404, 409):
+                    return False
+                raise
+
+        return self._call("DELETE", key, run)
+
+    def stat(self, key: str) -> Optional[tuple[int, float, str]]:
+        """``(size, last-modified epoch seconds, ETag)`` of ``key``, or None when it does not exist."""
+        import botocore.exceptions as bx
+
+        def head() -> Optional[tuple[int, float, str]]:
+            try:
+                resp = self.client.head_object(Bucket=self.bucket, Key=key)
+            except bx.ClientError as exc:
+                if _status(exc) == 404:
+                    return None
+                raise
+            return int(resp["ContentLength"]), resp["LastModified"].timestamp(), str(resp["ETag"])
+
+        return self._call("HEAD", key, head)
+
     def get(self, key: str) -> bytes:
         """The whole object; :class:`CheckpointNotFoundError` when it does not exist."""
         def fetch() -> bytes:
@@ -327,6 +396,12 @@ class ObjectStore:
     def list_objects(self, prefix: str, delimiter: Optional[str] = None) -> Iterator[tuple[str, int]]:
         """``(key, size)`` of the objects under ``prefix`` (with ``delimiter``: this level
         only; sub-prefixes are yielded as ``(prefix, -1)``)."""
+        for key, size, _ in self.list_modified(prefix, delimiter):
+            yield key, size
+
+    def list_modified(self, prefix: str, delimiter: Optional[str] = None) -> Iterator[tuple[str, int, float]]:
+        """As :meth:`list_objects`, with each object's last-modified time (epoch seconds;
+        ``0.0`` for a sub-prefix)."""
         token: Optional[str] = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
@@ -336,15 +411,15 @@ class ObjectStore:
                 kwargs["ContinuationToken"] = token
             page: dict[str, Any] = self._call("LIST", prefix, functools.partial(self.client.list_objects_v2, **kwargs))
             for entry in page.get("Contents", []):
-                yield entry["Key"], int(entry["Size"])
+                yield entry["Key"], int(entry["Size"]), entry["LastModified"].timestamp()
             for entry in page.get("CommonPrefixes", []):
-                yield entry["Prefix"], -1
+                yield entry["Prefix"], -1, 0.0
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]
 
     def delete(self, keys: list[str]) -> None:
-        """Delete ``keys`` (missing ones are fine), 1000 per request."""
+        """Delete ``keys`` (missing ones are fine), 1000 per request; no request for none."""
         for i in range(0, len(keys), 1000):
             batch = keys[i:i + 1000]
 

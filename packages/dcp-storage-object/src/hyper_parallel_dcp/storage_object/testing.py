@@ -6,6 +6,13 @@ answer every Nth request with a 503 or cut the connection instead, counts the re
 and the response bytes of ranged and whole GETs per object, and sets an event on the
 first multipart part it sees (a crash test kills a save there).  Nothing inside the
 client is mocked.
+
+The pytest fixtures every S3 test uses live here too (one home for the package's tests
+and the umbrella's); a test module enables them with
+``pytest_plugins = ("hyper_parallel_dcp.storage_object.testing",)``:
+``s3_endpoint`` (one moto server per test session, bucket :data:`TEST_BUCKET` created),
+``s3_proxy`` (a fresh counting proxy in front of it per test) and ``s3_test_env`` (the
+``AWS_*`` variables pointing at the proxy, set for the test; their dict is the value).
 """
 
 from __future__ import annotations
@@ -24,7 +31,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator, Optional
 from urllib.parse import urlsplit
 
-__all__ = ["S3Proxy", "create_bucket", "free_port", "s3_env", "s3_server"]
+import pytest
+
+__all__ = ["TEST_BUCKET", "S3Proxy", "create_bucket", "free_port", "s3_endpoint", "s3_env", "s3_proxy", "s3_server",
+           "s3_test_env"]
+
+#: The bucket the ``s3_endpoint`` fixture creates.
+TEST_BUCKET = "ckpts"
 
 
 def free_port() -> int:
@@ -167,3 +180,29 @@ class S3Proxy:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------- pytest fixtures
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """One moto S3 server for the test session, with :data:`TEST_BUCKET`; yields its URL."""
+    with s3_server() as url:
+        create_bucket(url, TEST_BUCKET)
+        yield url
+
+
+@pytest.fixture
+def s3_proxy(s3_endpoint: str) -> Iterator[S3Proxy]:
+    """A fresh :class:`S3Proxy` (counts reset, no faults) in front of the session's server."""
+    with S3Proxy(s3_endpoint) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def s3_test_env(s3_proxy: S3Proxy, monkeypatch: Any) -> dict[str, str]:
+    """The ``AWS_*`` environment pointing at ``s3_proxy``, set for this test; returns it
+    (pass it as ``env=`` to ``run_distributed`` and to subprocesses)."""
+    values = s3_env(s3_proxy.url)
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    return values

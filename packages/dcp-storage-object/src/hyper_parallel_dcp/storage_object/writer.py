@@ -7,6 +7,10 @@ a larger one becomes a multipart upload whose parts are uploaded while the next 
 being filled (``upload_concurrency`` in flight, memory bounded by that many parts).
 The coordinator PUTs ``.metadata`` last, once every rank's objects are complete.
 
+Two saves to one id: the coordinator takes the id's lock object (a conditional PUT,
+``locks.py``) before it deletes or writes anything; a second save raises
+:class:`ConcurrentSaveError`.
+
 Replacing a checkpoint: S3 has no rename, and the objects keep the filesystem names, so
 the coordinator deletes the old ``.metadata`` before any rank writes (the id never has a
 ``.metadata`` describing other objects), then the old data objects and any unfinished
@@ -28,6 +32,7 @@ from hyper_parallel_dcp.storage_fs.rank_files import with_stored_as, write_rank_
 from hyper_parallel_dcp.storage_fs.rank_metadata import RANK_METADATA
 
 from .client import ObjectStore, ObjectStoreSettings, parse_url
+from .locks import ObjectLease, lock_key
 
 __all__ = ["METADATA_OBJECT", "ObjectStoreWriter", "checkpoint_object_names"]
 
@@ -159,6 +164,7 @@ class ObjectStoreWriter(StorageWriter):
         self.world_size = 1
         self.is_coordinator = True
         self.atomic = True
+        self._lock: Optional[ObjectLease] = None
         if url is not None:
             self.reset(url)
 
@@ -188,6 +194,10 @@ class ObjectStoreWriter(StorageWriter):
         self.atomic = use_collectives or world_size == 1
         if self.atomic:
             if is_coordinator:
+                # the object-store flock: a second save to this id fails here, before it deletes anything
+                self._release_lock()
+                self._lock = ObjectLease(store, lock_key(self.prefix), what="save", target=self.url or "")
+                self._lock.acquire()
                 self.remove_checkpoint()
             return
         stale = [METADATA_OBJECT, f"{rank}.metadata"]
@@ -204,9 +214,11 @@ class ObjectStoreWriter(StorageWriter):
         """Delete the id's ``.metadata`` first, then its other checkpoint objects and
         unfinished uploads (an older checkpoint or an interrupted save's leftovers)."""
         store = self._store()
-        store.delete([self._key(METADATA_OBJECT)])
-        names = [n for n in checkpoint_object_names(self._names()) if n != METADATA_OBJECT]
-        store.delete([self._key(n) for n in names])
+        names = checkpoint_object_names(self._names())
+        if METADATA_OBJECT in names:  # first, alone: the id never has a .metadata describing other objects
+            store.delete([self._key(METADATA_OBJECT)])
+        # a fresh id (the manager's steps) costs the two listings only
+        store.delete([self._key(n) for n in names if n != METADATA_OBJECT])
         store.abort_uploads(self._key(""))
 
     def _write_object(self, name: str, data_writer: Callable[[Any], Any], pool: cf.ThreadPoolExecutor) -> int:
@@ -226,7 +238,17 @@ class ObjectStoreWriter(StorageWriter):
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Every rank's execute_write returned (all_reduce): each data object is complete.
         name = METADATA_OBJECT if self.atomic else f"{self.rank}.metadata"
+        if self._lock is not None:
+            self._lock.check()
         self._store().put(self._key(name), metadata_to_json(with_stored_as(metadata)).encode())
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def abort(self, error: BaseException) -> None:
-        """Nothing to undo: no ``.metadata`` was written, and the next save removes the rest."""
+        """Release the save lock; nothing else to undo: no ``.metadata`` was written, and the
+        next save to the id removes the rest."""
+        self._release_lock()

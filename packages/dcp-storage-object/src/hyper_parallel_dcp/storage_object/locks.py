@@ -1,0 +1,224 @@
+"""Save locks and reader marks on object storage: conditional PUTs where a filesystem has ``flock``.
+
+An object store has no lock that dies with its process.  What stands in for one:
+
+- **Save lock**: the save's coordinator creates ``.{leaf}.hp-dcp-lock`` beside the
+  checkpoint (the filesystem lock file's name) with ``If-None-Match: *``, so of two saves
+  to one id only one gets it; the other raises :class:`ConcurrentSaveError` naming the
+  holder.  The holder rewrites the object every ``lock_refresh`` seconds (``If-Match`` its
+  own ETag) and deletes it after the commit.  A lock nobody rewrote for
+  ``lock_stale_after`` seconds (its ``Last-Modified`` against this machine's clock) was
+  left by a killed save: the next save deletes it ``If-Match`` the ETag it judged stale (so
+  it never deletes a lock that someone took over meanwhile) and creates its own.  A
+  holder whose rewrite fails the condition lost its lock and fails before its commit.
+  A save that finds a lock watches it for a while (:meth:`ObjectLease.acquire`): a live
+  holder renews it (the second save is refused), a dead one's turns stale (taken over).
+  When the holder ran on this machine (same host, boot and pid namespace) and its process
+  is gone, its lock is taken over at once: a job restarted on the node of a killed one
+  does not wait for staleness.
+- **Reader marks**: a reader of a step (``CheckpointManager.restore``) creates its own
+  ``.{leaf}.hp-dcp-readlock-<token>``, rewritten the same way; retention deletes no step
+  with a fresh mark (see ``steps.py`` for the order that makes this safe).
+
+Both need the server's conditional writes (AWS S3 since 2024, MinIO, moto); the clock
+of the machine judging staleness must be within ``lock_stale_after`` of the server's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Optional
+
+from hyper_parallel_dcp.core.errors import ConcurrentSaveError
+
+from .client import ObjectStore, ObjectStoreError
+
+__all__ = ["ObjectLease", "holder_is_dead", "is_stale", "lock_key", "readlock_prefix"]
+
+logger = logging.getLogger(__name__)
+
+
+def _beside(prefix: str, suffix: str) -> str:
+    parent, _, leaf = prefix.rpartition("/")
+    name = f".{leaf}.{suffix}" if leaf else f".{suffix}"
+    return f"{parent}/{name}" if parent else name
+
+
+def lock_key(prefix: str) -> str:
+    """The save lock's key for the checkpoint at ``prefix``: ``parent/.leaf.hp-dcp-lock``."""
+    return _beside(prefix, "hp-dcp-lock")
+
+
+def readlock_prefix(prefix: str) -> str:
+    """The key prefix of the reader marks of the checkpoint at ``prefix``."""
+    return _beside(prefix, "hp-dcp-readlock-")
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _process_start(pid: int) -> str:
+    """The start time (clock ticks since boot) of ``pid``, ``""`` when there is no such process."""
+    stat = _read_text(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[-1].split()[19] if stat else ""
+
+
+def _machine() -> dict[str, str]:
+    """Who can tell whether a holder is alive: the same host, boot and pid namespace."""
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    return {"host": socket.gethostname(), "boot": _read_text("/proc/sys/kernel/random/boot_id"), "pidns": pidns}
+
+
+def holder_is_dead(doc: dict) -> bool:
+    """True when the lock's holder provably died: it ran on this machine, in this pid
+    namespace and boot, and its process (pid and start time) no longer exists.  False
+    when unknown (another machine, or no ``/proc``): then only staleness tells."""
+    here = _machine()
+    if not here["pidns"] or not here["boot"] or any(doc.get(k) != v for k, v in here.items()):
+        return False
+    pid = doc.get("pid")
+    return isinstance(pid, int) and _process_start(pid) != doc.get("start")
+
+
+def is_stale(modified: float, stale_after: float, now: Optional[float] = None) -> bool:
+    """A lock or mark last rewritten at ``modified`` (epoch seconds) was left by a dead holder."""
+    return (time.time() if now is None else now) - modified >= stale_after
+
+
+class ObjectLease:
+    """One lock object (``exclusive``: at most one holder) or reader mark, refreshed while held.
+
+    ``what`` names the holder's purpose in messages (``"save"``, ``"delete"``, ``"read"``).
+    """
+
+    def __init__(self, store: ObjectStore, key: str, *, exclusive: bool = True, what: str = "save",
+                 target: str = "") -> None:
+        self.store = store
+        self.key = key
+        self.exclusive = exclusive
+        self.what = what
+        self.target = target or store.url(key)
+        self.token = uuid.uuid4().hex
+        self.etag: Optional[str] = None
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._doc = {"token": self.token, "purpose": what, "pid": os.getpid(), "start": _process_start(os.getpid()),
+                     "since": time.time(), **_machine()}
+
+    def _body(self) -> bytes:
+        # a new body (so a new ETag) at each renewal: that is how a waiting save sees a live holder
+        return json.dumps({**self._doc, "renewed": time.time()}).encode()
+
+    @staticmethod
+    def new_token() -> str:
+        """A fresh unique name part (hex) for a reader mark."""
+        return uuid.uuid4().hex
+
+    def _holder_doc(self) -> dict:
+        try:
+            doc = json.loads(self.store.get(self.key))
+        except Exception:  # noqa: BLE001 - gone meanwhile, or not ours: unknown holder
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def _holder(self, doc: Optional[dict] = None) -> str:
+        doc = self._holder_doc() if doc is None else doc
+        if not doc:
+            return "holder unknown"
+        return f"{doc.get('purpose', 'save')} by pid {doc.get('pid')} on {doc.get('host')}"
+
+    def acquire(self, wait: bool = True) -> None:
+        """Create the object (exclusive: only when absent).
+
+        When an exclusive lock exists, ``wait`` watches it: a live holder rewrites it within
+        ``lock_refresh`` seconds (then this raises), a dead one's lock turns stale (then it
+        is taken over, ``If-Match`` the stale ETag) or disappears (then it is created).  So a
+        save right after a killed one waits up to ``lock_stale_after`` seconds, and a second
+        live save is refused within about ``lock_refresh``.  ``wait=False`` raises at once.
+
+        Raises :class:`ConcurrentSaveError` naming the holder when another live holder has it.
+        """
+        s = self.store.settings
+        seen: Optional[str] = None
+        deadline = time.monotonic() + s.lock_stale_after + s.lock_refresh
+        while True:
+            self.etag = self.store.put_if(self.key, self._body(), absent=self.exclusive)
+            if self.etag is not None:
+                break
+            found = self.store.stat(self.key)
+            if found is None:
+                continue  # released meanwhile
+            _, modified, etag = found
+            if is_stale(modified, s.lock_stale_after):
+                logger.warning("%s: taking over the lock %s, not renewed for %.0f s (its holder died)", self.target,
+                               self.store.url(self.key), time.time() - modified)
+                self.store.delete_if(self.key, etag)
+                continue
+            if seen is None:
+                doc = self._holder_doc()
+                if holder_is_dead(doc):  # a killed save on this machine: no need to wait for staleness
+                    logger.warning("%s: taking over the lock %s of %s, which is no longer running", self.target,
+                                   self.store.url(self.key), self._holder(doc))
+                    self.store.delete_if(self.key, etag)
+                    continue
+            if not wait or (seen is not None and etag != seen) or time.monotonic() > deadline:
+                raise ConcurrentSaveError(
+                    f"another save into {self.target} is in progress ({self._holder()}; lock object "
+                    f"{self.store.url(self.key)}); two saves into one id at once are refused")
+            if seen is None:
+                logger.info("%s: the lock %s is held (%s); waiting up to %.0f s to see whether its holder is alive",
+                            self.target, self.store.url(self.key), self._holder(), s.lock_stale_after)
+            seen = etag
+            time.sleep(min(1.0, s.lock_refresh / 4))
+        self._thread = threading.Thread(target=self._refresh, name="hp-dcp-lock-refresh", daemon=True)
+        self._thread.start()
+
+    def _refresh(self) -> None:
+        period = self.store.settings.lock_refresh
+        while not self._stop.wait(period):
+            try:
+                etag = self.store.put_if(self.key, self._body(), etag=self.etag)
+            except ObjectStoreError as exc:  # transient trouble: the next period tries again
+                logger.warning("could not renew the lock %s: %s", self.store.url(self.key), exc)
+                continue
+            if etag is None:
+                self.lost = True
+                logger.error("lost the lock %s (taken over as stale): this %s will not commit",
+                             self.store.url(self.key), self.what)
+                return
+            self.etag = etag
+
+    def check(self) -> None:
+        """Raise :class:`ConcurrentSaveError` when the lock was lost (taken over as stale)."""
+        if self.lost:
+            raise ConcurrentSaveError(f"the lock {self.store.url(self.key)} of {self.target} was taken over by "
+                                      f"another save while this {self.what} ran (not renewed for "
+                                      f"{self.store.settings.lock_stale_after} s); not committed")
+
+    def release(self) -> None:
+        """Stop renewing and delete the object (only while it is still ours)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.etag is not None and not self.lost:
+            try:
+                self.store.delete_if(self.key, self.etag)
+            except ObjectStoreError as exc:  # stale after lock_stale_after: the next save takes it over
+                logger.warning("could not delete the lock %s: %s", self.store.url(self.key), exc)
+        self.etag = None

@@ -1,0 +1,288 @@
+"""``ObjectSteps``: a checkpoint-manager root on object storage (``s3://bucket/run/step_N``).
+
+The object-store ``StepStorage`` (``hyper_parallel_dcp.core.steps``): what
+``CheckpointManager`` and ``hp-dcp ls``/``clean`` need, with the filesystem's rules
+translated to a store that has no rename and no ``flock``:
+
+- **A step is complete** when its ``.metadata`` object exists (the save's last PUT).
+- **Deleting a step** is not atomic: ``.metadata`` is deleted first, so a step half
+  deleted (a crash in the middle) is an incomplete step, never a complete one, and the
+  next retention removes the rest as a leftover.
+- **Saves and deletions exclude each other** through the save lock object
+  (``locks.py``): a deletion takes it like a save does, so it never deletes a step a save
+  is writing, and a save started meanwhile fails with ``ConcurrentSaveError``.
+- **Readers**: :meth:`ObjectSteps.reading` creates a reader mark, then checks that no
+  fresh lock exists and ``.metadata`` does; a deletion creates the lock, then checks that
+  no fresh reader mark exists.  Each writes before it reads what the other wrote (S3 is
+  strongly consistent), so at least one of them sees the other: either the reader backs
+  off (the manager restores the next older step) or the deletion does (kept for now).
+- **Leftovers of dead saves**: an incomplete ``step_N`` older than the newest complete
+  step holding only checkpoint objects, and lock/reader-mark objects not renewed for
+  ``lock_stale_after`` seconds or whose holder ran on this machine and is gone.  Unfinished multipart uploads under a removed step are
+  aborted with it.
+
+Limits (documented in the README): staleness is judged by ``Last-Modified`` against this
+machine's clock, so clocks must agree within ``lock_stale_after``; a reader or save that
+cannot renew its object for that long (a stalled process) loses it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import re
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
+from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, parse_step_name, step_name
+from hyper_parallel_dcp.storage_fs.commit import is_checkpoint_artifact
+
+from .client import ObjectStore, ObjectStoreError, ObjectStoreSettings, parse_url
+from .files import ObjectFiles
+from .locks import ObjectLease, holder_is_dead, is_stale, lock_key, readlock_prefix
+from .writer import METADATA_OBJECT
+
+__all__ = ["ObjectSteps", "object_steps"]
+
+logger = logging.getLogger(__name__)
+
+_HIDDEN = re.compile(r"^\.step_(0|[1-9][0-9]*)\.hp-dcp-(lock|readlock-[0-9a-f]+)$")
+_RANK_METADATA = re.compile(r"^\d+\.metadata$")  # a rank-local save: loadable, not the manager's
+
+
+class ObjectSteps:
+    """The ``step_N`` prefixes under an object-store ``root`` URL (see the module docstring).
+
+    Never touches an object under ``root`` that is not under ``step_N/`` or one of the
+    save machinery's hidden ``.step_N.hp-dcp-*`` names.
+    """
+
+    def __init__(self, root: str, settings: Optional[ObjectStoreSettings] = None,
+                 store: Optional[ObjectStore] = None) -> None:
+        scheme, bucket, prefix = parse_url(str(root))
+        self.store = store or ObjectStore(bucket, settings, scheme)
+        self.prefix = prefix
+        self.root = f"{scheme}://{bucket}/{prefix}" if prefix else f"{scheme}://{bucket}"
+
+    # -- names ---------------------------------------------------------------------------
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _step_prefix(self, step: int) -> str:
+        return self._key(step_name(step))
+
+    def _lock_key(self, step: int) -> str:
+        return lock_key(self._step_prefix(step))
+
+    def location(self, step: int) -> str:
+        """The ``checkpoint_id`` that ``save``/``load`` use for ``step``."""
+        return f"{self.root}/{step_name(step)}"
+
+    # -- reading -------------------------------------------------------------------------
+    def check_root(self) -> None:
+        """Raise :class:`ObjectStoreError` naming the bucket when it does not exist or cannot be listed."""
+        next(iter(self.store.list_objects(self._key(""), delimiter="/")), None)
+
+    def list_steps(self) -> list[StepEntry]:
+        """Every ``step_N/`` prefix, ascending by step (a HEAD of each one's ``.metadata``,
+        several in flight: a root keeping hundreds of steps costs one round trip per batch)."""
+        base = self._key("")
+        found = sorted(step for key, size in self.store.list_objects(base, delimiter="/")
+                       if size < 0 and (step := parse_step_name(key[len(base):].rstrip("/"))) is not None)
+        if len(found) <= 1:
+            return [StepEntry(step, self.location(step), self.is_complete(step)) for step in found]
+        with cf.ThreadPoolExecutor(min(16, len(found)), thread_name_prefix="hp-dcp-steps") as pool:
+            complete = list(pool.map(self.is_complete, found))
+        return [StepEntry(step, self.location(step), done) for step, done in zip(found, complete)]
+
+    def is_complete(self, step: int) -> bool:
+        return self.store.size(f"{self._step_prefix(step)}/{METADATA_OBJECT}") is not None
+
+    def completeness_problems(self, step: int) -> list[str]:
+        """Why ``step`` would not load (metadata and object sizes, no data read); empty when fine."""
+        from hyper_parallel_dcp.storage_fs.integrity import check_complete
+
+        report = check_complete(ObjectFiles(self.location(step), store=self.store))
+        if report.complete and report.metadata is not None:
+            return []
+        return report.problems or [f"{self.location(step)} has no {METADATA_OBJECT}"]
+
+    def _objects(self, step: int) -> list[tuple[str, int, float]]:
+        """``(name relative to the step, size, modified)`` of every object under the step."""
+        base = f"{self._step_prefix(step)}/"
+        return [(key[len(base):], size, modified) for key, size, modified in self.store.list_modified(base)
+                if size >= 0]
+
+    def size_bytes(self, step: int) -> int:
+        return sum(size for _, size, _ in self._objects(step))
+
+    def saved_at(self, step: int) -> Optional[float]:
+        """When the step was committed (``.metadata``'s Last-Modified), else its newest object's."""
+        found = self.store.stat(f"{self._step_prefix(step)}/{METADATA_OBJECT}")
+        if found is not None:
+            return found[1]
+        times = [modified for _, _, modified in self._objects(step)]
+        return max(times) if times else None
+
+    def read_info(self, step: int) -> Optional[dict[str, Any]]:
+        """The step's ``hp-dcp-step.json`` (``{"step", "saved_at", "metrics"}``), or ``None``."""
+        try:
+            doc = json.loads(self.store.get(f"{self._step_prefix(step)}/{INFO_FILE}"))
+        except (CheckpointNotFoundError, ValueError, UnicodeDecodeError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    # -- writing -------------------------------------------------------------------------
+    def write_info(self, step: int, info: dict[str, Any]) -> None:
+        """PUT the step's info object before its save starts (the save keeps it: it is not a
+        checkpoint object, so replacing the checkpoint does not delete it)."""
+        self.store.put(f"{self._step_prefix(step)}/{INFO_FILE}", json.dumps(info, sort_keys=True).encode())
+
+    def _fresh_readers(self, step: int) -> list[str]:
+        stale_after = self.store.settings.lock_stale_after
+        now = time.time()
+        return [key for key, size, modified in self.store.list_modified(readlock_prefix(self._step_prefix(step)))
+                if size >= 0 and not is_stale(modified, stale_after, now)]
+
+    def remove_step(self, step: int) -> bool:
+        """Delete every object of ``step`` (``.metadata`` first); False (nothing done) when a
+        save into it or a :meth:`reading` of it is running, or it is gone already."""
+        lease = ObjectLease(self.store, self._lock_key(step), what="deletion", target=self.location(step))
+        try:
+            lease.acquire(wait=False)
+        except ConcurrentSaveError:
+            return False
+        try:
+            if self._fresh_readers(step):  # after taking the lock: see the module docstring
+                return False
+            if not self._objects(step):
+                return False
+            ObjectFiles(self.location(step), store=self.store).remove()
+            return True
+        finally:
+            lease.release()
+
+    @contextmanager
+    def reading(self, step: int) -> Iterator[None]:
+        """Hold ``step`` against :meth:`remove_step` (a reader mark) while it is loaded.
+
+        Raises :class:`CheckpointNotFoundError` when the step is being deleted or written,
+        or no longer complete.  Without write access (an evaluation job) no mark is made.
+        """
+        mark = ObjectLease(self.store, readlock_prefix(self._step_prefix(step)) + ObjectLease.new_token(),
+                           exclusive=False, what="read", target=self.location(step))
+        try:
+            mark.acquire()
+        except ObjectStoreError as exc:
+            logger.debug("no reader mark for %s: %s", self.location(step), exc)
+            if not self.is_complete(step):
+                raise CheckpointNotFoundError(f"checkpoint {self.location(step)} is not complete") from None
+            yield
+            return
+        try:
+            lock = self.store.stat(self._lock_key(step))
+            if lock is not None and not is_stale(lock[1], self.store.settings.lock_stale_after):
+                raise CheckpointNotFoundError(f"checkpoint {self.location(step)} is being deleted or written")
+            if not self.is_complete(step):
+                raise CheckpointNotFoundError(f"checkpoint {self.location(step)} was removed before it could be "
+                                              "loaded")
+            yield
+        finally:
+            mark.release()
+
+    # -- what dead saves left -------------------------------------------------------------
+    def _abandoned(self, key: str, modified: float, now: Optional[float] = None) -> bool:
+        """The lock or mark at ``key`` was left by a dead holder: not renewed for
+        ``lock_stale_after``, or its holder ran on this machine and its process is gone."""
+        if is_stale(modified, self.store.settings.lock_stale_after, now):
+            return True
+        try:
+            doc = json.loads(self.store.get(key))
+        except (CheckpointNotFoundError, ValueError, UnicodeDecodeError):
+            return False
+        return isinstance(doc, dict) and holder_is_dead(doc)
+
+    def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
+                       max_step: Optional[int] = None, grace: float = 0.0,
+                       check_running: bool = True) -> list[Leftover]:
+        """What dead saves left under ``root``, for steps not in ``protected``.
+
+        Lock and reader-mark objects not renewed for ``lock_stale_after`` seconds (only
+        with ``check_running``); a ``step_N/`` without ``.metadata`` when its step is below
+        ``older_than``, no fresh lock is on it, nothing in it changed in the last ``grace``
+        seconds and it holds nothing but checkpoint objects.  With ``max_step`` nothing of a
+        higher step.  ``check_running=False`` reads no lock (and so lists the objects of a
+        running save too).
+        """
+        base = self._key("")
+        now = time.time()
+        out: list[Leftover] = []
+        entries = list(self.store.list_modified(base, delimiter="/"))
+        locks = {}
+        for key, size, modified in entries:
+            hidden = _HIDDEN.match(key[len(base):]) if size >= 0 else None
+            if hidden:
+                locks[key] = modified
+                step = int(hidden.group(1))
+                kind = "lock" if hidden.group(2) == "lock" else "readlock"
+                if (check_running and step not in protected and (max_step is None or step <= max_step)
+                        and self._abandoned(key, modified, now)):
+                    out.append(Leftover(step, kind, self.store.url(key), size))
+        for key, size, _ in entries:
+            parsed = parse_step_name(key[len(base):].rstrip("/")) if size < 0 else None
+            if parsed is None or (max_step is not None and parsed > max_step):
+                continue
+            step = parsed
+            if older_than is None or step >= older_than or step in protected:
+                continue
+            if self.is_complete(step):  # one HEAD: a complete step's objects are not listed
+                continue
+            objects = self._objects(step)
+            names = [name for name, _, _ in objects]
+            if METADATA_OBJECT in names or not objects:
+                continue
+            if grace > 0 and now - max(modified for _, _, modified in objects) < grace:
+                continue
+            lock_modified = locks.get(self._lock_key(step))
+            if check_running and lock_modified is not None and not self._abandoned(self._lock_key(step),
+                                                                                  lock_modified, now):
+                continue
+            foreign = [n for n in names if (n != INFO_FILE and not is_checkpoint_artifact(n)) or "/" in n
+                       or _RANK_METADATA.match(n)]
+            if foreign:
+                logger.warning("%s has no %s but holds objects that are not a checkpoint's (%s); left alone",
+                               self.location(step), METADATA_OBJECT, ", ".join(sorted(foreign)[:5]))
+                continue
+            out.append(Leftover(step, "incomplete", self.location(step), sum(size for _, size, _ in objects)))
+        return sorted(out, key=lambda x: (x.step, x.kind, x.location))
+
+    def remove_leftover(self, item: Leftover) -> bool:
+        """Remove ``item`` (re-checked under the step's lock); False when it is in use or gone."""
+        if item.kind in ("lock", "readlock"):
+            key = parse_url(item.location)[2]
+            found = self.store.stat(key)
+            if found is None or not self._abandoned(key, found[1]):
+                return False
+            return self.store.delete_if(key, found[2])
+        if item.kind != "incomplete":
+            return False
+        lease = ObjectLease(self.store, self._lock_key(item.step), what="clean-up", target=item.location)
+        try:
+            lease.acquire(wait=False)  # also keeps a new save of this step out while we remove
+        except ConcurrentSaveError:
+            return False
+        try:
+            if self.is_complete(item.step):
+                return False  # a save completed it meanwhile
+            ObjectFiles(item.location, store=self.store).remove()
+            return True
+        finally:
+            lease.release()
+
+
+def object_steps(root: Any) -> ObjectSteps:
+    """The registry's ``steps`` factory for object-store URLs."""
+    return ObjectSteps(str(root))
