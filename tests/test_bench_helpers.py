@@ -150,6 +150,11 @@ def test_goals_report_not_measured_without_data():
     assert by_name["dense: save ≤ 1.1× raw write+fsync"]["value"] == pytest.approx(1.2)
     assert by_name["dense: load ≥ 2.0× faster than torch (page cache)"]["met"] is True
     assert by_name["dense: async blocking (first save) ≤ 1.3× fresh host copy"]["met"] is None
+    assert by_name["dense: async time to landed (later saves) ≤ torch's async_save"]["met"] is None
+    io["dense"]["summary"].update({"ours.async_landed": summarize([0.2, 0.3]),
+                                   "torch.async_landed": summarize([0.25, 0.25])})
+    landed = {g["goal"]: g for g in evaluate_goals(io, None)}["dense: async time to landed (later saves) ≤ torch's async_save"]
+    assert landed["met"] is True and landed["value"] == pytest.approx(1.0)
 
 
 def test_per_tensor_goals_divide_the_whole_time_of_the_tiny_case():

@@ -138,6 +138,13 @@ class CheckpointManager:
             if threading.current_thread() is not threading.main_thread():
                 raise ValueError("save_on_preemption=True installs a SIGTERM handler and needs the main thread")
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self.async_save:
+            # The writer process starts now, in the background (it imports torch: 1-2 s), so
+            # the first checkpoint's time to landed does not include its start.
+            from hyper_parallel_dcp.async_persist import start_writer
+
+            start_writer()
+            self._used_async = True
 
     # -- queries (storage only, no collective) ----------------------------------------------
     def latest_step(self) -> Optional[int]:

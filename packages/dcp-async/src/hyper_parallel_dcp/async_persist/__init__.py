@@ -8,7 +8,14 @@ snapshotted.
 
 from .__about__ import __version__
 from .copier import DataCopier
-from .persist import AsyncSaveError, AsyncSaveFailureWarning, AsyncSaveResponse, async_save, shutdown_writer
+from .persist import (
+    AsyncSaveError,
+    AsyncSaveFailureWarning,
+    AsyncSaveResponse,
+    async_save,
+    shutdown_writer,
+    start_writer,
+)
 
 __all__ = ["AsyncSaveError", "AsyncSaveFailureWarning", "AsyncSaveResponse", "DataCopier", "__version__", "async_save",
-           "shutdown_writer"]
+           "shutdown_writer", "start_writer"]

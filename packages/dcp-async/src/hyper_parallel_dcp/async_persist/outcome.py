@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two looks at the store while a save is in flight.
 POLL_S = 0.05
+#: First pause of :meth:`Outcomes.wait_all` (doubling up to :data:`POLL_S`).
+_FIRST_PAUSE_S = 0.002
 
 
 class Outcomes:
@@ -83,6 +85,7 @@ class Outcomes:
         once ``deadline`` (monotonic) passes.  ``stop()`` returning True ends the wait early
         (returns the failures seen so far).
         """
+        pause = _FIRST_PAUSE_S
         while True:
             failed = self.failures(seq)
             if failed and what == "ok":
@@ -98,4 +101,7 @@ class Outcomes:
                     f"deadline (waiting on rank {self.rank}); their training process died or hangs",
                     phase, tuple(missing),
                 )
-            time.sleep(POLL_S)
+            # The ranks' writers finish within milliseconds of each other: look again soon,
+            # then back off (a flat 50 ms pause added ~25 ms to every save's time to landed).
+            time.sleep(pause)
+            pause = min(POLL_S, pause * 2)

@@ -22,7 +22,6 @@ import time
 import traceback
 import uuid
 import warnings
-from dataclasses import replace
 from typing import Any, Callable, Optional, Union
 
 from hyper_parallel_dcp.core import settings
@@ -41,7 +40,7 @@ from .staging import StagingArena, StagingStats
 from .writer import CacheEntry, SaveReply, SaveRequest, cache_key, clean_planner, writer_main
 
 __all__ = ["AsyncSaveError", "AsyncSaveFailureWarning", "AsyncSaveResponse", "async_save", "shutdown_writer",
-           "staging_buffer_ptrs", "writer_pid"]
+           "staging_buffer_ptrs", "start_writer", "writer_pid"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +128,9 @@ def _timeout_s() -> float:
     return settings.ASYNC_TIMEOUT.get()
 
 
+#: How much lower (``nice``) the writer process runs than the training process.
+_WRITER_NICE = 10
+
 #: Seconds the training process waits for its writer beyond the writer's own timeouts.
 _REPLY_GRACE_S = 60.0
 
@@ -168,6 +170,10 @@ class _Persister:
         self.proc: Any = None
         self.conn: Any = None
         self.child_slabs: set[int] = set()
+        #: plan-cache key -> the entry object of this process's cache that the writer holds too
+        self.child_cache: dict[Any, Any] = {}
+        #: the writer was started but has no request yet (it may still be importing torch)
+        self.writer_fresh = False
         self.inflight: Optional[AsyncSaveResponse] = None
         self.last: Optional[AsyncSaveResponse] = None
         self.seq = 0
@@ -190,8 +196,19 @@ class _Persister:
         proc = ctx.Process(target=writer_main, args=(child_end,), name="hp-dcp-async-writer", daemon=False)
         proc.start()
         child_end.close()
+        try:
+            # Lower the writer's CPU priority at once: its start (importing torch, 1-2 s of
+            # CPU) overlaps the first save's staging, and on a busy host it took the cores
+            # the training processes stage on (2 ranks on 2 cores: first-save blocking 3x a
+            # clone).  The writer only persists in the background; training comes first.
+            assert proc.pid is not None  # started; pid 0 would mean this process
+            os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + _WRITER_NICE))
+        except OSError as exc:  # the process is already gone, or priorities are not ours to set
+            logger.debug("async_save: cannot lower the writer's priority: %s", exc)
         self.proc, self.conn = proc, parent_end
         self.child_slabs = set()
+        self.child_cache = {}
+        self.writer_fresh = True
         if self._exit_hook is None:
             # Runs inside multiprocessing's exit handler *before* it joins non-daemon
             # children (which would otherwise wait forever for our idle writer).
@@ -232,6 +249,11 @@ class _Persister:
             warnings.warn(AsyncSaveFailureWarning(
                 f"the previous async_save{' into ' + last.checkpoint_id if last.checkpoint_id else ''} failed and "
                 f"its response was never checked: {type(exc).__name__}: {exc}"), stacklevel=4)
+
+    def prestart(self) -> None:
+        """Start the writer process now unless one is running (see :func:`start_writer`)."""
+        with self._lock:
+            self._ensure_process()
 
     def shutdown(self) -> None:
         """Wait for the save in flight, then stop the writer process and free the staging memory."""
@@ -352,21 +374,28 @@ class _Persister:
             mode = "files"
         tag = f"{self._mailbox_session(process_group)}-{seq}" if mode == "files" else ""
 
-        started = self._ensure_process()  # starts first: the child imports torch while we stage
+        # Started first: the child imports torch while we stage.  A writer that has not had
+        # a request yet (just started, or by start_writer()) may still be importing torch.
+        started = self._ensure_process() or self.writer_fresh
+        self.writer_fresh = False
         with phase("build_staged_state_dict", rank):
-            staged, stats = self.arena.stage(state_dict)
+            # A writer started by this save is still importing torch (1-2 s): whatever its
+            # first request needs is finished by the joining thread (a new slab's fill).
+            staged, stats = self.arena.stage(state_dict, defer_new_slab=started)
 
         planner_copy = clean_planner(planner)
         cache = self._cache_to_send(planner_copy, staged.leaves.keys(), mode, rank, world_size,
                                     use_collectives)
         request = SaveRequest(
-            seq=seq, staged=staged,
-            new_slabs={i: t for i, t in self.arena.slabs.items() if i not in self.child_slabs},
-            storage_writer=writer, planner=planner_copy, mode=mode,
+            seq=seq, staged=staged, new_slabs={}, storage_writer=writer, planner=planner_copy, mode=mode,
             rank=0 if mode == "local" else rank, world_size=1 if mode == "local" else world_size,
             no_dist=no_dist, use_collectives=use_collectives, gloo_init=gloo_init,
             mailbox_dir=mailbox_dir, mailbox_tag=tag, timeout_s=_timeout_s(), cache=cache,
+            cache_held=cache is not None and cache[1] is not None and self.child_cache.get(cache[0]) is cache[1],
+            save_suffix=f"-a{seq}",
         )
+        if request.cache_held:
+            request.cache = (cache[0], None)  # type: ignore[index]
         # A request larger than the pipe buffer blocks until the writer reads it; a writer
         # started by this save is still importing torch (1-2 s), so the joining thread
         # sends it instead of the caller (2000 tensors: first-save blocking 1.4 s -> the
@@ -374,15 +403,18 @@ class _Persister:
         deferred: Optional[SaveRequest] = request if started else None
         failed_send: Optional[BaseException] = None
         if not started:
+            request.new_slabs = {i: t for i, t in self.arena.slabs.items() if i not in self.child_slabs}
             with phase("send_to_writer", rank):
                 try:
                     self.conn.send(request)  # pickled whole before any byte is written
+                    self._note_cache_sent(cache)
                 except (BrokenPipeError, ConnectionError, OSError):
                     # the writer died between saves: start a fresh one, which needs every
-                    # slab, and let the joining thread send to it
+                    # slab and the whole cache entry, and let the joining thread send to it
                     self._discard_process()
                     self._ensure_process()
-                    request.new_slabs = dict(self.arena.slabs)
+                    self.writer_fresh = False  # this request is its first
+                    request.cache, request.cache_held = cache, False
                     deferred = request
                 except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable leaf: fails the future
                     failed_send = exc
@@ -401,13 +433,18 @@ class _Persister:
         self.inflight = self.last = response
         return response
 
+    def _note_cache_sent(self, cache: Optional[CacheEntry]) -> None:
+        """The writer now holds ``cache`` (sent whole, or held already)."""
+        if cache is not None and cache[1] is not None:
+            self.child_cache[cache[0]] = cache[1]
+
     @staticmethod
     def _cache_to_send(planner: Optional[SavePlanner], keys: Any, mode: str, rank: int, world_size: int,
                        use_collectives: bool) -> Optional[CacheEntry]:
         """The parent's plan-cache entry for this save, to mirror into the writer.
 
-        The ``save_id`` of a cached plan gets a suffix from the save sequence number
-        (equal on all ranks), so a writer restarted after a crash never reuses the
+        The writer gives the ``save_id`` of a cached plan a suffix from the save sequence
+        number (equal on all ranks), so a writer restarted after a crash never reuses the
         staging directory name of an earlier save.
         """
         if not use_collectives:
@@ -416,11 +453,7 @@ class _Persister:
         if not isinstance(probe, StandardSavePlanner) or not probe.enable_plan_caching:
             return None
         r, w = (0, 1) if mode == "local" else (rank, world_size)
-        key, value = probe.plan_cache.export(cache_key(probe, keys, r, w, use_collectives))
-        if value is not None:
-            plan, metadata, fingerprint = value
-            value = (replace(plan, save_id=f"{plan.save_id}-a{_persister_seq()}"), metadata, fingerprint)
-        return key, value
+        return probe.plan_cache.export(cache_key(probe, keys, r, w, use_collectives))
 
     def _join(self, response: AsyncSaveResponse, proc: Any, conn: Any, seq: int, sent: Optional[CacheEntry],
               planner: Optional[SavePlanner], callback: Optional[Callable[[], None]],
@@ -432,8 +465,12 @@ class _Persister:
             if failed_send is not None:
                 raise failed_send
             if deferred is not None:
+                self.arena.complete()  # a new slab deferred by stage(): filled off the caller's path
+                deferred.new_slabs = dict(self.arena.slabs)  # a fresh writer holds none
                 try:
                     conn.send(deferred)
+                    if not deferred.cache_held:
+                        self._note_cache_sent(deferred.cache)
                 except (BrokenPipeError, ConnectionError, OSError):
                     sent_ok = False
                     proc.join(timeout=5)
@@ -470,6 +507,7 @@ class _Persister:
                 planner.cache_hit = reply.cache_hit
             if reply.cache is not None and not reply.cache_hit:
                 StandardSavePlanner.plan_cache.install(reply.cache)
+                self._note_cache_sent(StandardSavePlanner.plan_cache.export(reply.cache[0]))
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the future
             logger.error("async_save #%d%s failed on rank %s: %s: %s", seq,
                          f" into {response.checkpoint_id}" if response.checkpoint_id else "",
@@ -574,10 +612,6 @@ def _get_persister() -> _Persister:
         return _persister
 
 
-def _persister_seq() -> int:
-    return _persister.seq if _persister is not None else 0
-
-
 def async_save(
     state_dict: dict[str, Any],
     *,
@@ -617,6 +651,17 @@ def async_save(
         no_dist=no_dist, use_collectives=use_collectives, use_gloo=use_gloo, callback=callback,
         process_group=process_group,
     )
+
+
+def start_writer() -> None:
+    """Start this process's async writer process now, in the background; returns at once.
+
+    Optional: the first :func:`async_save` starts it otherwise, and then that save's time
+    to landed includes the writer's start (it imports torch: 1-2 s).  Call it early (at
+    start-up, before the first training step) to take that off the first checkpoint.  A
+    no-op while a writer is running; :func:`shutdown_writer` stops it.
+    """
+    _get_persister().prestart()
 
 
 def staging_buffer_ptrs() -> dict[Any, int]:

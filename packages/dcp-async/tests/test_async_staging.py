@@ -1,0 +1,197 @@
+"""The staging arena's two fast paths: a repeated save of the same layout (no per-piece
+geometry, the destination views kept) and a first save that stages into private memory
+and fills the new shared slab later.  Every staged value is compared with the source as
+it was at staging time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyper_parallel_dcp.async_persist.staging import StagingArena, materialize
+from hyper_parallel_dcp.core.testing import run_distributed
+
+
+def _staged_values(arena: StagingArena, staged) -> dict:
+    """fqn -> {global offsets: staged piece (a copy)} or the staged object."""
+    out = {}
+    for fqn, leaf in materialize(staged, arena.slabs).items():
+        if hasattr(leaf, "pieces"):
+            out[fqn] = {box.offsets: view.clone() for box, view in leaf.pieces}
+        else:
+            out[fqn] = leaf
+    return out
+
+
+def _plain_state(step: int) -> dict:
+    return {
+        "w": torch.arange(12.0).reshape(3, 4) + step,
+        "b": torch.full((5,), step, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+        "opt": {"step": step, "m": torch.arange(6, dtype=torch.int64) * step},
+    }
+
+
+def _expect_plain(sd: dict, prefix: str = "") -> dict:
+    """What staging must hold for a state dict of whole plain tensors and objects (a copy)."""
+    out: dict = {}
+    for key, value in sd.items():
+        if isinstance(value, dict):
+            out.update(_expect_plain(value, f"{prefix}{key}."))
+        elif isinstance(value, torch.Tensor):
+            out[prefix + key] = {(0,) * value.dim(): value.clone()}
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert list(got) == list(want)  # the flat order of the caller's state dict is kept
+    for fqn, value in want.items():
+        if isinstance(value, dict):
+            assert set(got[fqn]) == set(value), fqn
+            for offsets, ref in value.items():
+                assert got[fqn][offsets].dtype == ref.dtype and torch.equal(got[fqn][offsets], ref), fqn
+        else:
+            assert got[fqn] == value, fqn
+
+
+def test_repeated_save_reuses_the_layout_and_notices_every_change() -> None:
+    arena = StagingArena()
+    sd = _plain_state(1)
+    staged, stats = arena.stage(sd)
+    assert stats.reused_bytes == 0 and stats.allocated_bytes > 0
+    _assert_same(_staged_values(arena, staged), _expect_plain(sd))
+    ptrs = arena.buffer_ptrs()
+
+    # same layout, new values (and new tensor objects): the same slots, every value new
+    sd = _plain_state(2)
+    staged, stats = arena.stage(sd)
+    assert stats.reused_bytes == stats.staged_bytes and stats.allocated_bytes == 0
+    assert arena.buffer_ptrs() == ptrs
+    _assert_same(_staged_values(arena, staged), _expect_plain(sd))
+
+    # each change of geometry must be seen: shape, dtype, an object becoming a tensor, key order
+    changes = [
+        lambda s: s.__setitem__("w", torch.arange(16.0).reshape(4, 4)),
+        lambda s: s.__setitem__("b", torch.arange(5, dtype=torch.float64)),
+        lambda s: s["opt"].__setitem__("step", torch.tensor([7.0, 8.0])),
+        lambda s: s.update({"w": s.pop("w")}),  # same leaves, another order
+    ]
+    for i, change in enumerate(changes):
+        sd = _plain_state(3 + i)
+        change(sd)
+        staged, _ = arena.stage(sd)
+        _assert_same(_staged_values(arena, staged), _expect_plain(sd))
+        # the save after the change takes the fast path with the new layout
+        for t in (sd["w"], sd["b"], sd["opt"]["m"]):
+            t.add_(1)
+        again, stats = arena.stage(sd)
+        assert stats.reused_bytes == stats.staged_bytes
+        _assert_same(_staged_values(arena, again), _expect_plain(sd))
+    arena.clear()
+
+
+def test_deferred_first_save_keeps_the_values_of_staging_time() -> None:
+    arena = StagingArena()
+    sd = _plain_state(1)
+    expected = _expect_plain(sd)
+    staged, stats = arena.stage(sd, defer_new_slab=True)
+    assert stats.allocated_bytes > 0 and stats.reused_bytes == 0
+    # training goes on before the slab is filled: staging already owns its copy
+    sd["w"].mul_(-1)
+    sd["opt"]["m"].fill_(99)
+    arena.complete()
+    _assert_same(_staged_values(arena, staged), expected)
+    # the next save copies straight into the slab filled in the background
+    sd = _plain_state(5)
+    again, stats = arena.stage(sd)
+    assert stats.reused_bytes == stats.staged_bytes and stats.allocated_bytes == 0
+    _assert_same(_staged_values(arena, again), _expect_plain(sd))
+    arena.clear()
+
+
+def _dtensor_worker(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    problems: list[str] = []
+
+    def full(step: int) -> dict:
+        return {"col": torch.arange(40.0).reshape(8, 5) + step, "row": torch.arange(35.0).reshape(5, 7) * step,
+                "uneven": torch.arange(3.0) + step, "rep": torch.ones(4) * step}
+
+    layouts = {"col": [Shard(0)], "row": [Shard(1)], "uneven": [Shard(0)], "rep": [Replicate()]}
+
+    def state(step: int, layouts: dict) -> dict:
+        return {k: distribute_tensor(v, mesh, layouts[k]) for k, v in full(step).items()}
+
+    def check(staged, step: int, what: str) -> None:
+        ref = full(step)
+        for fqn, leaf in materialize(staged, arena.slabs).items():
+            for box, view in leaf.pieces:
+                want = ref[fqn][tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+                if not torch.equal(view, want):
+                    problems.append(f"rank {rank} {what}: {fqn} at {box.offsets} differs")
+
+    arena = StagingArena()
+    for step in (1, 2, 3):  # first: slow path (deferred on step 1), then the fast path
+        staged, stats = arena.stage(state(step, layouts), defer_new_slab=step == 1)
+        if step > 1 and stats.reused_bytes != stats.staged_bytes:
+            problems.append(f"rank {rank} step {step}: not reused {stats}")
+        check(staged, step, f"step {step}")
+    # another placement of one tensor: a new spec, so new pieces (and a new slot)
+    changed = dict(layouts, col=[Shard(1)])
+    staged, stats = arena.stage(state(4, changed))
+    if stats.reused_bytes == stats.staged_bytes:
+        problems.append(f"rank {rank}: a new placement reused the old slots")
+    check(staged, 4, "changed placement")
+    staged, stats = arena.stage(state(5, changed))
+    check(staged, 5, "after the change")
+    arena.clear()
+    return problems
+
+
+@pytest.mark.distributed
+def test_dtensor_fast_path_values_and_placement_change() -> None:
+    assert run_distributed(_dtensor_worker, 2, timeout=120) == [[], []]
+
+
+def test_start_writer_ahead_then_first_save_lands_with_its_values(tmp_path) -> None:
+    import async_test_api as dcp
+
+    from hyper_parallel_dcp.async_persist import shutdown_writer, start_writer
+    from hyper_parallel_dcp.async_persist.persist import writer_pid
+
+    shutdown_writer()
+    start_writer()
+    pid = writer_pid()
+    assert pid is not None
+    start_writer()  # a no-op while it runs
+    assert writer_pid() == pid
+    try:
+        sd = _plain_state(3)
+        expected = _expect_plain(sd)
+        resp = dcp.async_save(sd, checkpoint_id=tmp_path / "ckpt")
+        assert resp.writer_pid == pid  # the first save used the writer started ahead
+        sd["w"].zero_()  # staging owns its copy at once, also with the slab filled later
+        resp.get_result(timeout=300)
+        target = _plain_state(0)
+        target["opt"]["step"] = None
+        dcp.load(target, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+        assert _expect_plain(target).keys() == expected.keys()
+        _assert_same({k: ({(0,) * v.dim(): v} if isinstance(v, torch.Tensor) else v)
+                      for k, v in _flat(target).items()}, expected)
+    finally:
+        shutdown_writer()
+
+
+def _flat(sd: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for key, value in sd.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
