@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyper_parallel_dcp.core import save_planning
 from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.metadata import (
     BytesStorageMetadata,
@@ -191,9 +192,12 @@ def _outcome(fn, *args):
         return "error", f"{type(exc).__name__}: {exc}"
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_plans(), st.booleans())
-def test_columns_equal_the_per_item_reference(plans, to_minimum):
+@pytest.mark.parametrize("few_chunks", [save_planning._FEW_CHUNKS, 0], ids=["python-few", "torch-columns"])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(plans=_plans(), to_minimum=st.booleans())
+def test_columns_equal_the_per_item_reference(plans, to_minimum, few_chunks, monkeypatch):
+    # both ways of building a tensor's metadata: plain Python for a few chunks, torch columns
+    monkeypatch.setattr(save_planning, "_FEW_CHUNKS", few_chunks)
     fast = _outcome(dedup_save_plans, plans, to_minimum)
     ref = _outcome(_ref_dedup, plans, to_minimum)
     assert fast[0] == ref[0], (fast, ref)
