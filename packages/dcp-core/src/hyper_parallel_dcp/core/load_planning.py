@@ -207,7 +207,8 @@ class StandardLoadPlanner(LoadPlanner):
         self.rank = 0
         self.world_size = 1
         self.shards: dict[str, TensorShards] = {}
-        self._pieces: dict[MetadataIndex, torch.Tensor] = {}
+        # (fqn, offsets) -> the piece's view: a tuple key hashes in C (one lookup per read)
+        self._pieces: dict[tuple[str, Any], torch.Tensor] = {}
         self.loaded_objects: dict[str, Any] = {}
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata, *,
@@ -227,20 +228,23 @@ class StandardLoadPlanner(LoadPlanner):
                                                    allow_partial_load=self.allow_partial_load)
         for fqn, shard in self.shards.items():
             for box, view in shard.pieces:
-                self._pieces[MetadataIndex(fqn, box.offsets)] = view
+                self._pieces[(fqn, box.offsets)] = view
         return plan
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         return new_plan
 
     def resolve_shard(self, dest_index: MetadataIndex) -> torch.Tensor:
-        return self._pieces[dest_index]
+        return self._pieces[(dest_index.fqn, dest_index.offset)]
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        view = self._pieces[read_item.dest_index]
-        for d, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            if off or length != view.shape[d]:
-                view = view.narrow(d, off, length)
+        dest = read_item.dest_index
+        view = self._pieces[(dest.fqn, dest.offset)]
+        lengths = read_item.lengths
+        if any(read_item.dest_offsets) or lengths != view.shape:
+            for d, (off, length) in enumerate(zip(read_item.dest_offsets, lengths)):
+                if off or length != view.shape[d]:
+                    view = view.narrow(d, off, length)
         return view
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
