@@ -51,7 +51,7 @@ __all__ = [
 _MAX_CHUNK = 1 << 30  # bytes per preadv call (Linux caps one call near 2 GiB)
 
 #: spans at least this large of a non-contiguous slice are copied from a mapping
-MAPPED_SLICE_MIN_BYTES = 32 << 10
+MAPPED_SLICE_MIN_BYTES = 0
 
 _PAGE = mmap.PAGESIZE
 _PROT_READ, _MAP_SHARED, _MADV_POPULATE_READ = 1, 1, 22
