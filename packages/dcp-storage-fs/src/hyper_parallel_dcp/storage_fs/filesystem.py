@@ -415,7 +415,9 @@ class FileSystemReader(StorageReader):
     def _open(self, name: str) -> _OpenFile:
         opened = self._handles.get(name)
         if opened is not None:
-            if opened is not self._latest:
+            # recency matters only once the next open evicts (a resharded load
+            # alternates between files: one lookup per read, no reordering)
+            if opened is not self._latest and len(self._handles) >= self.files_kept:
                 self._handles.move_to_end(name)
                 self._latest = opened
             return opened
@@ -539,15 +541,22 @@ class FileSystemReader(StorageReader):
                 f"lengths={list(lengths)} exceeds the stored chunk of size {list(sizes)}"
             )
         first, span, contiguous = span_from_strides(strides, offsets, lengths)
-        if contiguous and self._reads.add(opened.fd, opened.name, data_offset + first * dtype.itemsize, dest, dtype):
-            self.bytes_read += span * dtype.itemsize
-            return
-        spanned, source = read_slice(opened.fd, opened.name, data_offset, sizes, dtype,
-                                     offsets, lengths, dest, opened.mapping(), strides)
+        if contiguous:
+            if self._reads.add(opened.fd, opened.name, data_offset + first * dtype.itemsize, dest, dtype):
+                self.bytes_read += span * dtype.itemsize
+                return
+        elif dest.is_cpu and span:
+            mapping = opened.mapping()
+            view = None if mapping is None else mapping.slice_view(data_offset, sizes, dtype, first, span, lengths,
+                                                                   strides)
+            if view is not None:
+                self._copy_dests.append(dest)
+                self._copy_sources.append(view)
+                self.bytes_read += span * dtype.itemsize
+                return
+        spanned, source = read_slice(opened.fd, opened.name, data_offset, sizes, dtype, offsets, lengths, dest,
+                                     None, strides)
         self.bytes_read += spanned
-        if source is not None:
-            self._copy_dests.append(dest)
-            self._copy_sources.append(source)
 
     def _finish_pending(self) -> None:
         """Complete every pending read and copy (before a file closes, before yielding)."""
