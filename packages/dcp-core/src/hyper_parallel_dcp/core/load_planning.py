@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from operator import add, sub
+from operator import add, mul, sub
 from typing import Any, Iterable, Optional
 
 import torch
@@ -281,10 +281,17 @@ class StandardLoadPlanner(LoadPlanner):
         dest = read_item.dest_index
         view = self._pieces[(dest.fqn, dest.offset)]
         lengths = read_item.lengths
-        if any(read_item.dest_offsets) or lengths != view.shape:
-            for d, (off, length) in enumerate(zip(read_item.dest_offsets, lengths)):
-                if off or length != view.shape[d]:
-                    view = view.narrow(d, off, length)
+        offsets = read_item.dest_offsets
+        if not any(offsets) and lengths == view.shape:
+            return view
+        if type(view) is torch.Tensor and view.layout is torch.strided:
+            # one as_strided instead of a narrow per dim (~1.5 us of a read of a small
+            # column slice, which a resharded load does twice per tensor)
+            strides = view.stride()
+            return view.as_strided(lengths, strides, view.storage_offset() + sum(map(mul, offsets, strides)))
+        for d, (off, length) in enumerate(zip(offsets, lengths)):
+            if off or length != view.shape[d]:
+                view = view.narrow(d, off, length)
         return view
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:

@@ -47,6 +47,7 @@ from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, Stor
 
 from .atomic import fsync_dir, write_file_atomic
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
+from . import direct_read
 from .direct_read import AdjacentReads, FileMapping, copy_many, read_slice, span_from_strides
 from .rank_files import with_stored_as, write_rank_files
 from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
@@ -545,7 +546,7 @@ class FileSystemReader(StorageReader):
             if self._reads.add(opened.fd, opened.name, data_offset + first * dtype.itemsize, dest, dtype):
                 self.bytes_read += span * dtype.itemsize
                 return
-        elif dest.is_cpu and span:
+        elif dest.is_cpu and span and span * dtype.itemsize >= direct_read.MAPPED_SLICE_MIN_BYTES:
             mapping = opened.mapping()
             view = None if mapping is None else mapping.slice_view(data_offset, sizes, dtype, first, span, lengths,
                                                                    strides)
