@@ -45,9 +45,9 @@ from hyper_parallel_dcp.core.planner import (
 from hyper_parallel_dcp.core.settings import FILES_KEPT
 from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, StorageWriter, WriteResult, read_items
 
+from . import direct_read
 from .atomic import fsync_dir, write_file_atomic
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
-from . import direct_read
 from .direct_read import AdjacentReads, FileMapping, copy_many, read_slice, span_from_strides
 from .rank_files import with_stored_as, write_rank_files
 from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
@@ -542,11 +542,12 @@ class FileSystemReader(StorageReader):
                 f"lengths={list(lengths)} exceeds the stored chunk of size {list(sizes)}"
             )
         first, span, contiguous = span_from_strides(strides, offsets, lengths)
-        if contiguous:
-            if self._reads.add(opened.fd, opened.name, data_offset + first * dtype.itemsize, dest, dtype):
-                self.bytes_read += span * dtype.itemsize
-                return
-        elif dest.is_cpu and span and span * dtype.itemsize >= direct_read.MAPPED_SLICE_MIN_BYTES:
+        if contiguous and self._reads.add(opened.fd, opened.name, data_offset + first * dtype.itemsize, dest, dtype):
+            self.bytes_read += span * dtype.itemsize
+            return
+        # a column slice, or a row slice into a strided destination (a Shard(1) chunk
+        # loaded as Shard(0)): copied from the mapping, not through a fresh span buffer
+        if dest.is_cpu and span and span * dtype.itemsize >= direct_read.MAPPED_SLICE_MIN_BYTES:
             mapping = opened.mapping()
             view = None if mapping is None else mapping.slice_view(data_offset, sizes, dtype, first, span, lengths,
                                                                    strides)
