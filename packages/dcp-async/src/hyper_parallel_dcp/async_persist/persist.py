@@ -193,7 +193,8 @@ class _Persister:
 
         ctx = tmp.get_context("spawn")  # never fork: the child must not inherit CUDA/NCCL state
         parent_end, child_end = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=writer_main, args=(child_end,), name="hp-dcp-async-writer", daemon=False)
+        proc = ctx.Process(target=writer_main, args=(child_end, os.getpid()), name="hp-dcp-async-writer",
+                           daemon=False)
         proc.start()
         child_end.close()
         try:
