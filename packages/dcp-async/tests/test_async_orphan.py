@@ -149,3 +149,47 @@ def test_orphaned_writer_abandons_its_save_and_exits(tmp_path: Path, killed: str
     back = {"w": torch.zeros(6), "step": None}
     load(back, checkpoint_id=ckpt, no_dist=True)
     assert torch.equal(back["w"], torch.arange(6.0)) and back["step"] == 4
+
+
+_WATCH = textwrap.dedent('''
+    import os, subprocess, sys
+    if sys.argv[1] == "middle":  # starts the watcher, says its pid, then waits to be killed
+        child = subprocess.Popen([sys.executable, __file__, "watch", str(os.getpid()), sys.argv[2], sys.argv[3]])
+        print(child.pid, flush=True)
+        sys.stdin.read()
+    else:
+        _, _, parent, marker, pidfd = sys.argv
+        if pidfd == "no":
+            del os.pidfd_open  # the portable path: getppid() polling
+        from hyper_parallel_dcp.async_persist.writer import wait_for_parent_exit
+        open(marker + ".ready", "w").close()
+        wait_for_parent_exit(int(parent))
+        open(marker, "w").close()
+''')
+
+
+@pytest.mark.parametrize("pidfd", ["yes", "no"])
+def test_wait_for_parent_exit_returns_once_the_parent_is_killed(tmp_path: Path, pidfd: str) -> None:
+    if pidfd == "yes" and not hasattr(os, "pidfd_open"):
+        pytest.skip("no pidfd_open on this platform")  # the "no" case covers it
+    script, marker = tmp_path / "watch.py", tmp_path / "gone"
+    script.write_text(_WATCH)
+    middle = subprocess.Popen([sys.executable, str(script), "middle", str(marker), pidfd],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        watcher = int(middle.stdout.readline())  # type: ignore[union-attr]
+        deadline = time.monotonic() + 120
+        while not Path(f"{marker}.ready").exists():
+            assert time.monotonic() < deadline and _alive(watcher), "the watcher did not start"
+            time.sleep(0.05)
+        assert not marker.exists()  # the parent lives: still waiting
+        middle.send_signal(signal.SIGKILL)
+        middle.wait(timeout=30)
+        deadline = time.monotonic() + _DEADLINE_S
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "wait_for_parent_exit did not return after its parent was killed"
+    finally:
+        if middle.poll() is None:
+            middle.kill()
+            middle.wait()
