@@ -173,6 +173,11 @@ class StagingArena:
         self.complete()
         return {i: s.buffer for i, s in self._slabs.items()}
 
+    @property
+    def has_pending(self) -> bool:
+        """Whether a deferred stage left a slab for :meth:`complete` to fill."""
+        return self._pending is not None
+
     def buffer_ptrs(self) -> dict[BufferKey, int]:
         """Slot of every known piece → its host address (tests: reuse means equal addresses)."""
         self.complete()

@@ -32,7 +32,10 @@ from hyper_parallel_dcp.core.storage import StorageWriter
 
 from .staging import StagedStateDict, materialize
 
-__all__ = ["CacheEntry", "SaveReply", "SaveRequest", "wait_for_parent_exit", "watch_parent", "writer_main"]
+__all__ = ["PING", "CacheEntry", "SaveReply", "SaveRequest", "wait_for_parent_exit", "watch_parent", "writer_main"]
+
+#: A request the writer answers with ``PING`` once it is ready (torch imported, serving).
+PING = "ping"
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +277,12 @@ def writer_main(conn: Any, parent_pid: Optional[int] = None) -> None:
             return  # the training process is gone
         if req is None:
             return
+        if req == PING:
+            try:
+                conn.send(PING)
+            except (BrokenPipeError, OSError):
+                return
+            continue
         in_flight.seq = getattr(req, "seq", -1)
         try:
             reply = writer.save(req)
