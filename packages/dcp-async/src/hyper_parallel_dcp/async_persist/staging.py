@@ -161,7 +161,7 @@ class StagingArena:
         self._slots: dict[BufferKey, tuple[int, int]] = {}
         self._next_id = 0
         self._layout: Optional[_Layout] = None
-        self._whole_local: dict[Any, tuple[tuple[int, ...], ChunkBox]] = {}  # see _shards
+        self._whole_local: dict[Any, tuple[tuple[int, ...], ChunkBox, Any]] = {}  # see _shards
         # a slab allocated and filled after stage() returned, see stage(defer_new_slab=True):
         # (slab id, bytes, every piece's slot in copy order, {position: private host copy})
         self._pending: Optional[tuple[int, int, list[_Slot], dict[int, torch.Tensor]]] = None
@@ -243,19 +243,25 @@ class StagingArena:
             srcs.extend(view for box, view in to_tensor_shards(leaf, fqn).pieces if not box.is_empty())
         return srcs if len(srcs) == len(layout.dsts) else None
 
-    def _shards(self, leaf: Any, fqn: str, dtensor_cls: Any) -> TensorShards:
-        """:func:`to_tensor_shards`, remembering by spec the geometry of a DTensor whose one
-        piece is its whole local tensor: a model repeats a few layouts thousands of times
-        (2000 leaves: 8 ms of geometry -> 1 ms)."""
+    def _shards(self, leaf: Any, fqn: str, dtensor_cls: Any) -> tuple[TensorShards, Optional[tuple[Any, bool]]]:
+        """:func:`to_tensor_shards` and the leaf's reuse check (see :func:`_leaf_check`).
+
+        Remembers by spec the geometry of a DTensor whose one piece is its whole local
+        tensor: a model repeats a few layouts thousands of times (2000 leaves: 8 ms of
+        geometry -> 1 ms), and such a leaf's check is known without looking at its pieces.
+        """
         if dtensor_cls is None or not isinstance(leaf, dtensor_cls):
-            return to_tensor_shards(leaf, fqn)
-        known = self._whole_local.get(leaf._spec)
+            ts = to_tensor_shards(leaf, fqn)
+            return ts, _leaf_check(leaf, ts, dtensor_cls)
+        spec = leaf._spec
+        known = self._whole_local.get(spec)
         if known is not None:
-            return TensorShards(known[0], leaf.dtype, [(known[1], leaf._local_tensor)])
+            return TensorShards(known[0], leaf.dtype, [(known[1], leaf._local_tensor)]), known[2]
         ts = to_tensor_shards(leaf, fqn)
+        check = _leaf_check(leaf, ts, dtensor_cls)
         if len(ts.pieces) == 1 and ts.pieces[0][1] is leaf._local_tensor:
-            self._whole_local[leaf._spec] = (ts.global_shape, ts.pieces[0][0])
-        return ts
+            self._whole_local[spec] = (ts.global_shape, ts.pieces[0][0], check)
+        return ts, check
 
     def _stage_new_layout(self, flat: dict[str, Any], defer_new_slab: bool) -> tuple[StagedStateDict, StagingStats]:
         dtensor_module = sys.modules.get("torch.distributed.tensor")
@@ -273,8 +279,7 @@ class StagingArena:
                 checks.append(None)
                 leaves.append((fqn, None))
                 continue
-            ts = self._shards(leaf, fqn, dtensor_cls)
-            check = _leaf_check(leaf, ts, dtensor_cls)
+            ts, check = self._shards(leaf, fqn, dtensor_cls)
             reusable = reusable and check is not None
             checks.append(check)
             dtype = ts.dtype
