@@ -403,8 +403,9 @@ class _Persister:
         self.writer_fresh = False
         with phase("build_staged_state_dict", rank):
             # Pieces that need a new slab are cloned into private memory and the joining
-            # thread fills the slab (fresh shared pages cost ~2x a memcpy to write): then
-            # it also sends the request, which needs that slab.
+            # thread fills the slab (allocating it and writing fresh shared pages: 0.067 s
+            # CPU against a clone's 0.056 for 2000 x 64 KiB, medians of 6); then it also
+            # sends the request, which needs that slab.
             staged, stats = self.arena.stage(state_dict, defer_new_slab=True)
         defer_send = started or self.arena.has_pending
 
