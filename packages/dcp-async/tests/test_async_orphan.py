@@ -11,8 +11,9 @@ next save into the same directory lands.
 ``all``: both training processes are killed at once (what torchrun does).  ``one``: rank
 1's first; its writer must be gone while rank 0's writer still waits for rank 1's write
 results (and must not commit without them); then rank 0's.  (A surviving rank that is
-never killed waits up to ``HP_DCP_COLLECTIVE_TIMEOUT`` in the writers' arrival check: no
-rank is left to report the failure on the job's outcome board.)
+never killed waits for the writers' timeouts, ``HP_DCP_ASYNC_TIMEOUT`` and the arrival
+check's ``HP_DCP_COLLECTIVE_TIMEOUT``: no rank is left to report the failure on the job's
+outcome board.)
 """
 
 from __future__ import annotations
