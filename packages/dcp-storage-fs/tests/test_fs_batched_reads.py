@@ -154,3 +154,24 @@ def test_resharded_load_with_one_file_open_copies_before_closing(tmp_path):
     per_rank = sum((r // 2 * c - c // 2) * 2 * 2 for r, c in SHAPES)
     assert spanned == [per_rank, per_rank]
     run_distributed(_load, 2, path, 0, env=env)
+
+
+def test_a_dropped_reader_unmaps_its_files(tmp_path):
+    from hyper_parallel_dcp.core.chunks import ChunkBox
+    from hyper_parallel_dcp.core.layout import TensorShards
+
+    full = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
+    save_state_dict({"w": full}, FileSystemWriter(tmp_path / "ck"), no_dist=True)
+    column = torch.zeros(64, 4)
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(str(tmp_path / "ck") in line for line in maps)
+
+    reader = FileSystemReader(tmp_path / "ck")
+    load_state_dict({"w": TensorShards((64, 32), torch.float32, [(ChunkBox((0, 4), (64, 4)), column)])},
+                    reader, no_dist=True)
+    assert torch.equal(column, full[:, 4:8])
+    assert mapped() == 1  # the column slice was copied from a mapping of the file
+    del reader  # no reset(): the mapping goes with the reader
+    assert mapped() == 0

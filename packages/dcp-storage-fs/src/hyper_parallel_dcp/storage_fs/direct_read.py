@@ -158,6 +158,15 @@ class FileMapping:
             _LIBC[1](self._addr, self.size)  # type: ignore[index]
             self._addr = None
 
+    def __del__(self) -> None:
+        # A reader dropped without reset() (one per load, as the benchmark does) must not
+        # keep its files mapped: the mapping outlives the file's descriptor and holds a
+        # deleted checkpoint's disk space until the process exits.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
 
 def _accelerator_available() -> bool:
     accelerator = getattr(torch, "accelerator", None)
