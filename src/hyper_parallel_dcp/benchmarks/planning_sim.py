@@ -115,8 +115,9 @@ def rank_boxes(specs: Sequence[TensorSpec], mesh: tuple[int, int], rank: int,
                cache: Optional[dict] = None) -> list[tuple[TensorSpec, Any]]:
     """The ``(spec, ChunkBox)`` pieces rank ``rank`` (row-major on ``mesh``) holds.
 
-    ``cache`` memoises boxes per (spec, coordinate on the mesh dims the spec is sharded
-    on): replicas share them, which keeps generating 8192 plans cheap.
+    ``cache`` memoises boxes per (shape, placements, coordinate on the mesh dims the
+    spec is sharded on): replicas and the layers' equal tensors share them, which keeps
+    generating 8192 plans cheap (torch's shard arithmetic is ~10 µs a call).
     """
     from torch.distributed.tensor import Shard
 
@@ -125,7 +126,8 @@ def rank_boxes(specs: Sequence[TensorSpec], mesh: tuple[int, int], rank: int,
     coord = (rank // mesh[1], rank % mesh[1])
     out = []
     for spec in specs:
-        key = (spec.fqn, mesh, tuple(c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec.placements)))
+        key = (spec.shape, spec.placements, mesh,
+               tuple(c if isinstance(p, Shard) else -1 for c, p in zip(coord, spec.placements)))
         boxes = None if cache is None else cache.get(key)
         if boxes is None:
             boxes = [b for b, _ in placement_boxes(spec.shape, mesh, coord, spec.placements, spec.fqn)]
@@ -138,35 +140,68 @@ def rank_boxes(specs: Sequence[TensorSpec], mesh: tuple[int, int], rank: int,
 
 # ------------------------------------------------------------------ our planner's input
 def _our_save_plans(specs, mesh, world):
-    from hyper_parallel_dcp.core.metadata import MetadataIndex
-    from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType
+    """Every rank's local save plan as :func:`create_local_save_plan` makes it: the
+    items as columns (built here from the geometry, without item objects)."""
+    from array import array
+
+    from hyper_parallel_dcp.core.plan_columns import WriteColumns
+    from hyper_parallel_dcp.core.planner import SavePlan
 
     cache: dict = {}
     plans = []
     for rank in range(world):
-        items = tuple(
-            WriteItem(MetadataIndex(spec.fqn, box.offsets), WriteItemType.TENSOR, box.sizes, spec.shape,
-                      "bfloat16", box.volume * 2)
-            for spec, box in rank_boxes(specs, mesh, rank, cache)
-        )
-        plans.append(SavePlan(items))
+        kinds: dict = {}
+        rows, offsets, sizes = array("q"), array("q"), array("q")
+        for spec, box in rank_boxes(specs, mesh, rank, cache):
+            kind = kinds.setdefault(spec.fqn, (len(kinds), (spec.fqn, "tensor", spec.shape, "bfloat16")))[0]
+            rows.extend((kind, len(box.offsets), len(box.sizes), box.volume * 2))
+            offsets.extend(box.offsets)
+            sizes.extend(box.sizes)
+        plans.append(SavePlan(WriteColumns([k for _, k in kinds.values()], rows, offsets, sizes)))
     return plans
 
 
-def _our_storage_data(plans):
+def _gathered(plans) -> tuple[list[bytes], int]:
+    """The plans as the coordinator's gather receives them: one pickle per rank."""
+    blobs = [pickle.dumps(plan) for plan in plans]
+    return blobs, sum(map(len, blobs))
+
+
+def _plan_entries(plans) -> list[list[tuple[str, tuple[int, ...], int]]]:
+    """Per plan, its items' ``(fqn, offsets, nbytes)`` read from the columns (the write
+    item objects a rank builds for its own plan are not needed to fake 8192 ranks' write
+    results; the plans share a kind table, decoded once)."""
+    from itertools import islice
+
+    from hyper_parallel_dcp.core.plan_columns import WriteColumns
+
+    tables: dict[str, list[str]] = {}
+    out = []
+    for plan in plans:
+        columns = WriteColumns.of(plan.items)
+        fqns = tables.get(columns.kinds_text)
+        if fqns is None:
+            fqns = tables[columns.kinds_text] = [k[0] for k in columns.kinds]
+        offsets = iter(columns.offsets)
+        out.append([(fqns[kind], tuple(islice(offsets, ndim)), nbytes)
+                    for kind, ndim, _, nbytes in zip(*[iter(columns.rows)] * 4)])
+    return out
+
+
+def _our_storage_data(entries):
     """Synthetic write results (file, offset, length, checksum, key) like a real save's."""
-    from hyper_parallel_dcp.core.metadata import StorageInfo, chunk_key
+    from hyper_parallel_dcp.core.metadata import MetadataIndex, StorageInfo, chunk_key
 
     storage = {}
     files = {}
-    for rank, plan in enumerate(plans):
+    for rank, plan in enumerate(entries):
         name = f"_rank{rank}_.safetensors"
         offset = 0
-        for item in plan.items:
-            storage[item.index] = StorageInfo(name, offset, item.nbytes, "0123456789abcdef",
-                                              chunk_key(item.index.fqn, item.index.offset))
-            offset += item.nbytes
-        if plan.items:
+        for fqn, offsets, nbytes in plan:
+            storage[MetadataIndex(fqn, offsets)] = StorageInfo(name, offset, nbytes, "0123456789abcdef",
+                                                               chunk_key(fqn, offsets))
+            offset += nbytes
+        if plan:
             files[name] = offset
     return storage, files
 
@@ -236,16 +271,21 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
     t_gen, plans = _timed(lambda: _our_save_plans(specs, mesh, world))
     row["items_total"] = sum(len(p.items) for p in plans)
     row["generate_s"] = t_gen
+    blobs, row["ours_save_gather_bytes"] = _gathered(plans)
+    # what the coordinator pays to unpickle the gathered plans (not in the global save figure)
+    row["ours_save_gather_unpickle_s"], plans = _timed(lambda: [pickle.loads(b) for b in blobs])
+    blobs = None
     # the coordinator's real call (dedup + metadata build, GC paused inside)
     t_global, (deduped, metadata) = _timed(lambda: StandardSavePlanner().create_global_plan(plans))
     row["ours_global_save_s"] = t_global
     row["chunks_stored"] = sum(len(md.chunks) for md in metadata.state_dict_metadata.values())
-    metadata.storage_data, metadata.files = _our_storage_data(deduped)
+    entries = _plan_entries(deduped)
+    metadata.storage_data, metadata.files = _our_storage_data(entries)
     t_json, text = _timed(lambda: metadata_to_json(metadata))
     row["ours_metadata_json_bytes"] = len(text)
     row["ours_metadata_json_s"] = t_json
-    row.update(_metadata_figures(text, metadata, deduped))
-    plans = deduped = text = None  # free before the load phase
+    row.update(_metadata_figures(text, metadata, entries))
+    plans = deduped = entries = text = None  # free before the load phase
 
     # load: a resharded target, built from geometry alone (views are never touched)
     lmesh = layout.load_mesh(world)
@@ -305,7 +345,7 @@ def simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load_
     return row
 
 
-def _metadata_figures(text: str, metadata, deduped) -> dict[str, Any]:
+def _metadata_figures(text: str, metadata, entries) -> dict[str, Any]:
     """Parse time of our ``.metadata`` (format 2) and size and unpickle time of torch's.
 
     ``ours_metadata_parse_s``: bytes → ``Metadata`` as a load gets it (per-chunk objects
@@ -333,12 +373,11 @@ def _metadata_figures(text: str, metadata, deduped) -> dict[str, Any]:
                                             for c in md.chunks])
                           for fqn, md in metadata.state_dict_metadata.items()}
     storage = {}
-    for rank, plan in enumerate(deduped):
+    for rank, plan in enumerate(entries):
         offset = 0
-        for item in plan.items:
-            storage[TorchIndex(item.index.fqn, torch.Size(item.index.offset))] = _StorageInfo(
-                f"__{rank}_0.distcp", offset, item.nbytes)
-            offset += item.nbytes
+        for fqn, offsets, nbytes in plan:
+            storage[TorchIndex(fqn, torch.Size(offsets))] = _StorageInfo(f"__{rank}_0.distcp", offset, nbytes)
+            offset += nbytes
     blob = pickle.dumps(TorchMetadata(state_dict_metadata=sd, storage_data=storage))
     t_unpickle, _ = _timed(lambda: pickle.loads(blob))
     return {"ours_metadata_parse_s": t_parse, "ours_metadata_all_chunks_s": t_parse + t_chunks,
@@ -448,8 +487,10 @@ def run_planning(worlds: Sequence[int], layouts: Sequence[str] = ("dense", "moe"
         layout = LAYOUTS[name]
         rate: Optional[float] = None
         for world in worlds:
+            started = time.perf_counter()
             row = simulate_world(layout, world, with_torch=with_torch, torch_validate_budget_s=torch_validate_budget_s,
                                  torch_validate_rate=rate)
+            row["wall_s"] = time.perf_counter() - started  # the whole simulation of this world, generation included
             if not row.get("torch_validate_projected") and row.get("torch_validate_chunk_pairs", 0) > 10_000:
                 rate = row["torch_validate_s"] / row["torch_validate_chunk_pairs"]
             rows.append(row)
@@ -459,7 +500,8 @@ def run_planning(worlds: Sequence[int], layouts: Sequence[str] = ("dense", "moe"
                 + f", global load {row['ours_global_load_s']:.3f}s"
                 + f", rank receives {row['ours_load_rank_received_bytes']} B"
                 + f" ({row['ours_load_received_over_own_plan']:.2f}x its plan)"
-                + f", metadata {row['ours_metadata_json_bytes'] / 1e6:.1f} MB")
+                + f", metadata {row['ours_metadata_json_bytes'] / 1e6:.1f} MB"
+                + f" ({row['wall_s']:.0f} s wall)")
     fits: dict[str, Any] = {}
     for name in layouts:
         sub = [r for r in rows if r["layout"] == name]

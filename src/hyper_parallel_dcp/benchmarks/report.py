@@ -87,6 +87,10 @@ def evaluate_goals(io: dict[str, Any], planning: Optional[dict[str, Any]]) -> li
                  row.get("ours_global_load_s"), 2.0, "{:.2f} s")
             goal(f"a rank receives ≤ 2× its own final load plan ({layout}, {at} simulated ranks)",
                  row.get("ours_load_received_over_own_plan"), 2.0, "{:.2f}×")
+            goal(f"metadata ≤ 0.5× torch's pickle ({layout}, {at} simulated ranks)",
+                 _ratio(row.get("ours_metadata_json_bytes"), row.get("torch_metadata_pickle_bytes")), 0.5, "{:.2f}×")
+            goal(f"metadata parsed < 1 s ({layout}, {at} simulated ranks)", row.get("ours_metadata_parse_s"), 1.0,
+                 "{:.2f} s")
             worlds = sorted({r["world"] for r in rows if r["layout"] == layout})
             if len(worlds) >= 2:
                 limit = nlogn_exponent(worlds)
@@ -235,7 +239,9 @@ def _convert_lines(c: dict[str, Any]) -> list[str]:
 def _planning_lines(p: dict[str, Any]) -> list[str]:
     lines = ["", "## Planning at scale (simulated, one process)", "",
              "CPU seconds of the planning process (`time.process_time`). "
-             "Global save planning = dedup + metadata build on the coordinator (torch: `_dedup_save_plans` + "
+             "Global save planning = dedup + metadata build on the coordinator over the gathered plans, which "
+             "travel as columns (unpickling them is measured apart: `ours_save_gather_unpickle_s` in the JSON) "
+             "(torch: `_dedup_save_plans` + "
              "`create_default_global_save_plan` + `_validate_global_plan`). Local load plan = one rank's plan "
              "for a resharded target (slowest of a sample of ranks). Global load = the coordinator's reader "
              "assignment over every rank's target description. Rank receives = the largest answer a sampled "
