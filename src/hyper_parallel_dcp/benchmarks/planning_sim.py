@@ -314,7 +314,7 @@ def _simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load
     blobs, row["ours_save_gather_bytes"] = _gathered(plans)
     # what the coordinator pays to unpickle the gathered plans (not in the global save figure)
     row["ours_save_gather_unpickle_s"], plans = _timed(lambda: [pickle.loads(b) for b in blobs])
-    blobs = None
+    blobs.clear()
     # the coordinator's real call (dedup + metadata build, GC paused inside)
     t_global, (deduped, metadata) = _timed(lambda: StandardSavePlanner().create_global_plan(plans))
     row["ours_global_save_s"] = t_global
@@ -325,7 +325,8 @@ def _simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load
     row["ours_metadata_json_bytes"] = len(text)
     row["ours_metadata_json_s"] = t_json
     row.update(_metadata_figures(text, metadata, entries, with_torch=with_torch and not torch_planner_only))
-    plans = deduped = entries = text = None  # free before the load phase
+    del entries
+    plans = deduped = text = None  # free before the load phase
 
     # load: a resharded target, built from geometry alone (views are never touched)
     lmesh = layout.load_mesh(world)

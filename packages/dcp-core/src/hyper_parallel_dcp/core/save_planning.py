@@ -493,7 +493,7 @@ class _Gathered:
 
 def _cat(arrays: Iterable[array]) -> torch.Tensor:
     """int64 ``array``s end to end as one tensor (joined in C)."""
-    buffer = bytearray(b"".join(map(array.tobytes, arrays)))
+    buffer = bytearray().join(arrays)  # one copy, into a writable buffer torch can wrap
     return torch.frombuffer(buffer, dtype=torch.int64) if buffer else torch.zeros(0, dtype=torch.int64)
 
 
@@ -542,16 +542,24 @@ def _gather_columns(columns: Sequence[WriteColumns]) -> Optional[_Gathered]:
     rank = torch.repeat_interleave(torch.arange(len(columns)), lengths)
     rows = _cat(map(_rows_of, columns)).reshape(-1, 4)
     local_kind, offset_ndim, size_ndim, _ = rows.unbind(1)
-    table_len = torch.tensor([len(t) for t in table_map], dtype=torch.int64)
-    table_width = max(map(len, table_map), default=0)
-    mapped = torch.tensor([t + [0] * (table_width - len(t)) for t in table_map], dtype=torch.int64)
-    plan_table = torch.tensor(table_of_plan, dtype=torch.int64)[rank]
-    if bool(((local_kind < 0) | (local_kind >= table_len[plan_table])).any()):
-        raise ValueError("a plan's columns name a kind its table does not have")
-    kind = mapped[plan_table, local_kind]
-    ndim_of_kind = torch.tensor(kind_ndim, dtype=torch.int64)
-    item_ndim = ndim_of_kind[kind]
-    if not (bool((offset_ndim == item_ndim).all()) and bool((size_ndim == item_ndim).all())):
+    if len(table_map) == 1:  # one table for every rank (the usual case): the ids are global ids
+        if len(local_kind) and (int(local_kind.min()) < 0 or int(local_kind.max()) >= len(table_map[0])):
+            raise ValueError("a plan's columns name a kind its table does not have")
+        kind = local_kind.contiguous()
+    else:
+        table_len = torch.tensor([len(t) for t in table_map], dtype=torch.int64)
+        table_width = max(map(len, table_map), default=0)
+        mapped = torch.tensor([t + [0] * (table_width - len(t)) for t in table_map], dtype=torch.int64)
+        plan_table = torch.tensor(table_of_plan, dtype=torch.int64)[rank]
+        if bool(((local_kind < 0) | (local_kind >= table_len[plan_table])).any()):
+            raise ValueError("a plan's columns name a kind its table does not have")
+        kind = mapped[plan_table, local_kind]
+    # per kind, one row: dims (-1: an object), base of its keys, shape, strides; gathered
+    # once per item (each gather of a table by 4M kind ids is a pass over memory)
+    per_kind = torch.tensor([[n, b] + sh + st for n, b, sh, st in zip(kind_ndim, bases, shapes, strides)],
+                            dtype=torch.int64).reshape(len(kinds), 2 + 2 * width)[kind]
+    item_ndim = per_kind[:, 0]
+    if not (torch.equal(offset_ndim, item_ndim) and torch.equal(size_ndim, item_ndim)):
         return None  # a chunk whose offsets or sizes do not match its tensor's dims
     ndim = item_ndim.clamp(min=0)
     flat_offsets, flat_sizes = _cat(map(_offsets_of, columns)), _cat(map(_sizes_of, columns))
@@ -565,12 +573,11 @@ def _gather_columns(columns: Sequence[WriteColumns]) -> Optional[_Gathered]:
     zero = torch.zeros((), dtype=torch.int64)
     offsets = torch.where(inside, flat_offsets[where], zero) if len(flat_offsets) else zero.expand(len(kind), width)
     sizes = torch.where(inside, flat_sizes[where], zero) if len(flat_sizes) else zero.expand(len(kind), width)
-    shape_of_kind = torch.tensor(shapes, dtype=torch.int64).reshape(len(kinds), width)
-    if not bool(((offsets >= 0) & (offsets <= shape_of_kind[kind])).all()):
+    if len(offsets) and width and (int(offsets.min()) < 0 or not bool(torch.le(offsets, per_kind[:, 2:2 + width]).all())):
         return None  # offsets outside the global shape: the key would not be one-to-one
-    key = torch.tensor(bases, dtype=torch.int64)[kind]
+    key = per_kind[:, 1]
     if width:
-        key = key + (offsets * torch.tensor(strides, dtype=torch.int64).reshape(len(kinds), width)[kind]).sum(1)
+        key = key + (offsets * per_kind[:, 2 + width:]).sum(1)
     return _Gathered(len(columns), kinds, kind, rank, rows, ndim, (flat_offsets, flat_sizes), offsets, sizes, key,
                      kind_ndim)
 
