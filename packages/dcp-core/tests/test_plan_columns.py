@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,36 @@ def test_a_rank_that_drops_items_gets_columns_of_its_own_table():
         assert isinstance(out.items, WriteColumns)
         if out is not plan:
             assert out.items.kinds_text == plan.items.kinds_text
+
+
+def test_a_rank_that_keeps_its_plan_reuses_its_own_items():
+    planners = [StandardSavePlanner(enable_plan_caching=False) for _ in range(2)]
+    for rank, planner in enumerate(planners):
+        planner.set_up_planner({f"r{rank}.w": torch.zeros(2, 2), "shared": torch.ones(3)}, is_coordinator=rank == 0,
+                               rank=rank, world_size=2)
+    sent = [pickle.dumps(p.create_local_plan()) for p in planners]
+    final, _ = planners[0].create_global_plan([pickle.loads(b) for b in sent])
+    received = [planner.finish_plan(pickle.loads(pickle.dumps(plan))) for planner, plan in zip(planners, final)]
+    local = [p.create_local_plan().items for p in planners]
+    kept = [tuple(it.index.fqn for it in plan.items) for plan in received]
+    assert sorted(kept) == sorted([("r0.w", "shared"), ("r1.w",)])  # "shared" written once
+    for plan, own, names in zip(received, local, kept):
+        # the rank's own item objects, whether it dropped items or not
+        assert all(a is b for a, b in zip(plan.items, (it for it in own if it.index.fqn in names)))
+        assert tuple(plan.items) == tuple(it for it in own if it.index.fqn in names)
+
+
+def test_a_cut_is_refused_when_the_plan_it_names_differs():
+    own = WriteColumns.from_items(_ITEMS)
+    # items 0 and 2 as the coordinator cuts them: the rank's kind table, rows, offsets, sizes
+    cut = WriteColumns(own.kinds_text, own.rows[0:4] + own.rows[8:12], [0, 4, 2, 0], [2, 4, 2, 4], picked=[0, 2])
+    other = WriteColumns.from_items([_ITEMS[0], _ITEMS[1], replace(_ITEMS[2], index=MetadataIndex("w", (2, 4)))]
+                                    + list(_ITEMS[3:]))
+    assert other.kinds_text == own.kinds_text
+    assert cut.reuse_items_of(other) is False  # same kinds, another piece at position 2
+    wrong_place = WriteColumns(own.kinds_text, cut.rows, cut.offsets, cut.sizes, picked=[0, 1])
+    assert wrong_place.reuse_items_of(own) is False
+    assert cut.reuse_items_of(own) is True
+    assert all(a is b for a, b in zip(cut, (_ITEMS[0], _ITEMS[2])))
+    back = pickle.loads(pickle.dumps(cut))
+    assert back.picked == cut.picked and back == cut

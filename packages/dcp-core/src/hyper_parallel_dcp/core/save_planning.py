@@ -645,7 +645,11 @@ def _kept_plans(plans: Sequence[SavePlan], columns: Sequence[WriteColumns], g: _
     rows = _as_array(g.rows[keep])
     offsets = _as_array(g.flat_offsets[flat_keep])
     sizes = _as_array(g.flat_sizes[flat_keep])
-    row_ends = list(accumulate((kept_per_plan * _ROW).tolist(), initial=0))
+    plan_start = torch.cumsum(torch.tensor(list(map(len, columns)), dtype=torch.int64), 0) - torch.tensor(
+        list(map(len, columns)), dtype=torch.int64)
+    picked = _as_array((torch.arange(len(keep)) - plan_start[g.rank])[keep])
+    item_ends = list(accumulate(kept_per_plan.tolist(), initial=0))
+    row_ends = [end * _ROW for end in item_ends]
     flat_ends = list(accumulate(torch.zeros(len(plans), dtype=torch.int64).index_add_(
         0, g.rank[keep], g.ndim[keep]).tolist(), initial=0))
     out = []
@@ -655,7 +659,8 @@ def _kept_plans(plans: Sequence[SavePlan], columns: Sequence[WriteColumns], g: _
             continue
         flat = slice(flat_ends[at], flat_ends[at + 1])
         out.append(replace(plan, items=WriteColumns(cols.kinds_text, rows[row_ends[at]:row_ends[at + 1]],
-                                                    offsets[flat], sizes[flat])))
+                                                    offsets[flat], sizes[flat],
+                                                    picked[item_ends[at]:item_ends[at + 1]])))
     return out
 
 
@@ -821,6 +826,11 @@ class StandardSavePlanner(SavePlanner):
             return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        local = self._local_plan
+        if local is not None and isinstance(new_plan.items, WriteColumns) and isinstance(local.items, WriteColumns):
+            # the final plan is the local plan or a cut of it: the rank's own item objects
+            # serve, instead of being built again from the columns
+            new_plan.items.reuse_items_of(local.items)
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> Any:
