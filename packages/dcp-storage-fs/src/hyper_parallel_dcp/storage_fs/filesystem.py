@@ -459,8 +459,13 @@ class FileSystemReader(StorageReader):
                 f"{index.fqn!r}: the metadata of {self._root()} has no storage entry for the chunk at {index.offset}"
             ) from None
 
-    def _chunk_sizes(self, index: MetadataIndex, md: TensorStorageMetadata) -> tuple[int, ...]:
+    def _chunk_sizes(self, index: MetadataIndex, md: Optional[TensorStorageMetadata] = None) -> tuple[int, ...]:
         # from the metadata's columns: a load builds no object per stored chunk
+        if md is None:
+            assert self.metadata is not None
+            found = self.metadata.state_dict_metadata[index.fqn]
+            assert isinstance(found, TensorStorageMetadata)
+            md = found
         ndim, offsets, sizes, _ = chunk_columns(md)
         want = tuple(index.offset or ())
         if ndim == 0 or not want:
