@@ -81,6 +81,7 @@ def _default_store() -> Any:
         return None
 
 T = TypeVar("T")
+P = TypeVar("P")
 R = TypeVar("R")
 
 
@@ -356,6 +357,53 @@ class DistWrapper:
                 payload = ("fail", failures)
             else:
                 reduced = self._run(lambda: reduce_fun(gathered))  # type: ignore[arg-type]
+                payload = ("fail", {self.rank: reduced}) if isinstance(reduced, _Failure) else ("ok", reduced)
+        tag, value = self.broadcast_object(payload)
+        if tag == "fail":
+            _raise_failures(step, value)
+        return value
+
+    def all_reduce_confirmed(self, step: str, map_fun: Callable[[], T], prepare_fun: Callable[[list[T]], P],
+                             confirm_fun: Callable[[], None], reduce_fun: Callable[[P], R]) -> R:
+        """:meth:`all_reduce` with a confirmation between the gather and the reduce.
+
+        Every rank runs ``map_fun`` and sends the result to the coordinator, which runs
+        ``prepare_fun(results)`` while the other ranks run ``confirm_fun`` (the coordinator
+        runs it after its prepare); once every rank confirmed, the coordinator runs
+        ``reduce_fun(prepared)`` and every rank gets its result.  A save sends its write
+        results before its files are durable and confirms once they are: the coordinator
+        builds the metadata while the data is flushed, and commits only after.  A failure
+        of any function on any rank is raised on every rank, after the confirmations.
+        Without a process group: map, prepare, confirm, reduce, exceptions unchanged.
+        """
+        self._step = step
+        if not self.use_dist:
+            prepared = prepare_fun([map_fun()])
+            confirm_fun()
+            return reduce_fun(prepared)
+        local = self._run(map_fun)
+        gathered = self.gather_object(local)
+        failures: dict[int, _Failure] = {}
+        prepared: Any = None
+        if self.is_coordinator:
+            assert gathered is not None
+            failures = {r: v for r, v in enumerate(gathered) if isinstance(v, _Failure)}
+            if not failures:
+                prepared = self._run(lambda: prepare_fun(gathered))  # type: ignore[arg-type]
+                if isinstance(prepared, _Failure):
+                    failures[self.rank] = prepared
+        confirmed = self._run(confirm_fun)
+        confirmations = self.gather_object(confirmed)
+        payload: Any = None
+        if self.is_coordinator:
+            assert confirmations is not None
+            for r, v in enumerate(confirmations):
+                if isinstance(v, _Failure):
+                    failures.setdefault(r, v)
+            if failures:
+                payload = ("fail", failures)
+            else:
+                reduced = self._run(lambda: reduce_fun(prepared))
                 payload = ("fail", {self.rank: reduced}) if isinstance(reduced, _Failure) else ("ok", reduced)
         tag, value = self.broadcast_object(payload)
         if tag == "fail":
