@@ -159,6 +159,7 @@ class DistWrapper:
         self.global_coordinator = coordinator_rank
         self.timeout = collective_timeout() if timeout is None else timeout
         self._step = "collective"
+        self._round = ""  # names a step's second exchange of one kind (see exchange_name)
         self._store: Any = None
         self._group_ranks: tuple[int, ...] = ()
         if rank is not None or world_size is not None:
@@ -227,6 +228,12 @@ class DistWrapper:
                 store.delete_key(f"{name}/{seq - 1}/{self.rank}")
             except Exception:  # noqa: BLE001 - only housekeeping
                 pass
+
+    def exchange_name(self) -> str:
+        """The name of the exchange under way: its step, suffixed for a step's second
+        exchange of one kind.  Errors name the step; a wrapper that exchanges through
+        named files names them by this."""
+        return f"{self._step}-{self._round}" if self._round else self._step
 
     def arrive(self, step: str) -> None:
         """Wait (at most the collective timeout) until every rank of the group got here.
@@ -393,7 +400,11 @@ class DistWrapper:
                 if isinstance(prepared, _Failure):
                     failures[self.rank] = prepared
         confirmed = self._run(confirm_fun)
-        confirmations = self.gather_object(confirmed)
+        self._round = "confirm"  # the step's second gather: an exchange of its own name
+        try:
+            confirmations = self.gather_object(confirmed)
+        finally:
+            self._round = ""
         payload: Any = None
         if self.is_coordinator:
             assert confirmations is not None

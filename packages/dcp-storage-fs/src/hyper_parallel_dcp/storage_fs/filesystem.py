@@ -331,6 +331,12 @@ class _EarlyWriteback:
     def tell(self) -> int:
         return self._f.tell()
 
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._fd
+
 
 # ------------------------------------------------------------------------------ reading
 @dataclass(frozen=True)
