@@ -8,7 +8,6 @@ rank for a save without collectives.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import threading
@@ -167,10 +166,7 @@ class FileSystemWriter(StorageWriter):
         pending: list[PendingFile] = []
 
         def write_file(name: str, data_writer: Any) -> int:
-            if self.sync_files:
-                written = write_file_pending(out_dir / name, lambda f: data_writer(_EarlyWriteback(f)))
-            else:
-                written = write_file_pending(out_dir / name, data_writer)
+            written = write_file_pending(out_dir / name, data_writer)
             pending.append(written)
             return written.size
 
@@ -278,64 +274,6 @@ class _BackgroundSync:
         self._thread.join()
         if self._error is not None:
             raise self._error
-
-
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start write-out of dirty pages, do not wait
-_sync_file_range: Any = None
-
-
-def _start_writeback(fd: int, offset: int) -> bool:
-    """Ask the kernel to start writing the file's dirty pages from ``offset`` on
-    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``); False where that is not available."""
-    global _sync_file_range
-    if _sync_file_range is None:
-        try:
-            func = ctypes.CDLL(None, use_errno=True).sync_file_range
-            func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            _sync_file_range = func
-        except (OSError, AttributeError):
-            _sync_file_range = False
-    if _sync_file_range is False:
-        return False
-    return _sync_file_range(fd, offset, 0, _SYNC_FILE_RANGE_WRITE) == 0
-
-
-class _EarlyWriteback:
-    """A checkpoint file being written (``write``/``tell``), whose write-out to the device
-    starts every :attr:`STEP` bytes instead of at the final ``fsync``.
-
-    The fsync at the end of a save's data file waited for all of it (125 MiB per rank:
-    about half the save); started while the rest is still being written and hashed, the
-    device works beside the CPU.  Durability is unchanged: the file is still fsynced
-    before the commit.
-    """
-
-    STEP = 8 << 20
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-        self._fd = f.fileno()
-        self._written = 0
-        self._started = 0
-        self._enabled = True
-
-    def write(self, data: Any) -> int:
-        n = self._f.write(data)
-        self._written += n
-        if self._enabled and self._written - self._started >= self.STEP:
-            self._f.flush()
-            self._enabled = _start_writeback(self._fd, self._started)
-            self._started = self._written
-        return n
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def fileno(self) -> int:
-        return self._fd
 
 
 # ------------------------------------------------------------------------------ reading
