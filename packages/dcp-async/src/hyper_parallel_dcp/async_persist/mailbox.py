@@ -207,7 +207,7 @@ class FileMailbox(DistWrapper):
             logger.warning("async save mailbox clean-up in %s: %s", self.directory, exc)
         finally:
             self.timeout = saved_timeout
-        for step in ("plan_cache", "plan", "write", "write-confirm", "exchange", "barrier"):
+        for step in ("plan_cache", "plan", "write", "write-share", "write-confirm", "exchange", "barrier"):
             self._step = step
             names = [self._gather_name(r) for r in range(self.world_size)]
             names += [self._scatter_name(r) for r in range(self.world_size)] + [self._result_name()]

@@ -371,23 +371,25 @@ class DistWrapper:
         return value
 
     def all_reduce_confirmed(self, step: str, map_fun: Callable[[], T], prepare_fun: Callable[[list[T]], P],
-                             confirm_fun: Callable[[], None], reduce_fun: Callable[[P], R]) -> R:
-        """:meth:`all_reduce` with a confirmation between the gather and the reduce.
+                             confirm_fun: Callable[[], None], commit_fun: Callable[[P], None]) -> P:
+        """Gather, prepare and share on the coordinator, confirm everywhere, then commit.
 
         Every rank runs ``map_fun`` and sends the result to the coordinator, which runs
-        ``prepare_fun(results)`` while the other ranks run ``confirm_fun`` (the coordinator
-        runs it after its prepare); once every rank confirmed, the coordinator runs
-        ``reduce_fun(prepared)`` and every rank gets its result.  A save sends its write
+        ``prepare_fun(results)`` and sends what it returns to every rank; each rank then
+        runs ``confirm_fun``; once every rank confirmed, the coordinator runs
+        ``commit_fun(prepared)``, and every rank returns ``prepared``.  A save sends its write
         results before its files are durable and confirms once they are: the coordinator
-        builds the metadata while the data is flushed, and commits only after.  A failure
-        of any function on any rank is raised on every rank, after the confirmations.
-        Without a process group: map, prepare, confirm, reduce, exceptions unchanged.
+        builds the metadata and every rank receives it while the data is flushed, and the
+        commit follows every confirmation.  A failure of any function on any rank is raised
+        on every rank, after the confirmations.  Without a process group: map, prepare,
+        confirm, commit, exceptions unchanged.
         """
         self._step = step
         if not self.use_dist:
             prepared = prepare_fun([map_fun()])
             confirm_fun()
-            return reduce_fun(prepared)
+            commit_fun(prepared)
+            return prepared
         local = self._run(map_fun)
         gathered = self.gather_object(local)
         failures: dict[int, _Failure] = {}
@@ -399,8 +401,15 @@ class DistWrapper:
                 prepared = self._run(lambda: prepare_fun(gathered))  # type: ignore[arg-type]
                 if isinstance(prepared, _Failure):
                     failures[self.rank] = prepared
+                    prepared = None
+        # Each exchange of the step past the first of its kind gets a name of its own.
+        self._round = "share"
+        try:
+            shared = self.broadcast_object(prepared)
+        finally:
+            self._round = ""
         confirmed = self._run(confirm_fun)
-        self._round = "confirm"  # the step's second gather: an exchange of its own name
+        self._round = "confirm"
         try:
             confirmations = self.gather_object(confirmed)
         finally:
@@ -411,15 +420,15 @@ class DistWrapper:
             for r, v in enumerate(confirmations):
                 if isinstance(v, _Failure):
                     failures.setdefault(r, v)
-            if failures:
-                payload = ("fail", failures)
-            else:
-                reduced = self._run(lambda: reduce_fun(prepared))
-                payload = ("fail", {self.rank: reduced}) if isinstance(reduced, _Failure) else ("ok", reduced)
+            if not failures:
+                committed = self._run(lambda: commit_fun(prepared))
+                if isinstance(committed, _Failure):
+                    failures[self.rank] = committed
+            payload = ("fail", failures) if failures else ("ok", None)
         tag, value = self.broadcast_object(payload)
         if tag == "fail":
             _raise_failures(step, value)
-        return value
+        return shared
 
     def check(self, step: str, local_error: Optional[BaseException]) -> None:
         """Collective error check: raise on every rank if any rank reports an error."""

@@ -179,28 +179,29 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             fault_point("save.commit", rank)
         return results
 
-    def prepare_step(all_results: list[list[WriteResult]]) -> tuple[Metadata, list[list[WriteResult]]]:
-        # Runs while the ranks' data is still being flushed (sync_written): building and
-        # serialising the metadata costs the coordinator ~10 us a chunk, off the commit path.
+    gathered_results: list[list[list[WriteResult]]] = []
+
+    def prepare_step(all_results: list[list[WriteResult]]) -> Metadata:
+        # Runs while the ranks' data is still being flushed (sync_written): building,
+        # serialising and sending the metadata costs ~10 us a chunk, off the commit path.
         assert global_metadata[0] is not None
         with phase("prepare_metadata", rank):
             metadata = _attach_results(global_metadata[0], all_results)
             storage_writer.prepare_finalize(metadata, all_results)
-        return metadata, all_results
+        gathered_results.append(all_results)
+        return metadata
 
     def sync_step() -> None:
         with phase("sync_written", rank):
             storage_writer.sync_written()
 
-    def finish_step(prepared: tuple[Metadata, list[list[WriteResult]]]) -> Metadata:
-        metadata, all_results = prepared
+    def commit_step(metadata: Metadata) -> None:
         fault_point("save.commit", rank)
         with phase("finalize_checkpoint", rank):
-            storage_writer.finalize_checkpoint(metadata, all_results)
-        return metadata
+            storage_writer.finalize_checkpoint(metadata, gathered_results[0])
 
     with phase("_save_impl", rank):
-        return dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, finish_step)
+        return dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step)
 
 
 def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
