@@ -175,6 +175,11 @@ def _single_device(args: argparse.Namespace, device_type: str, workdir: str) -> 
         report["save_s"] = seconds
 
         saved = {"load": {k: v.clone() for k, v in state.items()}}
+        # the writer started and ready ahead, as CheckpointManager(async_save=True) does:
+        # "first" times staging into new pinned buffers, not a Python process starting
+        from hyper_parallel_dcp.async_persist import start_writer
+
+        start_writer(wait=True, timeout=600)
         for attempt in ("first", "later"):
             if attempt == "later":
                 # New values on the device: a later save that returned before its non_blocking

@@ -195,3 +195,49 @@ def _flat(sd: dict, prefix: str = "") -> dict:
         else:
             out[prefix + key] = value
     return out
+
+
+def _load_back(path, like: dict) -> dict:
+    import async_test_api as dcp
+
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in like.items()}
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    return target
+
+
+def test_ready_writer_new_layout_fills_its_new_slab_off_the_caller_path(tmp_path) -> None:
+    """start_writer(wait=True) returns with a serving writer; a later save of a new layout
+    (old pieces reuse their slots, new ones get a slab filled by the joining thread) sends
+    only the new slab and lands the values of staging time."""
+    import async_test_api as dcp
+
+    from hyper_parallel_dcp.async_persist import shutdown_writer, start_writer
+    from hyper_parallel_dcp.async_persist.persist import _get_persister, writer_pid
+
+    shutdown_writer()
+    start_writer(wait=True, timeout=300)
+    pid = writer_pid()
+    assert pid is not None and not _get_persister().writer_fresh  # it answered: ready
+    start_writer(wait=True)  # a no-op while it runs
+    assert writer_pid() == pid
+    try:
+        first = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.full((5,), 2, dtype=torch.bfloat16)}
+        want_first = {k: v.clone() for k, v in first.items()}
+        resp = dcp.async_save(first, checkpoint_id=tmp_path / "a")
+        assert resp.staging.allocated_bytes > 0
+        first["w"].zero_()
+        resp.get_result(timeout=300)
+        second = {"w": torch.arange(12.0).reshape(3, 4) * 3, "extra": torch.arange(7, dtype=torch.int64), "s": 4}
+        want_second = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in second.items()}
+        resp = dcp.async_save(second, checkpoint_id=tmp_path / "b")
+        assert resp.staging.reused_bytes == 12 * 4 and resp.staging.allocated_bytes > 0
+        second["extra"].zero_()  # its private copy was taken at staging time
+        second["w"].zero_()
+        resp.get_result(timeout=300)
+        assert resp.writer_pid == pid
+        for path, want in ((tmp_path / "a", want_first), (tmp_path / "b", want_second)):
+            got = _load_back(path, want)
+            for k, v in want.items():
+                assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, (path, k)
+    finally:
+        shutdown_writer()

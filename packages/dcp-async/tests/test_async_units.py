@@ -212,3 +212,18 @@ def test_single_process_async_save_errors_callback_and_assertion(tmp_path: Path,
     with pytest.raises(AssertionError, match="MASTER_ADDR"):
         dcp.async_save(sd, checkpoint_id=tmp_path / "gloo", use_gloo=True)
     assert not (tmp_path / "gloo").exists()
+
+
+def test_populate_read_maps_a_slab_without_changing_it() -> None:
+    import sys
+
+    from hyper_parallel_dcp.async_persist.writer import populate_read
+
+    storage = torch.UntypedStorage._new_shared(3 << 20)
+    slab = torch.empty(0, dtype=torch.uint8).set_(storage)
+    slab.copy_(torch.arange(slab.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))
+    before = slab.clone()
+    assert populate_read(slab) is sys.platform.startswith("linux")
+    assert populate_read(slab[7:5000]) is False  # no whole page inside: nothing to do
+    assert populate_read(torch.empty(0, dtype=torch.uint8)) is False
+    assert torch.equal(slab, before)

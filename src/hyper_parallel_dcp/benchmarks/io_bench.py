@@ -315,7 +315,13 @@ def _async_cases(rec: _Recorder, sd: dict, root: Path, rank: int, reps: int) -> 
         rec.info["ours.async"] = "not available"
         return
     import hyper_parallel_dcp as hp
+    from hyper_parallel_dcp.async_persist import start_writer
 
+    # The writer process is started ahead, as CheckpointManager(async_save=True) does at
+    # construction, and is ready before the first timed save: "first" then measures a new
+    # layout (staging allocation, plan, plan cache), not a Python interpreter importing
+    # torch (1-2 s), which no training step waits for.
+    start_writer(wait=True, timeout=600)
     for i in range(reps + 1):
         path = root / f"ours_async_{i}"
         _barrier()

@@ -111,7 +111,7 @@ _ROWS = [
     ("load_n_to_1", "load, world N→1 (rank 0 loads all)"),
     ("async_blocking_first", "async save: blocking, first"),
     ("async_blocking", "async save: blocking, later"),
-    ("async_landed_first", "async save: landed, first (ours: starts the writer process)"),
+    ("async_landed_first", "async save: landed, first (ours: writer started ahead by start_writer())"),
     ("async_landed", "async save: landed, later"),
 ]
 
