@@ -386,10 +386,10 @@ class DistWrapper:
         """
         self._step = step
         if not self.use_dist:
-            prepared = prepare_fun([map_fun()])
+            value = prepare_fun([map_fun()])
             confirm_fun()
-            commit_fun(prepared)
-            return prepared
+            commit_fun(value)
+            return value
         local = self._run(map_fun)
         gathered = self.gather_object(local)
         failures: dict[int, _Failure] = {}

@@ -17,7 +17,7 @@ import xxhash
 
 from hyper_parallel_dcp.core.metadata import Metadata, StorageInfo, TensorStorageMetadata, chunk_key
 from hyper_parallel_dcp.core.objects import serialize_object
-from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItemType
+from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel_dcp.core.storage import WriteResult
 
 from .safetensors_stream import TensorEntry, stored_layout, to_stored, write_safetensors
@@ -31,6 +31,15 @@ WriteFile = Callable[[str, Callable[[BinaryIO], Any]], int]
 @functools.cache
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+def _fetcher(resolve: Callable[[WriteItem], Any], item: WriteItem) -> Callable[[], torch.Tensor]:
+    return lambda: to_stored(resolve(item))
+
+
+def _labeller(item: WriteItem) -> Callable[[], str]:
+    # the name in an error message, built only when one is raised
+    return lambda: f"{item.index.fqn!r} chunk at {list(item.index.offset or ())}"
 
 
 def tensors_file_name(rank: int) -> str:
@@ -66,8 +75,8 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
                 key,
                 stored_dtype,
                 stored_shape,
-                (lambda it=it: to_stored(resolve(it))),
-                label=(lambda it=it: f"{it.index.fqn!r} chunk at {list(it.index.offset)}"),
+                _fetcher(resolve, it),
+                label=_labeller(it),
             ))
         placed: list[tuple[int, int, str]] = []
 
