@@ -123,7 +123,7 @@ class TensorEntry:
 
     __slots__ = ("key", "dtype", "shape", "nbytes", "fetch", "_label")
 
-    def __init__(self, key: str, dtype: torch.dtype, shape: Sequence[int], fetch: Callable[[], torch.Tensor],
+    def __init__(self, key: str, dtype: torch.dtype, shape: Sequence[int], fetch: Callable[..., torch.Tensor],
                  label: Union[str, Callable[[], str]] = ""):
         if dtype not in SAFETENSORS_DTYPES:
             text = label() if callable(label) else label
