@@ -225,3 +225,37 @@ def test_throttled_reader_charges_every_byte_it_reads(tmp_path):
     # the shared link is booked for at least bytes_read / bandwidth after the start
     free_at = struct.unpack("d", (tmp_path / "bw").read_bytes())[0]
     assert free_at - t0 >= reader.bytes_read / 1e8
+
+
+def test_every_planning_goal_of_issue_13_is_a_goal_row():
+    def row(layout, world, scale):
+        return {"layout": layout, "world": world, "ours_global_save_s": 0.1 * scale, "ours_global_load_s": 0.05 * scale,
+                "ours_load_received_over_own_plan": 0.2, "ours_metadata_json_bytes": 30 * scale,
+                "torch_metadata_pickle_bytes": 100 * scale, "ours_metadata_parse_s": 0.01 * scale}
+
+    rows = [row(layout, w, w / 1024) for layout in ("dense", "moe") for w in (1024, 8192)]
+    rows.append(row("moe", 16384, 16))
+    del rows[-1]["torch_metadata_pickle_bytes"]  # torch runs only its global save there
+    planning = {"rows": rows, "exponents": {f"{lay}.{k}": 1.0 for lay in ("dense", "moe")
+                                            for k in ("ours_global_save_s", "ours_global_load_s")}}
+    by_name = {g["goal"]: g for g in evaluate_goals({}, planning)}
+    for layout in ("dense", "moe"):
+        expected = {
+            f"global save planning ({layout}) at 8192 simulated ranks < 2 s": 0.8,
+            f"global load planning with reader assignment ({layout}) at 8192 simulated ranks < 2 s": 0.4,
+            f"a rank receives ≤ 2× its own final load plan ({layout}, 8192 simulated ranks)": 0.2,
+            f"metadata ≤ 0.5× torch's pickle ({layout}, 8192 simulated ranks)": 0.3,
+            f"metadata parsed < 1 s ({layout}, 8192 simulated ranks)": 0.08,
+        }
+        for name, value in expected.items():
+            assert by_name[name]["value"] == pytest.approx(value) and by_name[name]["met"] is True, name
+        growth = [g for g in by_name.values() if g["goal"].startswith(("global save planning", "global load planning"))
+                  and f"({layout}) grows no worse than n·log n" in g["goal"]]
+        assert len(growth) == 2 and all(g["met"] is True for g in growth)
+    moe_8192 = rows[3]
+    assert (moe_8192["layout"], moe_8192["world"]) == ("moe", 8192)
+    moe_8192["ours_global_save_s"] = 2.5
+    moe_8192["ours_metadata_json_bytes"] = 60 * 8
+    by_name = {g["goal"]: g for g in evaluate_goals({}, planning)}
+    assert by_name["global save planning (moe) at 8192 simulated ranks < 2 s"]["met"] is False
+    assert by_name["metadata ≤ 0.5× torch's pickle (moe, 8192 simulated ranks)"]["met"] is False

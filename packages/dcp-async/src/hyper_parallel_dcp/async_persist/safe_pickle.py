@@ -28,6 +28,8 @@ _CORE = {
         "ChunkStorageMetadata", "BytesStorageMetadata",
     }),
     "hyper_parallel_dcp.core.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType"}),
+    # a save plan's items as columns: a JSON string and three byte strings
+    "hyper_parallel_dcp.core.plan_columns": frozenset({"WriteColumns"}),
     "hyper_parallel_dcp.core.storage": frozenset({"WriteResult"}),
     # a failure on one rank travels to the others as this plain record (strings only)
     "hyper_parallel_dcp.core.collectives": frozenset({"_Failure"}),

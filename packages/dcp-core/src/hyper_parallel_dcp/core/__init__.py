@@ -27,6 +27,7 @@ from .metadata import (
     TensorStorageMetadata,
 )
 from .pipeline import load_state_dict, save_state_dict
+from .plan_columns import WriteColumns
 from .planner import (
     LoadItemType,
     LoadPlan,
@@ -74,6 +75,7 @@ __all__ = [
     "TensorStorageMetadata",
     "UnsafeObjectError",
     "UnsupportedPlacementError",
+    "WriteColumns",
     "WriteItem",
     "WriteItemType",
     "WriteResult",

@@ -1,7 +1,9 @@
 """Plan types (plain frozen data) and the planner interfaces.
 
-A save plan is a list of :class:`WriteItem` (what this rank writes, in global
-coordinates); a load plan is a list of :class:`ReadItem` (which piece of which stored
+A save plan is a sequence of :class:`WriteItem` (what this rank writes, in global
+coordinates): a tuple, or the same items as columns
+(:class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns`, what the standard planner
+makes and what travels between ranks); a load plan is a list of :class:`ReadItem` (which piece of which stored
 chunk goes where in which local shard).  Planners decide *what*; storage decides *how*.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -59,9 +61,15 @@ class WriteItem:
 
 @dataclass(frozen=True)
 class SavePlan:
-    """A rank's write items; ``save_id`` names the save (it picks the staging area)."""
+    """A rank's write items; ``save_id`` names the save (it picks the staging area).
 
-    items: tuple[WriteItem, ...]
+    ``items`` is a tuple of :class:`WriteItem` or a
+    :class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns` (a sequence of the same
+    items, built when first read); both iterate, index and compare alike, and a planner
+    may return either.
+    """
+
+    items: Sequence[WriteItem]
     storage_data: Any = None
     planner_data: Any = None
     save_id: str | None = None

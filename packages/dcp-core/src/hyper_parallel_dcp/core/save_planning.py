@@ -11,7 +11,7 @@ import contextlib
 import math
 from array import array
 from dataclasses import replace
-from itertools import chain, compress, repeat
+from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter, eq, is_, itemgetter
 from typing import Any, Hashable, Iterable, Iterator, Optional, Sequence
 
@@ -31,6 +31,7 @@ from .metadata import (
     tensor_metadata_from_columns,
 )
 from .plan_cache import PlanCache
+from .plan_columns import _ROW, Kind, WriteColumns
 from .planner import SavePlan, SavePlanner, WriteItem, WriteItemType, order_key
 from .timing import log_info
 
@@ -39,6 +40,7 @@ __all__ = [
     "build_metadata",
     "create_local_save_plan",
     "dedup_save_plans",
+    "plan_global_save",
 ]
 
 
@@ -76,7 +78,7 @@ def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[Metadat
             index = MetadataIndex(fqn)
             items.append(WriteItem(index, WriteItemType.BYTE_IO))
             data[index] = leaf
-    return SavePlan(tuple(items)), data, ragged
+    return SavePlan(WriteColumns.from_items(items)), data, ragged
 
 
 
@@ -86,9 +88,17 @@ def dedup_save_plans(plans: Sequence[SavePlan], save_to_minimum_rank: bool = Fal
     Owner: the holder with the fewest bytes planned so far (ties → lowest rank), visiting
     replicated items largest first so the balance is good; or simply the lowest rank with
     ``save_to_minimum_rank=True``.  Deterministic for the same input.  A rank that drops
-    nothing gets its plan object back.  Raises ``ValueError`` naming the key and both ranks
-    when two ranks hold different pieces (sizes or kind) at one key.
+    nothing gets its plan object back; a rank that drops items gets its plan with the rest
+    as :class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns`.  Raises
+    ``ValueError`` naming the key and both ranks when two ranks hold different pieces
+    (sizes or kind) at one key.
     """
+    return plan_global_save(plans, dedup=True, save_to_minimum_rank=save_to_minimum_rank, metadata=False)[0]
+
+
+def _dedup_items(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -> list[SavePlan]:
+    """:func:`dedup_save_plans` item by item: the path for plans the columns cannot key
+    (see :func:`_gather_columns`), and the one that words every error."""
     items = list(chain.from_iterable([plan.items for plan in plans]))
     # The one Python loop over every item of every rank (2M at 8192 simulated MoE
     # ranks), keyed by (fqn, offset) tuples hashed in C (MetadataIndex.__hash__ is a
@@ -286,6 +296,13 @@ def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
     do not all have the same number of offsets and sizes, or when stored chunks of a
     tensor overlap.
     """
+    metadata = plan_global_save(plans, dedup=False)[1]
+    assert metadata is not None
+    return metadata
+
+
+def _build_metadata_items(plans: Sequence[SavePlan]) -> Metadata:
+    """:func:`build_metadata` item by item (the path for plans the columns cannot key)."""
     # The items are read once, in plan order: the order the gathered plans were unpickled
     # into memory (visiting them grouped per FQN jumps across ranks; at 8192 simulated MoE
     # ranks, 602,441 items, that alone took seconds).  Offsets and sizes are copied into
@@ -419,6 +436,292 @@ def _raise_first_conflict(plans: Sequence[SavePlan]) -> None:
     raise AssertionError("no conflicting item found")  # pragma: no cover - the caller saw one
 
 
+def plan_global_save(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_minimum_rank: bool = False,
+                     metadata: bool = True) -> tuple[list[SavePlan], Optional[Metadata]]:
+    """The coordinator's save planning: :func:`dedup_save_plans` (with ``dedup``) and then
+    :func:`build_metadata` of the result (with ``metadata``; else ``None``), in one pass.
+
+    Runs over the plans' columns (:class:`WriteColumns`; a plan of item objects is turned
+    into columns first) in C and torch: the items are grouped and sorted once, by one
+    int64 key per item (the tensor's slot, then its offsets in row-major order of the
+    global shape + 1), which gives both the dedup groups and each tensor's chunk order.
+    Plans that such a key cannot describe exactly — an FQN with two kinds, shapes or
+    dtypes, a chunk whose number of offsets or sizes is not its tensor's number of dims,
+    offsets outside the global shape, different pieces at one key — go the item-by-item
+    way, which raises the errors the functions document.  Returns the same plans, keys,
+    chunk order and errors as :func:`_dedup_items` and :func:`_build_metadata_items`.
+    """
+    columns = [WriteColumns.of(plan.items) for plan in plans]
+    with _one_torch_thread():
+        gathered = _gather_columns(columns)
+        try:
+            keep = _dedup_columns(gathered, save_to_minimum_rank) if gathered is not None and dedup else None
+        except _PiecesDiffer:
+            gathered = None
+        if gathered is None:
+            out = _dedup_items(plans, save_to_minimum_rank) if dedup else list(plans)
+            return out, (_build_metadata_items(out) if metadata else None)
+        out = list(plans) if keep is None else _kept_plans(plans, columns, gathered, keep)
+        return out, (_metadata_of_columns(gathered, keep) if metadata else None)
+
+
+class _PiecesDiffer(Exception):
+    """Two ranks hold different pieces at one key (the item path words the error)."""
+
+
+class _Gathered:
+    """Every plan's columns laid end to end (item ``i`` of the whole save), as int64
+    tensors, with the global kind table.  Built only for plans a key can describe."""
+
+    def __init__(self, plans: int, kinds: list[Kind], kind: torch.Tensor, rank: torch.Tensor, rows: torch.Tensor,
+                 ndim: torch.Tensor, flat: tuple[torch.Tensor, torch.Tensor], offsets: torch.Tensor,
+                 sizes: torch.Tensor, key: torch.Tensor, kind_ndim: list[int]) -> None:
+        self.plans = plans
+        self.kinds = kinds  # global kind table; a kind is one FQN here
+        self.kind = kind  # per item: global kind id
+        self.rank = rank  # per item: position of its plan
+        self.rows = rows  # per item: its plan's row (kind id in its own table, ndims, nbytes)
+        self.nbytes = rows[:, 3]
+        self.flat_offsets, self.flat_sizes = flat  # as the plans carry them, end to end
+        self.ndim = ndim  # per item: number of offsets (= of sizes = of its tensor's dims; 0 for objects)
+        self.offsets = offsets  # items × max dims, zero-padded
+        self.sizes = sizes
+        self.kind_ndim = kind_ndim  # per kind: dims of its tensor, -1 for objects
+        # items in key order (stable: plan order among equal keys), and that order's keys
+        self.sorted_key, self.order = torch.sort(key, stable=True)
+
+
+def _cat(arrays: Iterable[array]) -> torch.Tensor:
+    """int64 ``array``s end to end as one tensor (joined in C)."""
+    buffer = bytearray().join(arrays)  # one copy, into a writable buffer torch can wrap
+    return torch.frombuffer(buffer, dtype=torch.int64) if buffer else torch.zeros(0, dtype=torch.int64)
+
+
+_rows_of = attrgetter("rows")
+_offsets_of = attrgetter("offsets")
+_sizes_of = attrgetter("sizes")
+
+
+def _gather_columns(columns: Sequence[WriteColumns]) -> Optional[_Gathered]:
+    """The plans' columns as one :class:`_Gathered`, or ``None`` when a key cannot
+    describe them (see :func:`plan_global_save`)."""
+    tables: dict[str, int] = {}  # ranks of one job mostly share one table: compared as strings
+    table_of_plan = [tables.setdefault(c.kinds_text, len(tables)) for c in columns]
+    first_with = dict(zip(reversed(table_of_plan), reversed(range(len(columns)))))
+    kind_ids: dict[Kind, int] = {}
+    table_map = [[kind_ids.setdefault(k, len(kind_ids)) for k in columns[first_with[t]].kinds]
+                 for t in range(len(tables))]
+    kinds = list(kind_ids)
+    if len({k[0] for k in kinds}) != len(kinds):
+        return None  # an FQN with two kinds, shapes or dtypes: the item path words the error
+    tensor_type = WriteItemType.TENSOR.value
+    kind_ndim, bases, strides, shapes = [], [], [], []
+    base = 0
+    width = max([len(k[2]) for k in kinds if k[2] is not None], default=0)
+    for _, kind_type, shape, dtype in kinds:
+        if kind_type == tensor_type:
+            if shape is None or dtype is None:
+                return None
+            stride, span = [], 1
+            for dim in reversed(shape):  # row-major over the global shape + 1 (offsets may equal a dim)
+                stride.append(span)
+                span *= dim + 1
+            kind_ndim.append(len(shape))
+            strides.append(stride[::-1] + [0] * (width - len(shape)))
+            shapes.append(list(shape) + [0] * (width - len(shape)))
+        else:
+            span = 1
+            kind_ndim.append(-1)
+            strides.append([0] * width)
+            shapes.append([0] * width)
+        bases.append(base)
+        base += span
+    if base >= 1 << 62 or not kinds:
+        return None  # the keys would not fit an int64
+    lengths = torch.tensor(list(map(len, columns)), dtype=torch.int64)
+    rank = torch.repeat_interleave(torch.arange(len(columns)), lengths)
+    rows = _cat(map(_rows_of, columns)).reshape(-1, 4)
+    local_kind, offset_ndim, size_ndim, _ = rows.unbind(1)
+    if len(table_map) == 1:  # one table for every rank (the usual case): the ids are global ids
+        if len(local_kind) and (int(local_kind.min()) < 0 or int(local_kind.max()) >= len(table_map[0])):
+            raise ValueError("a plan's columns name a kind its table does not have")
+        kind = local_kind.contiguous()
+    else:
+        table_len = torch.tensor([len(t) for t in table_map], dtype=torch.int64)
+        table_width = max(map(len, table_map), default=0)
+        mapped = torch.tensor([t + [0] * (table_width - len(t)) for t in table_map], dtype=torch.int64)
+        plan_table = torch.tensor(table_of_plan, dtype=torch.int64)[rank]
+        if bool(((local_kind < 0) | (local_kind >= table_len[plan_table])).any()):
+            raise ValueError("a plan's columns name a kind its table does not have")
+        kind = mapped[plan_table, local_kind]
+    # per kind, one row: dims (-1: an object), base of its keys, shape, strides; gathered
+    # once per item (each gather of a table by 4M kind ids is a pass over memory)
+    per_kind = torch.tensor([[n, b] + sh + st for n, b, sh, st in zip(kind_ndim, bases, shapes, strides)],
+                            dtype=torch.int64).reshape(len(kinds), 2 + 2 * width)[kind]
+    item_ndim = per_kind[:, 0]
+    if not (torch.equal(offset_ndim, item_ndim) and torch.equal(size_ndim, item_ndim)):
+        return None  # a chunk whose offsets or sizes do not match its tensor's dims
+    ndim = item_ndim.clamp(min=0)
+    flat_offsets, flat_sizes = _cat(map(_offsets_of, columns)), _cat(map(_sizes_of, columns))
+    per_plan = torch.zeros(len(columns), dtype=torch.int64).index_add_(0, rank, ndim).tolist()
+    if per_plan != list(map(len, map(_offsets_of, columns))) or per_plan != list(map(len, map(_sizes_of, columns))):
+        raise ValueError("a plan's offsets or sizes do not match their per-item lengths")
+    starts = torch.cumsum(ndim, 0) - ndim
+    dims = torch.arange(width)
+    inside = dims < ndim.unsqueeze(1)
+    where = (starts.unsqueeze(1) + dims).clamp(max=max(len(flat_offsets) - 1, 0))
+    zero = torch.zeros((), dtype=torch.int64)
+    offsets = torch.where(inside, flat_offsets[where], zero) if len(flat_offsets) else zero.expand(len(kind), width)
+    sizes = torch.where(inside, flat_sizes[where], zero) if len(flat_sizes) else zero.expand(len(kind), width)
+    if len(offsets) and width and (int(offsets.min()) < 0 or not bool(torch.le(offsets, per_kind[:, 2:2 + width]).all())):
+        return None  # offsets outside the global shape: the key would not be one-to-one
+    key = per_kind[:, 1]
+    if width:
+        key = key + (offsets * per_kind[:, 2 + width:]).sum(1)
+    return _Gathered(len(columns), kinds, kind, rank, rows, ndim, (flat_offsets, flat_sizes), offsets, sizes, key,
+                     kind_ndim)
+
+
+def _dedup_columns(g: _Gathered, save_to_minimum_rank: bool) -> Optional[torch.Tensor]:
+    """Which items (in plan order) stay after dedup: a bool tensor, or ``None`` when
+    nothing is replicated.  Raises :class:`_PiecesDiffer` when two ranks hold different
+    pieces at one key."""
+    count = len(g.sorted_key)
+    if count < 2:
+        return None
+    starts_group = torch.ones(count, dtype=torch.bool)
+    starts_group[1:] = g.sorted_key[1:] != g.sorted_key[:-1]
+    if bool(starts_group.all()):
+        return None
+    group = torch.cumsum(starts_group, 0) - 1
+    first = g.order[starts_group]  # each group's first item (lowest plan)
+    sorted_sizes = g.sizes[g.order]
+    if not bool((sorted_sizes == g.sizes[first][group]).all()):
+        raise _PiecesDiffer
+    members = torch.bincount(group)
+    held_alone = (members == 1)[group]
+    planned = torch.zeros(g.plans, dtype=torch.int64).index_add_(
+        0, g.rank[g.order[held_alone]], g.nbytes[g.order[held_alone]]).tolist()
+    replicated = members >= 2
+    rep_first = first[replicated]
+    rep_members = members[replicated].tolist()
+    rep_items = g.order[~held_alone]  # grouped, each group in plan order: ranks ascend
+    holder_ranks = g.rank[rep_items].tolist()
+    rep_kind = g.kind[rep_first].tolist()
+    rep_ndim = g.ndim[rep_first].tolist()
+    rep_offsets = g.offsets[rep_first].tolist()
+    rep_nbytes = g.nbytes[rep_first].tolist()
+    begins = list(accumulate(rep_members, initial=0))
+    # largest first, then the global (fqn, offsets) order of chunk keys
+    visit = sorted(range(len(rep_members)), key=lambda r: (-rep_nbytes[r], g.kinds[rep_kind[r]][0],
+                                                           rep_offsets[r][:rep_ndim[r]]))
+    chosen = [0] * len(rep_members)
+    for r in visit:
+        ranks = holder_ranks[begins[r]:begins[r + 1]]
+        # ranks ascend, and min() keeps the first of equal keys: ties go to the lowest rank
+        owner = ranks[0] if save_to_minimum_rank else min(ranks, key=planned.__getitem__)
+        planned[owner] += rep_nbytes[r]
+        chosen[r] = owner
+    keep = torch.ones(count, dtype=torch.bool)
+    keep[rep_items] = g.rank[rep_items] == torch.repeat_interleave(torch.tensor(chosen, dtype=torch.int64),
+                                                                   torch.tensor(rep_members, dtype=torch.int64))
+    return keep
+
+
+def _as_array(values: torch.Tensor) -> array:
+    """An int64 tensor's values as an ``array`` (one copy in C)."""
+    return array("q", values.contiguous().numpy().tobytes())
+
+
+def _kept_plans(plans: Sequence[SavePlan], columns: Sequence[WriteColumns], g: _Gathered,
+                keep: torch.Tensor) -> list[SavePlan]:
+    """Each plan with only its kept items (its own kind table and order); a plan that
+    keeps every item is returned as is."""
+    kept_per_plan = torch.zeros(len(plans), dtype=torch.int64).index_add_(0, g.rank, keep.long())
+    whole = (kept_per_plan == torch.tensor(list(map(len, columns)), dtype=torch.int64)).tolist()
+    if all(whole):
+        return list(plans)
+    flat_keep = torch.repeat_interleave(keep, g.ndim)
+    rows = _as_array(g.rows[keep])
+    offsets = _as_array(g.flat_offsets[flat_keep])
+    sizes = _as_array(g.flat_sizes[flat_keep])
+    plan_start = torch.cumsum(torch.tensor(list(map(len, columns)), dtype=torch.int64), 0) - torch.tensor(
+        list(map(len, columns)), dtype=torch.int64)
+    picked = _as_array((torch.arange(len(keep)) - plan_start[g.rank])[keep])
+    item_ends = list(accumulate(kept_per_plan.tolist(), initial=0))
+    row_ends = [end * _ROW for end in item_ends]
+    flat_ends = list(accumulate(torch.zeros(len(plans), dtype=torch.int64).index_add_(
+        0, g.rank[keep], g.ndim[keep]).tolist(), initial=0))
+    out = []
+    for at, (plan, cols, all_kept) in enumerate(zip(plans, columns, whole)):
+        if all_kept:
+            out.append(plan)
+            continue
+        flat = slice(flat_ends[at], flat_ends[at + 1])
+        out.append(replace(plan, items=WriteColumns(cols.kinds_text, rows[row_ends[at]:row_ends[at + 1]],
+                                                    offsets[flat], sizes[flat],
+                                                    picked[item_ends[at]:item_ends[at + 1]])))
+    return out
+
+
+def _metadata_of_columns(g: _Gathered, keep: Optional[torch.Tensor]) -> Metadata:
+    """:func:`build_metadata` of the kept items (every item when ``keep`` is ``None``)."""
+    count = len(g.kind)
+    if not count:
+        return Metadata(state_dict_metadata={})
+    kept_sorted = g.order if keep is None else g.order[keep[g.order]]  # by kind, then offsets
+    positions = torch.arange(count) if keep is None else torch.nonzero(keep).flatten()
+    kinds = g.kinds
+    first = torch.full((len(kinds),), count, dtype=torch.int64).scatter_reduce_(
+        0, g.kind[positions], positions, "amin")
+    used = (first < count).tolist()
+    key_order = [k for k in torch.argsort(first, stable=True).tolist() if used[k]]
+    chunk_count = torch.bincount(g.kind[kept_sorted], minlength=len(kinds)).tolist()
+    # per number of dims, every kept chunk's offsets and sizes (rows in key order, grouped
+    # by kind id), as tensors and as flat Python lists: one tolist() per class, then a
+    # slice per tensor (a dozen torch calls per tensor would cost more than the work for
+    # a small job's thousand tensors)
+    classes: dict[int, tuple[torch.Tensor, torch.Tensor, list[int], list[int]]] = {}
+    first_row: dict[int, int] = {}
+    sorted_ndim = torch.tensor(g.kind_ndim, dtype=torch.int64)[g.kind[kept_sorted]]
+    for ndim in sorted({g.kind_ndim[k] for k in range(len(kinds)) if used[k]}):
+        if ndim < 0:
+            continue
+        rows = kept_sorted[sorted_ndim == ndim]
+        offsets, sizes = g.offsets[rows, :ndim], g.sizes[rows, :ndim]
+        classes[ndim] = offsets, sizes, offsets.flatten().tolist(), sizes.flatten().tolist()
+        at = 0
+        for k in range(len(kinds)):
+            if used[k] and g.kind_ndim[k] == ndim:
+                first_row[k] = at
+                at += chunk_count[k]
+    sd: dict[str, Any] = {}
+    checks = []
+    for k in key_order:
+        fqn, _, shape, dtype = kinds[k]
+        ndim = g.kind_ndim[k]
+        if ndim < 0:
+            sd[fqn] = BytesStorageMetadata()
+            continue
+        assert shape is not None and dtype is not None
+        chunks, begin = chunk_count[k], first_row[k]
+        offset_rows, size_rows, all_offsets, all_sizes = classes[ndim]
+        chunk_offsets = all_offsets[begin * ndim:(begin + chunks) * ndim]
+        chunk_sizes = all_sizes[begin * ndim:(begin + chunks) * ndim]
+        sd[fqn] = tensor_metadata_from_columns(fqn, TensorProperties(dtype_from_name(dtype)), torch.Size(shape),
+                                               chunks, ndim, chunk_offsets, chunk_sizes, ascending=True)
+        checks.append((fqn, chunks, ndim, chunk_offsets, chunk_sizes, offset_rows, size_rows, begin))
+    for fqn, chunks, ndim, chunk_offsets, chunk_sizes, offset_rows, size_rows, begin in checks:  # key order
+        if chunks <= _FEW_CHUNKS:
+            _raise_overlap(fqn, [ChunkStorageMetadata(tuple(chunk_offsets[i:i + ndim]),
+                                                      tuple(chunk_sizes[i:i + ndim]))
+                                 for i in range(0, chunks * ndim, ndim)] if ndim else
+                           [ChunkStorageMetadata((), ())] * chunks)
+        else:
+            _check_disjoint(fqn, offset_rows[begin:begin + chunks], size_rows[begin:begin + chunks])
+    return Metadata(state_dict_metadata=sd)
+
+
 class StandardSavePlanner(SavePlanner):
     """Default save planner: cross-rank dedup and a process-wide plan cache.
 
@@ -517,11 +820,17 @@ class StandardSavePlanner(SavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with gc_paused():
-            if self.remove_redundancy and self.use_collectives:
-                all_plans = dedup_save_plans(all_plans, self.save_to_minimum_rank)
-            return all_plans, build_metadata(all_plans)
+            plans, metadata = plan_global_save(all_plans, dedup=self.remove_redundancy and self.use_collectives,
+                                               save_to_minimum_rank=self.save_to_minimum_rank)
+            assert metadata is not None
+            return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        local = self._local_plan
+        if local is not None and isinstance(new_plan.items, WriteColumns) and isinstance(local.items, WriteColumns):
+            # the final plan is the local plan or a cut of it: the rank's own item objects
+            # serve, instead of being built again from the columns
+            new_plan.items.reuse_items_of(local.items)
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> Any:
