@@ -102,18 +102,19 @@ def _save_then_fail(rank: int, world_size: int, path: str, fault: str) -> str:
 
         collectives.DistWrapper.gather_object = gather_then_die
     elif fault == "kill_metadata" and rank == 0:
-        real_write = filesystem.write_file_atomic
+        # the coordinator writes .metadata under its temp name while the ranks' fsyncs run
+        real_write = filesystem.write_file_pending
 
-        def metadata_half_then_die(p, data_writer, sync):
+        def metadata_half_then_die(p, data_writer, **kwargs):
             if p.name == ".metadata":
                 buf = io.BytesIO()
                 data_writer(buf)
                 tmp = p.with_name(p.name + atomic.TMP_SUFFIX)
                 tmp.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
                 die()
-            return real_write(p, data_writer, sync)
+            return real_write(p, data_writer, **kwargs)
 
-        filesystem.write_file_atomic = metadata_half_then_die
+        filesystem.write_file_pending = metadata_half_then_die
     elif fault == "enospc" and rank == 1:
         atomic.open = _full_disk_open  # every checkpoint file write now hits a full disk
     try:

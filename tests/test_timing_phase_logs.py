@@ -54,6 +54,10 @@ def test_every_phase_logs_one_line_per_rank_in_the_guide_format(tmp_path):
             assert save.count(phase) == 1, (rank, phase, save)
         # global planning and the commit happen on the coordinator only
         assert save.count("build_global_plan") == save.count("finalize_checkpoint") == (1 if rank == 0 else 0)
+        # the coordinator builds the metadata while every rank waits for its own fsyncs
+        assert save.count("prepare_metadata") == (1 if rank == 0 else 0) and save.count("sync_written") == 1
+        assert rank != 0 or save.index("prepare_metadata") < save.index("sync_written") < save.index(
+            "finalize_checkpoint"), save
         assert save[-1] == "save"  # the outer phase closes last
         for phase in ("load", "read_metadata", "parse_metadata", "build_local_plan", "execute_read"):
             assert load.count(phase) == 1, (rank, phase, load)

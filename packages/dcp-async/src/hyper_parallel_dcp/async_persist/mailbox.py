@@ -81,13 +81,13 @@ class FileMailbox(DistWrapper):
 
     # -- naming ----------------------------------------------------------------------
     def _gather_name(self, rank: int) -> str:
-        return gather_file(self._step, rank)
+        return gather_file(self.exchange_name(), rank)
 
     def _scatter_name(self, rank: int) -> str:
-        return scatter_file(self._step, rank)
+        return scatter_file(self.exchange_name(), rank)
 
     def _result_name(self) -> str:
-        return result_file(self._step)
+        return result_file(self.exchange_name())
 
     # -- file I/O --------------------------------------------------------------------
     def _post(self, name: str, obj: Any) -> None:
@@ -207,7 +207,7 @@ class FileMailbox(DistWrapper):
             logger.warning("async save mailbox clean-up in %s: %s", self.directory, exc)
         finally:
             self.timeout = saved_timeout
-        for step in ("plan_cache", "plan", "write", "exchange", "barrier"):
+        for step in ("plan_cache", "plan", "write", "write-share", "write-confirm", "exchange", "barrier"):
             self._step = step
             names = [self._gather_name(r) for r in range(self.world_size)]
             names += [self._scatter_name(r) for r in range(self.world_size)] + [self._result_name()]

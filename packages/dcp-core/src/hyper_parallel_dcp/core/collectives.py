@@ -81,6 +81,7 @@ def _default_store() -> Any:
         return None
 
 T = TypeVar("T")
+P = TypeVar("P")
 R = TypeVar("R")
 
 
@@ -158,6 +159,7 @@ class DistWrapper:
         self.global_coordinator = coordinator_rank
         self.timeout = collective_timeout() if timeout is None else timeout
         self._step = "collective"
+        self._round = ""  # names a step's second exchange of one kind (see exchange_name)
         self._store: Any = None
         self._group_ranks: tuple[int, ...] = ()
         if rank is not None or world_size is not None:
@@ -226,6 +228,12 @@ class DistWrapper:
                 store.delete_key(f"{name}/{seq - 1}/{self.rank}")
             except Exception:  # noqa: BLE001 - only housekeeping
                 pass
+
+    def exchange_name(self) -> str:
+        """The name of the exchange under way: its step, suffixed for a step's second
+        exchange of one kind.  Errors name the step; a wrapper that exchanges through
+        named files names them by this."""
+        return f"{self._step}-{self._round}" if self._round else self._step
 
     def arrive(self, step: str) -> None:
         """Wait (at most the collective timeout) until every rank of the group got here.
@@ -361,6 +369,66 @@ class DistWrapper:
         if tag == "fail":
             _raise_failures(step, value)
         return value
+
+    def all_reduce_confirmed(self, step: str, map_fun: Callable[[], T], prepare_fun: Callable[[list[T]], P],
+                             confirm_fun: Callable[[], None], commit_fun: Callable[[P], None]) -> P:
+        """Gather, prepare and share on the coordinator, confirm everywhere, then commit.
+
+        Every rank runs ``map_fun`` and sends the result to the coordinator, which runs
+        ``prepare_fun(results)`` and sends what it returns to every rank; each rank then
+        runs ``confirm_fun``; once every rank confirmed, the coordinator runs
+        ``commit_fun(prepared)``, and every rank returns ``prepared``.  A save sends its write
+        results before its files are durable and confirms once they are: the coordinator
+        builds the metadata and every rank receives it while the data is flushed, and the
+        commit follows every confirmation.  A failure of any function on any rank is raised
+        on every rank, after the confirmations.  Without a process group: map, prepare,
+        confirm, commit, exceptions unchanged.
+        """
+        self._step = step
+        if not self.use_dist:
+            value = prepare_fun([map_fun()])
+            confirm_fun()
+            commit_fun(value)
+            return value
+        local = self._run(map_fun)
+        gathered = self.gather_object(local)
+        failures: dict[int, _Failure] = {}
+        prepared: Any = None
+        if self.is_coordinator:
+            assert gathered is not None
+            failures = {r: v for r, v in enumerate(gathered) if isinstance(v, _Failure)}
+            if not failures:
+                prepared = self._run(lambda: prepare_fun(gathered))  # type: ignore[arg-type]
+                if isinstance(prepared, _Failure):
+                    failures[self.rank] = prepared
+                    prepared = None
+        # Each exchange of the step past the first of its kind gets a name of its own.
+        self._round = "share"
+        try:
+            shared = self.broadcast_object(prepared)
+        finally:
+            self._round = ""
+        confirmed = self._run(confirm_fun)
+        self._round = "confirm"
+        try:
+            confirmations = self.gather_object(confirmed)
+        finally:
+            self._round = ""
+        payload: Any = None
+        if self.is_coordinator:
+            assert confirmations is not None
+            for r, v in enumerate(confirmations):
+                if isinstance(v, _Failure):
+                    failures.setdefault(r, v)
+            if not failures:
+                committed = self._run(lambda: commit_fun(prepared))
+                if isinstance(committed, _Failure):
+                    failures[self.rank] = committed
+            payload = ("fail", failures) if failures else ("ok", None)
+        tag, value = self.broadcast_object(payload)
+        if tag == "fail":
+            _raise_failures(step, value)
+        return shared
 
     def check(self, step: str, local_error: Optional[BaseException]) -> None:
         """Collective error check: raise on every rank if any rank reports an error."""

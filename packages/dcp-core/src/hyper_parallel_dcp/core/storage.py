@@ -59,7 +59,25 @@ class StorageWriter(abc.ABC):
 
     @abc.abstractmethod
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        """Write every item of ``plan`` (data from ``planner.resolve_data``)."""
+        """Write every item of ``plan`` (data from ``planner.resolve_data``).
+
+        It may return before the data is durable when :meth:`sync_written` waits for it.
+        """
+
+    def sync_written(self) -> None:
+        """Make what ``execute_write`` wrote durable before returning (the save calls it on
+        every rank after ``execute_write``, and commits only after it returned everywhere).
+
+        The default does nothing: ``execute_write`` returned with its data durable.  A
+        writer that lets its flushes run on meanwhile (the filesystem writer's fsyncs
+        overlap the coordinator's metadata work) waits for them here and raises their error.
+        """
+
+    def prepare_finalize(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator (or each rank without collectives), before ``finalize_checkpoint``
+        with the same arguments and possibly before every rank's data is durable: may do
+        the commit's work that makes nothing visible (serialise the metadata).  Default:
+        nothing."""
 
     @abc.abstractmethod
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

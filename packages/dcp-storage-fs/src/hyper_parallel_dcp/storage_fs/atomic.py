@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import BinaryIO, Callable, Union
 
-__all__ = ["TMP_SUFFIX", "fsync_dir", "write_file_atomic"]
+__all__ = ["TMP_SUFFIX", "PendingFile", "fsync_dir", "write_file_atomic", "write_file_pending"]
 
 TMP_SUFFIX = ".hp-dcp-tmp"
 
@@ -27,25 +27,76 @@ def write_file_atomic(path: Union[str, os.PathLike], write: Callable[[BinaryIO],
     removed and ``path`` is untouched; an ``OSError`` (disk full, quota, I/O error) is
     re-raised as one of the same class whose message names ``path``.
     """
+    pending = write_file_pending(path, write, unique_temp=unique_temp)
+    pending.finish(sync)
+    return pending.size
+
+
+class PendingFile:
+    """A file written under its temp name, still open, not yet in place: :meth:`finish`
+    fsyncs it (or not), closes it and renames it over its path; :meth:`discard` removes it."""
+
+    def __init__(self, path: Path, tmp: Path, file: BinaryIO, size: int) -> None:
+        self.path = path
+        self.tmp = tmp
+        self.size = size
+        self._file = file
+
+    def finish(self, sync: bool = True) -> None:
+        """fsync (``sync``), close and rename into place; raises as :func:`write_file_atomic`
+        (the temp file is removed on failure)."""
+        try:
+            if sync:
+                os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self.tmp, self.path)
+        except BaseException as exc:
+            self.discard()
+            _raise_naming(exc, self.path)
+            raise
+
+    def discard(self) -> None:
+        """Close and remove the temp file (nothing of it stays)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        try:
+            self.tmp.unlink()
+        except OSError:
+            pass
+
+
+def write_file_pending(path: Union[str, os.PathLike], write: Callable[[BinaryIO], object], *,
+                       unique_temp: bool = False) -> PendingFile:
+    """The first half of :func:`write_file_atomic`: write the temp file through ``write(f)``
+    and return it, open, not fsynced, not renamed, as a :class:`PendingFile`.  On failure
+    the temp file is removed and the error raised as :func:`write_file_atomic` does."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}" if unique_temp else path.name + TMP_SUFFIX)
+    f = None
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, path)
+        f = open(tmp, "wb")
+        write(f)
+        f.flush()
+        return PendingFile(path, tmp, f, f.tell())
     except BaseException as exc:
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass  # the write's own error is the one to report
         try:
             tmp.unlink()
         except OSError:
             pass
-        if isinstance(exc, OSError) and exc.errno is not None:
-            raise type(exc)(exc.errno, f"writing checkpoint file {path} failed: {exc.strerror}") from exc
+        _raise_naming(exc, path)
         raise
-    return size
+
+
+def _raise_naming(exc: BaseException, path: Path) -> None:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        raise type(exc)(exc.errno, f"writing checkpoint file {path} failed: {exc.strerror}") from exc
 
 
 def fsync_dir(path: Union[str, os.PathLike]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from operator import add, gt
@@ -46,7 +47,7 @@ from hyper_parallel_dcp.core.settings import FILES_KEPT
 from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, StorageWriter, WriteResult, read_items
 
 from . import direct_read
-from .atomic import fsync_dir, write_file_atomic
+from .atomic import PendingFile, fsync_dir, write_file_atomic, write_file_pending
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
 from .direct_read import AdjacentReads, FileMapping, copy_many, read_slice, span_from_strides
 from .rank_files import with_stored_as, write_rank_files
@@ -92,6 +93,9 @@ class FileSystemWriter(StorageWriter):
         self.atomic = True
         self._lock: Optional[SaveLock] = None
         self._save_id: Optional[str] = None
+        self._syncing: Optional[_BackgroundSync] = None
+        # (metadata, its JSON, the .metadata written but not committed) from prepare_finalize
+        self._prepared: Optional[tuple[Metadata, bytes, Optional[PendingFile]]] = None
 
     # -- set-up ----------------------------------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
@@ -165,16 +169,66 @@ class FileSystemWriter(StorageWriter):
                     stale.unlink()  # the directory no longer holds that checkpoint
                 except FileNotFoundError:
                     pass
-        return write_rank_files(plan, planner, self.rank,
-                                lambda name, data_writer: write_file_atomic(out_dir / name, data_writer, self.sync_files))
+        pending: list[PendingFile] = []
+
+        def write_file(name: str, data_writer: Any) -> int:
+            written = write_file_pending(out_dir / name, data_writer)
+            pending.append(written)
+            return written.size
+
+        try:
+            results = write_rank_files(plan, planner, self.rank, write_file)
+        except BaseException:
+            for written in pending:
+                written.discard()
+            raise
+        if self.sync_files:
+            # The fsyncs run while the results travel to the coordinator and it builds the
+            # metadata; sync_written() waits for them before this rank confirms.
+            self._syncing = _BackgroundSync(pending)
+        else:
+            for written in pending:
+                written.finish(sync=False)
+        return results
+
+    def sync_written(self) -> None:
+        """Wait until the files of ``execute_write`` are fsynced and in place; raises the
+        first ``OSError`` of that, naming the file."""
+        syncing, self._syncing = self._syncing, None
+        if syncing is not None:
+            syncing.wait()
+
+    def prepare_finalize(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Serialise the metadata; in a staging directory (invisible until the commit) also
+        write it there, not yet fsynced nor renamed."""
+        self._discard_prepared()
+        text = metadata_to_json(with_stored_as(metadata)).encode()
+        written = None
+        if self.atomic:
+            out_dir = self._data_dir()
+            out_dir.mkdir(parents=True, exist_ok=True)
+            written = write_file_pending(out_dir / METADATA_FILE, lambda f: f.write(text))
+        self._prepared = (metadata, text, written)
+
+    def _discard_prepared(self) -> None:
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[2] is not None:
+            prepared[2].discard()
 
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.sync_written()  # this rank's own files before the commit (the pipeline waited already)
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         name = METADATA_FILE if self.atomic else f"{self.rank}.metadata"
-        text = metadata_to_json(with_stored_as(metadata)).encode()
-        write_file_atomic(out_dir / name, lambda f: f.write(text), self.sync_files)
+        if self._prepared is not None and self._prepared[0] is not metadata:
+            self._discard_prepared()  # prepared for other metadata: serialise this one
+        prepared, self._prepared = self._prepared, None
         try:
+            if prepared is not None and prepared[2] is not None:
+                prepared[2].finish(self.sync_files)  # written by prepare_finalize: fsync, rename
+            else:
+                text = prepared[1] if prepared is not None else metadata_to_json(with_stored_as(metadata)).encode()
+                write_file_atomic(out_dir / name, lambda f: f.write(text), self.sync_files)
             if self.atomic:
                 commit_directory(out_dir, self._target())
             elif self.sync_files:
@@ -184,6 +238,11 @@ class FileSystemWriter(StorageWriter):
 
     def abort(self, error: BaseException) -> None:
         try:
+            try:
+                self.sync_written()  # nothing may still be renaming into the directory removed below
+            except OSError:
+                pass
+            self._discard_prepared()
             if self.atomic and self.is_coordinator and self._save_id is not None:
                 import shutil
 
@@ -197,6 +256,30 @@ class FileSystemWriter(StorageWriter):
         except Exception:  # noqa: BLE001
             pass
 
+
+class _BackgroundSync:
+    """fsync and rename written files on a thread (``os.fsync`` releases the GIL)."""
+
+    def __init__(self, files: list[PendingFile]) -> None:
+        self._files = files
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="hp-dcp-fsync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for position, written in enumerate(self._files):
+            try:
+                written.finish(sync=True)
+            except BaseException as exc:  # noqa: BLE001 - raised by wait() on the saving thread
+                self._error = exc
+                for rest in self._files[position + 1:]:
+                    rest.discard()
+                return
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 # ------------------------------------------------------------------------------ reading

@@ -8,6 +8,8 @@ names, bytes and checksums are the same on every backend.
 
 from __future__ import annotations
 
+import functools
+from operator import itemgetter
 from typing import Any, BinaryIO, Callable
 
 import torch
@@ -15,7 +17,7 @@ import xxhash
 
 from hyper_parallel_dcp.core.metadata import Metadata, StorageInfo, TensorStorageMetadata, chunk_key
 from hyper_parallel_dcp.core.objects import serialize_object
-from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItemType, order_key
+from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel_dcp.core.storage import WriteResult
 
 from .safetensors_stream import TensorEntry, stored_layout, to_stored, write_safetensors
@@ -24,6 +26,20 @@ __all__ = ["WriteFile", "objects_file_name", "tensors_file_name", "with_stored_a
 
 #: ``write_file(name, data_writer)``: write ``name`` through ``data_writer(f)``, return its size.
 WriteFile = Callable[[str, Callable[[BinaryIO], Any]], int]
+
+
+@functools.cache
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _fetcher(resolve: Callable[[WriteItem], Any], item: WriteItem) -> Callable[[], torch.Tensor]:
+    return lambda: to_stored(resolve(item))
+
+
+def _labeller(item: WriteItem) -> Callable[[], str]:
+    # the name in an error message, built only when one is raised
+    return lambda: f"{item.index.fqn!r} chunk at {list(item.index.offset or ())}"
 
 
 def tensors_file_name(rank: int) -> str:
@@ -40,22 +56,27 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
 
     Errors of ``write_file`` and of ``planner.resolve_data`` propagate unchanged.
     """
-    tensors = sorted((it for it in plan.items if it.type is WriteItemType.TENSOR), key=lambda it: order_key(it.index))
+    # The storage key is the write order (its string order is the (fqn, offset) order):
+    # made once per chunk, used to sort and as the safetensors key.
+    keyed = sorted(((chunk_key(it.index.fqn, it.index.offset or ()), it) for it in plan.items
+                    if it.type is WriteItemType.TENSOR), key=itemgetter(0))
+    tensors = [it for _, it in keyed]
     objects = sorted((it for it in plan.items if it.type is WriteItemType.BYTE_IO), key=lambda it: it.index.fqn)
     results: list[WriteResult] = []
     if tensors:
         name = tensors_file_name(rank)
         entries = []
-        for it in tensors:
+        resolve = planner.resolve_data
+        for key, it in keyed:
             assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
             # a dtype safetensors cannot name goes as a same-size integer view
-            stored_dtype, stored_shape = stored_layout(getattr(torch, it.dtype), it.sizes)
+            stored_dtype, stored_shape = stored_layout(_dtype(it.dtype), it.sizes)
             entries.append(TensorEntry(
-                chunk_key(it.index.fqn, it.index.offset),
+                key,
                 stored_dtype,
                 stored_shape,
-                (lambda it=it: to_stored(planner.resolve_data(it))),
-                label=f"{it.index.fqn!r} chunk at {list(it.index.offset)}",
+                _fetcher(resolve, it),
+                label=_labeller(it),
             ))
         placed: list[tuple[int, int, str]] = []
 

@@ -18,7 +18,7 @@ import ctypes
 import json
 import math
 import struct
-from typing import BinaryIO, NamedTuple, Sequence, TypeGuard
+from typing import BinaryIO, Callable, NamedTuple, Sequence, TypeGuard, Union
 
 import torch
 import xxhash
@@ -71,9 +71,9 @@ def stored_layout(dtype: torch.dtype, shape: Sequence[int]) -> tuple[torch.dtype
     The true dtype is in ``.metadata``.  Raises ``TypeError`` for quantized dtypes (their
     scale and zero point are not in the bytes).
     """
+    if dtype in SAFETENSORS_DTYPES:  # every common dtype: once per chunk of a save, kept cheap
+        return dtype, shape if type(shape) is tuple else tuple(int(d) for d in shape)
     shape = tuple(int(d) for d in shape)
-    if dtype in SAFETENSORS_DTYPES:
-        return dtype, shape
     if dtype in _QUANTIZED:
         raise TypeError(f"quantized dtype {dtype} cannot be checkpointed (its scale and zero point are not "
                         "tensor data); dequantize it first")
@@ -87,6 +87,8 @@ def stored_layout(dtype: torch.dtype, shape: Sequence[int]) -> tuple[torch.dtype
 
 def to_stored(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as the view :func:`stored_layout` names (the same bytes)."""
+    if tensor.dtype in SAFETENSORS_DTYPES:
+        return tensor
     dtype, _ = stored_layout(tensor.dtype, tensor.shape)
     if dtype == tensor.dtype:
         return tensor
@@ -113,22 +115,30 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class TensorEntry:
-    """One tensor to write: its key, and a callable producing the CPU tensor when due."""
+    """One tensor to write: its key, and a callable producing the CPU tensor when due.
 
-    __slots__ = ("key", "dtype", "shape", "nbytes", "fetch", "label")
+    ``label`` names the tensor in errors: a string, or a callable that builds it (a save
+    makes one entry per chunk, and the name is only needed when something is wrong).
+    """
 
-    def __init__(self, key: str, dtype: torch.dtype, shape: Sequence[int], fetch, label: str = ""):
+    __slots__ = ("key", "dtype", "shape", "nbytes", "fetch", "_label")
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: Sequence[int], fetch: Callable[..., torch.Tensor],
+                 label: Union[str, Callable[[], str]] = ""):
         if dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"{label or key}: dtype {dtype} cannot be stored in safetensors")
+            text = label() if callable(label) else label
+            raise TypeError(f"{text or key}: dtype {dtype} cannot be stored in safetensors")
         self.key = key
         self.dtype = dtype
-        self.shape = tuple(int(d) for d in shape)
-        n = 1
-        for d in self.shape:
-            n *= d
-        self.nbytes = n * dtype.itemsize
+        self.shape = shape if type(shape) is tuple else tuple(int(d) for d in shape)
+        self.nbytes = math.prod(self.shape) * dtype.itemsize
         self.fetch = fetch
-        self.label = label or key
+        self._label = label
+
+    @property
+    def label(self) -> str:
+        label = self._label() if callable(self._label) else self._label
+        return label or self.key
 
 
 def _header(entries: Sequence[TensorEntry]) -> tuple[bytes, list[int]]:
@@ -157,11 +167,11 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry]) -> list[tuple
     out = []
     for entry, begin in zip(entries, begins):
         tensor = entry.fetch()
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             tensor = tensor.to("cpu")
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
+        if tensor.shape != entry.shape or tensor.dtype != entry.dtype:  # torch.Size equals a tuple
             raise ValueError(
                 f"{entry.label}: data has shape {tuple(tensor.shape)} {tensor.dtype}, planned {entry.shape} {entry.dtype}"
             )
