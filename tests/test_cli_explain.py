@@ -100,7 +100,12 @@ def _load_worker(rank: int, world_size: int, path: str, spec: dict) -> list[tupl
     Both come from the system calls (every ``preadv``/``pread`` of this process, read-ahead
     thread included), not from the library's own counters: the bytes read from the data
     regions of the checkpoint's files, and the names of the files they came from.
+    Column slices are read through the span buffer here (in this spawned rank only): copied
+    from a mapping of the file, as by default, they make no read call to count.
     """
+    from hyper_parallel_dcp.storage_fs import direct_read
+
+    direct_read.MAPPED_SLICE_MIN_BYTES = 1 << 62
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 

@@ -182,15 +182,19 @@ def test_reader_counts_only_the_rows_a_row_slice_needs(tmp_path):
     assert reader.bytes_read == 16 * 32 * 4 + object_bytes
     assert _data_bytes_read(reads, tmp_path / "ck") == reader.bytes_read
 
-    column = torch.zeros(64, 4)
-    reader = FileSystemReader(tmp_path / "ck")
     from hyper_parallel_dcp.core.chunks import ChunkBox
     from hyper_parallel_dcp.core.layout import TensorShards
 
-    with FileReads() as reads:
-        load_state_dict({"w": TensorShards((64, 32), torch.float32, [(ChunkBox((0, 4), (64, 4)), column)])},
-                        reader, no_dist=True)
-    assert torch.equal(column, full[:, 4:8])
-    # a column slice spans every row it touches: from (0, 4) to (63, 7)
-    assert reader.bytes_read == (63 * 32 + 8 - 4) * 4
-    assert _data_bytes_read(reads, tmp_path / "ck") == reader.bytes_read
+    for mapped in (False, True):
+        column = torch.zeros(64, 4)
+        reader = FileSystemReader(tmp_path / "ck")
+        with FileReads() as reads, pytest.MonkeyPatch.context() as mp:
+            if not mapped:  # through the span buffer, whose preadv the test sees
+                mp.setattr(direct_read, "MAPPED_SLICE_MIN_BYTES", 1 << 40)
+            load_state_dict({"w": TensorShards((64, 32), torch.float32, [(ChunkBox((0, 4), (64, 4)), column)])},
+                            reader, no_dist=True)
+        assert torch.equal(column, full[:, 4:8])
+        # a column slice spans every row it touches: from (0, 4) to (63, 7)
+        assert reader.bytes_read == (63 * 32 + 8 - 4) * 4
+        # copied from the file's mapping, the slice makes no read call at all
+        assert _data_bytes_read(reads, tmp_path / "ck") == (0 if mapped else reader.bytes_read)

@@ -109,7 +109,11 @@ def sort_read_items(items: Iterable[ReadItem]) -> list[ReadItem]:
     offsets (a new list).  The default of ``StorageReader.sort_items``; for the
     filesystem layout it is file order, and it is the order a broadcast load ships shards.
     """
-    return sorted(items, key=lambda it: (order_key(it.dest_index), order_key(it.storage_index), it.storage_offsets))
+    # (fqn, offsets) tuples sort exactly as their chunk keys (``order_key``: FQNs escaped
+    # so that key order is tuple order) and compare in C without formatting two keys
+    # per item (~4 us of a read of 4 KiB)
+    return sorted(items, key=lambda it: (it.dest_index.fqn, it.dest_index.offset or (), it.storage_index.fqn,
+                                         it.storage_index.offset or (), it.storage_offsets))
 
 
 class SavePlanner(abc.ABC):

@@ -293,5 +293,7 @@ def entry_mismatch(entry: HeaderEntry | None, key: str, dtype: torch.dtype, shap
 
 
 def _int_list(value: object) -> TypeGuard[list[int]]:
-    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    # type() and min() in C: this runs twice per entry of every header a load opens
+    # (the generator it replaces was a fifth of parsing a 2000-entry header)
+    return type(value) is list and (not value or (set(map(type, value)) == {int} and min(value) >= 0))
 
