@@ -98,6 +98,9 @@ def _load_fallback_on_two(rank: int, world_size: int, root: str) -> None:
     newer = model_state(world_size)
     newer["sh"].to_local().mul_(-1.0)
     dcp.save(newer, checkpoint_id=f"{root}/local_again", use_collectives=False)
+    # A save without collectives does not wait for the other ranks: without this barrier
+    # rank 0 may read (and share) the metadata before rank 1 has written its own.
+    torch.distributed.barrier()
     target = model_state(world_size, empty=True)
     dcp.load(target, checkpoint_id=f"{root}/local_again")
     assert torch.equal(target["sh"].full_tensor(), -sharded_value()), "old per-rank chunks leaked into the load"

@@ -364,9 +364,10 @@ def copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
 
 
 # dtypes whose same-dtype ``copy_`` is a plain bit copy on every device (the others go
-# through ``copy_into``'s integer view)
+# through ``copy_into``'s integer view).  Not bool: its copy stores every non-zero byte
+# as 1, and a checkpoint must give back the bytes it was given.
 _PLAIN = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                    torch.int16, torch.int8, torch.uint8, torch.bool})
+                    torch.int16, torch.int8, torch.uint8})
 
 
 # from this size a copy is worth its two extra views as 8-byte words (``_copy_wide``)
