@@ -266,7 +266,7 @@ def load_state_dict(
     original = state_dict
     state_dict, stateful = expand_stateful(state_dict)  # filled, then handed to load_state_dict
 
-    with phase("load", rank), gc_paused(promote=True):
+    with phase("load", rank), gc_paused():
         first = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
                             coordinator_rank=coordinator_rank)
         metadata_of, collectives_required = _share_metadata(storage_reader, first, rank)
