@@ -65,7 +65,7 @@ def _crash_worker(rank: int, world_size: int, root: str, fault: str) -> str:
     try:
         mgr.save(4, _state(4, rank))
         if fault == "async" and rank == 1:
-            _die()  # step 4 in flight: the rank dies, its writer process goes on and lands it
+            _die()  # step 4 in flight: the rank dies; its writer lands it or abandons it
         mgr.close()
     except Exception as exc:  # noqa: BLE001 - the survivor's error is the result
         return f"{type(exc).__name__}: {exc}"
@@ -115,7 +115,10 @@ def test_killed_at_every_moment_then_resume(tmp_path: Path) -> None:
     assert _complete_steps(roots["between"]) == [2, 3, 4]  # retention never ran
     assert any(n.startswith(".step_2.hp-dcp-old-") for n in names["retention"]), names["retention"]
     assert _complete_steps(roots["retention"]) == [3, 4]
-    assert _complete_steps(roots["async"]) == [2, 3, 4]  # landed by the dead rank's writer; no retention
+    # step 4 in flight when rank 1 died: its writer abandons it when it sees its trainer gone
+    # (docs/faults.md), unless the save landed first; either way no retention ran
+    landed_async = _complete_steps(roots["async"])
+    assert landed_async in ([2, 3], [2, 3, 4]), landed_async
 
     # hp-dcp clean on the killed save's root: the dead save's staging directory and lock go,
     # the complete steps and the user's directory stay
@@ -127,7 +130,7 @@ def test_killed_at_every_moment_then_resume(tmp_path: Path) -> None:
     assert sorted(os.listdir(roots["save"])) == ["keep_me", "step_2", "step_3", "step_4"]
     assert os.listdir(roots["save"] / "step_4") == ["hp-dcp-step.json"]
 
-    expected = {"save": 3, "between": 4, "retention": 4, "async": 4}
+    expected = {"save": 3, "between": 4, "retention": 4, "async": landed_async[-1]}
     results = run_distributed(_resume_worker, 2, [str(roots[f]) for f in faults], timeout=240, env=TIMEOUTS)
     for rank_result in results:
         for fault, (step, steps) in zip(faults, rank_result):
