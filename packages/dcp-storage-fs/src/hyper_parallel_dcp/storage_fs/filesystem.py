@@ -50,7 +50,7 @@ from . import direct_read
 from .atomic import PendingFile, fsync_dir, write_file_atomic, write_file_pending
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
 from .direct_read import AdjacentReads, FileMapping, copy_many, read_slice, span_from_strides
-from .rank_files import with_stored_as, write_rank_files
+from .rank_files import objects_file_name, tensors_file_name, with_stored_as, write_rank_files
 from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
 from .safetensors_stream import (
     SAFETENSORS_DTYPES,
@@ -169,6 +169,9 @@ class FileSystemWriter(StorageWriter):
                     stale.unlink()  # the directory no longer holds that checkpoint
                 except FileNotFoundError:
                     pass
+        # The files this save replaces are dropped from the page cache first (see
+        # _drop_replaced); their data stays on disk until the commit.
+        _drop_replaced([self._target() / tensors_file_name(self.rank), self._target() / objects_file_name(self.rank)])
         pending: list[PendingFile] = []
 
         def write_file(name: str, data_writer: Any) -> int:
@@ -255,6 +258,35 @@ class FileSystemWriter(StorageWriter):
             self._release_lock()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _drop_replaced(paths: Iterable[Path]) -> None:
+    """Drop the page cache of ``paths``, the rank's files of the checkpoint this save replaces.
+
+    Their pages are clean (fsynced by the save that wrote them) and are freed anyway when
+    the replaced checkpoint is deleted after the commit.  Freed now, they are the memory
+    this save writes into.  Otherwise the writes take pages the kernel must find elsewhere
+    (reclaim, or on this project's VM pages the host has to fault back in): writing 2 x 505
+    MiB next to the copy they replace took 1.3-4.1 s, against 0.3-0.8 s with that copy
+    dropped first or removed before (drop included; alternating runs, load 3-5).  Only
+    the cache is dropped (``POSIX_FADV_DONTNEED``): the old files stay whole and loadable
+    until the swap, so a crash at any moment still leaves the old or the new checkpoint.
+    A missing file, or a platform without ``posix_fadvise``, is skipped.
+    """
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 class _BackgroundSync:
