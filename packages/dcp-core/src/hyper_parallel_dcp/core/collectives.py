@@ -371,7 +371,8 @@ class DistWrapper:
         return value
 
     def all_reduce_confirmed(self, step: str, map_fun: Callable[[], T], prepare_fun: Callable[[list[T]], P],
-                             confirm_fun: Callable[[], None], commit_fun: Callable[[P], None]) -> P:
+                             confirm_fun: Callable[[], None], commit_fun: Callable[[P], None],
+                             shared_fun: Optional[Callable[[P], None]] = None) -> P:
         """Gather, prepare and share on the coordinator, confirm everywhere, then commit.
 
         Every rank runs ``map_fun`` and sends the result to the coordinator, which runs
@@ -383,6 +384,11 @@ class DistWrapper:
         commit follows every confirmation.  A failure of any function on any rank is raised
         on every rank, after the confirmations.  Without a process group: map, prepare,
         confirm, commit, exceptions unchanged.
+
+        ``shared_fun(prepared)`` runs on every other rank once its confirmation is sent,
+        while the coordinator commits (a save unpacks the metadata it received there);
+        an exception of it is ignored, so the caller should do the same work again after
+        the return if it did not complete.
         """
         self._step = step
         if not self.use_dist:
@@ -414,6 +420,11 @@ class DistWrapper:
             confirmations = self.gather_object(confirmed)
         finally:
             self._round = ""
+        if shared_fun is not None and not self.is_coordinator and shared is not None:
+            try:
+                shared_fun(shared)
+            except Exception:  # noqa: BLE001 - the caller repeats it after the outcome (see above)
+                pass
         payload: Any = None
         if self.is_coordinator:
             assert confirmations is not None

@@ -22,7 +22,7 @@ from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .gc_pause import gc_paused
 from .layout import is_tensor_leaf
 from .load_planning import StandardLoadPlanner
-from .metadata import Metadata, MetadataIndex, StorageInfo
+from .metadata import Metadata, MetadataIndex, StorageInfo, pack_metadata, unpack_metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .reader_assignment import apply_reader_assignment, assign_readers_from_layouts, target_layout
 from .save_planning import StandardSavePlanner
@@ -180,8 +180,10 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         return results
 
     gathered_results: list[list[list[WriteResult]]] = []
+    # the metadata: built by the coordinator, unpacked from columns on the other ranks
+    final_metadata: list[Metadata] = []
 
-    def prepare_step(all_results: list[list[WriteResult]]) -> Metadata:
+    def prepare_step(all_results: list[list[WriteResult]]) -> Any:
         # Runs while the ranks' data is still being flushed (sync_written): building,
         # serialising and sending the metadata costs ~10 us a chunk, off the commit path.
         assert global_metadata[0] is not None
@@ -189,19 +191,29 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             metadata = _attach_results(global_metadata[0], all_results)
             storage_writer.prepare_finalize(metadata, all_results)
         gathered_results.append(all_results)
-        return metadata
+        final_metadata.append(metadata)
+        # The other ranks get it as columns (pickled objects cost ~4x as much to send and
+        # build again) and unpack it while the coordinator commits (shared_step).
+        return pack_metadata(metadata) if dw.use_dist else None
 
     def sync_step() -> None:
         with phase("sync_written", rank):
             storage_writer.sync_written()
 
-    def commit_step(metadata: Metadata) -> None:
+    def commit_step(_: Any) -> None:
         fault_point("save.commit", rank)
         with phase("finalize_checkpoint", rank):
-            storage_writer.finalize_checkpoint(metadata, gathered_results[0])
+            storage_writer.finalize_checkpoint(final_metadata[0], gathered_results[0])
+
+    def shared_step(packed: Any) -> None:
+        with phase("unpack_metadata", rank):
+            final_metadata.append(unpack_metadata(packed))
 
     with phase("_save_impl", rank):
-        return dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step)
+        packed = dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step, shared_step)
+    if not final_metadata:  # shared_step failed: unpack again, raising its error now
+        final_metadata.append(unpack_metadata(packed))
+    return final_metadata[0]
 
 
 def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,

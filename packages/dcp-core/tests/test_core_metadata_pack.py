@@ -1,0 +1,126 @@
+"""``pack_metadata`` / ``unpack_metadata``: the form in which a save's coordinator sends the
+global metadata to the other ranks.  It must give back metadata equal to the original
+(every field, columnar or plain tensors, lazy storage views) and hold only plain data.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from hyper_parallel_dcp.core.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+    chunk_key,
+    metadata_from_json,
+    metadata_to_json,
+    pack_metadata,
+    tensor_metadata_from_columns,
+    unpack_metadata,
+)
+from hyper_parallel_dcp.core.testing import run_distributed
+
+
+def _sample() -> Metadata:
+    sd = {
+        "w": TensorStorageMetadata(TensorProperties(torch.bfloat16), torch.Size([4, 6]),
+                                   [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6))]),
+        "cols": tensor_metadata_from_columns("cols", TensorProperties(torch.float32), torch.Size([2, 8]), 2, 2,
+                                             [0, 0, 0, 4], [2, 4, 2, 4], ascending=True),
+        "f8": TensorStorageMetadata(TensorProperties(torch.float8_e8m0fnu, stored_as=torch.uint8), torch.Size([3]),
+                                    [ChunkStorageMetadata((0,), (3,))]),
+        "step": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([]), [ChunkStorageMetadata((), ())]),
+        "e": TensorStorageMetadata(TensorProperties(torch.int64), torch.Size([0, 3]), []),
+        "groups": BytesStorageMetadata(),
+    }
+    storage = {
+        MetadataIndex("w", (0, 0), 0): StorageInfo("_rank0_.safetensors", 128, 24, "00ff00ff00ff00ff",
+                                                   chunk_key("w", (0, 0))),
+        MetadataIndex("w", (2, 0)): StorageInfo("_rank1_.safetensors", 128, 24, "0123456789abcdef",
+                                                chunk_key("w", (2, 0))),
+        MetadataIndex("step", ()): StorageInfo("_rank0_.safetensors", 152, 4, None, chunk_key("step", ())),
+        MetadataIndex("groups"): StorageInfo("_rank0_.bytes", 0, 345, "abcdefabcdefabcd"),
+    }
+    return Metadata(sd, planner_data={"note": [1, 2]}, storage_data=storage,
+                    files={"_rank0_.safetensors": 156, "_rank1_.safetensors": 152, "_rank0_.bytes": 345},
+                    rank_objects={"rng": {1: StorageInfo("_rank1_.bytes", 0, 9, None)}})
+
+
+def _same(a: Metadata, b: Metadata) -> None:
+    assert b == a
+    assert list(b.state_dict_metadata) == list(a.state_dict_metadata)  # order kept
+    for fqn, md in a.state_dict_metadata.items():
+        other = b.state_dict_metadata[fqn]
+        assert type(other) is not BytesStorageMetadata or type(md) is BytesStorageMetadata
+        if isinstance(md, TensorStorageMetadata):
+            assert other.properties == md.properties and other.size == md.size
+            assert [(c.offsets, c.sizes) for c in other.chunks] == [(c.offsets, c.sizes) for c in md.chunks]
+    assert dict(b.storage_data or {}) == dict(a.storage_data or {})
+    # the lookup hint travels with the key (it takes no part in equality)
+    assert {k: k.index for k in b.storage_data or {}} == {k: k.index for k in a.storage_data or {}}
+
+
+def test_round_trip_through_pickle_is_equal_and_plain():
+    md = _sample()
+    packed = pack_metadata(md)
+    data = pickle.dumps(packed)
+    # plain data only: no class of this project is named in the bytes
+    assert b"hyper_parallel_dcp" not in data and b"torch" not in data
+    _same(md, unpack_metadata(pickle.loads(data)))
+
+
+def test_round_trip_of_parsed_metadata_and_of_no_storage():
+    md = metadata_from_json(metadata_to_json(_sample()))  # columnar tensors, lazy storage view
+    _same(md, unpack_metadata(pickle.loads(pickle.dumps(pack_metadata(md)))))
+    bare = Metadata({"x": BytesStorageMetadata()}, storage_data=None)
+    back = unpack_metadata(pack_metadata(bare))
+    assert back == bare and back.storage_data is None
+    empty = Metadata({}, storage_data={})
+    assert unpack_metadata(pack_metadata(empty)) == empty
+
+
+def test_unknown_layout_is_refused():
+    packed = pack_metadata(_sample())
+    with pytest.raises(ValueError, match="unknown layout"):
+        unpack_metadata((99,) + packed[1:])
+
+
+def _save_returns(rank: int, world_size: int, path: str) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import hyper_parallel_dcp as hp
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sd = {f"layer{i}.w": distribute_tensor(torch.arange(32.0).view(8, 4) + i, mesh, [Shard(i % 2)],
+                                           src_data_rank=None) for i in range(5)}
+    sd["norm"] = distribute_tensor(torch.ones(6), mesh, [Replicate()], src_data_rank=None)
+    sd["step"] = torch.tensor(3)
+    sd["meta"] = {"lr": 0.1}
+    md = hp.save(sd, checkpoint_id=path)
+    from hyper_parallel_dcp.storage_fs.filesystem import load_checkpoint_metadata
+
+    on_disk, _ = load_checkpoint_metadata(path)
+    # plain data to compare across processes
+    chunks = {fqn: [(c.offsets, c.sizes) for c in m.chunks] if isinstance(m, TensorStorageMetadata) else None
+              for fqn, m in md.state_dict_metadata.items()}
+    storage = sorted((k.fqn, k.offset, v.relative_path, v.offset, v.length, v.checksum, v.key)
+                     for k, v in (md.storage_data or {}).items())
+    disk_storage = sorted((k.fqn, k.offset, v.relative_path, v.offset, v.length, v.checksum, v.key)
+                          for k, v in (on_disk.storage_data or {}).items())
+    return chunks, storage, dict(md.files), storage == disk_storage and md == on_disk
+
+
+@pytest.mark.distributed
+def test_every_rank_returns_the_committed_metadata(tmp_path):
+    out = run_distributed(_save_returns, 2, str(tmp_path / "ck"))
+    assert out[0][:3] == out[1][:3]
+    assert out[0][3] and out[1][3]  # equal to the .metadata committed on disk
+    assert len(out[0][1]) == 5 * 2 + 1 + 1 + 1  # 5 sharded x 2 chunks, norm once, step, meta
