@@ -53,8 +53,14 @@ __all__ = [
 FORMAT_VERSION = 2
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -87,7 +93,19 @@ def chunk_key(fqn: str, offsets: tuple[int, ...]) -> str:
     FQNs without such characters keep their name unchanged in the key.
     """
     name = _escape_fqn(fqn) if _KEY_ESCAPE.search(fqn) else fqn
-    return name + " " + "_".join(f"{o:012d}" for o in offsets)
+    return name + " " + _offsets_text(offsets)
+
+
+# "%012d_%012d..." per number of dims: one %-format per key instead of a join over a
+# generator (a key is made per chunk when a save writes and when its metadata is built)
+_OFFSET_FORMATS = ["_".join(["%012d"] * n) for n in range(9)]
+
+
+def _offsets_text(offsets: tuple[int, ...]) -> str:
+    n = len(offsets)
+    if n < len(_OFFSET_FORMATS) and type(offsets) is tuple:
+        return _OFFSET_FORMATS[n] % offsets
+    return "_".join(f"{o:012d}" for o in offsets)
 
 
 @dataclass(frozen=True)
@@ -416,7 +434,7 @@ def metadata_to_json(metadata: Metadata) -> str:
                 entry["checksum"] = checksums
             prefix = chunk_key(fqn, ())  # the escaped name and the space, once per tensor
             keys = {str(pos): i.key for pos, (i, o) in enumerate(zip(infos, offsets))
-                    if i is not None and i.key != prefix + "_".join(f"{v:012d}" for v in o)}
+                    if i is not None and i.key != prefix + _offsets_text(o)}
             if keys:
                 entry["keys"] = keys
         tensors[fqn] = entry
