@@ -1,0 +1,94 @@
+"""``metadata_to_json`` writes a columnar tensor stored the common way through whole-column
+operations; the JSON must be the one the per-chunk path writes, byte for byte, and every
+uncommon case (a key that is not derived, a length that is not the chunk's bytes, a
+missing or non-hex checksum, an unknown file, a chunk not stored) must fall back to it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyper_parallel_dcp.core import metadata as M
+from hyper_parallel_dcp.core.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    chunk_key,
+    metadata_from_json,
+    tensor_metadata_from_columns,
+)
+
+
+def _general(md: Metadata, monkeypatch: pytest.MonkeyPatch) -> str:
+    with monkeypatch.context() as m:
+        m.setattr(M, "_columnar_entry", lambda *a: None)
+        return M.metadata_to_json(md)
+
+
+def _columnar(fqn: str, count: int, dtype: torch.dtype = torch.bfloat16, stored_as=None) -> Metadata:
+    md = tensor_metadata_from_columns(fqn, TensorProperties(dtype, stored_as), torch.Size([2 * count, 3]), count, 2,
+                                      [v for i in range(count) for v in (2 * i, 0)], [2, 3] * count, ascending=True)
+    itemsize = (stored_as or dtype).itemsize
+    storage = {MetadataIndex(fqn, (2 * i, 0)): StorageInfo(f"_rank{i % 2}_.safetensors", 64 + 6 * itemsize * i,
+                                                           6 * itemsize, f"{i:016x}", chunk_key(fqn, (2 * i, 0)))
+               for i in range(count)}
+    return Metadata({fqn: md}, storage_data=storage,
+                    files={"_rank0_.safetensors": 1000, "_rank1_.safetensors": 900})
+
+
+def _merge(*parts: Metadata) -> Metadata:
+    out = Metadata({}, storage_data={}, files={})
+    for p in parts:
+        out.state_dict_metadata.update(p.state_dict_metadata)
+        out.storage_data.update(p.storage_data)  # type: ignore[union-attr]
+        out.files.update(p.files)
+    return out
+
+
+def _changed(md: Metadata, fqn: str, **change) -> Metadata:
+    from dataclasses import replace
+
+    storage = dict(md.storage_data or {})
+    first = next(k for k in storage if k.fqn == fqn)
+    storage[first] = replace(storage[first], **change)
+    return Metadata(dict(md.state_dict_metadata), storage_data=storage, files=dict(md.files))
+
+
+@pytest.mark.parametrize("case", ["common", "key", "length", "no_checksum", "not_hex", "file", "unstored", "stray"])
+def test_columnar_entries_write_what_the_per_chunk_path_writes(case, monkeypatch):
+    md = _merge(_columnar("a b", 3), _columnar("one", 1), _columnar("f8", 2, torch.float8_e8m0fnu, torch.uint8))
+    if case == "key":
+        md = _changed(md, "one", key="one custom")
+    elif case == "length":
+        md = _changed(md, "a b", length=5)
+    elif case == "no_checksum":
+        md = _changed(md, "a b", checksum=None)
+    elif case == "not_hex":
+        md = _changed(md, "one", checksum="XYZXYZXYZXYZXYZX")
+    elif case == "file":
+        md = _changed(md, "f8", relative_path="elsewhere.safetensors")
+    elif case == "unstored":
+        md.storage_data = {k: v for k, v in md.storage_data.items() if k != MetadataIndex("a b", (2, 0))}
+    elif case == "stray":
+        md.storage_data[MetadataIndex("gone", (0,))] = StorageInfo("_rank0_.safetensors", 0, 4, "0" * 16)
+    text = M.metadata_to_json(md)
+    assert text == _general(md, monkeypatch)
+    assert metadata_from_json(text) == md
+    again = metadata_from_json(text)  # parsed metadata is columnar too: the same text again
+    assert M.metadata_to_json(again) == text == _general(again, monkeypatch)
+
+
+def test_the_columnar_path_is_taken_for_the_common_case(monkeypatch):
+    md = _columnar("w", 4)
+    calls = []
+    fast = M._columnar_entry
+    def spy(*a):
+        calls.append((a[0], fast(*a)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(M, "_columnar_entry", spy)
+    M.metadata_to_json(md)
+    assert [fqn for fqn, _ in calls] == ["w"] and isinstance(calls[0][1], dict)
+    assert fast("w", md.state_dict_metadata["w"], {}, {}) is None  # nothing stored: the general path
