@@ -11,6 +11,7 @@ import copy
 import itertools
 import uuid
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -57,14 +58,19 @@ class _SameAsSent:
     save_id: str
 
 
+_RESULT_INDEX = attrgetter("index")
+_RESULT_STORAGE = attrgetter("storage_data")
+_RESULT_FILE = attrgetter("storage_data.relative_path")
+_RESULT_SIZE = attrgetter("file_size")
+
+
 def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
     md = copy.copy(metadata)
     storage_data: dict[MetadataIndex, StorageInfo] = {}
     md.files = {}
-    for rank_results in results:
-        for res in rank_results:
-            storage_data[res.index] = res.storage_data
-            md.files[res.storage_data.relative_path] = res.file_size
+    for rank_results in results:  # whole lists at a time (a result per chunk, on the coordinator)
+        storage_data.update(zip(map(_RESULT_INDEX, rank_results), map(_RESULT_STORAGE, rank_results)))
+        md.files.update(zip(map(_RESULT_FILE, rank_results), map(_RESULT_SIZE, rank_results)))
     md.storage_data = storage_data
     return md
 
