@@ -177,22 +177,31 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         final_plan = planner.finish_plan(central)
         planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
 
-    def write_step() -> list[WriteResult]:
+    own_results: list[list[WriteResult]] = []
+
+    def write_step() -> Optional[list[WriteResult]]:
         fault_point("save.write", rank)
         with phase("execute_write", rank):
             results = storage_writer.execute_write(final_plan, planner)
         if not is_coordinator:
             fault_point("save.commit", rank)
+        elif dw.use_dist:
+            # The gather would pickle the coordinator's own results and unpickle them
+            # again (a result per chunk): they stay here, None goes in their place.
+            own_results.append(results)
+            return None
         return results
 
     gathered_results: list[list[list[WriteResult]]] = []
     # the metadata: built by the coordinator, unpacked from columns on the other ranks
     final_metadata: list[Metadata] = []
 
-    def prepare_step(all_results: list[list[WriteResult]]) -> Any:
+    def prepare_step(all_results: list[Optional[list[WriteResult]]]) -> Any:
         # Runs while the ranks' data is still being flushed (sync_written): building,
         # serialising and sending the metadata costs ~10 us a chunk, off the commit path.
         assert global_metadata[0] is not None
+        if own_results:
+            all_results = [own_results[0] if r is None else r for r in all_results]
         with phase("prepare_metadata", rank):
             metadata = _attach_results(global_metadata[0], all_results)
             storage_writer.prepare_finalize(metadata, all_results)
