@@ -309,7 +309,7 @@ def pack_metadata(metadata: Metadata) -> tuple[Any, ...]:
     on either side (columnar tensors stay columnar).  Only builtin types, so any
     unpickler that allows plain data reads it.
     """
-    tensors = []
+    tensors: list[tuple[Any, ...]] = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             props = md.properties

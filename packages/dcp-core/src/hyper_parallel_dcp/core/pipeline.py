@@ -196,12 +196,12 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     # the metadata: built by the coordinator, unpacked from columns on the other ranks
     final_metadata: list[Metadata] = []
 
-    def prepare_step(all_results: list[Optional[list[WriteResult]]]) -> Any:
+    def prepare_step(gathered: list[Optional[list[WriteResult]]]) -> Any:
         # Runs while the ranks' data is still being flushed (sync_written): building,
         # serialising and sending the metadata costs ~10 us a chunk, off the commit path.
         assert global_metadata[0] is not None
-        if own_results:
-            all_results = [own_results[0] if r is None else r for r in all_results]
+        all_results = [own_results[0] if r is None else r for r in gathered] if own_results else \
+            [r for r in gathered if r is not None]
         with phase("prepare_metadata", rank):
             metadata = _attach_results(global_metadata[0], all_results)
             storage_writer.prepare_finalize(metadata, all_results)

@@ -64,8 +64,9 @@ def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[Metadat
         if type(leaf) is dtensor_type:
             spec = leaf._spec
             key = (id(spec.mesh), spec.shape, leaf.dtype, spec.placements, leaf._local_tensor.shape)
-            layout = layouts.get(key, False)
-            if layout is False:
+            if key in layouts:
+                layout = layouts[key]
+            else:
                 layout = layouts[key] = _dtensor_layout(leaf, fqn)
             if layout is not None:
                 local = leaf._local_tensor
