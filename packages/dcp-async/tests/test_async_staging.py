@@ -111,6 +111,42 @@ def test_deferred_first_save_keeps_the_values_of_staging_time() -> None:
     arena.clear()
 
 
+def test_deferred_slab_fills_in_batches_and_frees_each_batch_first(monkeypatch) -> None:
+    """A new slab is filled batch by batch; before the next batch starts, the previous
+    batch's private copies are gone and the heap was trimmed (so the slab's pages and the
+    writer's page cache reuse their memory instead of memory never touched before)."""
+    import weakref
+
+    from hyper_parallel_dcp.async_persist import staging
+
+    sd = {f"t{i}": torch.arange(256, dtype=torch.float32) * (i + 1) for i in range(10)}  # 1 KiB each
+    expected = {fqn: {(0,): t.clone()} for fqn, t in sd.items()}
+    monkeypatch.setattr(staging, "_FILL_BATCH_BYTES", 3 * 1024)  # batches of 3, 3, 3, 1 pieces
+    arena = StagingArena()
+    staged, _ = arena.stage(sd, defer_new_slab=True)
+    private = arena._pending[3]  # noqa: SLF001 - the private copies, by position
+    copies = [weakref.ref(t) for t in private.values()]
+    alive_at_trim: list[int] = []
+    monkeypatch.setattr(staging, "release_free_heap", lambda: alive_at_trim.append(sum(r() is not None for r in copies)))
+    for t in sd.values():
+        t.fill_(-1)  # training goes on: staging owns its copies
+    arena.complete()
+    assert alive_at_trim == [7, 4, 1, 0]  # each batch freed before its trim
+    _assert_same(_staged_values(arena, staged), expected)
+    arena.clear()
+
+
+def test_release_free_heap_on_glibc() -> None:
+    import sys
+
+    from hyper_parallel_dcp.async_persist.staging import release_free_heap
+
+    before = torch.arange(1 << 20, dtype=torch.float64)  # 8 MiB freed below, then trimmed
+    del before
+    gnu = sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver())
+    assert release_free_heap() is gnu
+
+
 def _dtensor_worker(rank: int, world_size: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -227,3 +227,20 @@ def test_populate_read_maps_a_slab_without_changing_it() -> None:
     assert populate_read(slab[7:5000]) is False  # no whole page inside: nothing to do
     assert populate_read(torch.empty(0, dtype=torch.uint8)) is False
     assert torch.equal(slab, before)
+
+
+def test_reply_is_unpickled_with_the_collector_paused_and_resumed_after() -> None:
+    import gc
+
+    from hyper_parallel_dcp.async_persist.persist import _recv_reply
+
+    class Conn:
+        def recv(self):
+            self.enabled_during = gc.isenabled()
+            return "reply"
+
+    conn = Conn()
+    assert gc.isenabled()
+    assert _recv_reply(conn) == "reply"
+    assert conn.enabled_during is False
+    assert gc.isenabled()

@@ -592,13 +592,13 @@ def _await_reply(proc: Any, conn: Any, board: Optional[Outcomes] = None, seq: in
         ready = mp_connection.wait([conn, proc.sentinel], timeout=timeout)
         if conn in ready:
             try:
-                return conn.recv()
+                return _recv_reply(conn)
             except (EOFError, OSError):
                 return None
         if proc.sentinel in ready:
             try:
                 if conn.poll(0):
-                    return conn.recv()
+                    return _recv_reply(conn)
             except (EOFError, OSError):
                 pass
             return None
@@ -611,6 +611,17 @@ def _await_reply(proc: Any, conn: Any, board: Optional[Outcomes] = None, seq: in
             raise CheckpointTimeoutError(
                 f"async save #{seq}, phase 'write': the writer process (pid {proc.pid}) did not answer "
                 f"within {TIMEOUT_ENV} + {_REPLY_GRACE_S:g} s", "write", ())
+
+
+def _recv_reply(conn: Any) -> SaveReply:
+    """Receive a reply that is ready, the garbage collector paused while it is unpickled.
+
+    A 2000-tensor reply is ~20k objects: their allocation set off full collections of
+    the training process's heap (0.13 s, in 2 of 3 saves at 2000 x 0.5 MiB, world 2) on
+    the landing path.  Paused only for the unpickling, not while waiting for the reply.
+    """
+    with gc_paused():
+        return conn.recv()
 
 
 def _death_message(proc: Any, checkpoint_id: Optional[str]) -> str:

@@ -16,6 +16,7 @@ the mapped slabs.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import sys
@@ -67,6 +68,42 @@ class StagingStats:
     reused_bytes: int
     allocated_bytes: int
     pinned: bool
+
+
+#: Bytes moved from private copies into a new slab before those copies are freed.
+_FILL_BATCH_BYTES = 64 << 20
+
+
+def _libc_malloc_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim  # glibc; absent from musl and other C libraries
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_size_t]
+    return fn
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def release_free_heap() -> bool:
+    """Hand the C heap's free pages back to the operating system (glibc ``malloc_trim``).
+
+    A first save holds every piece twice for a moment: the private copies made while
+    the caller waited, and the new slab they move into.  Freed, those copies stay in
+    the heap, so the slab's pages and the page cache the writer fills come from memory
+    the host has not touched yet; on this benchmark's VM a first touch costs ~5x a
+    reused page (505 MiB written to page cache: 0.85 s CPU against 0.12 s).  Measured
+    at 1 GiB dense, world 2: the writer's first write took 0.67 s CPU against 0.2 s for
+    a later save; with this call, 0.2 s.  False where the C library has no such call.
+    """
+    if _malloc_trim is None:
+        return False
+    _malloc_trim(0)
+    return True
 
 
 def _align(n: int) -> int:
@@ -370,7 +407,10 @@ class StagingArena:
     def complete(self) -> None:
         """Allocate the slab a deferred stage left pending and move its pieces there.
 
-        Called before the writer maps the slabs (and by anything that reads them).
+        Called before the writer maps the slabs (and by anything that reads them).  The
+        pieces move in batches of about :data:`_FILL_BATCH_BYTES`, and each batch's
+        private copies are freed and their memory handed back to the operating system
+        before the next batch: see :func:`release_free_heap`.
         """
         with self._pending_lock:
             pending, self._pending = self._pending, None
@@ -379,8 +419,19 @@ class StagingArena:
             slab_id, nbytes, slots, private = pending
             self._slabs[slab_id] = _Slab(slab_id, nbytes, None)
             dsts = [self._slabs[sid].view(offset, sizes, dtype) for sid, offset, sizes, dtype in slots]
-            torch._foreach_copy_([dsts[i] for i in private], list(private.values()))
-            private.clear()  # free the private copies now
+            batch_dsts: list[torch.Tensor] = []
+            batch_srcs: list[torch.Tensor] = []
+            batch_bytes = 0
+            for position in list(private):
+                src = private.pop(position)
+                batch_dsts.append(dsts[position])
+                batch_srcs.append(src)
+                batch_bytes += src.nbytes
+                if batch_bytes >= _FILL_BATCH_BYTES or not private:
+                    torch._foreach_copy_(batch_dsts, batch_srcs)
+                    del src
+                    batch_dsts, batch_srcs, batch_bytes = [], [], 0  # frees this batch's private copies
+                    release_free_heap()
             if self._layout is not None:
                 self._layout.dsts = dsts
 
