@@ -47,6 +47,7 @@ __all__ = [
     "MAPPED_SLICE_MIN_BYTES",
     "AdjacentReads",
     "FileMapping",
+    "PendingCopies",
     "copy_into",
     "copy_many",
     "read_slice",
@@ -106,6 +107,7 @@ class FileMapping:
         # ``as_strided`` (slicing the bytes and viewing them costs ~3 us more a read)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._populated = bytearray((size >> _BLOCK_SHIFT) + 1)  # per block: pages populated
+        self._low = self._high = 0  # the latest run of populated blocks, as a byte range
         if _LIBC is None or size == 0:
             return
         addr = _LIBC[0](None, size, _PROT_READ, _MAP_SHARED, fd, 0)
@@ -132,6 +134,18 @@ class FileMapping:
         end = start + span * itemsize
         if end > self.size or start % itemsize:
             return None  # past the end, or not aligned to the element size (a view would need a copy)
+        if not (self._low <= start and end <= self._high):
+            if not self._populate(start, end):
+                return None
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self._data[:self.size - self.size % itemsize].view(dtype)
+        return typed.as_strided(lengths, row_major_strides(chunk_sizes) if strides is None else strides,
+                                start // itemsize)
+
+    def _populate(self, start: int, end: int) -> bool:
+        """Populate the pages of the 1 MiB blocks that bytes ``[start, end)`` touch (each
+        block once, in one system call); ``False`` when the kernel refuses."""
         populated = self._populated
         first_block = populated.find(0, start >> _BLOCK_SHIFT, ((end - 1) >> _BLOCK_SHIFT) + 1)
         if first_block >= 0:
@@ -143,13 +157,18 @@ class FileMapping:
             block_end = min((last_block + 1) << _BLOCK_SHIFT, self.size)
             if _LIBC[2](self._addr + block_start, block_end - block_start,  # type: ignore[index]
                         _MADV_POPULATE_READ) != 0:
-                return None
+                return False
             populated[first_block:last_block + 1] = b"\x01" * (last_block + 1 - first_block)
-        typed = self._typed.get(dtype)
-        if typed is None:
-            typed = self._typed[dtype] = self._data[:self.size - self.size % itemsize].view(dtype)
-        return typed.as_strided(lengths, row_major_strides(chunk_sizes) if strides is None else strides,
-                                start // itemsize)
+        # Every block of [start, end) is populated now; a read walks a file forwards, so
+        # the populated run it extends is remembered and the next slice inside it skips
+        # the block lookups (~1.5 us of a small column slice's ~6 us)
+        low = (start >> _BLOCK_SHIFT) << _BLOCK_SHIFT
+        high = min((((end - 1) >> _BLOCK_SHIFT) + 1) << _BLOCK_SHIFT, self.size)
+        if low <= self._high and high >= self._low:
+            self._low, self._high = min(low, self._low), max(high, self._high)
+        else:
+            self._low, self._high = low, high
+        return True
 
     def close(self) -> None:
         if self._addr is not None:
@@ -157,6 +176,7 @@ class FileMapping:
             self._typed.clear()
             _LIBC[1](self._addr, self.size)  # type: ignore[index]
             self._addr = None
+            self._low = self._high = 0
 
     def __del__(self) -> None:
         # A reader dropped without reset() (one per load, as the benchmark does) must not
@@ -372,6 +392,42 @@ _PLAIN = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16,
 
 # from this size a copy is worth its two extra views as 8-byte words (``_copy_wide``)
 _WIDE_MIN_BYTES = 1 << 20
+
+
+class PendingCopies:
+    """Copies from file mappings into host tensors, done together by ``flush``: pairs of
+    one plain dtype below 1 MiB in one ``torch._foreach_copy_`` call, the rest one by one
+    (``_copy_wide``).  Sorted as they are added (the reader knows the pair's dtypes and
+    size then): a Shard(0) → Shard(1) load of 2000 small tensors adds 4000 pairs per rank.
+    The caller flushes while the mappings are open.
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the pending copies."""
+        self.dests: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+        self.others: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, dest: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
+        """Queue ``copy_into(dest, source)``; both on the CPU, ``nbytes`` the bytes copied."""
+        dtype = dest.dtype
+        if dtype is source.dtype and dtype in _PLAIN and nbytes < _WIDE_MIN_BYTES:
+            self.dests.append(dest)
+            self.sources.append(source)
+        else:
+            self.others.append((dest, source))
+
+    def flush(self) -> None:
+        """Perform the pending copies."""
+        dests, sources, others = self.dests, self.sources, self.others
+        self.clear()
+        if dests:
+            torch._foreach_copy_(dests, sources)
+        for dest, source in others:
+            _copy_wide(dest, source)
 
 
 def copy_many(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
