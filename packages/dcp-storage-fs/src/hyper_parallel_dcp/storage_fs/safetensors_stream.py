@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import json
 import math
-import os
 import struct
 from typing import BinaryIO, Callable, NamedTuple, Sequence, TypeGuard, Union
 
@@ -159,14 +158,12 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry]) -> list[tuple
     """Write ``entries`` in the given order; returns ``(file offset, length, xxh3 hex)`` each.
 
     ``fetch()`` of each entry is called just before it is written, so a device tensor is
-    copied to host one chunk at a time (a few MiB of written chunks are held until their
-    write: see ``_AlignedWrites``).
+    copied to host one chunk at a time.
     """
     header, begins = _header(entries)
     f.write(struct.pack("<Q", len(header)))
     f.write(header)
     data_start = 8 + len(header)
-    writes = _AlignedWrites(f, data_start)
     out = []
     for entry, begin in zip(entries, begins):
         tensor = entry.fetch()
@@ -180,107 +177,10 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry]) -> list[tuple
             )
         view = tensor_bytes(tensor)
         digest = xxhash.xxh3_64_hexdigest(view)
-        writes.add(view, tensor)
+        f.write(view)
         out.append((data_start + begin, entry.nbytes, digest))
         del view, tensor
-    writes.finish()
     return out
-
-
-#: file data goes out in writes that end on multiples of this (see ``_AlignedWrites``)
-_WRITE_ALIGN = 2 << 20
-
-
-class _AlignedWrites:
-    """Chunk bytes written in batches whose ends fall on 2 MiB boundaries of the file.
-
-    The kernel sizes the page cache's folios by the writes that fill them: a 2 MiB range
-    written by one call becomes one 2 MiB folio, which a reader's mapping maps with one
-    page-table entry.  Written chunk by chunk (0.5 MiB each, or several MiB starting
-    anywhere) nearly every 2 MiB range is cut by a chunk boundary and the range stays in
-    small folios.  Measured on the 2-core dev machine, one 125 MiB file: populating its
-    mapping 2.4 → 0.05 ms, unmapping 1.0 → 0.02 ms, a strided copy of half of every row
-    of 64 MiB from the mapping 22 → 17 ms (the TLB), ``preadv`` of 64 MiB 11 → 8-10 ms.
-    The chunks of one batch go out in one ``writev`` (fewer calls for small chunks); the
-    batch keeps its tensors alive until written.  ``f`` without a file descriptor (an
-    in-memory buffer) gets plain ``write`` calls.
-    """
-
-    _MAX_BUFFERS = 512  # below IOV_MAX (1024 on Linux)
-
-    def __init__(self, f: BinaryIO, position: int) -> None:
-        self._f = f
-        try:
-            self._fd: int | None = f.fileno()
-        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
-            self._fd = None
-        else:
-            f.flush()  # the header first, from f's buffer
-        self._position = position  # file offset of the first pending byte
-        self._views: list[memoryview] = []
-        self._keep: list[torch.Tensor] = []
-        self._pending = 0
-
-    def add(self, view: memoryview, tensor: torch.Tensor) -> None:
-        """Queue ``view`` (bytes of ``tensor``, kept alive until written)."""
-        if self._fd is None:
-            self._f.write(view)
-            return
-        if not len(view):
-            return
-        self._views.append(view)
-        self._keep.append(tensor)
-        self._pending += len(view)
-        end = self._position + self._pending
-        if end - end % _WRITE_ALIGN > self._position:
-            self._write(end - end % _WRITE_ALIGN - self._position)
-        elif len(self._views) >= self._MAX_BUFFERS:
-            self._write(self._pending)
-
-    def finish(self) -> None:
-        """Write what is pending; ``f``'s position is then the end of the data."""
-        if self._fd is None:
-            return
-        if self._pending:
-            self._write(self._pending)
-        self._f.seek(self._position)  # f's own idea of its position, after writes around it
-
-    def _write(self, nbytes: int) -> None:
-        """Write the first ``nbytes`` pending bytes; the rest stays pending."""
-        head: list[memoryview] = []
-        taken = whole = 0
-        views = self._views
-        while taken < nbytes:
-            view = views[whole]
-            if taken + len(view) > nbytes:  # the boundary cuts this view: its tail waits
-                head.append(view[:nbytes - taken])
-                views[whole] = view[nbytes - taken:]
-                break
-            head.append(view)
-            taken += len(view)
-            whole += 1
-        self._write_all(head, nbytes)  # the tensors are still referenced by _keep
-        del views[:whole]
-        del self._keep[:whole]
-        self._position += nbytes
-        self._pending -= nbytes
-        if views and self._keep[0].nbytes > 4 * _WRITE_ALIGN:
-            # the tail of a large chunk: copied (< 2 MiB), so that the chunk itself is
-            # not held while the next ones are staged
-            views[0] = memoryview(bytes(views[0]))
-            self._keep[0] = torch.empty(0)
-
-    def _write_all(self, views: list[memoryview], nbytes: int) -> None:
-        assert self._fd is not None
-        done = os.writev(self._fd, views)
-        while done < nbytes:  # a short write (a signal, a full disk reports on the retry)
-            for i, view in enumerate(views):
-                if done < len(view):
-                    views = [view[done:]] + views[i + 1:]
-                    break
-                done -= len(view)
-            nbytes = sum(map(len, views))
-            done = os.writev(self._fd, views)
 
 
 #: Largest header accepted: the ``safetensors`` library's own limit (100 MB), so that every
