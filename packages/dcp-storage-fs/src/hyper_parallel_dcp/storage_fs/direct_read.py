@@ -452,15 +452,10 @@ def copy_many(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """``copy_into(d, s)`` for every pair; pairs of one plain dtype in one
     ``torch._foreach_copy_`` call (one dispatch for the batch instead of ~2 us a copy:
     a Shard(0) → Shard(1) load of 2000 small tensors copies 4000 column slices)."""
-    same: list[torch.Tensor] = []
-    same_src: list[torch.Tensor] = []
+    pending = PendingCopies()
     for dest, source in zip(dests, sources):
-        dtype = dest.dtype
-        if (dtype is source.dtype and dtype in _PLAIN and dest.is_cpu and source.is_cpu
-                and source.numel() * dtype.itemsize < _WIDE_MIN_BYTES):
-            same.append(dest)
-            same_src.append(source)
+        if dest.is_cpu and source.is_cpu:
+            pending.add(dest, source, source.numel() * source.element_size())
         else:
             _copy_wide(dest, source)
-    if same:
-        torch._foreach_copy_(same, same_src)
+    pending.flush()
