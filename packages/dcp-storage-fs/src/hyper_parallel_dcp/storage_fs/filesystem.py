@@ -8,6 +8,7 @@ rank for a save without collectives.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -49,7 +50,7 @@ from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, Stor
 from . import direct_read
 from .atomic import PendingFile, fsync_dir, write_file_atomic, write_file_pending
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
-from .direct_read import AdjacentReads, FileMapping, copy_many, read_slice, span_from_strides
+from .direct_read import AdjacentReads, FileMapping, PendingCopies, read_slice, span_from_strides
 from .rank_files import objects_file_name, tensors_file_name, with_stored_as, write_rank_files
 from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
 from .safetensors_stream import (
@@ -462,11 +463,13 @@ class FileSystemReader(StorageReader):
         # (fqn, chunk offsets) -> _StoredChunk, for every chunk read since the last reset
         self._chunks: dict[tuple[str, Any], _StoredChunk] = {}
         self._layouts: dict[tuple[torch.dtype, tuple[int, ...]], Any] = {}
+        # (chunk shape, slice offsets, slice lengths) -> span_from_strides of that slice
+        # and its element count
+        self._spans: dict[tuple[tuple[int, ...], Any, Any], tuple[int, int, bool, int]] = {}
         # column slices waiting for one batched copy (views of a file's mapping: copied
         # before that file can be closed), and contiguous reads of adjacent file ranges
         # waiting for one preadv
-        self._copy_dests: list[torch.Tensor] = []
-        self._copy_sources: list[torch.Tensor] = []
+        self._copies = PendingCopies()
         self._reads = AdjacentReads()
         self.bytes_read = 0
         self.files_kept = FILES_KEPT.get()
@@ -651,42 +654,59 @@ class FileSystemReader(StorageReader):
         """Start filling ``dest`` with ``item``'s slice: done, or pending in the batch that
         ``_finish_pending`` completes (a copy from the file's mapping, or a read that joins
         the previous one's ``preadv`` because its bytes follow them in the file)."""
-        file, data_offset, sizes, strides, dtype = self._stored_chunk(item.storage_index)
+        index = item.storage_index
+        chunk = self._chunks.get((index.fqn, index.offset))
+        if chunk is None:
+            chunk = self._stored_chunk(index)
+        file, data_offset, sizes, strides, dtype = chunk
         opened = self._open(file)
         lengths = item.lengths
-        offsets = item.storage_offsets
-        if lengths and any(map(gt, map(add, offsets, lengths), sizes)):
+        # a model repeats a few (chunk shape, slice) pairs thousands of times: the bounds
+        # check and the span arithmetic run once per pair
+        geometry = self._spans.get((sizes, item.storage_offsets, lengths))
+        if geometry is None:
+            geometry = self._slice_span(opened, item, sizes, strides)
+        first, span, contiguous, count = geometry
+        itemsize = dtype.itemsize
+        if contiguous and self._reads.add(opened.fd, opened.name, data_offset + first * itemsize, dest, dtype):
+            self.bytes_read += span * itemsize
+            return
+        # a column slice, or a row slice into a strided destination (a Shard(1) chunk
+        # loaded as Shard(0)): copied from the mapping, not through a fresh span buffer
+        nbytes = span * itemsize
+        if dest.is_cpu and span and nbytes >= direct_read.MAPPED_SLICE_MIN_BYTES:
+            mapping = opened.mapping()
+            view = None if mapping is None else mapping.slice_view(data_offset, sizes, dtype, first, span, lengths,
+                                                                   strides)
+            if view is not None:
+                self._copies.add(dest, view, count * itemsize)
+                self.bytes_read += nbytes
+                return
+        spanned, source = read_slice(opened.fd, opened.name, data_offset, sizes, dtype, item.storage_offsets,
+                                     lengths, dest, None, strides)
+        self.bytes_read += spanned
+
+    def _slice_span(self, opened: _OpenFile, item: ReadItem, sizes: tuple[int, ...],
+                    strides: tuple[int, ...]) -> tuple[int, int, bool, int]:
+        """``span_from_strides`` of ``item``'s slice of a stored chunk of shape ``sizes`` and
+        its element count, remembered for the next slice of that shape; raises ``CheckpointFormatError`` when
+        the slice does not lie inside the chunk."""
+        offsets, lengths = item.storage_offsets, item.lengths
+        if len(offsets) != len(sizes) or len(lengths) != len(sizes) or (
+                lengths and any(map(gt, map(add, offsets, lengths), sizes))):
             raise CheckpointFormatError(
                 f"{opened.path}: {item.storage_index.fqn!r} chunk at offsets "
                 f"{list(item.storage_index.offset or ())}: requested region offsets={list(offsets)} "
                 f"lengths={list(lengths)} exceeds the stored chunk of size {list(sizes)}"
             )
         first, span, contiguous = span_from_strides(strides, offsets, lengths)
-        if contiguous and self._reads.add(opened.fd, opened.name, data_offset + first * dtype.itemsize, dest, dtype):
-            self.bytes_read += span * dtype.itemsize
-            return
-        # a column slice, or a row slice into a strided destination (a Shard(1) chunk
-        # loaded as Shard(0)): copied from the mapping, not through a fresh span buffer
-        if dest.is_cpu and span and span * dtype.itemsize >= direct_read.MAPPED_SLICE_MIN_BYTES:
-            mapping = opened.mapping()
-            view = None if mapping is None else mapping.slice_view(data_offset, sizes, dtype, first, span, lengths,
-                                                                   strides)
-            if view is not None:
-                self._copy_dests.append(dest)
-                self._copy_sources.append(view)
-                self.bytes_read += span * dtype.itemsize
-                return
-        spanned, source = read_slice(opened.fd, opened.name, data_offset, sizes, dtype, offsets, lengths, dest,
-                                     None, strides)
-        self.bytes_read += spanned
+        geometry = self._spans[(sizes, offsets, lengths)] = (first, span, contiguous, math.prod(lengths))
+        return geometry
 
     def _finish_pending(self) -> None:
         """Complete every pending read and copy (before a file closes, before yielding)."""
         self._reads.flush()
-        if self._copy_dests:
-            dests, sources = self._copy_dests, self._copy_sources
-            self._copy_dests, self._copy_sources = [], []
-            copy_many(dests, sources)
+        self._copies.flush()
 
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
         """Fill ``dest`` (shape ``item.lengths``) with the stored slice, straight from the file.
@@ -738,7 +758,7 @@ class FileSystemReader(StorageReader):
             # a stream left early drops its pending work: the mappings stay valid until
             # the reader closes its files, which finishes or drops the rest
             self._reads.clear()
-            self._copy_dests, self._copy_sources = [], []
+            self._copies.clear()
 
     def read_object(self, item: ReadItem) -> Any:
         """The stored object; from a per-rank checkpoint, the copy this rank saved (SPEC §4)."""
