@@ -173,8 +173,8 @@ class FileMapping:
                 last_block = (limit if taken < 0 else taken) - 1
             block_start = first_block << _BLOCK_SHIFT
             block_end = min((last_block + 1) << _BLOCK_SHIFT, self.size)
-            if _LIBC[2](self._addr + block_start, block_end - block_start,  # type: ignore[index]
-                        _MADV_POPULATE_READ) != 0:
+            assert self._addr is not None and _LIBC is not None
+            if _LIBC[2](self._addr + block_start, block_end - block_start, _MADV_POPULATE_READ) != 0:
                 return False
             populated[first_block:last_block + 1] = b"\x01" * (last_block + 1 - first_block)
         # Every block from start's to last_block is populated now; a read walks a file
