@@ -66,8 +66,10 @@ def test_the_save_records_each_tensor_files_header_digest(tmp_path: Path) -> Non
     path = tmp_path / "c"
     save(_state(), checkpoint_id=path, no_dist=True)
     md = metadata_from_json((path / ".metadata").read_bytes())
-    # computed here from the file's bytes, independently of the writer
-    assert md.header_digests == {SHARD: xxhash.xxh3_64_hexdigest(_header_bytes(path / SHARD))}
+    shard = path / SHARD
+    # computed here from the file's bytes and size, independently of the writer
+    expected = xxhash.xxh3_64_hexdigest(_header_bytes(shard) + struct.pack("<Q", shard.stat().st_size))
+    assert md.header_digests == {SHARD: expected}
     assert "_rank0_.bytes" in md.files  # the objects file has no header, so no digest
 
 

@@ -79,14 +79,15 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
                 label=_labeller(it),
             ))
         placed: list[tuple[int, int, str]] = []
-        # recorded in .metadata: a reader that reads these header bytes back skips parsing them
         header = encode_header(entries)
-        header_xxh3 = header_digest(header.raw)
 
         def write_tensors(f: BinaryIO) -> None:
             placed.extend(write_safetensors(f, entries, header))
 
         size = write_file(name, write_tensors)
+        # recorded in .metadata: a reader that reads these header bytes back from a file of
+        # this size skips parsing them
+        header_xxh3 = header_digest(header.raw, size)
         for it, tensor_entry, (offset, length, digest) in zip(tensors, entries, placed):
             results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest, tensor_entry.key), size,
                                        header_xxh3))
