@@ -166,3 +166,28 @@ def test_a_file_swapped_with_another_ranks_file_of_the_same_size_is_caught(tmp_p
     with pytest.raises(CorruptCheckpointError) as info:
         load_state_dict({"w": torch.zeros(8, 8)}, FileSystemReader(path), no_dist=True)
     assert str(first) in str(info.value) and f"key {chunk_key('w', (0, 0))!r} is missing" in str(info.value)
+
+
+def test_merged_rank_metadata_keeps_every_ranks_digests() -> None:
+    """A save without collectives writes a ``{rank}.metadata`` per rank; the merged view
+    a load reads keeps each rank's file digest."""
+    from hyper_parallel_dcp.core.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageInfo,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from hyper_parallel_dcp.storage_fs import merge_rank_metadata
+
+    def part(rank: int) -> Metadata:
+        name = f"_rank{rank}_.safetensors"
+        md = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([4]),
+                                   [ChunkStorageMetadata((2 * rank,), (2,))])
+        info = StorageInfo(name, 96, 8, f"{rank:016x}", chunk_key("w", (2 * rank,)))
+        return Metadata({"w": md}, storage_data={MetadataIndex("w", (2 * rank,)): info}, files={name: 104},
+                        header_digests={name: f"{rank + 7:016x}"})
+
+    merged = merge_rank_metadata({0: part(0), 1: part(1)})
+    assert merged.header_digests == {"_rank0_.safetensors": f"{7:016x}", "_rank1_.safetensors": f"{8:016x}"}
