@@ -34,6 +34,7 @@ from typing import Any, Optional, Union
 
 from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError
+from hyper_parallel_dcp.core.stateful import expand_stateful
 
 from .retention import best_steps, steps_to_delete
 from .step_storage import step_storage_for
@@ -195,7 +196,19 @@ class CheckpointManager:
             self._info_cache.pop(step, None)
             self._steps.write_info(step, info)
 
-        self._land(dw, f"checkpoint manager: land the previous save, prepare step {step}", write_info)
+        expanded: list[Any] = [state_dict]
+
+        def expand() -> None:
+            # A sync save asks its Stateful leaves for their state_dict() here, inside this
+            # collective step, so that one failing on one rank is raised on every rank.  Left
+            # to save(), it raised on that rank alone, before the save's first collective, and
+            # a trainer that caught it and went on deadlocked both ranks (two different
+            # collectives met).  An async save's staging does this, and its errors are
+            # exchanged by the retention step below.
+            if not self.async_save:
+                expanded[0], _ = expand_stateful(state_dict)
+
+        self._land(dw, f"checkpoint manager: land the previous save, prepare step {step}", write_info, expand)
         location = self._steps.location(step)
         if self.async_save:
             from hyper_parallel_dcp.async_persist import async_save
@@ -210,12 +223,16 @@ class CheckpointManager:
             # One collective: a staging error on any rank is raised on all of them (none is left
             # waiting here), else the previous save's retention runs while this one is in flight
             # (the first save of a job also tidies what an earlier, killed job left).
-            self._retain(dw, protected=frozenset({step}), local_error=staging_error,
-                         run=self._retention_due or not self._retained_once)
+            try:
+                self._retain(dw, protected=frozenset({step}), local_error=staging_error,
+                             run=self._retention_due or not self._retained_once)
+            except BaseException:
+                self._settle_failed_step()
+                raise
         else:
             from hyper_parallel_dcp.api import save
 
-            save(state_dict, checkpoint_id=location)
+            save(expanded[0], checkpoint_id=location)
             self._retention_due = True
             self._retain(dw, protected=frozenset())
         if preempting:
@@ -225,20 +242,42 @@ class CheckpointManager:
             logger.warning("checkpoint manager: saved step %d after SIGTERM (preemption) into %s", step, location)
         return True
 
-    def _land(self, dw: DistWrapper, label: str, then: Any = None) -> None:
-        """Wait until the async save in flight (if any) landed on every rank, then run
-        ``then`` on the coordinator; a failure anywhere is raised on every rank."""
+    def _land(self, dw: DistWrapper, label: str, then: Any = None, local: Any = None) -> None:
+        """Wait until the async save in flight (if any) landed on every rank and run
+        ``local()`` on every rank, then run ``then`` on the coordinator; a failure anywhere is
+        raised on every rank."""
         inflight, self._inflight = self._inflight, None
 
         def land() -> None:
             if inflight is not None:
                 inflight[1].get_result()
+            if local is not None:
+                local()
 
         if inflight is None and then is None:
             return
         dw.all_reduce(label, land, then if then is not None else (lambda _: None))
         if inflight is not None:
             self._retention_due = True
+
+    def _settle_failed_step(self) -> None:
+        """After the step just started failed on some rank (its error is being raised on
+        every rank): wait for this rank's own async save of it, if it started one.
+
+        That save fails too (the writers of the other ranks gave up on it) or, when only the
+        retention step failed, lands; either way it is over here, so the next ``save``/``wait``
+        does not raise the same failure a second time (and lose a second step to it).  Every
+        rank then runs the retention at the next save, whichever way it ended.
+        """
+        inflight, self._inflight = self._inflight, None
+        self._retention_due = True
+        if inflight is None:
+            return
+        try:
+            inflight[1].get_result()
+        except Exception as exc:  # noqa: BLE001 - the same failure, raised on every rank by the caller
+            logger.info("checkpoint manager: this rank's async save of step %d ended with %s: %s", inflight[0],
+                        type(exc).__name__, exc)
 
     def _retain(self, dw: DistWrapper, protected: frozenset[int], local_error: Optional[BaseException] = None,
                 run: bool = True) -> list[int]:
