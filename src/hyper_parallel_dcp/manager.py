@@ -15,7 +15,10 @@ keep it crash-safe at every moment:
 - With ``async_save=True`` a save returns once staged; the next ``save``/``wait``/
   ``close`` waits for it to land (every rank, one collective: a failure on any rank is
   raised on all of them, once), and only then runs the retention that landing triggers —
-  while the next save is already in flight.
+  while the next save is already in flight.  So between a ``save`` and the next call, and
+  after a job that did not ``close()``, ``keep_last + 1`` complete steps can be on disk.
+- A save that fails on one rank (a ``Stateful`` raising, a staging error) is raised by that
+  call on every rank, once; the next save works.
 
 All storage access goes through :mod:`hyper_parallel_dcp.step_storage`.
 """
@@ -128,6 +131,7 @@ class CheckpointManager:
         self._inflight: Optional[tuple[int, Any]] = None  # (step, AsyncSaveResponse)
         self._retention_due = False
         self._retained_once = False
+        self._landed_step: Optional[int] = None  # the step whose retention is due
         self._used_async = False
         self._closed = False
         self._info_cache: dict[int, Optional[dict[str, Any]]] = {}
@@ -154,7 +158,11 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """The complete steps under ``root``, ascending (an async save counts once landed)."""
+        """The complete steps under ``root``, ascending (an async save counts once landed).
+
+        With ``async_save=True`` the retention of a landed step runs at the next
+        ``save``/``wait``/``close``: call :meth:`wait` first to see only what retention keeps.
+        """
         return [e.step for e in self._steps.list_steps() if e.complete]
 
     def metrics(self, step: int) -> Optional[dict[str, Any]]:
@@ -172,9 +180,12 @@ class CheckpointManager:
         retention it triggers decided when this returns.  With ``async_save=True``: returns
         once staged; first waits for the previous async save to land (raising its error on
         every rank, once; this step is then not saved) and runs that save's retention while
-        this one is in flight.  ``metrics`` (small JSON values, rank 0's are kept) are stored
-        with the step (``hp-dcp-step.json``) and used by ``keep_best``.  Saving a step that
-        exists replaces it atomically.  Collective: every rank calls with the same ``step``.
+        this one is in flight (so ``keep_last + 1`` steps may be complete until the next
+        call).  An error of this step on any rank (a ``Stateful``'s ``state_dict()``, staging)
+        is raised here on every rank and the step is not saved.  ``metrics`` (small JSON values,
+        rank 0's are kept) are stored with the step (``hp-dcp-step.json``) and used by
+        ``keep_best``.  Saving a step that exists replaces it atomically.  Collective: every
+        rank calls with the same ``step``.
 
         Raises ``ValueError`` for a negative or non-integer step or bad metrics,
         ``RuntimeError`` after :meth:`close`, and what ``save``/``async_save`` raise.
@@ -234,6 +245,7 @@ class CheckpointManager:
 
             save(expanded[0], checkpoint_id=location)
             self._retention_due = True
+            self._landed_step = step
             self._retain(dw, protected=frozenset())
         if preempting:
             self.wait()
@@ -259,6 +271,7 @@ class CheckpointManager:
         dw.all_reduce(label, land, then if then is not None else (lambda _: None))
         if inflight is not None:
             self._retention_due = True
+            self._landed_step = inflight[0]
 
     def _settle_failed_step(self) -> None:
         """After the step just started failed on some rank (its error is being raised on
@@ -275,6 +288,7 @@ class CheckpointManager:
             return
         try:
             inflight[1].get_result()
+            self._landed_step = inflight[0]
         except Exception as exc:  # noqa: BLE001 - the same failure, raised on every rank by the caller
             logger.info("checkpoint manager: this rank's async save of step %d ended with %s: %s", inflight[0],
                         type(exc).__name__, exc)
@@ -295,6 +309,7 @@ class CheckpointManager:
         if run:
             self._retention_due = False
             self._retained_once = True
+            self._landed_step = None
         return deleted
 
     def _apply_retention(self, protected: frozenset[int]) -> list[int]:
@@ -306,6 +321,16 @@ class CheckpointManager:
             best = frozenset(best_steps(self._metric_values(complete), self.keep_best, self.best_mode))
         doomed = steps_to_delete(complete, keep_last=self.keep_last, keep_every=self.keep_every, best=best,
                                  protected=protected)
+        saved = self._landed_step
+        if saved is not None and saved in complete and saved < max(complete):
+            # a trainer that went back with restore(step=K) and trained on: its new steps are
+            # older by number than the abandoned run's, which retention and restore prefer
+            logger.warning("checkpoint manager: step %d was just saved under %s, but newer step(s) %s exist: "
+                           "retention and restore go by step number, so %s; to go back to an older step, "
+                           "remove the newer steps or save into a new root", saved, self.root,
+                           [s for s in complete if s > saved][:5],
+                           "retention deletes it now" if saved in doomed
+                           else f"restore() would load step {max(complete)}, not this one")
         deleted = []
         for step in doomed:
             try:
