@@ -3,7 +3,9 @@
 
 The files are checked byte for byte against the safetensors layout built independently
 (header, then every tensor's bytes in order) and opened with the ``safetensors`` library;
-the write calls are recorded at ``os.writev``.
+the write calls are recorded at ``os.writev``.  A chunk waits for a later write only when
+it stays valid until then (a ``stable`` entry, the standard planner's data, a copy the
+writer made); a planner that refills one buffer must still get the right values.
 """
 
 from __future__ import annotations
@@ -199,15 +201,39 @@ class _OneBufferPlanner(StandardSavePlanner):
         return out.copy_(v)
 
 
-def test_a_planner_that_reuses_one_buffer_saves_the_right_values(tmp_path):
-    tensors = _tensors()
-    assert StandardSavePlanner.resolved_data_stable and not _OneBufferPlanner.resolved_data_stable
+def _recorded_writes(monkeypatch) -> list[int]:
+    ends: list[int] = []  # file offset where each writev ended
+    real_writev = os.writev
+
+    def recording_writev(fd, buffers):
+        done = real_writev(fd, buffers)
+        ends.append(os.lseek(fd, 0, os.SEEK_CUR))
+        return done
+
+    monkeypatch.setattr(safetensors_stream.os, "writev", recording_writev)
+    return ends
+
+
+def _saved_and_loaded(path, tensors, planner) -> None:
     plan_sd = {k: torch.empty_like(v, device="meta") for k, v in tensors.items()}
-    save_state_dict(plan_sd, FileSystemWriter(tmp_path / "ckpt"), _OneBufferPlanner(tensors), no_dist=True)
+    save_state_dict(plan_sd if isinstance(planner, _OneBufferPlanner) else tensors, FileSystemWriter(path), planner,
+                    no_dist=True)
     loaded = {k: torch.zeros_like(v) for k, v in tensors.items()}
-    load_state_dict(loaded, FileSystemReader(tmp_path / "ckpt"), no_dist=True)
+    load_state_dict(loaded, FileSystemReader(path), no_dist=True)
     for k, v in tensors.items():
         assert torch.equal(loaded[k], v), k
+
+
+def test_a_planner_that_reuses_one_buffer_saves_the_right_values(tmp_path, monkeypatch):
+    tensors = {k: v for k, v in _tensors().items() if k.startswith("a")}  # 40 x 0.5 MiB
+    ends = _recorded_writes(monkeypatch)
+    _saved_and_loaded(tmp_path / "reused", tensors, _OneBufferPlanner(tensors))
+    assert len(ends) == len(tensors)  # each chunk written before the next resolve_data
+    ends.clear()
+    # the standard planner's chunks (views of the state dict) wait for 2 MiB boundaries
+    _saved_and_loaded(tmp_path / "standard", tensors, StandardSavePlanner())
+    assert len(ends) <= len(tensors) // 4 + 1
+    assert sum(end % (2 * MIB) == 0 for end in ends) >= len(tensors) // 4 - 1
 
 
 def test_the_standard_planner_declares_its_data_stable_and_a_subclass_keeps_a_declaration():
