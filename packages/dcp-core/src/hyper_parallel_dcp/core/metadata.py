@@ -40,6 +40,7 @@ __all__ = [
     "TensorStorageMetadata",
     "chunk_columns",
     "chunk_key",
+    "chunk_location",
     "dtype_from_name",
     "dtype_name",
     "metadata_from_json",
@@ -182,6 +183,10 @@ class Metadata:
     storage_data: Mapping[MetadataIndex, StorageInfo] | None = None
     files: dict[str, int] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    #: file name -> xxh3 hex digest of its safetensors header bytes as written (length
+    #: field and JSON); a reader that reads the same bytes needs no header parse and no
+    #: per-chunk header check.  Absent for older checkpoints and for objects files.
+    header_digests: dict[str, str] = field(default_factory=dict)
     #: Only in a view merged from ``{rank}.metadata`` files (never written): for an object
     #: saved by several ranks under one FQN, saving rank → where that rank's copy is.
     #: ``storage_data`` holds the lowest saving rank's copy; see :meth:`object_storage`.
@@ -328,12 +333,13 @@ def pack_metadata(metadata: Metadata) -> tuple[Any, ...]:
             tuple(list(zip(*map(_INFO_FIELDS, infos))) or [(), (), (), (), ()])
     return (1, tensors, columns, dict(metadata.files), metadata.planner_data, metadata.format_version,
             {fqn: {r: _INFO_FIELDS(info) for r, info in copies.items()}
-             for fqn, copies in metadata.rank_objects.items()})
+             for fqn, copies in metadata.rank_objects.items()}, dict(metadata.header_digests))
 
 
 def unpack_metadata(packed: tuple[Any, ...]) -> Metadata:
     """The :class:`Metadata` of :func:`pack_metadata` (tensors columnar, chunks built on demand)."""
-    version, tensors, columns, files, planner_data, format_version, rank_objects = packed
+    version, tensors, columns, files, planner_data, format_version, rank_objects, *rest = packed
+    header_digests = rest[0] if rest else {}
     if version != 1:
         raise ValueError(f"packed metadata of an unknown layout {version!r}")
     sd: dict[str, StorageMetadata] = {}
@@ -351,7 +357,7 @@ def unpack_metadata(packed: tuple[Any, ...]) -> Metadata:
         storage = dict(zip(map(MetadataIndex, fqns, offsets_, hints),
                            map(StorageInfo, paths, starts, lengths, checksums, keys)))
     return Metadata(state_dict_metadata=sd, planner_data=planner_data, storage_data=storage, files=dict(files),
-                    format_version=format_version,
+                    format_version=format_version, header_digests=dict(header_digests),
                     rank_objects={fqn: {r: StorageInfo(*info) for r, info in copies.items()}
                                   for fqn, copies in rank_objects.items()})
 
@@ -387,6 +393,8 @@ def metadata_to_json(metadata: Metadata) -> str:
 
     for name, size in metadata.files.items():
         file_table[file_of(name)][1] = size
+    for name in metadata.header_digests:
+        file_of(name)
     # One pass over the storage entries, grouped by FQN: no MetadataIndex built per chunk.
     by_fqn: dict[str, dict[Optional[tuple[int, ...]], Optional[StorageInfo]]] = {}
     for index, entry_info in (metadata.storage_data or {}).items():
@@ -467,6 +475,12 @@ def metadata_to_json(metadata: Metadata) -> str:
     }
     if other:
         doc["other_storage"] = other
+    if metadata.header_digests:
+        # aligned with the expanded file table; a reader that does not know the key ignores it
+        digests: list[Optional[str]] = [None] * len(file_table)
+        for name, digest in metadata.header_digests.items():
+            digests[new_index[file_index[name]]] = digest
+        doc["header_digests"] = digests
     return json.dumps(doc, separators=(",", ":"))
 
 
@@ -726,6 +740,18 @@ def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: t
     return _ColumnarTensorStorageMetadata._from_columns(properties, size, columns)
 
 
+def chunk_location(metadata: Metadata, index: MetadataIndex) -> Optional[tuple[str, int, tuple[int, ...]]]:
+    """``(file, byte offset, chunk sizes)`` of the stored tensor chunk ``index`` names, read
+    from the columns of metadata parsed from format 2 without building its
+    :class:`StorageInfo` (a load looks up every chunk it reads: a few microseconds each
+    at 4000 chunks).  ``None`` where the metadata holds the chunk otherwise or not at all:
+    look it up in ``storage_data`` then.  The entry's length and checksum are not
+    returned: a caller that needs them uses ``storage_data``.
+    """
+    storage = metadata.storage_data
+    return storage.locate(index) if type(storage) is _StorageView else None
+
+
 def chunk_columns(md: TensorStorageMetadata) -> tuple[int, list[int], list[int], bool]:
     """``(ndim, offsets, sizes, ascending)``: every chunk's offsets and sizes as flat lists,
     ``ndim`` integers per chunk, in ``md.chunks`` order (chunk ``pos`` at
@@ -783,6 +809,20 @@ class _StorageView(Mapping[MetadataIndex, StorageInfo]):
                 assert columns is not None
                 return columns.info(pos, self._names)
         return self._other[index]
+
+    def locate(self, index: MetadataIndex) -> Optional[tuple[str, int, tuple[int, ...]]]:
+        """``(file, byte offset, chunk sizes)`` of tensor chunk ``index`` straight from the
+        columns (no :class:`StorageInfo`, no key built); ``None`` where it is not a stored
+        chunk of a columnar tensor."""
+        columns = self._tensors.get(index.fqn)
+        if columns is None or index.offset is None:
+            return None
+        pos = columns.find(index.offset, index.index)
+        if pos is None:
+            return None
+        assert columns.file is not None and columns.offset is not None
+        ndim = columns.ndim
+        return self._names[columns.file[pos]], columns.offset[pos], tuple(columns.sizes[pos * ndim:(pos + 1) * ndim])
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         for fqn, columns in self._tensors.items():
@@ -915,10 +955,19 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
         index = MetadataIndex(entry["fqn"],
                               None if offsets_doc is None else _ints(offsets_doc, f"{source}: offsets"))
         other[index] = storage_info(entry, f"storage entry of {index.fqn!r}")
+    header_digests: dict[str, str] = {}
+    digests_doc = doc.get("header_digests")
+    if digests_doc is not None:
+        if type(digests_doc) is not list or len(digests_doc) != nfiles or not all(
+                d is None or (type(d) is str and _HEX16.fullmatch(d)) for d in digests_doc):
+            raise CheckpointFormatError(f"{source}: 'header_digests' must list, per file of the file table, "
+                                        "an xxh3 digest of 16 hex digits or null")
+        header_digests = {name: d for name, d in zip(names, digests_doc) if d is not None}
     return Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data=doc.get("planner_data"),
         storage_data=_StorageView(names, columns, objects, other),
         files=files,
         format_version=doc["format_version"],
+        header_digests=header_digests,
     )

@@ -62,15 +62,21 @@ _RESULT_INDEX = attrgetter("index")
 _RESULT_STORAGE = attrgetter("storage_data")
 _RESULT_FILE = attrgetter("storage_data.relative_path")
 _RESULT_SIZE = attrgetter("file_size")
+_RESULT_DIGEST = attrgetter("header_digest")
 
 
 def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
     md = copy.copy(metadata)
     storage_data: dict[MetadataIndex, StorageInfo] = {}
     md.files = {}
+    md.header_digests = {}
     for rank_results in results:  # whole lists at a time (a result per chunk, on the coordinator)
         storage_data.update(zip(map(_RESULT_INDEX, rank_results), map(_RESULT_STORAGE, rank_results)))
-        md.files.update(zip(map(_RESULT_FILE, rank_results), map(_RESULT_SIZE, rank_results)))
+        names = list(map(_RESULT_FILE, rank_results))
+        md.files.update(zip(names, map(_RESULT_SIZE, rank_results)))
+        md.header_digests.update(zip(names, map(_RESULT_DIGEST, rank_results)))
+    # a file whose writer recorded no digest (objects, another backend's writer) has none
+    md.header_digests = {name: digest for name, digest in md.header_digests.items() if digest is not None}
     md.storage_data = storage_data
     return md
 

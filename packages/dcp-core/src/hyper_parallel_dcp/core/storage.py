@@ -35,11 +35,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class WriteResult:
-    """Where one write item landed; ``file_size`` is the final size of its file."""
+    """Where one write item landed; ``file_size`` is the final size of its file and
+    ``header_digest`` the xxh3 of its safetensors header bytes (``None``: not recorded,
+    e.g. an objects file; a reader then parses the header)."""
 
     index: MetadataIndex
     storage_data: StorageInfo
     file_size: int
+    header_digest: str | None = None
 
 
 class StorageWriter(abc.ABC):

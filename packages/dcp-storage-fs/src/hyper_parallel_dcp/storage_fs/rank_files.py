@@ -20,7 +20,7 @@ from hyper_parallel_dcp.core.objects import serialize_object
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel_dcp.core.storage import WriteResult
 
-from .safetensors_stream import TensorEntry, stored_layout, to_stored, write_safetensors
+from .safetensors_stream import TensorEntry, encode_header, header_digest, stored_layout, to_stored, write_safetensors
 
 __all__ = ["WriteFile", "objects_file_name", "tensors_file_name", "with_stored_as", "write_rank_files"]
 
@@ -81,13 +81,18 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
                 stable=stable,
             ))
         placed: list[tuple[int, int, str]] = []
+        header = encode_header(entries)
 
         def write_tensors(f: BinaryIO) -> None:
-            placed.extend(write_safetensors(f, entries))
+            placed.extend(write_safetensors(f, entries, header))
 
         size = write_file(name, write_tensors)
+        # recorded in .metadata: a reader that reads these header bytes back from a file of
+        # this size skips parsing them
+        header_xxh3 = header_digest(header.raw, size)
         for it, tensor_entry, (offset, length, digest) in zip(tensors, entries, placed):
-            results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest, tensor_entry.key), size))
+            results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest, tensor_entry.key), size,
+                                       header_xxh3))
     if objects:
         name = objects_file_name(rank)
         placed_objs: list[tuple[int, int, str]] = []

@@ -83,6 +83,7 @@ def merge_rank_metadata(parts: Mapping[int, Metadata]) -> Metadata:
     sd: dict[str, Any] = {}
     storage: dict[MetadataIndex, StorageInfo] = {}
     files: dict[str, int] = {}
+    header_digests: dict[str, str] = {}
     seen: dict[str, set] = {}
     copies: dict[str, dict[int, StorageInfo]] = {}
     for rank in sorted(parts):
@@ -105,8 +106,10 @@ def merge_rank_metadata(parts: Mapping[int, Metadata]) -> Metadata:
         for index, info in (md.storage_data or {}).items():
             storage.setdefault(index, info)
         files.update(md.files)
+        header_digests.update(md.header_digests)
     for entry in sd.values():
         if isinstance(entry, TensorStorageMetadata):
             entry.chunks.sort(key=lambda c: c.offsets)
     rank_objects = {fqn: by_rank for fqn, by_rank in copies.items() if len(by_rank) > 1}
-    return Metadata(state_dict_metadata=sd, storage_data=storage, files=files, rank_objects=rank_objects)
+    return Metadata(state_dict_metadata=sd, storage_data=storage, files=files, rank_objects=rank_objects,
+                    header_digests=header_digests)

@@ -1,0 +1,113 @@
+"""``header_digests`` in the file table: written aligned with the (grouped) file table,
+parsed back, carried by ``pack_metadata``, optional for old checkpoints, and checked."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from hyper_parallel_dcp.core.errors import CheckpointFormatError
+from hyper_parallel_dcp.core.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+    chunk_key,
+    chunk_location,
+    metadata_from_json,
+    metadata_to_json,
+    pack_metadata,
+    unpack_metadata,
+)
+
+RANKS = 5
+
+
+def _sample() -> Metadata:
+    """One row chunk of ``w`` per rank (a grouped file table), an objects file, a stray file."""
+    sd = {
+        "w": TensorStorageMetadata(TensorProperties(torch.bfloat16), torch.Size([2 * RANKS, 6]),
+                                   [ChunkStorageMetadata((2 * r, 0), (2, 6)) for r in range(RANKS)]),
+        "step": BytesStorageMetadata(),
+    }
+    storage = {MetadataIndex("w", (2 * r, 0)): StorageInfo(f"_rank{r}_.safetensors", 96, 24,
+                                                           f"{r:016x}", chunk_key("w", (2 * r, 0)))
+               for r in range(RANKS)}
+    storage[MetadataIndex("step")] = StorageInfo("_rank0_.bytes", 0, 30, "abcdefabcdefabcd")
+    files = {f"_rank{r}_.safetensors": 120 for r in range(RANKS)}
+    files.update({"_rank0_.bytes": 30, "extra.safetensors": 200})
+    # every tensor file but rank 3's has a digest (a writer that recorded none)
+    digests = {f"_rank{r}_.safetensors": f"{r + 10:016x}" for r in range(RANKS) if r != 3}
+    digests["extra.safetensors"] = "ffffffffffffffff"
+    return Metadata(sd, storage_data=storage, files=files, header_digests=digests)
+
+
+def test_json_round_trip_keeps_every_digest_with_its_file():
+    md = _sample()
+    text = metadata_to_json(md)
+    doc = json.loads(text)
+    # the rank files are one group: the digests follow the expanded table's order
+    assert any(isinstance(entry, dict) for entry in doc["files"])
+    assert len(doc["header_digests"]) == len(md.files)
+    back = metadata_from_json(text)
+    assert back.header_digests == md.header_digests
+    assert back.files == md.files
+    assert back == md
+
+
+def test_pack_round_trip_keeps_the_digests():
+    md = _sample()
+    back = unpack_metadata(pickle.loads(pickle.dumps(pack_metadata(md))))
+    assert back.header_digests == md.header_digests and back == md
+    parsed = metadata_from_json(metadata_to_json(md))
+    assert unpack_metadata(pack_metadata(parsed)).header_digests == md.header_digests
+
+
+def test_a_checkpoint_without_digests_reads_and_writes_none():
+    md = _sample()
+    md.header_digests = {}
+    doc = json.loads(metadata_to_json(md))
+    assert "header_digests" not in doc  # byte-identical to what older writers wrote
+    assert metadata_from_json(json.dumps(doc)).header_digests == {}
+    # a new checkpoint read without the key (what an older reader sees): the same metadata
+    full = json.loads(metadata_to_json(_sample()))
+    del full["header_digests"]
+    assert metadata_from_json(json.dumps(full)) == md
+
+
+@pytest.mark.parametrize("bad", [
+    "0123456789abcdef",  # not a list
+    ["0123456789abcdef"],  # not one per file
+    "wrong length",
+    "not hex",
+])
+def test_malformed_digests_are_refused(bad):
+    doc = json.loads(metadata_to_json(_sample()))
+    if bad == "wrong length":
+        bad = ["0123"] + doc["header_digests"][1:]
+    elif bad == "not hex":
+        bad = ["0123456789abcdeg"] + doc["header_digests"][1:]
+    doc["header_digests"] = bad
+    with pytest.raises(CheckpointFormatError, match="header_digests"):
+        metadata_from_json(json.dumps(doc), source="ck/.metadata")
+
+
+def test_chunk_location_reads_the_columns_of_parsed_metadata():
+    md = _sample()
+    parsed = metadata_from_json(metadata_to_json(md))
+    for r in range(RANKS):
+        index = MetadataIndex("w", (2 * r, 0))
+        info = md.storage_data[index]
+        assert chunk_location(parsed, index) == (info.relative_path, info.offset, (2, 6))
+        # a wrong hint still finds the chunk
+        assert chunk_location(parsed, MetadataIndex("w", (2 * r, 0), (r + 1) % RANKS)) == (
+            info.relative_path, info.offset, (2, 6))
+    assert chunk_location(parsed, MetadataIndex("w", (1, 0))) is None  # no chunk there
+    assert chunk_location(parsed, MetadataIndex("step")) is None  # an object
+    assert chunk_location(md, MetadataIndex("w", (0, 0))) is None  # a plain dict: use storage_data
