@@ -738,14 +738,15 @@ class FileSystemReader(StorageReader):
             return
         batch: list[tuple[ReadItem, Any]] = []
         nbytes = 0
+        read = self._read
         try:
-            for item, dest in reads:
+            for pair in reads:
+                item, dest = pair
                 if dest is None:
-                    value = self.read_object(item)
-                    batch.append((item, value))
+                    batch.append((item, self.read_object(item)))
                 else:
-                    self._read(item, dest)
-                    batch.append((item, dest))
+                    read(item, dest)
+                    batch.append(pair)  # (item, its filled destination), as yielded
                     nbytes += dest.nbytes
                 if len(batch) >= _BATCH_ITEMS or nbytes >= _BATCH_BYTES:
                     self._finish_pending()
