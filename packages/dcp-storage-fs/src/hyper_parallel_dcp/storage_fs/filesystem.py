@@ -676,10 +676,10 @@ class FileSystemReader(StorageReader):
         nbytes = span * itemsize
         if dest.is_cpu and span and nbytes >= direct_read.MAPPED_SLICE_MIN_BYTES:
             mapping = opened.mapping()
-            view = None if mapping is None else mapping.slice_view(data_offset, sizes, dtype, first, span, lengths,
-                                                                   strides)
-            if view is not None:
-                self._copies.add(dest, view, count * itemsize)
+            start = None if mapping is None else mapping.slice_start(data_offset, dtype, first, span)
+            if start is not None:
+                assert mapping is not None
+                self._copies.add_mapped(dest, mapping, dtype, start, lengths, strides, count * itemsize)
                 self.bytes_read += nbytes
                 return
         spanned, source = read_slice(opened.fd, opened.name, data_offset, sizes, dtype, item.storage_offsets,
