@@ -15,7 +15,10 @@ keep it crash-safe at every moment:
 - With ``async_save=True`` a save returns once staged; the next ``save``/``wait``/
   ``close`` waits for it to land (every rank, one collective: a failure on any rank is
   raised on all of them, once), and only then runs the retention that landing triggers —
-  while the next save is already in flight.
+  while the next save is already in flight.  So between a ``save`` and the next call, and
+  after a job that did not ``close()``, ``keep_last + 1`` complete steps can be on disk.
+- A save that fails on one rank (a ``Stateful`` raising, a staging error) is raised by that
+  call on every rank, once; the next save works.
 
 All storage access goes through :mod:`hyper_parallel_dcp.step_storage`.
 """
@@ -34,6 +37,7 @@ from typing import Any, Optional, Union
 
 from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError
+from hyper_parallel_dcp.core.stateful import expand_stateful
 
 from .retention import best_steps, steps_to_delete
 from .step_storage import step_storage_for
@@ -127,6 +131,7 @@ class CheckpointManager:
         self._inflight: Optional[tuple[int, Any]] = None  # (step, AsyncSaveResponse)
         self._retention_due = False
         self._retained_once = False
+        self._landed_step: Optional[int] = None  # the step whose retention is due
         self._used_async = False
         self._closed = False
         self._info_cache: dict[int, Optional[dict[str, Any]]] = {}
@@ -153,7 +158,11 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """The complete steps under ``root``, ascending (an async save counts once landed)."""
+        """The complete steps under ``root``, ascending (an async save counts once landed).
+
+        With ``async_save=True`` the retention of a landed step runs at the next
+        ``save``/``wait``/``close``: call :meth:`wait` first to see only what retention keeps.
+        """
         return [e.step for e in self._steps.list_steps() if e.complete]
 
     def metrics(self, step: int) -> Optional[dict[str, Any]]:
@@ -171,9 +180,12 @@ class CheckpointManager:
         retention it triggers decided when this returns.  With ``async_save=True``: returns
         once staged; first waits for the previous async save to land (raising its error on
         every rank, once; this step is then not saved) and runs that save's retention while
-        this one is in flight.  ``metrics`` (small JSON values, rank 0's are kept) are stored
-        with the step (``hp-dcp-step.json``) and used by ``keep_best``.  Saving a step that
-        exists replaces it atomically.  Collective: every rank calls with the same ``step``.
+        this one is in flight (so ``keep_last + 1`` steps may be complete until the next
+        call).  An error of this step on any rank (a ``Stateful``'s ``state_dict()``, staging)
+        is raised here on every rank and the step is not saved.  ``metrics`` (small JSON values,
+        rank 0's are kept) are stored with the step (``hp-dcp-step.json``) and used by
+        ``keep_best``.  Saving a step that exists replaces it atomically.  Collective: every
+        rank calls with the same ``step``.
 
         Raises ``ValueError`` for a negative or non-integer step or bad metrics,
         ``RuntimeError`` after :meth:`close`, and what ``save``/``async_save`` raise.
@@ -195,7 +207,19 @@ class CheckpointManager:
             self._info_cache.pop(step, None)
             self._steps.write_info(step, info)
 
-        self._land(dw, f"checkpoint manager: land the previous save, prepare step {step}", write_info)
+        expanded: list[Any] = [state_dict]
+
+        def expand() -> None:
+            # A sync save asks its Stateful leaves for their state_dict() here, inside this
+            # collective step, so that one failing on one rank is raised on every rank.  Left
+            # to save(), it raised on that rank alone, before the save's first collective, and
+            # a trainer that caught it and went on deadlocked both ranks (two different
+            # collectives met).  An async save's staging does this, and its errors are
+            # exchanged by the retention step below.
+            if not self.async_save:
+                expanded[0], _ = expand_stateful(state_dict)
+
+        self._land(dw, f"checkpoint manager: land the previous save, prepare step {step}", write_info, expand)
         location = self._steps.location(step)
         if self.async_save:
             from hyper_parallel_dcp.async_persist import async_save
@@ -210,13 +234,18 @@ class CheckpointManager:
             # One collective: a staging error on any rank is raised on all of them (none is left
             # waiting here), else the previous save's retention runs while this one is in flight
             # (the first save of a job also tidies what an earlier, killed job left).
-            self._retain(dw, protected=frozenset({step}), local_error=staging_error,
-                         run=self._retention_due or not self._retained_once)
+            try:
+                self._retain(dw, protected=frozenset({step}), local_error=staging_error,
+                             run=self._retention_due or not self._retained_once)
+            except BaseException:
+                self._settle_failed_step()
+                raise
         else:
             from hyper_parallel_dcp.api import save
 
-            save(state_dict, checkpoint_id=location)
+            save(expanded[0], checkpoint_id=location)
             self._retention_due = True
+            self._landed_step = step
             self._retain(dw, protected=frozenset())
         if preempting:
             self.wait()
@@ -225,20 +254,44 @@ class CheckpointManager:
             logger.warning("checkpoint manager: saved step %d after SIGTERM (preemption) into %s", step, location)
         return True
 
-    def _land(self, dw: DistWrapper, label: str, then: Any = None) -> None:
-        """Wait until the async save in flight (if any) landed on every rank, then run
-        ``then`` on the coordinator; a failure anywhere is raised on every rank."""
+    def _land(self, dw: DistWrapper, label: str, then: Any = None, local: Any = None) -> None:
+        """Wait until the async save in flight (if any) landed on every rank and run
+        ``local()`` on every rank, then run ``then`` on the coordinator; a failure anywhere is
+        raised on every rank."""
         inflight, self._inflight = self._inflight, None
 
         def land() -> None:
             if inflight is not None:
                 inflight[1].get_result()
+            if local is not None:
+                local()
 
         if inflight is None and then is None:
             return
         dw.all_reduce(label, land, then if then is not None else (lambda _: None))
         if inflight is not None:
             self._retention_due = True
+            self._landed_step = inflight[0]
+
+    def _settle_failed_step(self) -> None:
+        """After the step just started failed on some rank (its error is being raised on
+        every rank): wait for this rank's own async save of it, if it started one.
+
+        That save fails too (the writers of the other ranks gave up on it) or, when only the
+        retention step failed, lands; either way it is over here, so the next ``save``/``wait``
+        does not raise the same failure a second time (and lose a second step to it).  Every
+        rank then runs the retention at the next save, whichever way it ended.
+        """
+        inflight, self._inflight = self._inflight, None
+        self._retention_due = True
+        if inflight is None:
+            return
+        try:
+            inflight[1].get_result()
+            self._landed_step = inflight[0]
+        except Exception as exc:  # noqa: BLE001 - the same failure, raised on every rank by the caller
+            logger.info("checkpoint manager: this rank's async save of step %d ended with %s: %s", inflight[0],
+                        type(exc).__name__, exc)
 
     def _retain(self, dw: DistWrapper, protected: frozenset[int], local_error: Optional[BaseException] = None,
                 run: bool = True) -> list[int]:
@@ -256,6 +309,7 @@ class CheckpointManager:
         if run:
             self._retention_due = False
             self._retained_once = True
+            self._landed_step = None
         return deleted
 
     def _apply_retention(self, protected: frozenset[int]) -> list[int]:
@@ -267,6 +321,16 @@ class CheckpointManager:
             best = frozenset(best_steps(self._metric_values(complete), self.keep_best, self.best_mode))
         doomed = steps_to_delete(complete, keep_last=self.keep_last, keep_every=self.keep_every, best=best,
                                  protected=protected)
+        saved = self._landed_step
+        if saved is not None and saved in complete and saved < max(complete):
+            # a trainer that went back with restore(step=K) and trained on: its new steps are
+            # older by number than the abandoned run's, which retention and restore prefer
+            logger.warning("checkpoint manager: step %d was just saved under %s, but newer step(s) %s exist: "
+                           "retention and restore go by step number, so %s; to go back to an older step, "
+                           "remove the newer steps or save into a new root", saved, self.root,
+                           [s for s in complete if s > saved][:5],
+                           "retention deletes it now" if saved in doomed
+                           else f"restore() would load step {max(complete)}, not this one")
         deleted = []
         for step in doomed:
             try:

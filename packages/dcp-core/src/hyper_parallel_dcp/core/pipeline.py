@@ -95,7 +95,6 @@ def save_state_dict(
     exchanges through files, or not at all (``use_dist=False``, rank identity only).
     """
     use_collectives = use_collectives and not no_dist
-    state_dict, _ = expand_stateful(state_dict)  # torch's Stateful leaves: their state_dict()
     if dist_wrapper is not None and not no_dist:
         dw = dist_wrapper
         rank, world_size = dw.rank, dw.world_size
@@ -124,7 +123,11 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
     def set_up_step() -> bool:
         fault_point("save.setup", rank)
-        flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
+        # torch's Stateful leaves give their state_dict() here, inside the first collective
+        # step: one raising on one rank is then raised on every rank (called before it, a
+        # trainer that caught the error and went on left the other ranks waiting forever)
+        expanded, _ = expand_stateful(state_dict)
+        flat, _ = flatten_state_dict(expanded, is_tensor_leaf)
         storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
                                              use_collectives=use_collectives)
         planner.set_up_planner(flat, is_coordinator=is_coordinator, rank=rank, world_size=world_size,
