@@ -129,6 +129,13 @@ class SavePlanner(abc.ABC):
 
     cache_hit: bool = False
 
+    #: Whether every tensor ``resolve_data`` returns keeps its values until the storage
+    #: writer's ``execute_write`` returns (views of a state dict nobody changes during the
+    #: save).  A storage writer may then hold several chunks and write them together (the
+    #: filesystem writer's writes then end on 2 MiB boundaries); a planner that refills one
+    #: buffer for each ``resolve_data`` call must leave it False.
+    resolved_data_stable: bool = False
+
     @abc.abstractmethod
     def set_up_planner(self, state_dict: dict[str, Any], *, is_coordinator: bool, rank: int = 0,
                        world_size: int = 1, use_collectives: bool = True) -> None:

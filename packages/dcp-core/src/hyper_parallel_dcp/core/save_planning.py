@@ -782,6 +782,17 @@ class StandardSavePlanner(SavePlanner):
 
     plan_cache: PlanCache = PlanCache()
 
+    #: ``resolve_data`` returns views of the state dict being saved, which stays unchanged
+    #: until the write returns: a sync save blocks its caller, and an async save's writer
+    #: reads the staging slab, which the next save refills only after this one has landed.
+    #: A subclass that overrides ``resolve_data`` gets False unless it declares otherwise.
+    resolved_data_stable = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "resolve_data" in vars(cls) and "resolved_data_stable" not in vars(cls):
+            cls.resolved_data_stable = False
+
     def __init__(self, enable_plan_caching: bool = True, remove_redundancy: bool = True,
                  save_to_minimum_rank: bool = False) -> None:
         self.enable_plan_caching = enable_plan_caching

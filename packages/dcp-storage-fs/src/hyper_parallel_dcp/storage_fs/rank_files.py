@@ -67,6 +67,7 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
         name = tensors_file_name(rank)
         entries = []
         resolve = planner.resolve_data
+        stable = planner.resolved_data_stable  # the writer may then hold chunks for aligned writes
         for key, it in keyed:
             assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
             # a dtype safetensors cannot name goes as a same-size integer view
@@ -77,6 +78,7 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
                 stored_shape,
                 _fetcher(resolve, it),
                 label=_labeller(it),
+                stable=stable,
             ))
         placed: list[tuple[int, int, str]] = []
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import os
 import struct
 from typing import BinaryIO, Callable, NamedTuple, Sequence, TypeGuard, Union
 
@@ -119,12 +120,15 @@ class TensorEntry:
 
     ``label`` names the tensor in errors: a string, or a callable that builds it (a save
     makes one entry per chunk, and the name is only needed when something is wrong).
+    ``stable``: the tensor ``fetch()`` returns keeps its bytes until
+    :func:`write_safetensors` returns, so the writer may hold it and send it with the
+    next ones; a ``fetch`` that refills one buffer for each call must leave it False.
     """
 
-    __slots__ = ("key", "dtype", "shape", "nbytes", "fetch", "_label")
+    __slots__ = ("key", "dtype", "shape", "nbytes", "fetch", "_label", "stable")
 
     def __init__(self, key: str, dtype: torch.dtype, shape: Sequence[int], fetch: Callable[..., torch.Tensor],
-                 label: Union[str, Callable[[], str]] = ""):
+                 label: Union[str, Callable[[], str]] = "", stable: bool = False):
         if dtype not in SAFETENSORS_DTYPES:
             text = label() if callable(label) else label
             raise TypeError(f"{text or key}: dtype {dtype} cannot be stored in safetensors")
@@ -134,6 +138,7 @@ class TensorEntry:
         self.nbytes = math.prod(self.shape) * dtype.itemsize
         self.fetch = fetch
         self._label = label
+        self.stable = stable
 
     @property
     def label(self) -> str:
@@ -158,29 +163,153 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry]) -> list[tuple
     """Write ``entries`` in the given order; returns ``(file offset, length, xxh3 hex)`` each.
 
     ``fetch()`` of each entry is called just before it is written, so a device tensor is
-    copied to host one chunk at a time.
+    copied to host one chunk at a time.  A chunk may wait (a few MiB at most) to go out
+    with the next ones in a write that ends on a 2 MiB boundary (``_AlignedWrites``), but
+    only when it stays valid until then: the entry is ``stable``, or the tensor is a copy
+    made here (from a device, or made contiguous).  Any other chunk is written before the
+    next ``fetch()``.
     """
     header, begins = _header(entries)
     f.write(struct.pack("<Q", len(header)))
     f.write(header)
     data_start = 8 + len(header)
+    writes = _AlignedWrites(f, data_start)
     out = []
     for entry, begin in zip(entries, begins):
         tensor = entry.fetch()
+        held = entry.stable
         if not tensor.is_cpu:
             tensor = tensor.to("cpu")
+            held = True  # a fresh host tensor, ours alone
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
+            held = True
         if tensor.shape != entry.shape or tensor.dtype != entry.dtype:  # torch.Size equals a tuple
             raise ValueError(
                 f"{entry.label}: data has shape {tuple(tensor.shape)} {tensor.dtype}, planned {entry.shape} {entry.dtype}"
             )
         view = tensor_bytes(tensor)
         digest = xxhash.xxh3_64_hexdigest(view)
-        f.write(view)
+        if held:
+            writes.add(view, tensor)
+        else:
+            writes.add_now(view)
         out.append((data_start + begin, entry.nbytes, digest))
         del view, tensor
+    writes.finish()
     return out
+
+
+#: file data goes out in writes that end on multiples of this (see ``_AlignedWrites``)
+_WRITE_ALIGN = 2 << 20
+
+_NOTHING = torch.empty(0)  # what a written-through view keeps alive
+
+
+class _AlignedWrites:
+    """Chunk bytes written in batches whose ends fall on 2 MiB boundaries of the file.
+
+    The kernel sizes the page cache's folios by the writes that fill them: a 2 MiB range
+    written by one call becomes one 2 MiB folio, which a reader's mapping maps with one
+    page-table entry.  Written chunk by chunk (0.5 MiB each, or several MiB starting
+    anywhere) nearly every 2 MiB range is cut by a chunk boundary and the range stays in
+    small folios.  Measured on the 2-core dev machine, one 125 MiB file: populating its
+    mapping 2.4 → 0.05 ms, unmapping 1.0 → 0.02 ms, a strided copy of half of every row
+    of 64 MiB from the mapping 22 → 17 ms (the TLB), ``preadv`` of 64 MiB 11 → 8-10 ms.
+    The chunks of one batch go out in one ``writev`` (fewer calls for small chunks); the
+    batch keeps its tensors alive until written.  Only a chunk whose bytes stay valid that
+    long is held (``add``); any other goes out at once, with what is pending (``add_now``).
+    ``f`` without a file descriptor (an in-memory buffer, an upload stream) gets plain
+    ``write`` calls.
+    """
+
+    _MAX_BUFFERS = 512  # below IOV_MAX (1024 on Linux)
+
+    def __init__(self, f: BinaryIO, position: int) -> None:
+        self._f = f
+        try:
+            self._fd: int | None = f.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+            self._fd = None
+        else:
+            f.flush()  # the header first, from f's buffer
+        self._position = position  # file offset of the first pending byte
+        self._views: list[memoryview] = []
+        self._keep: list[torch.Tensor] = []
+        self._pending = 0
+
+    def add(self, view: memoryview, tensor: torch.Tensor) -> None:
+        """Queue ``view`` (bytes of ``tensor``, kept alive until written)."""
+        if self._fd is None:
+            self._f.write(view)
+            return
+        if not len(view):
+            return
+        self._views.append(view)
+        self._keep.append(tensor)
+        self._pending += len(view)
+        end = self._position + self._pending
+        if end - end % _WRITE_ALIGN > self._position:
+            self._write(end - end % _WRITE_ALIGN - self._position)
+        elif len(self._views) >= self._MAX_BUFFERS:
+            self._write(self._pending)
+
+    def add_now(self, view: memoryview) -> None:
+        """Write ``view`` now, after what is pending (its tensor may change after this)."""
+        if self._fd is None:
+            self._f.write(view)
+            return
+        if len(view):
+            self._views.append(view)
+            self._keep.append(_NOTHING)
+            self._pending += len(view)
+        if self._pending:
+            self._write(self._pending)
+
+    def finish(self) -> None:
+        """Write what is pending; ``f``'s position is then the end of the data."""
+        if self._fd is None:
+            return
+        if self._pending:
+            self._write(self._pending)
+        self._f.seek(self._position)  # f's own idea of its position, after writes around it
+
+    def _write(self, nbytes: int) -> None:
+        """Write the first ``nbytes`` pending bytes; the rest stays pending."""
+        head: list[memoryview] = []
+        taken = whole = 0
+        views = self._views
+        while taken < nbytes:
+            view = views[whole]
+            if taken + len(view) > nbytes:  # the boundary cuts this view: its tail waits
+                head.append(view[:nbytes - taken])
+                views[whole] = view[nbytes - taken:]
+                break
+            head.append(view)
+            taken += len(view)
+            whole += 1
+        self._write_all(head, nbytes)  # the tensors are still referenced by _keep
+        del views[:whole]
+        del self._keep[:whole]
+        self._position += nbytes
+        self._pending -= nbytes
+        if views and self._keep[0].nbytes > 4 * _WRITE_ALIGN:
+            # the tail of a large chunk: copied (< 2 MiB), so that the chunk itself is
+            # not held while the next ones are staged
+            views[0] = memoryview(bytes(views[0]))
+            self._keep[0] = _NOTHING
+
+    def _write_all(self, views: list[memoryview], nbytes: int) -> None:
+        assert self._fd is not None
+        done = os.writev(self._fd, views)
+        while done < nbytes:  # a short write (a signal, a full disk reports on the retry)
+            for i, view in enumerate(views):
+                if done < len(view):
+                    views = [view[done:]] + views[i + 1:]
+                    break
+                done -= len(view)
+            nbytes = sum(map(len, views))
+            done = os.writev(self._fd, views)
 
 
 #: Largest header accepted: the ``safetensors`` library's own limit (100 MB), so that every
