@@ -108,6 +108,55 @@ def test_pending_copies_keep_every_bit_of_every_dtype():
     assert torch.equal(pairs[4][0], f32_src[:, 3:6])
 
 
+def test_mapped_slices_viewed_together_hold_the_stored_values(tmp_path):
+    """``add_mapped``: slices of one shape at even spacing (viewed by one ``as_strided`` +
+    ``unbind``), at uneven spacing, alone, and of other shapes in the same batch; a bool
+    destination (its bytes kept) and a cast go one by one.  Each is checked against the
+    stored values."""
+    rows = 4096
+    values, mapping, fd = _mapped(tmp_path, rows, prefix=2)
+    try:
+        strides = (COLS, 1)
+        pending = PendingCopies()
+        checks = []
+
+        def add(r0, nrows, c0, ncols, dtype=torch.int16, dest_dtype=None):
+            first = r0 * COLS + c0
+            span = (nrows - 1) * COLS + ncols
+            start = mapping.slice_start(2, dtype, first, span)
+            assert start is not None
+            dest = torch.empty((nrows, ncols), dtype=dest_dtype or dtype)
+            pending.add_mapped(dest, mapping, dtype, start, (nrows, ncols), strides, dest.nbytes)
+            checks.append((dest, values[r0:r0 + nrows, c0:c0 + ncols]))
+
+        for r0 in range(0, 2048, 64):  # evenly spaced, interleaved with the groups below
+            add(r0, 32, 0, 256)
+            add(r0 + 32, 16, 256, 256)
+        for r0 in (2100, 2200, 2500, 3900):  # unevenly spaced
+            add(r0, 8, 3, 100)
+        add(3000, 5, 7, 9)  # alone
+        add(3100, 4, 0, 64, dest_dtype=torch.float32)  # a cast
+        pending.flush()
+        assert not pending.mapped and not pending.dests
+        for dest, want in checks:
+            if dest.dtype == torch.float32:
+                assert torch.equal(dest, want.float())
+            else:
+                assert torch.equal(dest, want)
+
+        # bool: every byte back as stored (a copy_ into bool would turn 2..255 into 1)
+        start = mapping.slice_start(2, torch.bool, 0, 64)
+        assert start is not None
+        flags = torch.empty(4, 16, dtype=torch.bool)
+        pending.add_mapped(flags, mapping, torch.bool, start, (4, 16), (2 * COLS, 1), flags.nbytes)
+        pending.flush()
+        stored = values.view(torch.uint8).view(rows, 2 * COLS)[:4, :16]
+        assert torch.equal(flags.view(torch.uint8), stored)
+    finally:
+        mapping.close()
+        os.close(fd)
+
+
 def test_a_slice_outside_its_chunk_is_refused_and_not_remembered(tmp_path):
     saved = {f"w{i}": (torch.arange(6 * 8, dtype=torch.float32).view(6, 8) + 100 * i) for i in range(3)}
     save_state_dict(saved, FileSystemWriter(tmp_path / "ck"), no_dist=True)

@@ -230,6 +230,11 @@ def create_local_load_plan(
     return LoadPlan(tuple(items)), shards
 
 
+# a target piece as the planner resolves reads into it: (view, shape, strides, storage
+# offset), the last two only for a plain strided view (strides None otherwise)
+_Piece = tuple[torch.Tensor, tuple[int, ...], Optional[tuple[int, ...]], int]
+
+
 class StandardLoadPlanner(LoadPlanner):
     """Default load planner: exact-cover reads into views of the caller's tensors.
 
@@ -247,8 +252,10 @@ class StandardLoadPlanner(LoadPlanner):
         self.rank = 0
         self.world_size = 1
         self.shards: dict[str, TensorShards] = {}
-        # (fqn, offsets) -> the piece's view: a tuple key hashes in C (one lookup per read)
-        self._pieces: dict[tuple[str, Any], torch.Tensor] = {}
+        # (fqn, offsets) -> the piece's view, its shape, and for a plain strided view its
+        # strides and storage offset (None otherwise): a tuple key hashes in C, and a read
+        # into part of a piece costs one lookup and one ``as_strided``
+        self._pieces: dict[tuple[str, Any], _Piece] = {}
         self.loaded_objects: dict[str, Any] = {}
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata, *,
@@ -266,31 +273,33 @@ class StandardLoadPlanner(LoadPlanner):
         assert self.metadata is not None
         plan, self.shards = create_local_load_plan(self.flat, self.metadata,
                                                    allow_partial_load=self.allow_partial_load)
+        pieces = self._pieces
         for fqn, shard in self.shards.items():
             for box, view in shard.pieces:
-                self._pieces[(fqn, box.offsets)] = view
+                plain = type(view) is torch.Tensor and view.layout is torch.strided
+                pieces[(fqn, box.offsets)] = (view, tuple(view.shape), view.stride() if plain else None,
+                                              int(view.storage_offset()) if plain else 0)
         return plan
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         return new_plan
 
     def resolve_shard(self, dest_index: MetadataIndex) -> torch.Tensor:
-        return self._pieces[(dest_index.fqn, dest_index.offset)]
+        return self._pieces[(dest_index.fqn, dest_index.offset)][0]
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         dest = read_item.dest_index
-        view = self._pieces[(dest.fqn, dest.offset)]
+        view, shape, strides, storage_offset = self._pieces[(dest.fqn, dest.offset)]
         lengths = read_item.lengths
         offsets = read_item.dest_offsets
-        if not any(offsets) and lengths == view.shape:
+        if lengths == shape and not any(offsets):
             return view
-        if type(view) is torch.Tensor and view.layout is torch.strided:
+        if strides is not None:
             # one as_strided instead of a narrow per dim (~1.5 us of a read of a small
             # column slice, which a resharded load does twice per tensor)
-            strides = view.stride()
-            return view.as_strided(lengths, strides, view.storage_offset() + sum(map(mul, offsets, strides)))
+            return view.as_strided(lengths, strides, storage_offset + sum(map(mul, offsets, strides)))
         for d, (off, length) in enumerate(zip(offsets, lengths)):
-            if off or length != view.shape[d]:
+            if off or length != shape[d]:
                 view = view.narrow(d, off, length)
         return view
 

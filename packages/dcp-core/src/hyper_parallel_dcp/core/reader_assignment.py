@@ -91,25 +91,30 @@ def target_layout(plan: LoadPlan, metadata: Metadata) -> TargetLayout:
     all agree (the requests are the shard ∩ the stored chunks, so equal boxes give equal
     requests).
     """
-    requests: dict[MetadataIndex, list[tuple]] = {}
-    elements: dict[MetadataIndex, int] = {}
+    # per shard: [its elements, then its read requests]
+    requests: dict[MetadataIndex, list] = {}
+    TENSOR, prod = LoadItemType.TENSOR, math.prod
+    last: Optional[MetadataIndex] = None
+    found: list = []
     for item in plan.items:
-        if item.type is not LoadItemType.TENSOR:
+        if item.type is not TENSOR:
             continue
         dest = item.dest_index
-        reqs = requests.get(dest)
-        if reqs is None:
-            reqs = requests[dest] = []
-            elements[dest] = 0
-        reqs.append((item.storage_index.offset, item.storage_offsets, item.dest_offsets, item.lengths))
-        elements[dest] += math.prod(item.lengths)
+        if dest is not last:
+            # a plan lists a shard's reads together (a resharded load: two per tensor),
+            # so the shard is hashed once per run of its reads, not once per read
+            last = dest
+            found = requests.setdefault(dest, [0])
+        found[0] += prod(item.lengths)
+        found.append((item.storage_index.offset, item.storage_offsets, item.dest_offsets, item.lengths))
     sd = metadata.state_dict_metadata
     out = []
-    for dest, reqs in requests.items():
+    for dest, found in requests.items():
         md = sd[dest.fqn]
         itemsize = md.properties.dtype.itemsize if isinstance(md, TensorStorageMetadata) else 1
+        reqs = found[1:]
         reqs.sort()
-        out.append((dest.fqn, dest.offset or (), elements[dest] * itemsize, hash(tuple(reqs))))
+        out.append((dest.fqn, dest.offset or (), found[0] * itemsize, hash(tuple(reqs))))
     return tuple(out)
 
 

@@ -211,8 +211,9 @@ def resolve_destinations(planner: LoadPlanner, items: Iterable[ReadItem]) -> Ite
     """Each item with its destination view from ``planner`` (``None`` for objects).
 
     Runs where the planner may be used (the calling thread), lazily."""
+    resolve, byte_io, destination = planner.resolve_tensor, LoadItemType.BYTE_IO, ReadDestination
     for item in items:
-        yield ReadDestination(item, None if item.type is LoadItemType.BYTE_IO else planner.resolve_tensor(item))
+        yield destination(item, None if item.type is byte_io else resolve(item))
 
 
 def commit_read(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
@@ -228,8 +229,13 @@ def read_items(reader: StorageReader, planner: LoadPlanner, items: Iterable[Read
 
     Raises what the reader or the planner raises, at the first failure.
     """
+    # ``commit_read`` inlined: a resharded load of small tensors commits thousands of reads
+    commit_tensor, load_bytes, byte_io = planner.commit_tensor, planner.load_bytes, LoadItemType.BYTE_IO
     for item, value in reader.read_stream(resolve_destinations(planner, items)):
-        commit_read(planner, item, value)
+        if item.type is byte_io:
+            load_bytes(item, value)
+        else:
+            commit_tensor(item, value)
 
 
 class _OneItemPlanner(LoadPlanner):

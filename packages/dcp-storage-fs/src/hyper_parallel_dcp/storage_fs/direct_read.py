@@ -134,7 +134,17 @@ class FileMapping:
         """The stored slice (``first``/``span`` elements from ``slice_span``) as a strided
         tensor over the mapping, its pages populated; ``None`` if they cannot be.
         ``strides``: the chunk's row-major strides, when the caller has them."""
-        assert self._addr is not None and self._data is not None
+        start = self.slice_start(data_offset, dtype, first, span)
+        if start is None:
+            return None
+        return self.typed(dtype).as_strided(lengths, row_major_strides(chunk_sizes) if strides is None else strides,
+                                            start)
+
+    def slice_start(self, data_offset: int, dtype: torch.dtype, first: int, span: int) -> int | None:
+        """Populate the pages of a stored slice (``first``/``span`` elements of the chunk at
+        byte ``data_offset``) and return where it starts in ``typed(dtype)``, in elements;
+        ``None`` if its pages cannot be populated or it is not aligned to the element size."""
+        assert self._addr is not None
         itemsize = dtype.itemsize
         start = data_offset + first * itemsize
         end = start + span * itemsize
@@ -143,11 +153,16 @@ class FileMapping:
         if not (self._low <= start and end <= self._high):
             if not self._populate(start, end):
                 return None
+        return start // itemsize
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole mapping viewed as ``dtype`` (its last bytes short of an element left out)."""
         typed = self._typed.get(dtype)
         if typed is None:
+            assert self._data is not None
+            itemsize = dtype.itemsize
             typed = self._typed[dtype] = self._data[:self.size - self.size % itemsize].view(dtype)
-        return typed.as_strided(lengths, row_major_strides(chunk_sizes) if strides is None else strides,
-                                start // itemsize)
+        return typed
 
     def _populate(self, start: int, end: int) -> bool:
         """Populate the pages of the 1 MiB blocks that bytes ``[start, end)`` touch (each
@@ -417,7 +432,9 @@ class PendingCopies:
     one plain dtype below 1 MiB in one ``torch._foreach_copy_`` call, the rest one by one
     (``_copy_wide``).  Sorted as they are added (the reader knows the pair's dtypes and
     size then): a Shard(0) → Shard(1) load of 2000 small tensors adds 4000 pairs per rank.
-    The caller flushes while the mappings are open.
+    ``add_mapped`` queues a slice of a mapping before it is viewed, so that ``flush`` makes
+    the views of evenly spaced slices of one shape in one call.  The caller flushes while
+    the mappings are open.
     """
 
     def __init__(self) -> None:
@@ -428,6 +445,29 @@ class PendingCopies:
         self.dests: list[torch.Tensor] = []
         self.sources: list[torch.Tensor] = []
         self.others: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # slices of a mapping not viewed yet, by (mapping, dtype, shape, strides): their
+        # element starts and destinations (see add_mapped)
+        self.mapped: dict[tuple[FileMapping, torch.dtype, tuple[int, ...], tuple[int, ...]],
+                          tuple[list[int], list[torch.Tensor]]] = {}
+
+    def add_mapped(self, dest: torch.Tensor, mapping: FileMapping, dtype: torch.dtype, start: int,
+                   lengths: tuple[int, ...], strides: tuple[int, ...], nbytes: int) -> None:
+        """Queue copying the slice of ``mapping`` at element ``start`` of ``typed(dtype)``
+        (shape ``lengths``, ``strides``; pages populated: ``FileMapping.slice_start``) into
+        the CPU tensor ``dest``.  Slices of one shape are viewed together at ``flush``:
+        the chunks of equally sized tensors lie evenly spaced in a file, and one
+        ``as_strided`` + ``unbind`` makes all their views (~0.6 us a view instead of
+        ~1.3 us; a Shard(0) -> Shard(1) load of 2000 small tensors copies 4000 slices).
+        """
+        if dest.dtype is not dtype or dtype not in _PLAIN or nbytes >= _WIDE_MIN_BYTES:
+            self.others.append((dest, mapping.typed(dtype).as_strided(lengths, strides, start)))
+            return
+        key = (mapping, dtype, lengths, strides)
+        group = self.mapped.get(key)
+        if group is None:
+            group = self.mapped[key] = ([], [])
+        group[0].append(start)
+        group[1].append(dest)
 
     def add(self, dest: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
         """Queue ``copy_into(dest, source)``; both on the CPU, ``nbytes`` the bytes copied."""
@@ -440,8 +480,19 @@ class PendingCopies:
 
     def flush(self) -> None:
         """Perform the pending copies."""
-        dests, sources, others = self.dests, self.sources, self.others
+        dests, sources, others, mapped = self.dests, self.sources, self.others, self.mapped
         self.clear()
+        for (mapping, dtype, lengths, strides), (starts, targets) in mapped.items():
+            typed = mapping.typed(dtype)
+            count, step = len(starts), starts[-1] - starts[0]
+            if count > 1 and step > 0 and step % (count - 1) == 0 and starts == list(
+                    range(starts[0], starts[-1] + 1, step // (count - 1))):
+                # evenly spaced (the same slice of equally sized chunks in file order)
+                sources.extend(typed.as_strided((count, *lengths), (step // (count - 1), *strides),
+                                                starts[0]).unbind(0))
+            else:
+                sources.extend(typed.as_strided(lengths, strides, start) for start in starts)
+            dests.extend(targets)
         if dests:
             torch._foreach_copy_(dests, sources)
         for dest, source in others:

@@ -727,10 +727,10 @@ class FileSystemReader(StorageReader):
         nbytes = span * itemsize
         if dest.is_cpu and span and nbytes >= direct_read.MAPPED_SLICE_MIN_BYTES:
             mapping = opened.mapping()
-            view = None if mapping is None else mapping.slice_view(data_offset, sizes, dtype, first, span, lengths,
-                                                                   strides)
-            if view is not None:
-                self._copies.add(dest, view, count * itemsize)
+            start = None if mapping is None else mapping.slice_start(data_offset, dtype, first, span)
+            if start is not None:
+                assert mapping is not None
+                self._copies.add_mapped(dest, mapping, dtype, start, lengths, strides, count * itemsize)
                 self.bytes_read += nbytes
                 return
         spanned, source = read_slice(opened.fd, opened.name, data_offset, sizes, dtype, item.storage_offsets,
@@ -789,14 +789,15 @@ class FileSystemReader(StorageReader):
             return
         batch: list[tuple[ReadItem, Any]] = []
         nbytes = 0
+        read = self._read
         try:
-            for item, dest in reads:
+            for pair in reads:
+                item, dest = pair
                 if dest is None:
-                    value = self.read_object(item)
-                    batch.append((item, value))
+                    batch.append((item, self.read_object(item)))
                 else:
-                    self._read(item, dest)
-                    batch.append((item, dest))
+                    read(item, dest)
+                    batch.append(pair)  # (item, its filled destination), as yielded
                     nbytes += dest.nbytes
                 if len(batch) >= _BATCH_ITEMS or nbytes >= _BATCH_BYTES:
                     self._finish_pending()
