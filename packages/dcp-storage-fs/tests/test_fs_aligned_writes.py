@@ -28,6 +28,12 @@ from hyper_parallel_dcp.storage_fs.safetensors_stream import SAFETENSORS_DTYPES,
 MIB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _aligned_writes_on(monkeypatch):
+    # off by default (see _AlignedWrites): these tests turn it on, one test checks the default
+    monkeypatch.setenv("HP_DCP_ALIGNED_WRITES", "1")
+
+
 def _tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     out = {}
@@ -249,3 +255,27 @@ def test_the_standard_planner_declares_its_data_stable_and_a_subclass_keeps_a_de
     assert SavePlanner.resolved_data_stable is False
     assert Declared.resolved_data_stable and Untouched.resolved_data_stable
     assert _OneBufferPlanner.resolved_data_stable is False
+
+
+def test_by_default_every_chunk_goes_out_in_its_own_write(tmp_path, monkeypatch):
+    """Without ``HP_DCP_ALIGNED_WRITES`` nothing is held: one write per chunk, the same bytes."""
+    monkeypatch.delenv("HP_DCP_ALIGNED_WRITES")
+    tensors = _tensors()
+    calls: list[tuple[int, int]] = []
+    real_writev = os.writev
+
+    def recording_writev(fd, buffers):
+        calls.append((len(buffers), sum(map(len, buffers))))
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(safetensors_stream.os, "writev", recording_writev)
+    path = tmp_path / "x.safetensors"
+    with open(path, "wb") as f:
+        write_safetensors(f, [TensorEntry(k, v.dtype, tuple(v.shape), (lambda v=v: v), stable=True)
+                              for k, v in tensors.items()])
+    _check_file(path, tensors)
+    sizes = [v.numel() * v.element_size() for v in tensors.values() if v.numel()]
+    assert calls == [(1, n) for n in sizes]
+    monkeypatch.setenv("HP_DCP_ALIGNED_WRITES", "maybe")
+    with pytest.raises(ValueError, match="HP_DCP_ALIGNED_WRITES='maybe'"):
+        write_safetensors(io.BytesIO(), _entries(tensors))
