@@ -86,7 +86,7 @@ def _save_then_fail(rank: int, world_size: int, path: str, fault: str) -> str:
     if fault == "kill_write" and rank == 1:
         real = rank_files.write_safetensors
 
-        def half_then_die(f, entries):
+        def half_then_die(f, entries, *args, **kwargs):  # part of the chunks: their own header
             real(f, entries[:1])  # part of the file is on disk, then the rank is killed
             f.flush()
             die()
@@ -221,10 +221,10 @@ import sys, torch
 from hyper_parallel_dcp import save
 from hyper_parallel_dcp.storage_fs import rank_files
 real = rank_files.write_safetensors
-def slow(f, entries):
+def slow(f, entries, *args, **kwargs):
     open(sys.argv[2], "w").close()  # tell the test we are inside the save (holding the lock)
     sys.stdin.readline()  # and stay there until the test says go (a line, or stdin closed)
-    return real(f, entries)
+    return real(f, entries, *args, **kwargs)
 rank_files.write_safetensors = slow
 value = float(sys.argv[3])
 try:

@@ -98,6 +98,17 @@ def test_malformed_digests_are_refused(bad):
         metadata_from_json(json.dumps(doc), source="ck/.metadata")
 
 
+def test_a_digest_of_a_file_without_a_size_is_refused():
+    # the digest covers the file's size; found by the metadata fuzz test, where a file whose
+    # size was nulled came back elsewhere in the re-written file table
+    doc = json.loads(metadata_to_json(_sample()))
+    pair = next(entry for entry in doc["files"] if isinstance(entry, list) and entry[0] == "extra.safetensors")
+    assert doc["header_digests"][-1] is not None  # the last file of the expanded table
+    pair[1] = None
+    with pytest.raises(CheckpointFormatError, match="'extra.safetensors' has a header digest but no size"):
+        metadata_from_json(json.dumps(doc), source="ck/.metadata")
+
+
 def test_chunk_location_reads_the_columns_of_parsed_metadata():
     md = _sample()
     parsed = metadata_from_json(metadata_to_json(md))

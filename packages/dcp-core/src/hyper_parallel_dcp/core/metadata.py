@@ -963,6 +963,10 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
             raise CheckpointFormatError(f"{source}: 'header_digests' must list, per file of the file table, "
                                         "an xxh3 digest of 16 hex digits or null")
         header_digests = {name: d for name, d in zip(names, digests_doc) if d is not None}
+        unsized = next((name for name in header_digests if name not in files), None)
+        if unsized is not None:
+            # the digest covers the file's size: a digest without a size is contradictory
+            raise CheckpointFormatError(f"{source}: file {unsized!r} has a header digest but no size")
     return Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data=doc.get("planner_data"),
