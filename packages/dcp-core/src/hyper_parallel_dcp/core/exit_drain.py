@@ -73,12 +73,9 @@ def runnable_threads(exclude: int) -> Optional[int]:
 def drain_collective_threads(limit: float = DRAIN_LIMIT_S) -> bool:
     """Hand the GIL over until no other thread runs; at most ``limit`` seconds.
 
-    Returns whether the process went quiet (always true without an initialized process
-    group: there is nothing to wait for).  Where ``/proc`` is missing, it pauses
+    Returns whether the process went quiet.  Where ``/proc`` is missing, it pauses
     :data:`_QUIET_LOOKS` times and returns true.  Takes no lock and raises nothing.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return True
     me = threading.get_native_id()
     deadline = time.monotonic() + limit
     quiet = 0
@@ -93,7 +90,10 @@ def drain_collective_threads(limit: float = DRAIN_LIMIT_S) -> bool:
 
 def _at_exit() -> None:
     try:
-        drain_collective_threads()
+        # Without the default group there is nothing to wait for: destroy_process_group
+        # has joined gloo's workers.
+        if dist.is_available() and dist.is_initialized():
+            drain_collective_threads()
     except Exception:  # noqa: BLE001 - never turn a clean exit into a failed one
         pass
 
