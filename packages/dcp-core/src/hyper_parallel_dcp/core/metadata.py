@@ -263,7 +263,7 @@ def metadata_from_json(text: str | bytes, *, source: str = "<metadata>", check_d
     try:
         metadata = _parse_v1(doc, source) if version == 1 else _parse_v2(doc, source)
         checked = digest is not None and check_digest
-        if checked and not _digest_matches(text, doc, digest):
+        if digest is not None and checked and not _digest_matches(text, doc, digest):
             raise CorruptCheckpointError(
                 f"{source} was changed after the save: its content no longer matches the "
                 f"'{METADATA_DIGEST}' the save recorded in it (hand-edited, or damaged on disk), so its chunk "
