@@ -265,10 +265,9 @@ def metadata_from_json(text: str | bytes, *, source: str = "<metadata>", check_d
         checked = digest is not None and check_digest
         if digest is not None and checked and not _digest_matches(text, doc, digest):
             raise CorruptCheckpointError(
-                f"{source} was changed after the save: its content no longer matches the "
-                f"'{METADATA_DIGEST}' the save recorded in it (hand-edited, or damaged on disk), so its chunk "
-                "locations cannot be trusted.  Restore the file as saved, or save again; "
-                "`hp-dcp verify` on the checkpoint lists the entries that disagree with the data files"
+                f"{source} was changed after the save: it no longer matches the '{METADATA_DIGEST}' recorded "
+                "in it (hand-edited or damaged), so its chunk locations cannot be trusted; restore it as saved "
+                "or save again (`hp-dcp verify` lists what disagrees with the data files)"
             )
     except (CheckpointFormatError, CorruptCheckpointError):
         raise

@@ -353,7 +353,7 @@ def _parse_metadata(data: bytes, source: str, root: Path) -> Metadata:
         found = header_disagreement(root, metadata_from_json(data, source=source, check_digest=False))
         if found is None:
             found = "none in the chunk locations (the change is elsewhere in the file)"
-        raise CorruptCheckpointError(f"{exc}.  First disagreement with the data files: {found}") from None
+        raise CorruptCheckpointError(f"{exc}; first disagreement with the data files: {found}") from None
 
 
 def read_stored_metadata(path: Union[str, os.PathLike]) -> StoredMetadata:
