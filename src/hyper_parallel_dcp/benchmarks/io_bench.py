@@ -45,6 +45,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def load_reps(reps: int) -> int:
+    """Repetitions of the page-cache loads (and of their in-memory copies) for ``reps``."""
+    return 2 * reps + 1
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     _barrier()
     t0 = time.perf_counter()
@@ -233,10 +238,13 @@ class _OurLoads:
 
 def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, flipped: dict, theirs: Path,
                 reps: int) -> None:
-    """Same-layout and resharded loads from the page cache; checks the values loaded."""
+    """Same-layout and resharded loads from the page cache; checks the values loaded.
+
+    They take tens of milliseconds and vary by half of that on a shared machine, so they
+    repeat ``load_reps(reps)`` times (ours and torch's alike)."""
     import torch.distributed.checkpoint as tdcp
 
-    for _ in range(reps):
+    for _ in range(load_reps(reps)):
         rec.add("ours.load", _timed(lambda: our_load(target))[0])
         rec.add("torch.load", _timed(lambda: tdcp.load(target, storage_reader=tdcp.FileSystemReader(theirs)))[0])
         rec.add("ours.load_resharded", _timed(lambda: our_load(flipped))[0])
@@ -296,7 +304,7 @@ def _piece_copies(rec: _Recorder, shapes: list, target: dict, flipped: dict, wor
     same = _load_pieces(shapes, {k: v.to_local() for k, v in target.items()}, world_size, rank, False, stand_ins)
     resharded = _load_pieces(shapes, {k: v.to_local() for k, v in flipped.items()}, world_size, rank, True,
                              stand_ins)
-    for _ in range(reps):
+    for _ in range(load_reps(reps)):
         rec.add("ref.copy_pieces", _timed(lambda: ref.timed_copy_pieces(same))[0])
         rec.add("ref.copy_pieces_resharded", _timed(lambda: ref.timed_copy_pieces(resharded))[0])
 

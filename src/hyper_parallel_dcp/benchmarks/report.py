@@ -7,6 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .io_bench import load_reps
+
 __all__ = ["evaluate_goals", "nlogn_exponent", "summarize", "write_markdown", "write_plots"]
 
 
@@ -163,7 +165,8 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
         f"{result['config']['small_kib']} KiB, per-tensor case {result['config'].get('tiny_count', 0)} tensors of "
         f"{result['config'].get('tiny_kib', 0)} KiB, broadcast {result['config']['bcast_mib']} MiB at "
         f"{result['config']['cap_mb_s']} MB/s shared cap",
-        f"- repetitions: {result['config']['reps']} (plan cache, cold, N→1, async: "
+        f"- repetitions: {result['config']['reps']} (page-cache loads and their memory copies: "
+        f"{load_reps(result['config']['reps'])}; plan cache, cold, N→1, async: "
         f"{result['config'].get('reps_secondary', result['config']['reps'])}, async one more for the first save); "
         "times in seconds, median (min–max); "
         "every case timed between barriers (slowest rank).",
