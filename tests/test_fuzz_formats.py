@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from hyper_parallel_dcp import load, save
 from hyper_parallel_dcp.core.errors import CheckpointError
-from hyper_parallel_dcp.core.metadata import Metadata, metadata_from_json, metadata_to_json
+from hyper_parallel_dcp.core.metadata import METADATA_DIGEST, Metadata, metadata_from_json, metadata_to_json
 from hyper_parallel_dcp.core.objects import deserialize_object, serialize_object
 from hyper_parallel_dcp.storage_fs.integrity import check_complete, verify_checkpoint
 
@@ -84,7 +84,9 @@ def _parse_cleanly(text) -> None:
     assert isinstance(md, Metadata)
     written = metadata_to_json(md)
     assert metadata_from_json(written, source="round trip") == md
-    _kept(json.loads(written), json.loads(text))
+    doc = json.loads(written)
+    del doc[METADATA_DIGEST]  # the writer's digest of what it wrote, never a parsed value
+    _kept(doc, json.loads(text))
 
 
 @FUZZ
@@ -119,9 +121,33 @@ def _mutate(doc, data, depth: int = 0):
 @given(st.data())
 def test_metadata_parser_on_mutated_metadata(good: Path, data) -> None:
     doc = json.loads((good / ".metadata").read_text())
+    del doc[METADATA_DIGEST]  # the content checks, as a document without the digest meets them
     for _ in range(data.draw(st.integers(1, 3))):
         doc = _mutate(copy.deepcopy(doc), data)
     _parse_cleanly(json.dumps(doc))
+
+
+@FUZZ
+@given(st.data())
+def test_a_mutated_metadata_with_its_digest_is_refused(good: Path, data) -> None:
+    """With the writer's digest kept, any mutation that changes the content is refused."""
+    original = json.loads((good / ".metadata").read_text())
+    doc = copy.deepcopy(original)
+    for _ in range(data.draw(st.integers(1, 3))):
+        doc = _mutate(copy.deepcopy(doc), data)
+    if isinstance(doc, dict):
+        doc[METADATA_DIGEST] = original[METADATA_DIGEST]
+
+    def content(d) -> str:  # as serialised: 1, 1.0 and true differ there
+        return json.dumps({k: v for k, v in d.items() if k != METADATA_DIGEST} if isinstance(d, dict) else d)
+
+    changed = content(doc) != content(original)
+    try:
+        md = metadata_from_json(json.dumps(doc), source="fuzz")
+    except CheckpointError as exc:
+        assert changed, f"an unchanged document was refused: {exc}"
+        return
+    assert not changed and md.header_digests  # only the document as saved parses, and is trusted
 
 
 def test_metadata_parser_on_deep_nesting() -> None:

@@ -91,11 +91,12 @@ def test_a_matching_header_is_not_parsed_and_the_values_load(tmp_path: Path,
 
 def test_metadata_without_digests_loads_through_the_full_check(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """An older checkpoint (no ``header_digests``) parses the header and checks each chunk."""
+    """An older checkpoint (no ``header_digests``, no ``metadata_digest``) parses the header
+    and checks each chunk."""
     path = tmp_path / "c"
     save(_state(), checkpoint_id=path, no_dist=True)
     doc = json.loads((path / ".metadata").read_text())
-    del doc["header_digests"]
+    del doc["header_digests"], doc["metadata_digest"]
     (path / ".metadata").write_text(json.dumps(doc))
     parsed = _count_parses(monkeypatch)
     target = _blank()

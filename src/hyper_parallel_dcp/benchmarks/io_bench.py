@@ -45,6 +45,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def load_reps(reps: int) -> int:
+    """Repetitions of the page-cache loads (and of their in-memory copies) for ``reps``."""
+    return 2 * reps + 1
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     _barrier()
     t0 = time.perf_counter()
@@ -154,6 +159,7 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     _save_cases(rec, sd, ours, theirs, rank, reps, reps2)
     our_load = _OurLoads(ours)
     _load_cases(rec, our_load, sd, target, flipped, theirs, reps)
+    _piece_copies(rec, shapes, target, flipped, world_size, rank, reps)
     _cold_load_cases(rec, our_load, target, ours, theirs, reps2)
     _n_to_1_cases(rec, our_load, shapes, theirs, rank, reps2)
     if cfg.get("async", True):
@@ -232,10 +238,13 @@ class _OurLoads:
 
 def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, flipped: dict, theirs: Path,
                 reps: int) -> None:
-    """Same-layout and resharded loads from the page cache; checks the values loaded."""
+    """Same-layout and resharded loads from the page cache; checks the values loaded.
+
+    They take tens of milliseconds and vary by half of that on a shared machine, so they
+    repeat ``load_reps(reps)`` times (ours and torch's alike)."""
     import torch.distributed.checkpoint as tdcp
 
-    for _ in range(reps):
+    for _ in range(load_reps(reps)):
         rec.add("ours.load", _timed(lambda: our_load(target))[0])
         rec.add("torch.load", _timed(lambda: tdcp.load(target, storage_reader=tdcp.FileSystemReader(theirs)))[0])
         rec.add("ours.load_resharded", _timed(lambda: our_load(flipped))[0])
@@ -248,6 +257,56 @@ def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, fli
     rec.info["bytes_needed"] = rec.info["global_bytes"]
     _check_equal(target, sd, "same-layout load")
     _check_equal(flipped, sd, "resharded load")
+
+
+def _load_pieces(shapes: list, dest: dict, world_size: int, rank: int, flip: bool,
+                 stand_ins: dict) -> list[tuple[Any, Any]]:
+    """``(destination view, source view)`` of every piece a load into ``dest`` (this rank's
+    local tensors by FQN; ``flip``: of the resharded layout) copies out of the saved
+    chunks.  Each saved chunk is stood in for by an in-memory tensor of its shape:
+    ``stand_ins[(fqn, offsets)]``, made (ones) where missing and shared between calls."""
+    import torch
+
+    from hyper_parallel_dcp.core.layout import placement_boxes
+
+    from .state_dicts import _placements
+
+    pieces = []
+    for fqn, shape, kind in shapes:
+        local = dest[fqn]
+        mine = placement_boxes(shape, (world_size,), (rank,), _placements(kind, len(shape), flip), fqn)[0][0]
+        saved = _placements(kind, len(shape), False)
+        stored = {(box.offsets, box.sizes) for j in range(world_size)
+                  for box, _ in placement_boxes(shape, (world_size,), (j,), saved, fqn)}
+        for offsets, sizes in sorted(stored):
+            lo = [max(a, b) for a, b in zip(offsets, mine.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, mine.offsets, mine.sizes)]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue
+            chunk = stand_ins.get((fqn, offsets))
+            if chunk is None:
+                chunk = stand_ins[(fqn, offsets)] = torch.ones(sizes, dtype=local.dtype)
+            pieces.append((local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, mine.offsets))],
+                           chunk[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]))
+    return pieces
+
+
+def _piece_copies(rec: _Recorder, shapes: list, target: dict, flipped: dict, world_size: int, rank: int,
+                  reps: int) -> None:
+    """The copies of the same-layout and of the resharded load, from memory: no file, no
+    mapping, no planning.  Their ratio is what the memory system alone makes a resharded
+    load cost; the resharded load's own ratio is judged beside it.  A Shard(0) chunk
+    loaded as Shard(1) copies a slice of every row; rows of a few KiB are read a part of
+    each 4 KiB page at a time, which costs more than reading the same bytes in one run."""
+    from . import references as ref
+
+    stand_ins: dict = {}
+    same = _load_pieces(shapes, {k: v.to_local() for k, v in target.items()}, world_size, rank, False, stand_ins)
+    resharded = _load_pieces(shapes, {k: v.to_local() for k, v in flipped.items()}, world_size, rank, True,
+                             stand_ins)
+    for _ in range(load_reps(reps)):
+        rec.add("ref.copy_pieces", _timed(lambda: ref.timed_copy_pieces(same))[0])
+        rec.add("ref.copy_pieces_resharded", _timed(lambda: ref.timed_copy_pieces(resharded))[0])
 
 
 def _cold_load_cases(rec: _Recorder, our_load: _OurLoads, target: dict, ours: Path, theirs: Path,

@@ -14,7 +14,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["drop_page_cache", "raw_read", "raw_write", "tensor_memoryview", "timed_clone", "timed_copy_into"]
+__all__ = ["drop_page_cache", "raw_read", "raw_write", "tensor_memoryview", "timed_clone", "timed_copy_into",
+           "timed_copy_pieces"]
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
@@ -82,4 +83,13 @@ def timed_copy_into(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Ten
     """Copy every tensor into its preallocated buffer: the later-save staging floor."""
     t0 = time.perf_counter()
     torch._foreach_copy_(list(buffers), list(tensors))
+    return time.perf_counter() - t0
+
+
+def timed_copy_pieces(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Copy each ``(destination view, source view)`` pair, one ``copy_`` each: what a load
+    copies, with no file, mapping or planning around it; returns seconds."""
+    t0 = time.perf_counter()
+    for dest, source in pieces:
+        dest.copy_(source)
     return time.perf_counter() - t0

@@ -12,6 +12,12 @@ third of torch's pickled metadata instead of twice it.  Parsing checks the colum
 C-level builtins and builds the per-chunk objects lazily: a tensor's ``chunks`` list when
 it is first touched, a ``storage_data`` entry when it is looked up, so a rank pays only
 for the tensors it loads.  Format 1 (one JSON object per chunk) still loads.
+
+The writer ends the document with ``metadata_digest``, the xxh3-64 of everything before
+it; the parser refuses a document that no longer matches it (edited or damaged after the
+save), and keeps ``header_digests`` only from a document whose digest it checked: the
+reader takes every chunk's location from the metadata alone once a file's header digest
+matches, so the metadata those locations come from must be the one the save wrote.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from operator import add, attrgetter, le
 from typing import Any, Optional, Union
 
 import torch
+import xxhash
 
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, CorruptCheckpointError
 
 __all__ = [
     "FORMAT_VERSION",
+    "METADATA_DIGEST",
     "BytesStorageMetadata",
     "ChunkStorageMetadata",
     "Metadata",
@@ -52,6 +60,10 @@ __all__ = [
 
 #: Version of the ``.metadata`` JSON schema this code writes and the newest it reads.
 FORMAT_VERSION = 2
+
+#: The last member of a written ``.metadata``: the xxh3-64 of the document without it
+#: (``docs/format.md``, "metadata digest").  An optional key of format 2.
+METADATA_DIGEST = "metadata_digest"
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -185,7 +197,9 @@ class Metadata:
     format_version: int = FORMAT_VERSION
     #: file name -> xxh3 hex digest of its safetensors header bytes as written (length
     #: field and JSON); a reader that reads the same bytes needs no header parse and no
-    #: per-chunk header check.  Absent for older checkpoints and for objects files.
+    #: per-chunk header check.  Absent for older checkpoints and for objects files, and
+    #: left empty by :func:`metadata_from_json` unless the document's ``metadata_digest``
+    #: was checked.
     header_digests: dict[str, str] = field(default_factory=dict)
     #: Only in a view merged from ``{rank}.metadata`` files (never written): for an object
     #: saved by several ranks under one FQN, saving rank → where that rank's copy is.
@@ -217,8 +231,17 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def metadata_from_json(text: str | bytes, *, source: str = "<metadata>") -> Metadata:
-    """Parse ``.metadata`` JSON; raises :class:`CheckpointFormatError` naming ``source``."""
+def metadata_from_json(text: str | bytes, *, source: str = "<metadata>", check_digest: bool = True) -> Metadata:
+    """Parse ``.metadata`` JSON; raises :class:`CheckpointFormatError` naming ``source``.
+
+    A document that carries ``metadata_digest`` (every one this library writes) must still
+    match it: otherwise :class:`CorruptCheckpointError` naming ``source``, raised after the
+    checks of its content, so a malformed entry is still reported by name.
+    ``header_digests`` are kept only from a document whose digest was checked; an older
+    document (no digest) parses as before, without them, so its files take the full
+    per-chunk header check.  ``check_digest=False`` parses an altered document anyway
+    (for tools that report what else is wrong in it), also without ``header_digests``.
+    """
     try:
         doc = json.loads(text)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
@@ -233,12 +256,54 @@ def metadata_from_json(text: str | bytes, *, source: str = "<metadata>") -> Meta
             f"{source} has format_version {version}, newer than the {FORMAT_VERSION} this "
             "version of hyper-parallel-dcp reads; upgrade hyper-parallel-dcp to load it"
         )
+    digest = doc.get(METADATA_DIGEST)
+    if digest is not None and not (type(digest) is str and _HEX16.fullmatch(digest)):
+        raise CheckpointFormatError(f"{source}: '{METADATA_DIGEST}' must be an xxh3 digest of 16 hex digits, "
+                                    f"got {digest!r}")
     try:
-        return _parse_v1(doc, source) if version == 1 else _parse_v2(doc, source)
-    except CheckpointFormatError:
+        metadata = _parse_v1(doc, source) if version == 1 else _parse_v2(doc, source)
+        checked = digest is not None and check_digest
+        if digest is not None and checked and not _digest_matches(text, doc, digest):
+            raise CorruptCheckpointError(
+                f"{source} was changed after the save: it no longer matches the '{METADATA_DIGEST}' recorded "
+                "in it (hand-edited or damaged), so its chunk locations cannot be trusted; restore it as saved "
+                "or save again (`hp-dcp verify` lists what disagrees with the data files)"
+            )
+    except (CheckpointFormatError, CorruptCheckpointError):
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RuntimeError) as exc:
         raise CheckpointFormatError(f"{source} is malformed: {type(exc).__name__}: {exc}") from None
+    if not checked:
+        metadata.header_digests = {}  # locations of unchecked metadata never skip the header check
+    return metadata
+
+
+def _digest_matches(text: str | bytes, doc: dict[str, Any], digest: str) -> bool:
+    """Whether ``doc`` (parsed from ``text``) is the document ``digest`` was computed over.
+
+    As written, the digest is the last member: its bytes are cut off and the rest hashed
+    in place (a 2000-tensor ``.metadata``, 389 KB: 0.008 ms; parsing it takes 17.7 ms).
+    A document re-serialised by a JSON tool (indented, reordered members) is compared in
+    the compact form the writer hashed, rebuilt from ``doc`` (4.7 ms there): equal
+    content passes, whatever the whitespace.
+    """
+    data = text.encode() if isinstance(text, str) else text
+    tail = f',"{METADATA_DIGEST}":"{digest}"}}'.encode()
+    if data.endswith(tail):
+        hasher = xxhash.xxh3_64()
+        with memoryview(data) as view:
+            hasher.update(view[:len(data) - len(tail)])
+        hasher.update(b"}")
+        if hasher.hexdigest() == digest:
+            return True
+    content = {key: value for key, value in doc.items() if key != METADATA_DIGEST}
+    return xxhash.xxh3_64_hexdigest(json.dumps(content, separators=(",", ":")).encode()) == digest
+
+
+def _with_digest(text: str) -> str:
+    """``text`` (a compact JSON object, ASCII) with ``metadata_digest`` appended as its
+    last member: the xxh3-64 of ``text`` itself."""
+    return f'{text[:-1]},"{METADATA_DIGEST}":"{xxhash.xxh3_64_hexdigest(text.encode())}"}}'
 
 
 def _parse_v1(doc: dict[str, Any], source: str) -> Metadata:
@@ -378,8 +443,10 @@ def metadata_to_json(metadata: Metadata) -> str:
     file names into one file table; a chunk's key only when it is not :func:`chunk_key`.
     Storage entries that name no chunk or object of ``state_dict_metadata`` are kept in
     ``other_storage``, so any ``Metadata`` round-trips (``storage_data=None`` is written as
-    empty).  Raises ``ValueError`` naming the FQN for a chunk whose offsets or sizes do not
-    have one entry per dimension of its tensor.
+    empty).  The last member is ``metadata_digest``, the xxh3-64 of the document before
+    it, so every tool that writes metadata through here keeps it valid.  Raises
+    ``ValueError`` naming the FQN for a chunk whose offsets or sizes do not have one entry
+    per dimension of its tensor.
     """
     file_index: dict[str, int] = {}
     file_table: list[list[Any]] = []
@@ -481,7 +548,7 @@ def metadata_to_json(metadata: Metadata) -> str:
         for name, digest in metadata.header_digests.items():
             digests[new_index[file_index[name]]] = digest
         doc["header_digests"] = digests
-    return json.dumps(doc, separators=(",", ":"))
+    return _with_digest(json.dumps(doc, separators=(",", ":")))
 
 
 _PATH = attrgetter("relative_path")

@@ -334,10 +334,26 @@ class StoredMetadata:
     is_global: bool
     merged: Optional[Metadata] = None
 
-    def parse(self) -> Metadata:
+    def parse(self, root: Optional[Path] = None) -> Metadata:
+        """The metadata; ``root``: the checkpoint directory as this rank sees it, where an
+        altered ``.metadata`` is compared with the data files to name what changed."""
         if self.merged is not None:
             return self.merged
-        return metadata_from_json(self.data, source=self.source)
+        return _parse_metadata(self.data, self.source, root if root is not None else Path(self.source).parent)
+
+
+def _parse_metadata(data: bytes, source: str, root: Path) -> Metadata:
+    """``metadata_from_json``; a ``.metadata`` changed after the save is refused with the
+    first chunk whose location no longer agrees with its file's header, where one does."""
+    try:
+        return metadata_from_json(data, source=source)
+    except CorruptCheckpointError as exc:
+        from .integrity import header_disagreement  # integrity imports this module
+
+        found = header_disagreement(root, metadata_from_json(data, source=source, check_digest=False))
+        if found is None:
+            found = "none in the chunk locations (the change is elsewhere in the file)"
+        raise CorruptCheckpointError(f"{exc}; first disagreement with the data files: {found}") from None
 
 
 def read_stored_metadata(path: Union[str, os.PathLike]) -> StoredMetadata:
@@ -374,7 +390,7 @@ def load_checkpoint_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, b
     except FileNotFoundError:
         text = None
     if text is not None:
-        return metadata_from_json(text, source=str(global_file)), True
+        return _parse_metadata(text, str(global_file), root), True
     return merge_rank_metadata(load_rank_metadata(root)), False
 
 
@@ -533,7 +549,7 @@ class FileSystemReader(StorageReader):
                 f"{root / METADATA_FILE} does not exist on this rank, but the coordinator read "
                 f"{payload.source}: every rank must see the same checkpoint"
             )
-        self.metadata = payload.parse()
+        self.metadata = payload.parse(root)
         self._is_global = payload.is_global
         return self.metadata
 

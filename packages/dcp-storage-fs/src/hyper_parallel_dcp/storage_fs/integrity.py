@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 
 import xxhash
 
-from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointFormatError
+from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointFormatError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -32,7 +32,7 @@ from hyper_parallel_dcp.core.metadata import (
 from .files import CheckpointFiles, LocalFiles, as_checkpoint_files
 from .filesystem import METADATA_FILE
 from .rank_metadata import RANK_METADATA, merge_rank_metadata
-from .safetensors_stream import SafetensorsHeaderError, entry_mismatch, read_header
+from .safetensors_stream import HeaderEntry, SafetensorsHeaderError, entry_mismatch, read_header
 from .torch_dcp import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "VerifyReport",
     "check_complete",
     "find_latest_checkpoint",
+    "header_disagreement",
     "verify_checkpoint",
 ]
 
@@ -115,7 +116,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
             return None, None
         version = _peek_version(text)
         try:
-            return metadata_from_json(text, source=global_file), version
+            return _parse_reporting(text, global_file, problems), version
         except CheckpointFormatError as exc:
             _add(problems, str(exc))
             return None, version
@@ -144,12 +145,22 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
             continue
         version = _peek_version(text) if version is None else version
         try:
-            parts[rank] = metadata_from_json(text, source=file)
+            parts[rank] = _parse_reporting(text, file, problems)
         except CheckpointFormatError as exc:
             _add(problems, str(exc))
     if len(parts) != len(ranks):
         return None, version
     return merge_rank_metadata(parts), version
+
+
+def _parse_reporting(text: bytes, source: Union[Path, str], problems: list[str]) -> Metadata:
+    """The metadata in ``text``; one changed after the save (its digest no longer matches)
+    is a problem, and is read anyway so that the checks after it say what disagrees."""
+    try:
+        return metadata_from_json(text, source=str(source))
+    except CorruptCheckpointError as exc:
+        _add(problems, str(exc))
+        return metadata_from_json(text, source=str(source), check_digest=False)
 
 
 def _check_consistency(md: Metadata, source: CheckpointFiles, problems: list[str]) -> None:
@@ -292,6 +303,43 @@ def _hash_range(f, offset: int, length: int, buf: bytearray) -> tuple[str, int]:
     return hasher.hexdigest(), done
 
 
+def _header_mismatch(md: Metadata, index: MetadataIndex, info: StorageInfo,
+                     header: Optional[dict[str, HeaderEntry]]) -> Optional[str]:
+    """Why the safetensors ``header``'s entry for tensor chunk ``index`` disagrees with
+    ``md`` (key, dtype, shape, byte range); ``None`` when it agrees or is no tensor chunk."""
+    entry = md.state_dict_metadata.get(index.fqn)
+    if header is None or index.offset is None or not isinstance(entry, TensorStorageMetadata):
+        return None
+    sizes = next((c.sizes for c in entry.chunks if c.offsets == index.offset), None)
+    key = info.key or ""
+    return entry_mismatch(header.get(key), key, entry.properties.dtype, sizes or (), info.offset, info.length)
+
+
+def header_disagreement(path: PathLike, md: Metadata) -> Optional[str]:
+    """The first stored tensor chunk (by file, then byte offset) whose location in ``md``
+    disagrees with its safetensors file's header, as ``"<file>: <chunk>: <why>"``, or a
+    file whose header cannot be read; ``None`` when every chunk agrees.  Reads headers
+    only (no data); never raises for a bad checkpoint.
+    """
+    files = as_checkpoint_files(path)
+    by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
+    for index, info in (md.storage_data or {}).items():
+        if index.offset is not None:
+            by_file[info.relative_path].append((index, info))
+    for name in sorted(by_file):
+        file = files.where(name)
+        try:
+            with files.open(name) as f:
+                header = read_header(f, files.size(name) or 0)
+        except (OSError, SafetensorsHeaderError) as exc:
+            return f"{file}: its header cannot be read ({exc})"
+        for index, info in sorted(by_file[name], key=lambda item: item[1].offset):
+            why = _header_mismatch(md, index, info, header)
+            if why is not None:
+                return f"{file}: {_item_name(index)}: {why}"
+    return None
+
+
 def verify_checkpoint(path: PathLike, *,
                       progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
     """Check completeness and every recorded checksum of the checkpoint at ``path``.
@@ -338,14 +386,9 @@ def verify_checkpoint(path: PathLike, *,
                     _add(problems, f"{file}: {exc}")
             for index, info in items:
                 where = f"{file}: {_item_name(index)}"
-                entry = md.state_dict_metadata.get(index.fqn)
-                if header is not None and index.offset is not None and isinstance(entry, TensorStorageMetadata):
-                    sizes = next((c.sizes for c in entry.chunks if c.offsets == index.offset), None)
-                    key = info.key or ""
-                    why = entry_mismatch(header.get(key), key, entry.properties.dtype, sizes or (),
-                                         info.offset, info.length)
-                    if why is not None:
-                        _add(problems, f"{where}: {why}")
+                why = _header_mismatch(md, index, info, header)
+                if why is not None:
+                    _add(problems, f"{where}: {why}")
                 if info.checksum is None:
                     _add(problems, f"{where}: no checksum recorded, cannot be verified")
                 elif info.offset + info.length > size:
