@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
+from . import exit_drain
 from .errors import CheckpointException, CheckpointTimeoutError
 from .settings import COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT_S
 from .timing import phase
@@ -172,6 +173,9 @@ class DistWrapper:
         else:
             self.use_dist = use_dist and dist.is_available() and dist.is_initialized()
             if self.use_dist:
+                # A gloo worker thread may still be releasing this wrapper's last collective
+                # when the script exits: let it finish first (see exit_drain).
+                exit_drain.install()
                 self.rank = dist.get_rank(group)
                 self.world_size = dist.get_world_size(group)
                 if group is not None:

@@ -1,0 +1,105 @@
+"""Let torch's collective worker threads finish before the interpreter shuts down.
+
+Why: a gloo rank could die of ``SIGABRT`` (``terminate called without an active
+exception``) at interpreter exit after a run that ends with a synchronous save, in about
+one launch in ten on two busy cores (``tools/exit_abort_repro.py``).  The core dumps show
+the chain:
+
+- each collective hands its tensors to a gloo worker thread; when that thread drops the
+  finished work after the caller's ``wait()`` has returned and the caller has dropped its
+  handle, it holds the last C++ reference to tensors that have Python objects, and it
+  needs the GIL to release them (``TensorImpl::decref_pyobject``);
+- the main thread returns from the save (whose last step is a ``broadcast_object_list``)
+  and runs straight to interpreter exit, holding the GIL;
+- once finalization has begun, a thread that takes the GIL is made to exit
+  (``pthread_exit``); unwinding through the work's ``noexcept`` destructor calls
+  ``std::terminate``.
+
+So before finalization begins (``atexit``), :func:`drain_collective_threads` hands the
+GIL over and waits until no other thread of the process is running or runnable: a worker
+that waits for the GIL gets it during the first pause and finishes its release; a worker
+that was preempted runs when the scheduler gets to it.  The wait is bounded
+(:data:`DRAIN_LIMIT_S`): a thread of the user's that keeps computing only delays exit by
+that much; a quiet process pays about 3.5 ms.  It is installed by the first checkpoint
+collective of a process (:func:`install`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from typing import Optional
+
+__all__ = ["DRAIN_LIMIT_S", "drain_collective_threads", "install", "runnable_threads"]
+
+#: At most this long at interpreter exit (seconds).
+DRAIN_LIMIT_S = 0.2
+# Each pause releases the GIL: one waiting thread takes it per hand-over, so a few quiet
+# looks in a row also cover gloo's two workers plus a transport thread waking at once.
+_PAUSE_S = 0.001
+_QUIET_LOOKS = 3
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def runnable_threads(exclude: int) -> Optional[int]:
+    """How many threads of this process, other than native id ``exclude``, are running or
+    runnable (state ``R`` in ``/proc/self/task``); ``None`` where that cannot be read."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for tid in tids:
+        if tid == str(exclude):
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # that thread has just ended
+        # "tid (name) S ...": the name may hold spaces and parentheses, the state follows the last ")"
+        if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R":
+            count += 1
+    return count
+
+
+def drain_collective_threads(limit: float = DRAIN_LIMIT_S) -> bool:
+    """Hand the GIL over until no other thread runs; at most ``limit`` seconds.
+
+    Returns whether the process went quiet.  Where ``/proc`` is missing, it pauses
+    :data:`_QUIET_LOOKS` times and returns true.  Takes no lock and raises nothing.
+    """
+    me = threading.get_native_id()
+    deadline = time.monotonic() + limit
+    quiet = 0
+    while quiet < _QUIET_LOOKS:
+        time.sleep(_PAUSE_S)  # releases the GIL
+        busy = runnable_threads(me)
+        quiet = quiet + 1 if not busy else 0
+        if busy is not None and time.monotonic() > deadline:
+            return quiet >= _QUIET_LOOKS
+    return True
+
+
+def _at_exit() -> None:
+    try:
+        # Also after destroy_process_group(): it forgets the groups, but a group that a
+        # device mesh or an FSDP2 module still references keeps its gloo workers (the
+        # torch DCP tutorial's rank aborted that way, in ~AsyncAllreduceWork releasing
+        # autograd's stored contextvars context).
+        drain_collective_threads()
+    except Exception:  # noqa: BLE001 - never turn a clean exit into a failed one
+        pass
+
+
+def install() -> None:
+    """Register :func:`drain_collective_threads` to run at interpreter exit, once per process."""
+    global _installed
+    with _install_lock:
+        if not _installed:
+            atexit.register(_at_exit)
+            _installed = True
