@@ -18,7 +18,7 @@ from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import FileReads
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, direct_read
 from hyper_parallel_dcp.storage_fs.direct_read import FileMapping, read_slice_into
-from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, tensor_bytes, write_safetensors
+from hyper_parallel_dcp.storage_fs.safetensors_stream import LateDigests, TensorEntry, tensor_bytes, write_safetensors
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float64]
 
@@ -48,6 +48,65 @@ def test_stream_writer_keeps_the_given_order_and_safetensors_reads_it(tmp_path):
             assert torch.equal(f.get_tensor(key), tensors[key])
             assert digest == xxhash.xxh3_64_hexdigest(raw[offset : offset + length])
     assert os.path.getsize(path) == placed[-1][0] + placed[-1][1]
+
+
+def test_late_digests_hash_stable_chunks_after_the_write_and_copies_at_once(tmp_path):
+    stable = _tensor((64, 8), torch.float32, 1)
+    transposed = _tensor((8, 16), torch.bfloat16, 2).t()  # written from a contiguous copy
+    unstable = _tensor((32,), torch.int64, 3)
+    entries = [TensorEntry("a", stable.dtype, stable.shape, lambda: stable, stable=True),
+               TensorEntry("b", transposed.dtype, transposed.shape, lambda: transposed, stable=True),
+               TensorEntry("c", unstable.dtype, unstable.shape, lambda: unstable, stable=False)]
+    late = LateDigests()
+    path = tmp_path / "f.safetensors"
+    with open(path, "wb") as f:
+        placed = write_safetensors(f, entries, late=late)
+    raw = path.read_bytes()
+
+    def digest(i):
+        return xxhash.xxh3_64_hexdigest(raw[placed[i][0]:placed[i][0] + placed[i][1]])
+
+    # only the stable chunk written from its own bytes waits; the others are hashed already
+    assert [p[2] for p in placed] == ["", digest(1), digest(2)]
+    transposed.zero_()
+    unstable.zero_()  # no longer what the file holds: their digests were taken before
+    late.fill(placed)
+    assert [p[2] for p in placed] == [digest(0), digest(1), digest(2)]
+    assert digest(1) != xxhash.xxh3_64_hexdigest(tensor_bytes(transposed.contiguous()))
+
+
+def test_a_save_hashes_after_its_files_are_written(tmp_path, monkeypatch):
+    from hyper_parallel_dcp.storage_fs import filesystem
+
+    seen = []
+    started = filesystem._BackgroundSync.__init__
+
+    def record(self, files):
+        # the fsync starts with every chunk written and none of the stable ones hashed yet
+        seen.append(sorted((f.path.name, f.size) for f in files))
+        seen.append(hashed[0])
+        started(self, files)
+
+    hashed = [0]
+    real = xxhash.xxh3_64_hexdigest
+
+    def counting(data):
+        hashed[0] += len(data) == 16 * 4 * 4  # a tensor chunk's bytes (not the object's, not metadata)
+        return real(data)
+
+    monkeypatch.setattr(filesystem._BackgroundSync, "__init__", record)
+    monkeypatch.setattr("hyper_parallel_dcp.storage_fs.safetensors_stream.xxhash.xxh3_64_hexdigest", counting)
+    sd = {f"w{i}": _tensor((16, 4), torch.float32, i) for i in range(5)}
+    sd["step"] = 7
+    save_state_dict(sd, FileSystemWriter(tmp_path / "c"), no_dist=True)
+    files, hashes_before = seen
+    assert [name for name, _ in files] == ["_rank0_.bytes", "_rank0_.safetensors"]
+    assert dict(files)["_rank0_.safetensors"] == os.path.getsize(tmp_path / "c" / "_rank0_.safetensors")
+    assert hashes_before == 0 and hashed[0] == 5
+    out = {f"w{i}": torch.zeros(16, 4) for i in range(5)}
+    out["step"] = 0
+    load_state_dict(out, FileSystemReader(tmp_path / "c", verify=True), no_dist=True)
+    assert all(torch.equal(out[f"w{i}"], sd[f"w{i}"]) for i in range(5)) and out["step"] == 7
 
 
 def test_stream_writer_rejects_data_that_differs_from_the_plan(tmp_path):

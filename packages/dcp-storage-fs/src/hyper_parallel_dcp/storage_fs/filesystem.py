@@ -183,17 +183,21 @@ class FileSystemWriter(StorageWriter):
             pending.append(written)
             return written.size
 
-        try:
-            results = write_rank_files(plan, planner, self.rank, write_file)
-        except BaseException:
-            for written in pending:
-                written.discard()
-            raise
-        if self.sync_files:
-            # The fsyncs run while the results travel to the coordinator and it builds the
-            # metadata; sync_written() waits for them before this rank confirms.
+        def start_sync() -> None:
+            # The fsyncs run while the chunks are hashed, the results travel to the
+            # coordinator and it builds the metadata; sync_written() waits for them before
+            # this rank confirms.
             self._syncing = _BackgroundSync(pending)
-        else:
+
+        try:
+            results = write_rank_files(plan, planner, self.rank, write_file,
+                                       files_written=start_sync if self.sync_files else None)
+        except BaseException:
+            if self._syncing is None:  # else the files are the sync thread's: abort() waits for it
+                for written in pending:
+                    written.discard()
+            raise
+        if not self.sync_files:
             for written in pending:
                 written.finish(sync=False)
         return results

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from operator import itemgetter
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Optional
 
 import torch
 import xxhash
@@ -20,7 +20,15 @@ from hyper_parallel_dcp.core.objects import serialize_object
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel_dcp.core.storage import WriteResult
 
-from .safetensors_stream import TensorEntry, encode_header, header_digest, stored_layout, to_stored, write_safetensors
+from .safetensors_stream import (
+    LateDigests,
+    TensorEntry,
+    encode_header,
+    header_digest,
+    stored_layout,
+    to_stored,
+    write_safetensors,
+)
 
 __all__ = ["WriteFile", "objects_file_name", "tensors_file_name", "with_stored_as", "write_rank_files"]
 
@@ -50,11 +58,16 @@ def objects_file_name(rank: int) -> str:
     return f"_rank{rank}_.bytes"
 
 
-def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile) -> list[WriteResult]:
+def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile, *,
+                     files_written: Optional[Callable[[], None]] = None) -> list[WriteResult]:
     """Write ``plan``'s tensor chunks (``(fqn, offset, index)`` order, hashed as written)
     and pickled objects through ``write_file``; returns one :class:`WriteResult` per item.
 
-    Errors of ``write_file`` and of ``planner.resolve_data`` propagate unchanged.
+    ``files_written()``, when given, is called once both files are written; the chunks
+    the planner keeps unchanged (``resolved_data_stable``) are hashed after it returns
+    rather than before each write (:class:`LateDigests`): a filesystem writer starts its
+    fsyncs there, and the hashing overlaps them.  Errors of ``write_file`` and of
+    ``planner.resolve_data`` propagate unchanged.
     """
     # The storage key is the write order (its string order is the (fqn, offset) order):
     # made once per chunk, used to sort and as the safetensors key.
@@ -64,7 +77,7 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
     objects = sorted((it for it in plan.items if it.type is WriteItemType.BYTE_IO), key=lambda it: it.index.fqn)
     results: list[WriteResult] = []
     if tensors:
-        name = tensors_file_name(rank)
+        tensors_name = tensors_file_name(rank)
         entries = []
         resolve = planner.resolve_data
         stable = planner.resolved_data_stable  # the writer may then hold chunks for aligned writes
@@ -82,17 +95,12 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
             ))
         placed: list[tuple[int, int, str]] = []
         header = encode_header(entries)
+        late = LateDigests() if files_written is not None else None
 
         def write_tensors(f: BinaryIO) -> None:
-            placed.extend(write_safetensors(f, entries, header))
+            placed.extend(write_safetensors(f, entries, header, late=late))
 
-        size = write_file(name, write_tensors)
-        # recorded in .metadata: a reader that reads these header bytes back from a file of
-        # this size skips parsing them
-        header_xxh3 = header_digest(header.raw, size)
-        for it, tensor_entry, (offset, length, digest) in zip(tensors, entries, placed):
-            results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest, tensor_entry.key), size,
-                                       header_xxh3))
+        tensors_size = write_file(tensors_name, write_tensors)
     if objects:
         name = objects_file_name(rank)
         placed_objs: list[tuple[int, int, str]] = []
@@ -106,6 +114,17 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
         size = write_file(name, write_objects)
         for it, (offset, length, digest) in zip(objects, placed_objs):
             results.append(WriteResult(it.index, StorageInfo(name, offset, length, digest), size))
+    if files_written is not None:
+        files_written()
+    if tensors:
+        if late is not None:
+            late.fill(placed)
+        # recorded in .metadata: a reader that reads these header bytes back from a file of
+        # this size skips parsing them
+        header_xxh3 = header_digest(header.raw, tensors_size)
+        results[:0] = [WriteResult(it.index, StorageInfo(tensors_name, offset, length, digest, tensor_entry.key),
+                                   tensors_size, header_xxh3)
+                       for it, tensor_entry, (offset, length, digest) in zip(tensors, entries, placed)]
     return results
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "EncodedHeader",
     "HeaderEntry",
+    "LateDigests",
     "SafetensorsHeaderError",
     "TensorEntry",
     "encode_header",
@@ -191,12 +192,39 @@ def header_digest(raw: bytes, file_size: int) -> str:
     return digest.hexdigest()
 
 
-def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry],
-                      header: EncodedHeader | None = None) -> list[tuple[int, int, str]]:
+class LateDigests:
+    """Chunks :func:`write_safetensors` wrote without hashing them first; :meth:`fill`
+    hashes them afterwards.
+
+    A save hashes them once its files are written and their fsync has started: the 13 ms
+    that xxh3 takes over a rank's 125 MiB then overlap the disk instead of delaying every
+    write (2-core dev machine, 2 ranks saving 2000 chunks, 125 MiB each: 260 → 240 ms).  Only a
+    ``stable`` entry's own bytes wait here (the caller keeps them unchanged until the save
+    returns); a chunk copied on the way (from a device, made contiguous) is hashed at once,
+    so that no copy outlives its write.
+    """
+
+    def __init__(self) -> None:
+        self._views: list[tuple[int, memoryview]] = []
+
+    def add(self, position: int, view: memoryview) -> None:
+        self._views.append((position, view))
+
+    def fill(self, placed: list[tuple[int, int, str]]) -> None:
+        """Put the digest of each waiting chunk into its ``placed`` entry."""
+        for position, view in self._views:
+            offset, length, _ = placed[position]
+            placed[position] = (offset, length, xxhash.xxh3_64_hexdigest(view))
+        self._views.clear()
+
+
+def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: EncodedHeader | None = None, *,
+                      late: LateDigests | None = None) -> list[tuple[int, int, str]]:
     """Write ``entries`` in the given order; returns ``(file offset, length, xxh3 hex)`` each.
 
     ``header`` is ``encode_header(entries)`` when the caller made it already (to record
-    its digest).  ``fetch()`` of each entry is called just before it is written, so a
+    its digest).  With ``late``, the digest of a ``stable`` entry written from its own
+    bytes is left empty and the bytes go to ``late``, whose ``fill`` hashes them later.  ``fetch()`` of each entry is called just before it is written, so a
     device tensor is copied to host one chunk at a time.  With ``HP_DCP_ALIGNED_WRITES=1``
     a chunk may wait (a few MiB at most) to go out with the next ones in a write that ends
     on a 2 MiB boundary (``_AlignedWrites``), but only when it stays valid until then: the
@@ -211,22 +239,27 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry],
     data_start = len(header.raw)
     writes = _AlignedWrites(f, data_start)
     aligned = ALIGNED_WRITES.get()
-    out = []
+    out: list[tuple[int, int, str]] = []
     for entry, begin in zip(entries, begins):
         tensor = entry.fetch()
-        held = aligned and entry.stable
+        copied = False  # a fresh host tensor, ours alone
         if not tensor.is_cpu:
             tensor = tensor.to("cpu")
-            held = aligned  # a fresh host tensor, ours alone
+            copied = True
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-            held = aligned
+            copied = True
+        held = aligned and (entry.stable or copied)
         if tensor.shape != entry.shape or tensor.dtype != entry.dtype:  # torch.Size equals a tuple
             raise ValueError(
                 f"{entry.label}: data has shape {tuple(tensor.shape)} {tensor.dtype}, planned {entry.shape} {entry.dtype}"
             )
         view = tensor_bytes(tensor)
-        digest = xxhash.xxh3_64_hexdigest(view)
+        if late is not None and entry.stable and not copied:
+            late.add(len(out), view)
+            digest = ""
+        else:
+            digest = xxhash.xxh3_64_hexdigest(view)
         if held:
             writes.add(view, tensor)
         else:
