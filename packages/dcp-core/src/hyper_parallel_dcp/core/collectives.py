@@ -389,10 +389,11 @@ class DistWrapper:
         on every rank, after the confirmations.  Without a process group: map, prepare,
         confirm, commit, exceptions unchanged.
 
-        ``shared_fun(prepared)`` runs on every other rank once its confirmation is sent,
-        while the coordinator commits (a save unpacks the metadata it received there);
-        an exception of it is ignored, so the caller should do the same work again after
-        the return if it did not complete.
+        ``shared_fun(prepared)`` runs on every other rank as soon as it has ``prepared``,
+        before ``confirm_fun``: a save unpacks the metadata it received while its files
+        are still being fsynced (after the confirmation, 2000 tensors' unpacking was 8 ms
+        added to every save); an exception of it is ignored, so the caller should do the
+        same work again after the return if it did not complete.
         """
         self._step = step
         if not self.use_dist:
@@ -418,17 +419,17 @@ class DistWrapper:
             shared = self.broadcast_object(prepared)
         finally:
             self._round = ""
+        if shared_fun is not None and not self.is_coordinator and shared is not None:
+            try:
+                shared_fun(shared)
+            except Exception:  # noqa: BLE001 - the caller repeats it after the outcome (see above)
+                pass
         confirmed = self._run(confirm_fun)
         self._round = "confirm"
         try:
             confirmations = self.gather_object(confirmed)
         finally:
             self._round = ""
-        if shared_fun is not None and not self.is_coordinator and shared is not None:
-            try:
-                shared_fun(shared)
-            except Exception:  # noqa: BLE001 - the caller repeats it after the outcome (see above)
-                pass
         payload: Any = None
         if self.is_coordinator:
             assert confirmations is not None

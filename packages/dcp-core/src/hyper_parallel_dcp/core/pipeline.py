@@ -217,7 +217,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         gathered_results.append(all_results)
         final_metadata.append(metadata)
         # The other ranks get it as columns (pickled objects cost ~4x as much to send and
-        # build again) and unpack it while the coordinator commits (shared_step).
+        # build again) and unpack it while their files are fsynced (shared_step).
         return pack_metadata(metadata) if dw.use_dist else None
 
     def sync_step() -> None:
