@@ -217,6 +217,22 @@ def test_build_metadata_refuses_overlapping_chunks_and_conflicting_shapes():
         build_metadata(shapes)
 
 
+def test_the_deferred_global_plan_checks_now_and_builds_the_metadata_later():
+    from hyper_parallel_dcp.core.save_planning import plan_global_save_deferred
+
+    overlapping = [create_local_save_plan({"t": _shards(8, 0, 5)})[0], create_local_save_plan({"t": _shards(8, 4, 4)})[0]]
+    with pytest.raises(ValueError, match=r"'t': stored chunks overlap"):
+        plan_global_save_deferred(overlapping)  # before any metadata is asked for
+    plans = [create_local_save_plan({"t": _shards(8, 0, 4), "w": torch.zeros(3), "o": {"a": 1}})[0],
+             create_local_save_plan({"t": _shards(8, 4, 4), "w": torch.zeros(3), "o": {"a": 1}})[0]]
+    out, build = plan_global_save_deferred(plans)
+    assert out == dedup_save_plans(plans)
+    built = build()
+    assert built.state_dict_metadata == build_metadata(out).state_dict_metadata
+    assert list(built.state_dict_metadata) == ["t", "w", "o"]
+    assert [c.offsets for c in built.state_dict_metadata["t"].chunks] == [(0,), (4,)]
+
+
 def test_load_plan_errors_name_the_fqn():
     metadata = build_metadata([create_local_save_plan({"w": torch.zeros(4, 2), "obj": {"a": 1}, "half": _shards(8, 0, 4)})[0]])
     with pytest.raises(MissingKeyError, match=r"'nope' is not in the checkpoint"):
@@ -354,6 +370,24 @@ def test_plan_cache_hit_skips_global_planning_and_writes_current_values():
     without_collectives = CountingSavePlanner()
     save_state_dict(_model(3.0), MemoryWriter(store), without_collectives, use_collectives=False)
     assert not without_collectives.cache_hit
+
+
+def test_a_failed_save_leaves_no_plan_in_the_cache():
+    class BrokenWriter(MemoryWriter):
+        def execute_write(self, plan, planner):
+            raise OSError("disk full")
+
+    StandardSavePlanner.clear_cache()
+    store: dict[str, Any] = {}
+    with pytest.raises(OSError, match="disk full"):
+        save_state_dict(_model(1.0), BrokenWriter(store), CountingSavePlanner())
+    retry = CountingSavePlanner()
+    save_state_dict(_model(1.0), MemoryWriter(store), retry)
+    assert not retry.cache_hit and retry.global_plans == 1
+    again = CountingSavePlanner()
+    save_state_dict(_model(2.0), MemoryWriter(store), again)
+    assert again.cache_hit and again.global_plans == 0
+    StandardSavePlanner.clear_cache()
 
 
 def test_plan_cache_misses_when_the_layout_changes_under_the_same_keys():

@@ -125,6 +125,7 @@ def save_state_dict(
 def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: SavePlanner, dw: DistWrapper,
           rank: int, world_size: int, is_coordinator: bool, use_collectives: bool) -> Metadata:
     global_metadata: list[Optional[Metadata]] = [None]
+    build_metadata: list[Callable[[], Metadata]] = []  # on the coordinator, until prepare_step
     looked_up: list[Optional[tuple[SavePlan, Optional[Metadata]]]] = [None]
 
     def set_up_step() -> bool:
@@ -170,10 +171,11 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
         def global_step(all_plans: list[SavePlan]) -> list[Any]:
             with phase("build_global_plan", rank):
-                plans, metadata = planner.create_global_plan(all_plans)
+                # the metadata is built in prepare_step, while the ranks write and fsync
+                plans, build = planner.create_global_plan_deferred(all_plans)
                 plans = storage_writer.prepare_global_plan(plans)
                 save_id = uuid.uuid4().hex[:16]
-                global_metadata[0] = metadata
+                build_metadata.append(build)
                 # A plan the global step left as it was (no item dropped, nothing added:
                 # every sharded tensor) goes back as its save id alone: pickling every
                 # item back to its rank was a third of the plan step (2000 items).
@@ -184,7 +186,6 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         if isinstance(central, _SameAsSent):
             central = replace(sent[0], save_id=central.save_id)
         final_plan = planner.finish_plan(central)
-        planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
 
     own_results: list[list[WriteResult]] = []
 
@@ -208,11 +209,13 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     def prepare_step(gathered: list[Optional[list[WriteResult]]]) -> Any:
         # Runs while the ranks' data is still being flushed (sync_written): building,
         # serialising and sending the metadata costs ~10 us a chunk, off the commit path.
-        assert global_metadata[0] is not None
         all_results = [own_results[0] if r is None else r for r in gathered] if own_results else \
             [r for r in gathered if r is not None]
         with phase("prepare_metadata", rank):
-            metadata = _attach_results(global_metadata[0], all_results)
+            planned = global_metadata[0]
+            if planned is None:
+                planned = global_metadata[0] = build_metadata[0]()
+            metadata = _attach_results(planned, all_results)
             storage_writer.prepare_finalize(metadata, all_results)
         gathered_results.append(all_results)
         final_metadata.append(metadata)
@@ -237,6 +240,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         packed = dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step, shared_step)
     if not final_metadata:  # shared_step failed: unpack again, raising its error now
         final_metadata.append(unpack_metadata(packed))
+    if cached is None:  # a plan that made a checkpoint
+        planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
     return final_metadata[0]
 
 

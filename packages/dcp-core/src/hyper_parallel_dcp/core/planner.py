@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -132,8 +132,9 @@ class SavePlanner(abc.ABC):
     #: Whether every tensor ``resolve_data`` returns keeps its values until the storage
     #: writer's ``execute_write`` returns (views of a state dict nobody changes during the
     #: save).  A storage writer may then hold several chunks and write them together (the
-    #: filesystem writer's writes then end on 2 MiB boundaries); a planner that refills one
-    #: buffer for each ``resolve_data`` call must leave it False.
+    #: filesystem writer's writes then end on 2 MiB boundaries) and hash them after writing
+    #: (the filesystem writer does, while its files are fsynced); a planner that refills
+    #: one buffer for each ``resolve_data`` call must leave it False.
     resolved_data_stable: bool = False
 
     @abc.abstractmethod
@@ -153,6 +154,14 @@ class SavePlanner(abc.ABC):
     @abc.abstractmethod
     def resolve_data(self, write_item: WriteItem) -> Any:
         """The tensor (a view of shape ``write_item.sizes``) or object to write."""
+
+    def create_global_plan_deferred(self, all_plans: list[SavePlan]
+                                    ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
+        """:meth:`create_global_plan`, with the metadata given by a function the pipeline
+        calls later, while the ranks write (a planner may build it there; the default
+        builds it now).  Errors of the planning must be raised here, not by the function."""
+        plans, metadata = self.create_global_plan(all_plans)
+        return plans, lambda: metadata
 
     def lookup_cached_plan(self) -> Optional[tuple[SavePlan, Optional[Metadata]]]:
         """A cached ``(final plan, metadata)`` that lets the save skip planning, or ``None``."""

@@ -14,7 +14,7 @@ from array import array
 from dataclasses import replace
 from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter, eq, is_, itemgetter
-from typing import Any, Hashable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -42,6 +42,7 @@ __all__ = [
     "create_local_save_plan",
     "dedup_save_plans",
     "plan_global_save",
+    "plan_global_save_deferred",
 ]
 
 
@@ -499,6 +500,29 @@ def plan_global_save(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_m
     way, which raises the errors the functions document.  Returns the same plans, keys,
     chunk order and errors as :func:`_dedup_items` and :func:`_build_metadata_items`.
     """
+    if not metadata:
+        return _plan_global_save(plans, dedup, save_to_minimum_rank, False)[0], None
+    out, build = plan_global_save_deferred(plans, dedup=dedup, save_to_minimum_rank=save_to_minimum_rank)
+    with _one_torch_thread():
+        return out, build()
+
+
+def plan_global_save_deferred(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_minimum_rank: bool = False
+                              ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
+    """:func:`plan_global_save` in two halves: the plans now, checked as the metadata would
+    be (the same errors, raised here), and a function that builds the metadata.
+
+    The save pipeline sends the plans back at once and builds the metadata while the
+    ranks write and fsync their data: the objects of 2000 tensors' metadata took 6 of the
+    14 ms that every rank waited for its plan before writing a byte.
+    """
+    out, build = _plan_global_save(plans, dedup, save_to_minimum_rank, True)
+    assert build is not None
+    return out, build
+
+
+def _plan_global_save(plans: Sequence[SavePlan], dedup: bool, save_to_minimum_rank: bool,
+                      metadata: bool) -> tuple[list[SavePlan], Optional[Callable[[], Metadata]]]:
     columns = [WriteColumns.of(plan.items) for plan in plans]
     with _one_torch_thread():
         gathered = _gather_columns(columns)
@@ -508,7 +532,10 @@ def plan_global_save(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_m
             gathered = None
         if gathered is None:
             out = _dedup_items(plans, save_to_minimum_rank) if dedup else list(plans)
-            return out, (_build_metadata_items(out) if metadata else None)
+            if not metadata:
+                return out, None
+            built = _build_metadata_items(out)
+            return out, lambda: built
         out = list(plans) if keep is None else _kept_plans(plans, columns, gathered, keep)
         return out, (_metadata_of_columns(gathered, keep) if metadata else None)
 
@@ -712,11 +739,12 @@ def _kept_plans(plans: Sequence[SavePlan], columns: Sequence[WriteColumns], g: _
     return out
 
 
-def _metadata_of_columns(g: _Gathered, keep: Optional[torch.Tensor]) -> Metadata:
-    """:func:`build_metadata` of the kept items (every item when ``keep`` is ``None``)."""
+def _metadata_of_columns(g: _Gathered, keep: Optional[torch.Tensor]) -> Callable[[], Metadata]:
+    """:func:`build_metadata` of the kept items (every item when ``keep`` is ``None``): the
+    chunks are checked now, the metadata is built by the function returned."""
     count = len(g.kind)
     if not count:
-        return Metadata(state_dict_metadata={})
+        return lambda: Metadata(state_dict_metadata={})
     kept_sorted = g.order if keep is None else g.order[keep[g.order]]  # by kind, then offsets
     positions = torch.arange(count) if keep is None else torch.nonzero(keep).flatten()
     kinds = g.kinds
@@ -743,23 +771,20 @@ def _metadata_of_columns(g: _Gathered, keep: Optional[torch.Tensor]) -> Metadata
             if used[k] and g.kind_ndim[k] == ndim:
                 first_row[k] = at
                 at += chunk_count[k]
-    sd: dict[str, Any] = {}
-    checks = []
+    # per key: FQN, shape, dtype, chunks, dims (-1: an object), offsets, sizes
+    entries: list[tuple[str, Any, Any, int, int, list[int], list[int]]] = []
     for k in key_order:
         fqn, _, shape, dtype = kinds[k]
         ndim = g.kind_ndim[k]
         if ndim < 0:
-            sd[fqn] = BytesStorageMetadata()
+            entries.append((fqn, None, None, 0, -1, [], []))
             continue
         assert shape is not None and dtype is not None
         chunks, begin = chunk_count[k], first_row[k]
         offset_rows, size_rows, all_offsets, all_sizes = classes[ndim]
         chunk_offsets = all_offsets[begin * ndim:(begin + chunks) * ndim]
         chunk_sizes = all_sizes[begin * ndim:(begin + chunks) * ndim]
-        sd[fqn] = tensor_metadata_from_columns(fqn, TensorProperties(dtype_from_name(dtype)), torch.Size(shape),
-                                               chunks, ndim, chunk_offsets, chunk_sizes, ascending=True)
-        checks.append((fqn, chunks, ndim, chunk_offsets, chunk_sizes, offset_rows, size_rows, begin))
-    for fqn, chunks, ndim, chunk_offsets, chunk_sizes, offset_rows, size_rows, begin in checks:  # key order
+        entries.append((fqn, shape, dtype, chunks, ndim, chunk_offsets, chunk_sizes))
         if chunks <= _FEW_CHUNKS:
             _raise_overlap(fqn, [ChunkStorageMetadata(tuple(chunk_offsets[i:i + ndim]),
                                                       tuple(chunk_sizes[i:i + ndim]))
@@ -767,7 +792,19 @@ def _metadata_of_columns(g: _Gathered, keep: Optional[torch.Tensor]) -> Metadata
                            [ChunkStorageMetadata((), ())] * chunks)
         else:
             _check_disjoint(fqn, offset_rows[begin:begin + chunks], size_rows[begin:begin + chunks])
-    return Metadata(state_dict_metadata=sd)
+
+    def build() -> Metadata:
+        sd: dict[str, Any] = {}
+        for fqn, shape, dtype, chunks, ndim, chunk_offsets, chunk_sizes in entries:  # key order
+            if ndim < 0:
+                sd[fqn] = BytesStorageMetadata()
+            else:
+                sd[fqn] = tensor_metadata_from_columns(fqn, TensorProperties(dtype_from_name(dtype)),
+                                                       torch.Size(shape), chunks, ndim, chunk_offsets, chunk_sizes,
+                                                       ascending=True)
+        return Metadata(state_dict_metadata=sd)
+
+    return build
 
 
 class StandardSavePlanner(SavePlanner):
@@ -883,6 +920,14 @@ class StandardSavePlanner(SavePlanner):
                                                save_to_minimum_rank=self.save_to_minimum_rank)
             assert metadata is not None
             return plans, metadata
+
+    def create_global_plan_deferred(self, all_plans: list[SavePlan]
+                                    ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
+        if type(self).create_global_plan is not StandardSavePlanner.create_global_plan:
+            return super().create_global_plan_deferred(all_plans)  # a subclass's own global plan
+        with gc_paused():
+            return plan_global_save_deferred(all_plans, dedup=self.remove_redundancy and self.use_collectives,
+                                             save_to_minimum_rank=self.save_to_minimum_rank)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         local = self._local_plan
