@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import FileReads, run_distributed
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, direct_read
 from hyper_parallel_dcp.storage_fs.direct_read import FileMapping, copy_many
 
 ROWS, COLS = 1536, 1024  # int16: 3 MiB, three populate blocks
@@ -173,5 +173,6 @@ def test_a_dropped_reader_unmaps_its_files(tmp_path):
                     reader, no_dist=True)
     assert torch.equal(column, full[:, 4:8])
     assert mapped() == 1  # the column slice was copied from a mapping of the file
-    del reader  # no reset(): the mapping goes with the reader
+    del reader  # no reset(): the mapping goes with the reader, unmapped on a thread
+    direct_read.wait_for_unmaps()
     assert mapped() == 0
