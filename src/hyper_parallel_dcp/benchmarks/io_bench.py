@@ -221,19 +221,20 @@ def _wait_for_removals() -> None:
 
 
 class _OurLoads:
-    """``hp.load`` of ``ours`` through a fresh reader each time, kept for its byte count."""
+    """``hp.load`` of ``ours`` through a fresh reader each time, as ``hp.load(checkpoint_id=...)``
+    does: the reader and its file mappings go with the call.  ``bytes_read``: each load's."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.readers: list[Any] = []
+        self.bytes_read: list[int] = []
 
     def __call__(self, dest: dict, **kw: Any) -> None:
         import hyper_parallel_dcp as hp
         from hyper_parallel_dcp.storage_fs import FileSystemReader
 
         reader = FileSystemReader(self.path)
-        self.readers.append(reader)
         hp.load(dest, storage_reader=reader, **kw)
+        self.bytes_read.append(reader.bytes_read)
 
 
 def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, flipped: dict, theirs: Path,
@@ -241,19 +242,27 @@ def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, fli
     """Same-layout and resharded loads from the page cache; checks the values loaded.
 
     They take tens of milliseconds and vary by half of that on a shared machine, so they
-    repeat ``load_reps(reps)`` times (ours and torch's alike)."""
+    repeat ``load_reps(reps)`` times, ours and torch's alike, the two layouts alternating.
+    Each library's loads run in a block of their own after one untimed load of each
+    layout: interleaved with torch's, ours paid for torch's aftermath (a collection of
+    its load's garbage took 100 ms inside the next timed case; dense, our same-layout
+    loads 33-148 ms with torch's between them, 34-47 ms without), and the first load of a
+    layout in a process pays one-time costs (78 ms against 40 ms, dense)."""
     import torch.distributed.checkpoint as tdcp
 
-    for _ in range(load_reps(reps)):
-        rec.add("ours.load", _timed(lambda: our_load(target))[0])
-        rec.add("torch.load", _timed(lambda: tdcp.load(target, storage_reader=tdcp.FileSystemReader(theirs)))[0])
-        rec.add("ours.load_resharded", _timed(lambda: our_load(flipped))[0])
-        rec.add("torch.load_resharded", _timed(lambda: tdcp.load(
-            flipped, storage_reader=tdcp.FileSystemReader(theirs)))[0])
+    def theirs_load(dest: dict) -> None:
+        tdcp.load(dest, storage_reader=tdcp.FileSystemReader(theirs))
+
+    for name, load in (("ours", our_load), ("torch", theirs_load)):
+        load(target)
+        load(flipped)
+        for _ in range(load_reps(reps)):
+            rec.add(f"{name}.load", _timed(functools.partial(load, target))[0])
+            rec.add(f"{name}.load_resharded", _timed(functools.partial(load, flipped))[0])
     # totals over all ranks: with read-once + broadcast one rank reads a replicated
     # shard for the others, so only the sums are comparable
-    rec.info["ours.load.bytes_read"] = _sum_over_ranks(our_load.readers[0].bytes_read)
-    rec.info["ours.load_resharded.bytes_read"] = _sum_over_ranks(our_load.readers[1].bytes_read)
+    rec.info["ours.load.bytes_read"] = _sum_over_ranks(our_load.bytes_read[0])
+    rec.info["ours.load_resharded.bytes_read"] = _sum_over_ranks(our_load.bytes_read[1])
     rec.info["bytes_needed"] = rec.info["global_bytes"]
     _check_equal(target, sd, "same-layout load")
     _check_equal(flipped, sd, "resharded load")
