@@ -152,9 +152,10 @@ BROADCASTS_IN_FLIGHT: Setting[int] = Setting(
     "broadcasts a broadcast load keeps outstanding (each holds up to broadcast_batch_bytes of staging)")
 ALIGNED_WRITES: Setting[bool] = Setting(
     "HP_DCP_ALIGNED_WRITES", False, _flag,
-    "1: a save sends its data in writes that end on 2 MiB boundaries, so the page cache holds 2 MiB "
-    "folios (faster loads from the page cache, resharded ones most); off by default: on a VM whose "
-    "host reclaims free guest memory (free page reporting), each fresh 2 MiB folio costs a host fault")
+    "1: a save sends its data in writes that end on 2 MiB boundaries (256 KiB by default), so the page "
+    "cache holds 2 MiB folios (faster loads from the page cache, resharded ones most); off by default: on "
+    "a VM whose host reclaims free guest memory (free page reporting), each fresh 2 MiB folio costs a "
+    "host fault")
 OBJECT_LOCK_STALE_AFTER: Setting[float] = Setting(
     "HP_DCP_OBJECT_LOCK_STALE_AFTER", 60.0, _seconds,
     "object storage: seconds after which a save's lock object that was not renewed counts as left by a "

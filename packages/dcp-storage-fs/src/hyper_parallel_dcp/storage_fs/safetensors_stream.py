@@ -223,22 +223,21 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Encod
     """Write ``entries`` in the given order; returns ``(file offset, length, xxh3 hex)`` each.
 
     ``header`` is ``encode_header(entries)`` when the caller made it already (to record
-    its digest).  With ``late``, the digest of a ``stable`` entry written from its own
-    bytes is left empty and the bytes go to ``late``, whose ``fill`` hashes them later.  ``fetch()`` of each entry is called just before it is written, so a
-    device tensor is copied to host one chunk at a time.  With ``HP_DCP_ALIGNED_WRITES=1``
-    a chunk may wait (a few MiB at most) to go out with the next ones in a write that ends
-    on a 2 MiB boundary (``_AlignedWrites``), but only when it stays valid until then: the
-    entry is ``stable``, or the tensor is a copy made here (from a device, or made
-    contiguous).  Any other chunk, and every chunk by default, is written before the next
-    ``fetch()``.
+    its digest).  ``fetch()`` of each entry is called just before it is written, so a
+    device tensor is copied to host one chunk at a time.  A chunk may wait to go out with
+    the next ones in a write that ends on a 256 KiB boundary of the file (2 MiB with
+    ``HP_DCP_ALIGNED_WRITES=1``; see ``_AlignedWrites``), but only when it stays valid
+    until then: the entry is ``stable``, or the tensor is a copy made here (from a
+    device, or made contiguous).  Any other chunk is written before the next ``fetch()``.
+    With ``late``, the digest of a ``stable`` entry written from its own bytes is left
+    empty and the bytes go to ``late``, whose ``fill`` hashes them later.
     """
     if header is None:
         header = encode_header(entries)
     f.write(header.raw)
     begins = header.begins
     data_start = len(header.raw)
-    writes = _AlignedWrites(f, data_start)
-    aligned = ALIGNED_WRITES.get()
+    writes = _AlignedWrites(f, data_start, _LARGE_FOLIO if ALIGNED_WRITES.get() else _WRITE_ALIGN)
     out: list[tuple[int, int, str]] = []
     for entry, begin in zip(entries, begins):
         tensor = entry.fetch()
@@ -249,7 +248,6 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Encod
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
             copied = True
-        held = aligned and (entry.stable or copied)
         if tensor.shape != entry.shape or tensor.dtype != entry.dtype:  # torch.Size equals a tuple
             raise ValueError(
                 f"{entry.label}: data has shape {tuple(tensor.shape)} {tensor.dtype}, planned {entry.shape} {entry.dtype}"
@@ -260,8 +258,8 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Encod
             digest = ""
         else:
             digest = xxhash.xxh3_64_hexdigest(view)
-        if held:
-            writes.add(view, tensor)
+        if entry.stable or copied:
+            writes.add(view, tensor, copied)
         else:
             writes.add_now(view)
         out.append((data_start + begin, entry.nbytes, digest))
@@ -271,41 +269,53 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Encod
 
 
 #: file data goes out in writes that end on multiples of this (see ``_AlignedWrites``)
-_WRITE_ALIGN = 2 << 20
+_WRITE_ALIGN = 256 << 10
+#: ... or of this, with ``HP_DCP_ALIGNED_WRITES=1``
+_LARGE_FOLIO = 2 << 20
 
 _NOTHING = torch.empty(0)  # what a written-through view keeps alive
 
 
 class _AlignedWrites:
-    """Chunk bytes written in batches whose ends fall on 2 MiB boundaries of the file.
+    """Chunk bytes written in batches whose ends fall on ``align`` boundaries of the file.
 
-    The kernel sizes the page cache's folios by the writes that fill them: a 2 MiB range
-    written by one call becomes one 2 MiB folio, which a reader's mapping maps with one
-    page-table entry.  Written chunk by chunk (0.5 MiB each, or several MiB starting
-    anywhere) nearly every 2 MiB range is cut by a chunk boundary and the range stays in
-    small folios.  Measured on the 2-core dev machine, one 125 MiB file: populating its
-    mapping 2.4 → 0.05 ms, unmapping 1.0 → 0.02 ms, a strided copy of half of every row
-    of 64 MiB from the mapping 22 → 17 ms (the TLB), ``preadv`` of 64 MiB 11 → 8-10 ms.
-    The chunks of one batch go out in one ``writev`` (fewer calls for small chunks); the
-    batch keeps its tensors alive until written.  Only a chunk whose bytes stay valid that
-    long is held (``add``); any other goes out at once, with what is pending (``add_now``).
-    ``f`` without a file descriptor (an in-memory buffer, an upload stream) gets plain
-    ``write`` calls.
+    The kernel sizes the page cache's folios by the writes that fill them: a range of
+    ``align`` bytes written by one call becomes one folio of that size, which a reader's
+    mapping maps with one call (a 2 MiB folio: with one page-table entry).  Written chunk
+    by chunk (64 KiB each, or several MiB starting anywhere, as the header shifts every
+    chunk) most such ranges are cut by a chunk boundary and stay in small folios.
 
-    Off unless ``HP_DCP_ALIGNED_WRITES=1``: a 2 MiB folio takes a free 2 MiB block, and on a
-    VM whose host reclaims free guest memory (virtio-balloon free page reporting, as on the
-    dev machine) such blocks are often reported ones, each faulted back in by the host on
-    first touch.  Measured there, two processes each writing a 125 MiB file: the first
-    aligned writes of a process took 290-320 ms of CPU instead of 52 (plain: 60), and the
-    default benchmark's first saves went from 0.17 to 0.40 s (dense) while the steady
-    state was 12 % faster than plain writes.  Bare metal and VMs without free page
-    reporting should turn it on: loads from the page cache get 7-15 % faster.
+    Measured on the 2-core dev machine, 2 ranks, 2000 × 128 KiB tensors (a 64 KiB chunk
+    each), two runs each way: populating the mappings of a Shard(0) → Shard(1) load 9.0
+    and 9.9 ms chunk by chunk, 5.5 with 64 KiB, 3.4 and 3.4 with 256 KiB, the load
+    146-150 → 139-142 ms; the saves faster too (one ``writev`` per 4 chunks: 218-232 →
+    179-202 ms).  The 246 MiB dense state dict (chunks of MiBs) loaded and saved the
+    same.  With 2 MiB (one 125 MiB file): populating 2.4 → 0.05 ms, unmapping 1.0 → 0.02
+    ms, a strided copy of half of every row of 64 MiB from the mapping 22 → 17 ms (the
+    TLB), ``preadv`` of 64 MiB 11 → 8-10 ms.
+
+    The chunks of one batch go out in one ``writev``; the batch keeps its tensors alive
+    until written.  Only a chunk whose bytes stay valid that long is held (``add``); any
+    other goes out at once, with what is pending (``add_now``).  ``f`` without a file
+    descriptor (an in-memory buffer, an upload stream) gets plain ``write`` calls.
+
+    2 MiB only with ``HP_DCP_ALIGNED_WRITES=1``: a 2 MiB folio takes a free 2 MiB block,
+    and on a VM whose host reclaims free guest memory (virtio-balloon free page
+    reporting, as on the dev machine) such blocks are often reported ones, each faulted
+    back in by the host on first touch.  Measured there, two processes each writing a
+    125 MiB file: the first aligned writes of a process took 290-320 ms of CPU instead of
+    52 (plain: 60), and the default benchmark's first saves went from 0.17 to 0.40 s
+    (dense) while the steady state was 12 % faster than plain writes.  Bare metal and
+    VMs without free page reporting should turn it on: loads from the page cache get
+    7-15 % faster.  256 KiB folios showed no such cost (first saves of a process: small
+    244, 231 ms against 274, 429 chunk by chunk; dense 205, 249 against 229, 251).
     """
 
     _MAX_BUFFERS = 512  # below IOV_MAX (1024 on Linux)
 
-    def __init__(self, f: BinaryIO, position: int) -> None:
+    def __init__(self, f: BinaryIO, position: int, align: int = _WRITE_ALIGN) -> None:
         self._f = f
+        self._align = align
         try:
             self._fd: int | None = f.fileno()
         except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
@@ -315,10 +325,12 @@ class _AlignedWrites:
         self._position = position  # file offset of the first pending byte
         self._views: list[memoryview] = []
         self._keep: list[torch.Tensor] = []
+        self._owned: list[bool] = []  # per view: its tensor is a copy made for the write
         self._pending = 0
 
-    def add(self, view: memoryview, tensor: torch.Tensor) -> None:
-        """Queue ``view`` (bytes of ``tensor``, kept alive until written)."""
+    def add(self, view: memoryview, tensor: torch.Tensor, owned: bool = False) -> None:
+        """Queue ``view`` (bytes of ``tensor``, kept alive until written); ``owned``: the
+        tensor is a copy made for this write (held only until its last full boundary)."""
         if self._fd is None:
             self._f.write(view)
             return
@@ -326,10 +338,11 @@ class _AlignedWrites:
             return
         self._views.append(view)
         self._keep.append(tensor)
+        self._owned.append(owned)
         self._pending += len(view)
         end = self._position + self._pending
-        if end - end % _WRITE_ALIGN > self._position:
-            self._write(end - end % _WRITE_ALIGN - self._position)
+        if end - end % self._align > self._position:
+            self._write(end - end % self._align - self._position)
         elif len(self._views) >= self._MAX_BUFFERS:
             self._write(self._pending)
 
@@ -341,6 +354,7 @@ class _AlignedWrites:
         if len(view):
             self._views.append(view)
             self._keep.append(_NOTHING)
+            self._owned.append(False)
             self._pending += len(view)
         if self._pending:
             self._write(self._pending)
@@ -370,13 +384,15 @@ class _AlignedWrites:
         self._write_all(head, nbytes)  # the tensors are still referenced by _keep
         del views[:whole]
         del self._keep[:whole]
+        del self._owned[:whole]
         self._position += nbytes
         self._pending -= nbytes
-        if views and self._keep[0].nbytes > 4 * _WRITE_ALIGN:
-            # the tail of a large chunk: copied (< 2 MiB), so that the chunk itself is
-            # not held while the next ones are staged
+        if views and self._owned[0] and self._keep[0].nbytes > 4 * self._align:
+            # the tail of a large copy: copied again (< align), so that the copy itself
+            # is not held while the next chunks are staged
             views[0] = memoryview(bytes(views[0]))
             self._keep[0] = _NOTHING
+            self._owned[0] = False
 
     def _write_all(self, views: list[memoryview], nbytes: int) -> None:
         assert self._fd is not None
