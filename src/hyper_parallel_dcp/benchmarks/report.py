@@ -166,7 +166,8 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
         f"{result['config'].get('tiny_kib', 0)} KiB, broadcast {result['config']['bcast_mib']} MiB at "
         f"{result['config']['cap_mb_s']} MB/s shared cap",
         f"- repetitions: {result['config']['reps']} (page-cache loads and their memory copies: "
-        f"{load_reps(result['config']['reps'])}; plan cache, cold, N→1, async: "
+        f"{load_reps(result['config']['reps'])}, each library's in a block of its own after one untimed load of "
+        "each layout; plan cache, cold, N→1, async: "
         f"{result['config'].get('reps_secondary', result['config']['reps'])}, async one more for the first save); "
         "times in seconds, median (min–max); "
         "every case timed between barriers (slowest rank).",
