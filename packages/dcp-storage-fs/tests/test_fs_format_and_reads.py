@@ -109,6 +109,19 @@ def test_a_save_hashes_after_its_files_are_written(tmp_path, monkeypatch):
     assert all(torch.equal(out[f"w{i}"], sd[f"w{i}"]) for i in range(5)) and out["step"] == 7
 
 
+def test_a_write_that_fails_before_the_sync_leaves_no_file(tmp_path):
+    """The tensors file is written, the objects file fails: nothing is synced or left."""
+    from hyper_parallel_dcp.storage_fs import atomic
+
+    sd = {"w": _tensor((16, 4), torch.float32, 0), "bad": lambda: None}  # a lambda does not pickle
+    writer = FileSystemWriter(tmp_path / "c")
+    with pytest.raises(Exception, match="bad|pickle|lambda"):
+        save_state_dict(sd, writer, no_dist=True)
+    assert writer._syncing is None
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(atomic.TMP_SUFFIX)]
+    assert not (tmp_path / "c" / ".metadata").exists()
+
+
 def test_stream_writer_rejects_data_that_differs_from_the_plan(tmp_path):
     entry = TensorEntry("w", torch.float32, (2, 3), lambda: torch.zeros(3, 2), label="'w' chunk at [0, 0]")
     with open(tmp_path / "f", "wb") as f, pytest.raises(ValueError, match="'w' chunk at"):

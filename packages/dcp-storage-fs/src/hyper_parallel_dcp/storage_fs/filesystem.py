@@ -183,17 +183,20 @@ class FileSystemWriter(StorageWriter):
             pending.append(written)
             return written.size
 
+        started: list[_BackgroundSync] = []
+
         def start_sync() -> None:
             # The fsyncs run while the chunks are hashed, the results travel to the
             # coordinator and it builds the metadata; sync_written() waits for them before
             # this rank confirms.
-            self._syncing = _BackgroundSync(pending)
+            started.append(_BackgroundSync(pending))
+            self._syncing = started[0]
 
         try:
             results = write_rank_files(plan, planner, self.rank, write_file,
                                        files_written=start_sync if self.sync_files else None)
         except BaseException:
-            if self._syncing is None:  # else the files are the sync thread's: abort() waits for it
+            if not started:  # else the files are the sync thread's: abort() waits for it
                 for written in pending:
                     written.discard()
             raise

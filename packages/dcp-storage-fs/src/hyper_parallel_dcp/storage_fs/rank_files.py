@@ -60,8 +60,8 @@ def objects_file_name(rank: int) -> str:
 
 def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile, *,
                      files_written: Optional[Callable[[], None]] = None) -> list[WriteResult]:
-    """Write ``plan``'s tensor chunks (``(fqn, offset, index)`` order, hashed as written)
-    and pickled objects through ``write_file``; returns one :class:`WriteResult` per item.
+    """Write ``plan``'s tensor chunks (``(fqn, offset, index)`` order, each hashed) and
+    pickled objects through ``write_file``; returns one :class:`WriteResult` per item.
 
     ``files_written()``, when given, is called once both files are written; the chunks
     the planner keeps unchanged (``resolved_data_stable``) are hashed after it returns
