@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .io_bench import load_reps
+from .io_bench import async_reps, load_reps
 
 __all__ = ["evaluate_goals", "nlogn_exponent", "summarize", "write_markdown", "write_plots"]
 
@@ -167,8 +167,9 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
         f"{result['config']['cap_mb_s']} MB/s shared cap",
         f"- repetitions: {result['config']['reps']} (page-cache loads and their memory copies: "
         f"{load_reps(result['config']['reps'])}, each library's in a block of its own after one untimed load of "
-        "each layout; plan cache, cold, N→1, async: "
-        f"{result['config'].get('reps_secondary', result['config']['reps'])}, async one more for the first save); "
+        "each layout; plan cache, cold, N→1: "
+        f"{result['config'].get('reps_secondary', result['config']['reps'])}; async: the first save and "
+        f"{async_reps(result['config'].get('reps_secondary', result['config']['reps']))} later ones); "
         "times in seconds, median (min–max); "
         "every case timed between barriers (slowest rank).",
         "",
