@@ -76,7 +76,11 @@ class StorageBackend:
 
 
 _registry: dict[str, StorageBackend] = {}
-_loaded = False
+# the group's entry points by lower-case name, listed once; each is imported only when its
+# scheme is first asked for
+_entry_points: Optional[dict[str, list[Any]]] = None
+# scheme -> why its installed backend could not be imported (for the error message)
+_failures: dict[str, str] = {}
 _lock = threading.Lock()
 
 
@@ -92,35 +96,47 @@ def register_backend(backend: StorageBackend) -> None:
         _registry[backend.scheme.lower()] = backend
 
 
-def _load_entry_points() -> None:
-    global _loaded
-    if _loaded:
-        return
-    with _lock:
-        if _loaded:
-            return
-        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name.lower() in _registry:
-                continue
-            try:
-                backend = ep.load()
-            except ImportError:  # a backend whose own dependencies are missing
-                continue
-            _registry[ep.name.lower()] = backend
-        _loaded = True
+def _load_backend(scheme: str) -> Optional[StorageBackend]:
+    """The backend an installed package registered for ``scheme``, imported now; ``None``
+    when there is none or it fails to import (why is kept in ``_failures``).
+
+    Only that scheme's entry point is imported: a save to a local path does not import the
+    object-store package (~4 ms of a process's first save on the dev machine), and a
+    backend that breaks at import (a dependency of the wrong version) breaks only its own
+    scheme.
+    """
+    global _entry_points
+    if _entry_points is None:
+        with _lock:
+            if _entry_points is None:
+                found: dict[str, list[Any]] = {}
+                for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+                    found.setdefault(ep.name.lower(), []).append(ep)
+                _entry_points = found
+    for ep in _entry_points.get(scheme, ()):
+        try:
+            backend = ep.load()
+        except Exception as exc:  # noqa: BLE001 - reported by backend_for, naming the entry point
+            _failures[scheme] = f"{ep.value}: {type(exc).__name__}: {exc}"
+            continue
+        with _lock:
+            return _registry.setdefault(scheme, backend)
+    return None
 
 
 def backend_for(checkpoint_id: CheckpointId) -> StorageBackend:
     """The registered backend for ``checkpoint_id``'s scheme.
 
-    Raises :class:`UnknownSchemeError` naming the scheme and the package that provides it.
+    Raises :class:`UnknownSchemeError` naming the scheme and the package that provides it,
+    or, when that package is installed but fails to import, the error it raised.
     """
     scheme = url_scheme(checkpoint_id)
-    backend = _registry.get(scheme)
+    backend = _registry.get(scheme) or _load_backend(scheme)
     if backend is None:
-        _load_entry_points()
-        backend = _registry.get(scheme)
-    if backend is None:
+        failure = _failures.get(scheme)
+        if failure is not None:
+            raise UnknownSchemeError(f"checkpoint_id {os.fspath(checkpoint_id)!r}: the installed storage backend "
+                                     f"for '{scheme}://' failed to import ({failure})")
         if scheme in _NOT_PROVIDED:
             raise UnknownSchemeError(f"checkpoint_id {os.fspath(checkpoint_id)!r}: hyper-parallel-dcp has no "
                                      f"storage backend for '{scheme}://'; {_NOT_PROVIDED[scheme]}")
