@@ -253,3 +253,28 @@ def test_async_save_modes(tmp_path: Path, mode: str) -> None:
         paths = [str(tmp_path / n) for n in steps]
         problems = run_distributed(load_worker, 3, paths, list(steps.values()), timeout=300)
         assert problems == [[], [], []]
+
+
+def all_sharded_worker(rank: int, world_size: int, root: str) -> list:
+    import async_test_api as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    ref = reference(1)
+    # nothing replicated: the global step keeps every rank's plan as sent, and its answer
+    # (the save id alone) reaches the writer of rank 1 through a mailbox file
+    sd = {"w": distribute_tensor(ref["w"], mesh, [Shard(0)]), "m": distribute_tensor(ref["m"], mesh, [Shard(1)])}
+    resp = dcp.async_save(sd, checkpoint_id=Path(root) / "sharded")
+    resp.get_result(timeout=180)
+    target = {"w": torch.zeros(_W[0], dtype=_W[1]), "m": torch.zeros(_M[0], dtype=_M[1])}
+    dcp.load(target, checkpoint_id=Path(root) / "sharded", no_dist=True)
+    return [key for key in ("w", "m") if not torch.equal(target[key], ref[key])]
+
+
+@pytest.mark.distributed
+def test_async_save_files_mode_of_a_state_dict_with_nothing_replicated(tmp_path: Path) -> None:
+    from hyper_parallel_dcp.core.testing import free_port_pair, run_distributed
+
+    env = {"HP_DCP_ASYNC_TIMEOUT": "90", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_pair())}
+    assert run_distributed(all_sharded_worker, 2, str(tmp_path), timeout=300, env=env) == [[], []]
