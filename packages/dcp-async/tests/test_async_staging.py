@@ -277,3 +277,43 @@ def test_ready_writer_new_layout_fills_its_new_slab_off_the_caller_path(tmp_path
                 assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, (path, k)
     finally:
         shutdown_writer()
+
+
+def _read_shared(conn) -> None:
+    """Child: receive a shared buffer, report its first bytes once told, then write to it."""
+    buffer = conn.recv()
+    conn.recv()  # the parent has written by now
+    conn.send(buffer[:4].tolist())
+    buffer[4:8] = 9
+    conn.send(True)
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_a_slab_is_shared_with_the_writer_process_without_a_copy(strategy: str) -> None:
+    import multiprocessing
+
+    import torch.multiprocessing as torch_mp
+
+    from hyper_parallel_dcp.async_persist.staging import _new_shared_storage
+
+    before = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy(strategy)
+    try:
+        buffer = torch.empty(0, dtype=torch.uint8).set_(_new_shared_storage(3 << 20))
+        assert buffer.numel() == 3 << 20 and buffer.untyped_storage().is_shared()
+        address = buffer.data_ptr()
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_read_shared, args=(child,))
+        proc.start()
+        parent.send(buffer)  # pickled as the memory itself (a descriptor or a name), not its bytes
+        assert buffer.data_ptr() == address  # sending did not move it into other shared memory
+        buffer[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        parent.send("written")
+        assert parent.recv() == [1, 2, 3, 4]  # the child sees what was written after sending
+        assert parent.recv() is True
+        assert buffer[4:8].tolist() == [9, 9, 9, 9]  # and the parent sees the child's writes
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        torch_mp.set_sharing_strategy(before)
