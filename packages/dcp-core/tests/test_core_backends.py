@@ -43,6 +43,7 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[
     monkeypatch.setattr(backends, "_registry", {})
     monkeypatch.setattr(backends, "_entry_points", None)
     monkeypatch.setattr(backends, "_failures", {})
+    monkeypatch.setattr(backends, "_BUNDLED", {})
     yield listed
     assert len(listed) <= 1  # listed once at most, however many lookups
 
@@ -74,3 +75,16 @@ def test_a_registered_backend_wins_over_the_installed_one(installed: list[str]) 
 def test_a_scheme_nobody_installed_names_what_to_install(installed: list[str]) -> None:
     with pytest.raises(UnknownSchemeError, match=r"'s3://' is installed; install hyper-parallel-dcp-storage-object"):
         backend_for("s3://bucket/run")
+
+
+def test_the_bundled_file_backend_is_imported_without_listing_entry_points(
+        installed: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "hpdcp_test_other_backend" not in sys.modules
+    monkeypatch.setattr(backends, "_BUNDLED", {"file": ("hpdcp_test_other_backend", "BACKEND"),
+                                               "nope": ("hpdcp_test_not_installed", "BACKEND")})
+    assert backend_for("/ckpt").scheme == "other"  # the bundled module's backend, not the entry point's
+    assert installed == []  # no distribution's entry points were listed
+    # a bundled module that is not installed: the entry points decide
+    with pytest.raises(UnknownSchemeError, match="'nope://' is installed"):
+        backend_for("nope://x")
+    assert installed == [backends.ENTRY_POINT_GROUP]
