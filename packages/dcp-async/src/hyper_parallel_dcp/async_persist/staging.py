@@ -145,14 +145,16 @@ def _new_shared_storage(nbytes: int) -> torch.UntypedStorage:
     import torch.multiprocessing as torch_mp
 
     memfd_create = getattr(os, "memfd_create", None)
-    if memfd_create is None or torch_mp.get_sharing_strategy() != "file_descriptor":
+    # what torch.multiprocessing calls to map a descriptor it received (private API)
+    from_fd = getattr(torch.UntypedStorage, "_new_shared_fd_cpu", None)
+    if memfd_create is None or from_fd is None or torch_mp.get_sharing_strategy() != "file_descriptor":
         return torch.UntypedStorage._new_shared(nbytes)
     fd = memfd_create("hp-dcp-staging", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
         # allocated now: memory running out fails here, not as SIGBUS in a later copy
         os.posix_fallocate(fd, 0, nbytes)
-        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]  # maps a dup
+        return from_fd(fd, nbytes)  # maps a duplicate of fd
     finally:
         os.close(fd)
 

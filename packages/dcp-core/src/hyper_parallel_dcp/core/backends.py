@@ -106,10 +106,10 @@ def _load_backend(scheme: str) -> Optional[StorageBackend]:
     """The backend an installed package registered for ``scheme``, imported now; ``None``
     when there is none or it fails to import (why is kept in ``_failures``).
 
-    Only that scheme's entry point is imported: a save to a local path does not import the
-    object-store package (~4 ms of a process's first save on the dev machine), and a
-    backend that breaks at import (a dependency of the wrong version) breaks only its own
-    scheme.
+    ``_BUNDLED`` schemes first import their module directly.  Otherwise only that scheme's
+    entry point is imported: a save to a local path does not import the object-store
+    package (~4 ms of a process's first save on the dev machine), and a backend that breaks
+    at import (a dependency of the wrong version) breaks only its own scheme.
     """
     global _entry_points
     bundled = _BUNDLED.get(scheme)
