@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -234,10 +235,12 @@ class _FailingReader(FileSystemReader):
         return super().read_into(item, dest)
 
 
-def _load_with_failing_reader(rank, world_size, path, ref, batch_bytes):
-    from hyper_parallel_dcp.broadcast import make_read_executor
+def _load_with_failing_reader(rank, world_size, path, ref, batch_bytes, read_ahead_min_bytes):
+    from hyper_parallel_dcp.broadcast import executor, make_read_executor
     from hyper_parallel_dcp.core.pipeline import load_state_dict
 
+    if read_ahead_min_bytes is not None:
+        executor.READ_AHEAD_MIN_BYTES = read_ahead_min_bytes
     sd = _targets(ref)
     try:
         load_state_dict(sd, _FailingReader(path, "big"),
@@ -248,14 +251,67 @@ def _load_with_failing_reader(rank, world_size, path, ref, batch_bytes):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("read_ahead_min_bytes", [None, 0], ids=["inline", "read_ahead_thread"])
 @pytest.mark.parametrize("batch_bytes", [0, 1 << 20])
-def test_a_read_failure_on_the_reading_rank_fails_every_rank_without_a_hang(tmp_path, batch_bytes):
+def test_a_read_failure_on_the_reading_rank_fails_every_rank_without_a_hang(tmp_path, batch_bytes,
+                                                                          read_ahead_min_bytes):
     ref = _reference()
     path = _save(tmp_path, ref)
-    results = run_distributed(_load_with_failing_reader, WORLD, path, ref, batch_bytes, timeout=180)
+    results = run_distributed(_load_with_failing_reader, WORLD, path, ref, batch_bytes, read_ahead_min_bytes,
+                              timeout=180)
     for rank, res in enumerate(results):
         assert res is not None, f"rank {rank} did not fail"
         assert "injected read failure for big" in res[1], res
+
+
+class _ThreadRecordingReader(FileSystemReader):
+    """Records which thread read each FQN."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.threads = {}
+
+    def read_into(self, item, dest):
+        self.threads[item.dest_index.fqn] = threading.current_thread().name
+        return super().read_into(item, dest)
+
+
+def _load_recording_threads(rank, world_size, path, ref, read_ahead_min_bytes):
+    from hyper_parallel_dcp.broadcast import executor, make_read_executor
+    from hyper_parallel_dcp.core.pipeline import load_state_dict
+
+    if read_ahead_min_bytes is not None:
+        executor.READ_AHEAD_MIN_BYTES = read_ahead_min_bytes
+    # "big" is loaded on rank 0 only: it is in no replica group, rank 0's tail
+    wanted = {k: v for k, v in ref.items() if isinstance(v, torch.Tensor) and (k != "big" or rank == 0)}
+    sd = _targets(wanted)
+    reader = _ThreadRecordingReader(path)
+    ex = make_read_executor(batch_bytes=0)
+    load_state_dict(sd, reader, read_executor=ex)
+    return _mismatches(sd, wanted), reader.threads, ex.stats.tail_items
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("read_ahead_min_bytes", [None, 0], ids=["default", "every_size"])
+def test_shards_read_for_groups_go_on_the_read_ahead_thread_from_its_size_and_the_tail_never(
+        tmp_path, read_ahead_min_bytes):
+    ref = _reference()
+    path = _save(tmp_path, ref)
+    results = run_distributed(_load_recording_threads, WORLD, path, ref, read_ahead_min_bytes, timeout=180)
+    main = threading.main_thread().name
+    for rank, (bad, threads, tail_items) in enumerate(results):
+        assert bad == [], f"rank {rank}: wrong values for {bad}"
+        assert tail_items == (1 if rank == 0 else 0)
+        group_reads = {k: t for k, t in threads.items() if k != "big"}
+        # the test's state dict is far below READ_AHEAD_MIN_BYTES: by default no thread
+        expected = main if read_ahead_min_bytes is None else "hp-dcp-read-ahead"
+        assert set(group_reads.values()) <= {expected}, (rank, group_reads)
+    assert results[0][1]["big"] == main  # the tail: on the calling thread, in either case
+    assert "big" not in results[1][1] and "big" not in results[2][1]
+    # every replicated tensor was read by exactly one rank (the readers share them out)
+    assert sum(1 for _, threads, _ in results if set(threads) - {"big"}) >= 2
+    read_by = [k for _, threads, _ in results for k in threads if k != "big"]
+    assert sorted(read_by) == sorted(k for k, v in ref.items() if isinstance(v, torch.Tensor) and k != "big")
 
 
 class _PlannerWithoutShards(StandardLoadPlanner):
