@@ -64,3 +64,42 @@ def test_foreign_exception_classes_are_not_imported():
         _raise_failures("write", {0: failure})
     assert type(info.value) is CheckpointException
     _raise_failures("write", {})  # nothing failed: nothing raised
+
+
+def _checks(rank: int, world_size: int, failing_rank: int) -> dict:
+    import torch.distributed as dist
+
+    calls = {"all_reduce": 0, "all_gather_object": 0}
+
+    def counting(name):  # type: ignore[no-untyped-def]
+        real = getattr(dist, name)
+
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    dist.all_reduce, dist.all_gather_object = counting("all_reduce"), counting("all_gather_object")
+    dw = DistWrapper(None, use_dist=True)
+    error = None
+    try:
+        dw.check("read", OSError(f"disk gone on rank {rank}") if rank == failing_rank else None)
+    except CheckpointException as exc:
+        error = str(exc)
+    return {"calls": calls, "error": error}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("failing_rank", [-1, 1])
+def test_a_check_agrees_on_success_with_one_flag_and_gathers_the_failures_only_when_there_are_some(
+        failing_rank: int) -> None:
+    from hyper_parallel_dcp.core.testing import run_distributed
+
+    results = run_distributed(_checks, 3, failing_rank, timeout=120)
+    for out in results:
+        if failing_rank < 0:
+            assert out == {"calls": {"all_reduce": 1, "all_gather_object": 0}, "error": None}
+        else:
+            assert out["calls"] == {"all_reduce": 1, "all_gather_object": 1}
+            assert "phase 'read' failed on rank(s) 1" in out["error"]
+            assert "[rank 1] OSError: disk gone on rank 1" in out["error"]
