@@ -278,3 +278,30 @@ def test_async_save_files_mode_of_a_state_dict_with_nothing_replicated(tmp_path:
 
     env = {"HP_DCP_ASYNC_TIMEOUT": "90", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_pair())}
     assert run_distributed(all_sharded_worker, 2, str(tmp_path), timeout=300, env=env) == [[], []]
+
+
+def session_worker(rank: int, world_size: int) -> tuple[str, str]:
+    import torch.distributed as dist
+
+    from hyper_parallel_dcp.async_persist import persist
+
+    os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)
+    # rank 0 asks last, after every other rank has its token: no rank may wait for rank 0
+    # (the first ranks of two sub-groups used to set it, and the others to wait for them)
+    token = "" if rank == 0 else persist._Persister()._mailbox_session()
+    dist.barrier()
+    if rank == 0:
+        token = persist._Persister()._mailbox_session()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # torchrun restarted the workers
+    restarted = persist._Persister()._mailbox_session()
+    return token, restarted
+
+
+@pytest.mark.distributed
+def test_mailbox_session_token_is_one_per_job_and_restart_and_no_rank_waits_for_another() -> None:
+    from hyper_parallel_dcp.core.testing import run_distributed
+
+    results = run_distributed(session_worker, 3, timeout=60)
+    tokens, restarted = {t for t, _ in results}, {r for _, r in results}
+    assert len(tokens) == 1 and len(restarted) == 1, results
+    assert tokens != restarted and all(len(t) == 12 for t in tokens | restarted), results

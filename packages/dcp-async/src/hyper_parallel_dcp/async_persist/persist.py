@@ -292,8 +292,16 @@ class _Persister:
             self._discard_process()
             self.arena.clear()
 
-    def _mailbox_session(self, process_group: Any = None) -> str:
-        """A token equal on all ranks and new for each training job (via the job's store)."""
+    def _mailbox_session(self) -> str:
+        """A token equal on all ranks and new for each training job (via the job's store).
+
+        Every rank proposes one and the store keeps the first (``compare_set``, one round
+        trip): no rank waits for another.  When rank 0 set it and the others read it, a
+        rank that asked first waited 10 ms in the store's ``get`` on the first save's
+        blocking path; and the first ranks of two sub-groups saving at once (pipeline
+        stages) both set it, so members of one group could read different tokens.  Keyed
+        by the elastic restart count: a restarted job gets a new one.
+        """
         if self.session is None:
             token = ""
             try:
@@ -301,9 +309,9 @@ class _Persister:
 
                 if dist.is_available() and dist.is_initialized():
                     store = dist.distributed_c10d._get_default_store()
-                    if dist.get_rank(process_group) == 0:  # a sub-group's first rank
-                        store.set(_SESSION_KEY, uuid.uuid4().hex[:12])
-                    token = store.get(_SESSION_KEY).decode()
+                    key = f"{_SESSION_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+                    stored = store.compare_set(key, "", uuid.uuid4().hex[:12])
+                    token = stored.decode() if isinstance(stored, bytes) else str(stored)
             except Exception as exc:  # noqa: BLE001 - fall back to the launcher's run id
                 logger.debug("async_save: no store for the mailbox session token: %s", exc)
             self.session = token or os.environ.get("TORCHELASTIC_RUN_ID", "") or "job"
@@ -324,7 +332,7 @@ class _Persister:
         except Exception as exc:  # noqa: BLE001 - no process group: no cross-rank outcomes
             logger.debug("async_save: no job store for the outcome board: %s", exc)
             return None
-        return Outcomes(store, f"{self._mailbox_session(process_group)}/{group}", rank, world_size)
+        return Outcomes(store, f"{self._mailbox_session()}/{group}", rank, world_size)
 
     def _retire(self, proc: Any, seq: int, board: Optional[Outcomes]) -> None:
         """Stop this save's writer (it may be stuck waiting for a dead peer) and say so."""
@@ -395,7 +403,7 @@ class _Persister:
                                  f"the checkpoint directory; {target} is not a local path: pass use_gloo=True")
             mailbox_dir = str(target)
             mode = "files"
-        tag = f"{self._mailbox_session(process_group)}-{seq}" if mode == "files" else ""
+        tag = f"{self._mailbox_session()}-{seq}" if mode == "files" else ""
 
         # Started first: the child imports torch while we stage.  A writer that has not had
         # a request yet (just started, or by start_writer()) may still be importing torch.
