@@ -305,3 +305,32 @@ def test_mailbox_session_token_is_one_per_job_and_restart_and_no_rank_waits_for_
     tokens, restarted = {t for t, _ in results}, {r for _, r in results}
     assert len(tokens) == 1 and len(restarted) == 1, results
     assert tokens != restarted and all(len(t) == 12 for t in tokens | restarted), results
+
+
+def stage_groups_worker(rank: int, world_size: int, root: str) -> list:
+    import async_test_api as dcp
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    stage = rank // 2
+    bad = []
+    for step in (1, 2):
+        # both stages save at once, each over its own sub-group (pipeline parallelism)
+        sd = {f"stage{stage}.w": torch.full((8, 4), float(10 * step + stage)), "step": step}
+        dcp.async_save(sd, checkpoint_id=Path(root) / f"stage{stage}" / f"step_{step}",
+                       process_group=groups[stage]).get_result(timeout=120)
+        target = {f"stage{stage}.w": torch.zeros(8, 4), "step": 0}
+        dcp.load(target, checkpoint_id=Path(root) / f"stage{stage}" / f"step_{step}", process_group=groups[stage])
+        if not torch.equal(target[f"stage{stage}.w"], sd[f"stage{stage}.w"]) or target["step"] != step:
+            bad.append(step)
+    return bad
+
+
+@pytest.mark.distributed
+def test_two_sub_groups_async_save_at_once(tmp_path: Path) -> None:
+    from hyper_parallel_dcp.core.testing import free_port_pair, run_distributed
+
+    # the first ranks of both groups used to set the job's mailbox token, and a member
+    # could read the other group's: its writer then waited for files never written
+    env = {"HP_DCP_ASYNC_TIMEOUT": "60", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_pair())}
+    assert run_distributed(stage_groups_worker, 4, str(tmp_path), timeout=300, env=env) == [[], [], [], []]
