@@ -165,6 +165,20 @@ def test_verified_load_of_an_object_detects_a_flip(tmp_path: Path) -> None:
         load(_blank(), checkpoint_id=path, no_dist=True, verify=True)
 
 
+def test_unverified_load_of_an_object_refuses_a_flipped_value(tmp_path: Path) -> None:
+    # without verify nothing hashes the bytes file; the archive's CRCs still catch a
+    # damaged step count, which torch.load alone decodes as 6
+    path = tmp_path / "c"
+    save(_state(), checkpoint_id=path, no_dist=True)
+    entry = _entry(path, "nested.step")
+    file = path / entry.relative_path
+    blob = file.read_bytes()[entry.offset:entry.offset + entry.length]
+    at = blob.index(b"K\x07.")  # BININT1 7, STOP
+    _flip(file, entry.offset + at + 1)
+    with pytest.raises(CorruptCheckpointError, match="'nested.step' in .*_rank0_.bytes: stored object is damaged"):
+        load(_blank(), checkpoint_id=path, no_dist=True)
+
+
 def _save_sharded(rank: int, world_size: int, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
