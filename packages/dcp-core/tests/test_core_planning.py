@@ -421,3 +421,29 @@ def test_single_process_pipeline_reshards_into_other_boxes():
         (ChunkBox((0, 0), (5, 4)), left), (ChunkBox((0, 4), (4, 2)), right), (ChunkBox((4, 4), (1, 2)), corner)])}
     load_state_dict(target, MemoryReader(store))
     assert torch.equal(left, full[:, :4]) and torch.equal(right, full[:4, 4:]) and torch.equal(corner, full[4:, 4:])
+
+
+
+@pytest.mark.parametrize("dtype,make_view", [
+    pytest.param(torch.float32, lambda: (lambda root: root.view_as(root))(torch.zeros(8, 6)), id="view-of-a-tensor"),
+    pytest.param(torch.float32, lambda: torch.zeros(10, 6)[1:9], id="view-at-a-storage-offset"),
+    pytest.param(torch.float32, lambda: torch.zeros(8, 6, dtype=torch.int32).view(torch.float32)[:], id="view-of-a-dtype-view"),
+    pytest.param(torch.complex64, lambda: torch.zeros(8, 6, dtype=torch.complex64).conj(), id="conjugate-view"),
+])
+def test_partial_reads_into_a_view_land_in_its_memory(dtype, make_view):
+    """A destination piece that is a view (a DTensor's local tensor made by ``from_local``
+    is one) filled by two reads, each a part of it: the values land in the view, whichever
+    tensor the partial destinations are made from (the view's root where that is the same
+    memory and type, the view itself for a conjugate view or another dtype)."""
+    StandardSavePlanner.clear_cache()
+    full = (torch.arange(48.0).view(8, 6) * (1 + 2j if dtype.is_complex else 1)).to(dtype)
+    saved = {"w": TensorShards((8, 6), dtype, [
+        (ChunkBox((0, 0), (4, 6)), full[:4].clone()), (ChunkBox((4, 0), (4, 6)), full[4:].clone())])}
+    store: dict[str, Any] = {}
+    save_state_dict(saved, MemoryWriter(store), StandardSavePlanner(enable_plan_caching=False))
+    view = make_view()
+    load_state_dict({"w": TensorShards((8, 6), dtype, [(full_box((8, 6)), view)])}, MemoryReader(store))
+    assert torch.equal(view, full)
+    if view._base is not None and view._base.dtype == dtype:
+        assert torch.equal(view._base[1:9] if view._base.shape[0] == 10 else view._base,
+                           full.conj() if view.is_conj() else full)

@@ -232,7 +232,26 @@ def create_local_load_plan(
 
 # a target piece as the planner resolves reads into it: (view, shape, strides, storage
 # offset), the last two only for a plain strided view (strides None otherwise)
-_Piece = tuple[torch.Tensor, tuple[int, ...], Optional[tuple[int, ...]], int]
+_Piece = tuple[torch.Tensor, tuple[int, ...], Optional[tuple[int, ...]], int, torch.Tensor]
+
+
+def _view_root(view: torch.Tensor) -> torch.Tensor:
+    """The tensor whose ``as_strided`` makes ``view``'s partial destinations: the tensor
+    ``view`` is a view of where that is an equivalent plain tensor (same storage and
+    dtype, no autograd, no conjugate or negative bit), else ``view`` itself.
+
+    A view of a view costs autograd's view bookkeeping: ``as_strided`` of a DTensor's
+    local tensor made by ``DTensor.from_local`` (itself a view) took 2.75 us against
+    1.73 us of its root, measured on the 2-core dev machine; a Shard(0) -> Shard(1)
+    load of 2000 small tensors makes 4000 such views a rank.  ``as_strided`` takes the
+    storage offset absolutely, so the root's view is the same memory.
+    """
+    root = view._base
+    if (root is None or type(root) is not torch.Tensor or root.layout is not torch.strided or root.dtype != view.dtype
+            or root.requires_grad or view.requires_grad or view.is_conj() or view.is_neg()
+            or root.is_conj() or root.is_neg()):
+        return view
+    return root
 
 
 class StandardLoadPlanner(LoadPlanner):
@@ -276,9 +295,11 @@ class StandardLoadPlanner(LoadPlanner):
         pieces = self._pieces
         for fqn, shard in self.shards.items():
             for box, view in shard.pieces:
-                plain = type(view) is torch.Tensor and view.layout is torch.strided
-                pieces[(fqn, box.offsets)] = (view, tuple(view.shape), view.stride() if plain else None,
-                                              int(view.storage_offset()) if plain else 0)
+                if type(view) is torch.Tensor and view.layout is torch.strided:
+                    pieces[(fqn, box.offsets)] = (view, tuple(view.shape), view.stride(), int(view.storage_offset()),
+                                                  _view_root(view))
+                else:
+                    pieces[(fqn, box.offsets)] = (view, tuple(view.shape), None, 0, view)
         return plan
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
@@ -289,15 +310,16 @@ class StandardLoadPlanner(LoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         dest = read_item.dest_index
-        view, shape, strides, storage_offset = self._pieces[(dest.fqn, dest.offset)]
+        view, shape, strides, storage_offset, root = self._pieces[(dest.fqn, dest.offset)]
         lengths = read_item.lengths
         offsets = read_item.dest_offsets
         if lengths == shape and not any(offsets):
             return view
         if strides is not None:
             # one as_strided instead of a narrow per dim (~1.5 us of a read of a small
-            # column slice, which a resharded load does twice per tensor)
-            return view.as_strided(lengths, strides, storage_offset + sum(map(mul, offsets, strides)))
+            # column slice, which a resharded load does twice per tensor), of the view's
+            # root (see _view_root)
+            return root.as_strided(lengths, strides, storage_offset + sum(map(mul, offsets, strides)))
         for d, (off, length) in enumerate(zip(offsets, lengths)):
             if off or length != shape[d]:
                 view = view.narrow(d, off, length)
