@@ -117,9 +117,10 @@ def test_chunk_location_reads_the_columns_of_parsed_metadata():
         index = MetadataIndex("w", (2 * r, 0))
         info = md.storage_data[index]
         assert chunk_location(parsed, index) == (info.relative_path, info.offset, (2, 6))
-        # a wrong hint still finds the chunk
-        assert chunk_location(parsed, MetadataIndex("w", (2 * r, 0), (r + 1) % RANKS)) == (
-            info.relative_path, info.offset, (2, 6))
+        # the right hint, and a wrong, out-of-range or negative one, all find the chunk
+        for hint in (r, (r + 1) % RANKS, RANKS, -1):
+            assert chunk_location(parsed, MetadataIndex("w", (2 * r, 0), hint)) == (
+                info.relative_path, info.offset, (2, 6))
     assert chunk_location(parsed, MetadataIndex("w", (1, 0))) is None  # no chunk there
     assert chunk_location(parsed, MetadataIndex("step")) is None  # an object
     assert chunk_location(md, MetadataIndex("w", (0, 0))) is None  # a plain dict: use storage_data

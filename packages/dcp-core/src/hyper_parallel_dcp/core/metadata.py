@@ -882,14 +882,21 @@ class _StorageView(Mapping[MetadataIndex, StorageInfo]):
         columns (no :class:`StorageInfo`, no key built); ``None`` where it is not a stored
         chunk of a columnar tensor."""
         columns = self._tensors.get(index.fqn)
-        if columns is None or index.offset is None:
+        offsets = index.offset
+        if columns is None or offsets is None or columns.file is None:
             return None
-        pos = columns.find(index.offset, index.index)
-        if pos is None:
+        # find() with its hint check inlined: a load locates every chunk it reads, and a
+        # resharded load of small tensors reads 4000 a rank, each once
+        ndim, pos = columns.ndim, index.index
+        if pos is None or not 0 <= pos < columns.count or tuple(columns.offsets[pos * ndim:(pos + 1) * ndim]) != offsets:
+            pos = columns.find(offsets, None)
+            if pos is None:
+                return None
+        file = columns.file[pos]
+        if file < 0:
             return None
-        assert columns.file is not None and columns.offset is not None
-        ndim = columns.ndim
-        return self._names[columns.file[pos]], columns.offset[pos], tuple(columns.sizes[pos * ndim:(pos + 1) * ndim])
+        assert columns.offset is not None
+        return self._names[file], columns.offset[pos], tuple(columns.sizes[pos * ndim:(pos + 1) * ndim])
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         for fqn, columns in self._tensors.items():

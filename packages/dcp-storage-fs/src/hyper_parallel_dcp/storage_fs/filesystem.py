@@ -669,35 +669,34 @@ class FileSystemReader(StorageReader):
             )
         self._verified.add(index)
 
-    def _stored_chunk(self, index: MetadataIndex) -> _StoredChunk:
-        """The checked location of a stored chunk: its file's size and safetensors header
-        agree with the metadata (and with ``verify`` its checksum), once per chunk.
+    def _locate_chunk(self, index: MetadataIndex) -> tuple[_StoredChunk, _OpenFile]:
+        """The checked location of a stored chunk not looked up yet, and its file, open:
+        the file's size and safetensors header agree with the metadata (and with
+        ``verify`` the chunk's checksum).  Remembered in ``_chunks``.
 
         Runs once per chunk a load reads (a resharded load of small tensors: once per
         read).  In a file whose header matched its recorded digest the location comes
         from the metadata's columns alone (a few lookups); otherwise the header entry
         is compared with the metadata's.
         """
-        key = (index.fqn, index.offset)
-        found = self._chunks.get(key)
-        if found is not None:
-            return found
         assert self.metadata is not None
         where = None if self.verify else chunk_location(self.metadata, index)
         if where is not None:
             file, offset, chunk_sizes = where
-            if self._open(file).trusted:
+            opened = self._open(file)
+            if opened.trusted:
                 md = self.metadata.state_dict_metadata[index.fqn]
                 strides = self._strides.get(chunk_sizes)
                 if strides is None:
                     strides = self._strides[chunk_sizes] = tuple(row_major_strides(chunk_sizes))
-                found = self._chunks[key] = (file, offset, chunk_sizes, strides,
-                                             md.properties.dtype)  # type: ignore[union-attr]
-                return found
-        return self._checked_chunk(index)
+                found = self._chunks[(index.fqn, index.offset)] = (
+                    file, offset, chunk_sizes, strides, md.properties.dtype)  # type: ignore[union-attr]
+                return found, opened
+        found = self._checked_chunk(index)
+        return found, self._open(found[0])
 
     def _checked_chunk(self, index: MetadataIndex) -> _StoredChunk:
-        """:meth:`_stored_chunk` through the storage entry: its header entry compared,
+        """:meth:`_locate_chunk` through the storage entry: its header entry compared,
         its checksum verified (``verify``); the error names file, key and chunk."""
         key = (index.fqn, index.offset)
         info = self._storage_info(index)
@@ -731,9 +730,10 @@ class FileSystemReader(StorageReader):
         index = item.storage_index
         chunk = self._chunks.get((index.fqn, index.offset))
         if chunk is None:
-            chunk = self._stored_chunk(index)
-        file, data_offset, sizes, strides, dtype = chunk
-        opened = self._open(file)
+            chunk, opened = self._locate_chunk(index)
+        else:
+            opened = self._open(chunk[0])
+        _, data_offset, sizes, strides, dtype = chunk
         lengths = item.lengths
         # a model repeats a few (chunk shape, slice) pairs thousands of times: the bounds
         # check and the span arithmetic run once per pair
