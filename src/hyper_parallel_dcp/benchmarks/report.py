@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .io_bench import async_reps, load_reps
+from .io_bench import async_reps, load_reps, save_reps
 
 __all__ = ["evaluate_goals", "nlogn_exponent", "summarize", "write_markdown", "write_plots"]
 
@@ -171,7 +171,8 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
         f"{result['config']['cap_mb_s']} MB/s shared cap",
         f"- repetitions: {result['config']['reps']} (page-cache loads and their memory copies: "
         f"{load_reps(result['config']['reps'])}, each library's in a block of its own after one untimed load of "
-        "each layout; saves with the plan cache cleared and warm interleaved; cold loads, N→1: "
+        f"each layout; saves with the plan cache cleared and warm: {save_reps(result['config']['reps'])} of each, "
+        "interleaved; cold loads, N→1: "
         f"{result['config'].get('reps_secondary', result['config']['reps'])}; async: the first save and "
         f"{async_reps(result['config'].get('reps_secondary', result['config']['reps']))} later ones); "
         "times in seconds, median (min–max); "
