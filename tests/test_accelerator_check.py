@@ -1,0 +1,36 @@
+"""``tools/accelerator_check.py`` runs where no GPU is: ``--device cpu`` takes every path
+the GPU run takes (sync save, first and later async saves, loads, the 2-rank read-once +
+broadcast load) and compares every loaded value with what was saved, so that the script a
+GPU session gets a few minutes to run has not rotted in between."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_accelerator_check_runs_on_cpu_and_reports_every_figure(tmp_path):
+    out = tmp_path / "accelerator.md"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "accelerator_check.py"), "--device", "cpu", "--size-mib", "8",
+         "--small", "20", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["device"] == "cpu"
+    # 8 MiB of 4096 x 4096 bf16 matrices is none: the dense part is at least one matrix
+    assert report["tensors"] >= 20 and report["bytes"] >= 20 * 4096
+    for figure in ("async_first_blocking_s", "async_first_landed_s", "async_later_blocking_s",
+                   "async_later_landed_s", "save_s", "load_s", "load_async_s", "broadcast_load_2ranks_s"):
+        assert report[figure] > 0, figure
+    text = out.read_text()
+    assert "every loaded value compared with what was saved" in text
+    for row in ("async_save staging (first save, blocking)", "async_save staging (later save, blocking)",
+                "save (sync)", "load into device tensors", "load async into device tensors",
+                "replicated load, 2 ranks, read once + broadcast"):
+        assert row in text, row
