@@ -423,7 +423,6 @@ def test_single_process_pipeline_reshards_into_other_boxes():
     assert torch.equal(left, full[:, :4]) and torch.equal(right, full[:4, 4:]) and torch.equal(corner, full[4:, 4:])
 
 
-
 @pytest.mark.parametrize("dtype,make_view", [
     pytest.param(torch.float32, lambda: (lambda root: root.view_as(root))(torch.zeros(8, 6)), id="view-of-a-tensor"),
     pytest.param(torch.float32, lambda: torch.zeros(10, 6)[1:9], id="view-at-a-storage-offset"),
