@@ -25,6 +25,7 @@ from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInf
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from hyper_parallel_dcp.core.standard_planner import (
+    StandardLoadPlanner,
     StandardSavePlanner,
     assign_readers,
     build_metadata,
@@ -446,3 +447,63 @@ def test_partial_reads_into_a_view_land_in_its_memory(dtype, make_view):
     if view._base is not None and view._base.dtype == dtype:
         assert torch.equal(view._base[1:9] if view._base.shape[0] == 10 else view._base,
                            full.conj() if view.is_conj() else full)
+
+
+class _CommittingPlanner(StandardLoadPlanner):
+    """Sees every tensor read (a planner that post-processes what it receives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.committed: list[Any] = []
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        self.committed.append(read_item)
+
+
+class _BufferingPlanner(StandardLoadPlanner):
+    """Reads into buffers of its own (a planner that converts what it receives)."""
+
+    def resolve_tensor(self, read_item):
+        self.last = torch.empty(read_item.lengths)
+        return self.last
+
+
+@pytest.mark.parametrize("planner_cls", [StandardLoadPlanner, _CommittingPlanner, _BufferingPlanner])
+def test_a_region_is_the_memory_of_the_view_resolve_tensor_makes(planner_cls):
+    """``resolve_region``: a read that fills a whole piece gets the piece's view; a read
+    that fills part of a plain strided piece gets (tensor, offset, strides) whose
+    ``as_strided`` is exactly the view ``resolve_tensor`` makes, unless the planner
+    changes ``commit_tensor`` (it must see the read: it gets the view) or
+    ``resolve_tensor`` (every read gets what that returns)."""
+    StandardSavePlanner.clear_cache()
+    full = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
+    saved = {"w": TensorShards((8, 6), torch.float32, [
+        (ChunkBox((0, 0), (4, 6)), full[:4].clone()), (ChunkBox((4, 0), (4, 6)), full[4:].clone())]),
+        "same": TensorShards((8, 6), torch.float32, [(ChunkBox((0, 0), (4, 6)), full[:4].clone())])}
+    store: dict[str, Any] = {}
+    save_state_dict(saved, MemoryWriter(store), StandardSavePlanner(enable_plan_caching=False))
+    metadata = MemoryReader(store).read_metadata()
+    columns = torch.zeros(10, 3)[1:9]  # a view at a storage offset: regions are of its root
+    target = {"w": TensorShards((8, 6), torch.float32, [(ChunkBox((0, 3), (8, 3)), columns)]),
+              "same": TensorShards((8, 6), torch.float32, [(ChunkBox((0, 0), (4, 6)), torch.zeros(4, 6))])}
+    planner = planner_cls()
+    planner.set_up_planner(target, metadata, is_coordinator=True)
+    plan = planner.create_local_plan()
+    partial = [it for it in plan.items if it.dest_index.fqn == "w"]
+    assert len(partial) == 2 and len(plan.items) == 3
+    for item in plan.items:
+        tensor, offset, strides = planner.resolve_region(item)
+        if planner_cls is _BufferingPlanner:
+            assert tensor is planner.last and offset is None
+            continue
+        view = planner.resolve_tensor(item)
+        if item.dest_index.fqn == "same" or planner_cls is _CommittingPlanner:
+            assert tensor is view or (tensor.data_ptr() == view.data_ptr() and tensor.stride() == view.stride())
+            assert offset is None and strides == ()
+            continue
+        assert tensor is columns._base
+        region = tensor.as_strided(item.lengths, strides, offset)
+        assert (region.data_ptr(), region.shape, region.stride()) == (view.data_ptr(), view.shape, view.stride())
+        region.copy_(full[item.dest_offsets[0]:item.dest_offsets[0] + item.lengths[0], 3:6])
+    if planner_cls is StandardLoadPlanner:
+        assert torch.equal(columns, full[:, 3:])

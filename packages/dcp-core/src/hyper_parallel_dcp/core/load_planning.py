@@ -276,6 +276,11 @@ class StandardLoadPlanner(LoadPlanner):
         # into part of a piece costs one lookup and one ``as_strided``
         self._pieces: dict[tuple[str, Any], _Piece] = {}
         self.loaded_objects: dict[str, Any] = {}
+        # regions (resolve_region) skip resolve_tensor and commit_tensor: not for a subclass
+        # that changes either
+        cls = type(self)
+        self._regions = (cls.resolve_tensor is StandardLoadPlanner.resolve_tensor
+                         and cls.commit_tensor is StandardLoadPlanner.commit_tensor)
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata, *,
                        is_coordinator: bool, rank: int = 0, world_size: int = 1) -> None:
@@ -324,6 +329,18 @@ class StandardLoadPlanner(LoadPlanner):
             if off or length != shape[d]:
                 view = view.narrow(d, off, length)
         return view
+
+    def resolve_region(self, read_item: ReadItem) -> tuple[torch.Tensor, Optional[int], tuple[int, ...]]:
+        if not self._regions:
+            return self.resolve_tensor(read_item), None, ()
+        dest = read_item.dest_index
+        view, shape, strides, storage_offset, root = self._pieces[(dest.fqn, dest.offset)]
+        offsets = read_item.dest_offsets
+        if read_item.lengths == shape and not any(offsets):
+            return view, None, ()  # the whole piece (a same-layout load)
+        if strides is None:
+            return self.resolve_tensor(read_item), None, ()
+        return root, storage_offset + sum(map(mul, offsets, strides)), strides
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         # Targets are views of the caller's tensors, already written in place.

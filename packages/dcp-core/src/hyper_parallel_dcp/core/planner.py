@@ -195,6 +195,20 @@ class LoadPlanner(abc.ABC):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The destination view (shape ``read_item.lengths``) that the read fills."""
 
+    def resolve_region(self, read_item: ReadItem) -> tuple[torch.Tensor, Optional[int], tuple[int, ...]]:
+        """Where the read goes, for a reader that can fill memory without a view of it:
+        ``(view, None, ())``, the view ``resolve_tensor`` returns; or, for a read that fills
+        part of a plain strided destination, ``(tensor, storage offset, strides)`` such that
+        ``tensor.as_strided(read_item.lengths, strides, offset)`` is that view.  The reader
+        then fills that memory and ``commit_tensor`` is not called for the read.
+
+        A resharded load of small tensors makes a view per read (~2-4 us each); a reader
+        that fills several parts of one tensor in one strided copy (the filesystem reader:
+        the row blocks of a column slice, one from each rank's file) makes one instead.
+        The default: ``resolve_tensor``'s view.
+        """
+        return self.resolve_tensor(read_item), None, ()
+
     @abc.abstractmethod
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None: ...
 
