@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import mmap
 import os
 import sys
 import threading
@@ -53,6 +54,7 @@ __all__ = [
     "MAPPED_SLICE_MIN_BYTES",
     "AdjacentReads",
     "FileMapping",
+    "MappingArena",
     "PendingCopies",
     "copy_into",
     "copy_many",
@@ -172,7 +174,7 @@ class FileMapping:
     mapped checkpoint file keeps its size while it is open.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, arena: MappingArena | None = None) -> None:
         self.size = size
         self._addr: int | None = None
         self._data: torch.Tensor | None = None
@@ -181,7 +183,18 @@ class FileMapping:
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._populated = bytearray((size >> _BLOCK_SHIFT) + 1)  # per block: pages populated
         self._low = self._high = 0  # the latest run of populated blocks, as a byte range
+        # in an arena: the arena, the slot and where the file starts in ``typed()``'s bytes
+        self._arena: MappingArena | None = None
+        self._slot = -1
+        self._origin = 0
         if _LIBC is None or size == 0:
+            return
+        placed = None if arena is None else arena.place(fd, size)
+        if arena is not None and placed is not None:
+            self._slot, self._addr = placed
+            self._arena = arena
+            self._origin = self._addr - arena.base
+            self._data = arena.data
             return
         addr = _LIBC[0](None, size, _PROT_READ, _MAP_SHARED, fd, 0)
         if addr is None or addr == _MAP_FAILED:
@@ -190,9 +203,10 @@ class FileMapping:
         self._data = torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=torch.uint8)
 
     @classmethod
-    def open(cls, fd: int, size: int) -> FileMapping | None:
-        """The file open as ``fd`` (``size`` bytes) mapped, or ``None`` where it cannot be."""
-        mapping = cls(fd, size)
+    def open(cls, fd: int, size: int, arena: MappingArena | None = None) -> FileMapping | None:
+        """The file open as ``fd`` (``size`` bytes) mapped, or ``None`` where it cannot be;
+        in a free slot of ``arena`` when it has one (see :class:`MappingArena`)."""
+        mapping = cls(fd, size, arena)
         return mapping if mapping._data is not None else None
 
     def slice_view(self, data_offset: int, chunk_sizes: Sequence[int], dtype: torch.dtype,
@@ -220,10 +234,13 @@ class FileMapping:
         if not (self._low <= start and end <= self._high):
             if not self._populate(start, end):
                 return None
-        return start // itemsize
+        return (self._origin + start) // itemsize
 
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole mapping viewed as ``dtype`` (its last bytes short of an element left out)."""
+        """The whole mapping viewed as ``dtype`` (its last bytes short of an element left
+        out); in an arena, the whole arena (``slice_start`` counts from its start)."""
+        if self._arena is not None:
+            return self._arena.typed(dtype)
         typed = self._typed.get(dtype)
         if typed is None:
             assert self._data is not None
@@ -271,11 +288,16 @@ class FileMapping:
         return True
 
     def close(self) -> None:
-        """Drop the views of the mapping and unmap it, on the unmapping thread."""
+        """Drop the views of the mapping and unmap it, on the unmapping thread (in an
+        arena: free its slot, which the next file mapped there replaces)."""
         if self._addr is not None:
             self._data = None
             self._typed.clear()
-            _UNMAPPER.unmap(self._addr, self.size)
+            if self._arena is not None:
+                self._arena.release(self._slot)
+                self._arena = None
+            else:
+                _UNMAPPER.unmap(self._addr, self.size)
             self._addr = None
             self._low = self._high = 0
 
@@ -283,6 +305,95 @@ class FileMapping:
         # A reader dropped without reset() (one per load, as the benchmark does) must not
         # keep its files mapped: the mapping outlives the file's descriptor and holds a
         # deleted checkpoint's disk space until the process exits.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+_PROT_NONE, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0, 2, 0x10, 0x20, 0x4000
+
+
+class MappingArena:
+    """One stretch of address space in which a reader maps its files, each in a slot of
+    the same size (the largest file's, rounded up to a page).
+
+    A column slice of a tensor sharded by rows reads one block of rows from each rank's
+    file.  Ranks' files of one save hold their chunks at the same offsets, so in slots
+    of one size those blocks lie evenly spaced in one tensor's memory: a single strided
+    view spans them all, and ``PendingCopies.add_region`` copies the whole slice in
+    one copy into one view of the destination, not one copy and one view per file.
+
+    The stretch is reserved without access (``PROT_NONE``, no memory committed); a file
+    is mapped over its slot with ``MAP_FIXED`` and stays mapped until another file takes
+    the slot (which replaces the mapping in one call) or ``close`` unmaps the stretch
+    on the unmapping thread.  ``reserve`` returns ``None`` where the kernel refuses.
+    """
+
+    def __init__(self, base: int, slot_bytes: int, slots: int) -> None:
+        self.base = base
+        self.slot_bytes = slot_bytes
+        self.size = slot_bytes * slots
+        self.data: torch.Tensor | None = torch.frombuffer(
+            (ctypes.c_char * self.size).from_address(base), dtype=torch.uint8)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._free = list(range(slots - 1, -1, -1))  # taken from the end: slot 0 first
+
+    @classmethod
+    def reserve(cls, slot_bytes: int, slots: int) -> MappingArena | None:
+        """An arena of ``slots`` slots of at least ``slot_bytes`` each, or ``None``."""
+        if _LIBC is None or slot_bytes <= 0 or slots <= 0:
+            return None
+        page = mmap.PAGESIZE
+        slot_bytes = -(-slot_bytes // page) * page
+        addr = _LIBC[0](None, slot_bytes * slots, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if addr is None or addr == _MAP_FAILED:
+            return None
+        return cls(addr, slot_bytes, slots)
+
+    def place(self, fd: int, size: int) -> tuple[int, int] | None:
+        """Map the file open as ``fd`` (``size`` bytes) read-only in a free slot: ``(slot,
+        address)``, or ``None`` (no free slot, too large, the arena closed, refused)."""
+        if self.data is None or not self._free or size > self.slot_bytes:
+            return None
+        assert _LIBC is not None
+        slot = self._free[-1]
+        addr = self.base + slot * self.slot_bytes
+        placed = _LIBC[0](addr, size, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, 0)
+        if placed != addr:
+            # a failed MAP_FIXED may have unmapped the slot's range: reserve it again,
+            # or give the arena up (close unmaps the stretch, whatever it holds)
+            again = _LIBC[0](addr, self.slot_bytes, _PROT_NONE,
+                             _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
+            if again != addr:
+                self._free.clear()
+            return None
+        self._free.pop()
+        return slot, addr
+
+    def release(self, slot: int) -> None:
+        """Free ``slot`` (its file's mapping stays until the next file replaces it)."""
+        if self.data is not None:
+            self._free.append(slot)
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole stretch viewed as ``dtype`` (only the slots holding a file are read)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            assert self.data is not None
+            typed = self._typed[dtype] = self.data[:self.size - self.size % dtype.itemsize].view(dtype)
+        return typed
+
+    def close(self) -> None:
+        """Drop the views and unmap the whole stretch (every file in it), on the unmapping
+        thread.  The files' mappings must not be used afterwards."""
+        if self.data is not None:
+            self.data = None
+            self._typed.clear()
+            self._free.clear()
+            _UNMAPPER.unmap(self.base, self.size)
+
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
@@ -500,9 +611,11 @@ class PendingCopies:
     one plain dtype below 1 MiB in one ``torch._foreach_copy_`` call, the rest one by one
     (``_copy_wide``).  Sorted as they are added (the reader knows the pair's dtypes and
     size then): a Shard(0) → Shard(1) load of 2000 small tensors adds 4000 pairs per rank.
-    ``add_mapped`` queues a slice of a mapping before it is viewed, so that ``flush`` makes
-    the views of evenly spaced slices of one shape in one call.  The caller flushes while
-    the mappings are open.
+    ``add_mapped`` and ``add_region`` queue a slice of a mapping before it is viewed, so
+    that ``flush`` makes the views of evenly spaced slices of one shape in one call, and
+    ``add_region`` takes the destination as memory, so that the slices one tensor
+    receives from several files become one copy.  The caller flushes while the mappings
+    are open.
     """
 
     def __init__(self) -> None:
@@ -513,10 +626,14 @@ class PendingCopies:
         self.dests: list[torch.Tensor] = []
         self.sources: list[torch.Tensor] = []
         self.others: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # slices of a mapping not viewed yet, by (mapping, dtype, shape, strides): their
-        # element starts and destinations (see add_mapped)
-        self.mapped: dict[tuple[FileMapping, torch.dtype, tuple[int, ...], tuple[int, ...]],
-                          tuple[list[int], list[torch.Tensor]]] = {}
+        # slices of a mapping not viewed yet, by (id of the mapping's typed tensor, shape,
+        # strides): that tensor, their element starts and destinations (see add_mapped)
+        self.mapped: dict[tuple[int, tuple[int, ...], tuple[int, ...]],
+                          tuple[torch.Tensor, list[int], list[torch.Tensor]]] = {}
+        # runs of add_region calls into one tensor: [tensor, typed source, shape,
+        # destination strides, source strides, destination offsets, source starts]
+        self.runs: list[list[Any]] = []
+        self._run: list[Any] | None = None
 
     def add_mapped(self, dest: torch.Tensor, mapping: FileMapping, dtype: torch.dtype, start: int,
                    lengths: tuple[int, ...], strides: tuple[int, ...], nbytes: int) -> None:
@@ -527,15 +644,69 @@ class PendingCopies:
         ``as_strided`` + ``unbind`` makes all their views (~0.6 us a view instead of
         ~1.3 us; a Shard(0) -> Shard(1) load of 2000 small tensors copies 4000 slices).
         """
+        typed = mapping.typed(dtype)
         if dest.dtype is not dtype or dtype not in _PLAIN or nbytes >= _WIDE_MIN_BYTES:
-            self.others.append((dest, mapping.typed(dtype).as_strided(lengths, strides, start)))
+            self.others.append((dest, typed.as_strided(lengths, strides, start)))
             return
-        key = (mapping, dtype, lengths, strides)
+        self._source(typed, lengths, strides, start, dest)
+
+    def _source(self, typed: torch.Tensor, lengths: tuple[int, ...], strides: tuple[int, ...], start: int,
+                dest: torch.Tensor) -> None:
+        key = (id(typed), lengths, strides)  # a tensor's == compares values: keyed by id
         group = self.mapped.get(key)
         if group is None:
-            group = self.mapped[key] = ([], [])
-        group[0].append(start)
-        group[1].append(dest)
+            group = self.mapped[key] = (typed, [], [])
+        group[1].append(start)
+        group[2].append(dest)
+
+    def add_region(self, tensor: torch.Tensor, offset: int, dest_strides: tuple[int, ...], mapping: FileMapping,
+                   dtype: torch.dtype, start: int, lengths: tuple[int, ...], strides: tuple[int, ...],
+                   nbytes: int) -> None:
+        """``add_mapped`` into ``tensor.as_strided(lengths, dest_strides, offset)`` (a CPU
+        tensor), without making that view now.  Consecutive regions of one tensor whose
+        offsets and sources are evenly spaced (the row blocks of a column slice, each
+        from one rank's file, in a :class:`MappingArena`) are copied as one: one view of
+        each side with the block as an extra leading dimension.  A Shard(0) -> Shard(1)
+        load of 2000 small tensors on 2 ranks makes 2000 copies a rank instead of 4000.
+        """
+        typed = mapping.typed(dtype)
+        if tensor.dtype is not dtype or dtype not in _PLAIN or nbytes >= _WIDE_MIN_BYTES:
+            self.others.append((tensor.as_strided(lengths, dest_strides, offset),
+                                typed.as_strided(lengths, strides, start)))
+            return
+        run = self._run
+        if (run is not None and run[0] is tensor and run[1] is typed and run[2] == lengths and run[3] == dest_strides
+                and run[4] == strides):
+            run[5].append(offset)
+            run[6].append(start)
+        else:
+            self._run = run = [tensor, typed, lengths, dest_strides, strides, [offset], [start]]
+            self.runs.append(run)
+
+    def _view_runs(self) -> None:
+        """Turn the runs of ``add_region`` into destination views: one for each stretch of
+        a run whose regions are evenly spaced on both sides, one for each region left."""
+        for tensor, typed, lengths, dest_strides, strides, offsets, starts in self.runs:
+            count = len(offsets)
+            i = 0
+            while i < count:
+                j = i + 1
+                if j < count:
+                    step, source_step = offsets[j] - offsets[i], starts[j] - starts[i]
+                    if (step > 0 and source_step > 0) or (step < 0 and source_step < 0):
+                        j += 1
+                        while j < count and offsets[j] - offsets[j - 1] == step and starts[j] - starts[j - 1] == source_step:
+                            j += 1
+                if j - i == 1:
+                    self._source(typed, lengths, strides, starts[i],
+                                 tensor.as_strided(lengths, dest_strides, offsets[i]))
+                else:
+                    # regions i..j-1 as one: the lowest first (as_strided takes no
+                    # negative stride), each side's block order the same
+                    low = i if step > 0 else j - 1
+                    self._source(typed, (j - i, *lengths), (abs(source_step), *strides), starts[low],
+                                 tensor.as_strided((j - i, *lengths), (abs(step), *dest_strides), offsets[low]))
+                i = j
 
     def add(self, dest: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
         """Queue ``copy_into(dest, source)``; both on the CPU, ``nbytes`` the bytes copied."""
@@ -548,10 +719,11 @@ class PendingCopies:
 
     def flush(self) -> None:
         """Perform the pending copies."""
+        if self.runs:
+            self._view_runs()
         dests, sources, others, mapped = self.dests, self.sources, self.others, self.mapped
         self.clear()
-        for (mapping, dtype, lengths, strides), (starts, targets) in mapped.items():
-            typed = mapping.typed(dtype)
+        for (_, lengths, strides), (typed, starts, targets) in mapped.items():
             count, step = len(starts), starts[-1] - starts[0]
             if count > 1 and step > 0 and step % (count - 1) == 0 and starts == list(
                     range(starts[0], starts[-1] + 1, step // (count - 1))):

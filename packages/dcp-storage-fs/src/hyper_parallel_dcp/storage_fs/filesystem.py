@@ -39,6 +39,7 @@ from hyper_parallel_dcp.core.metadata import (
 )
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -51,7 +52,7 @@ from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, Stor
 from . import direct_read
 from .atomic import PendingFile, fsync_dir, write_file_atomic, write_file_pending
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
-from .direct_read import AdjacentReads, FileMapping, PendingCopies, read_slice, span_from_strides
+from .direct_read import AdjacentReads, FileMapping, MappingArena, PendingCopies, read_slice, span_from_strides
 from .rank_files import objects_file_name, tensors_file_name, with_stored_as, write_rank_files
 from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
 from .safetensors_stream import (
@@ -435,11 +436,12 @@ class _OpenFile:
             self._raw_header = None
         return self._header
 
-    def mapping(self) -> Optional[FileMapping]:
-        """The file mapped for strided copies (``None`` where it cannot be mapped)."""
+    def mapping(self, arena: Optional[MappingArena] = None) -> Optional[FileMapping]:
+        """The file mapped for strided copies, in a slot of ``arena`` if it has one free
+        (``None`` where it cannot be mapped)."""
         if not self._mapping_tried:
             self._mapping_tried = True
-            self._mapping = FileMapping.open(self.fd, self.size)
+            self._mapping = FileMapping.open(self.fd, self.size, arena)
         return self._mapping
 
     def hash_range(self, offset: int, length: int) -> str:
@@ -465,6 +467,8 @@ class _OpenFile:
 #: a read stream completes and yields its reads in batches of this many or this size
 _BATCH_ITEMS = 256
 _BATCH_BYTES = 32 << 20
+#: the most address space a reader reserves for its files' mappings (see MappingArena)
+_ARENA_MAX_BYTES = 1 << 42
 
 
 # A stored chunk's checked location: (file, first data byte, shape, row-major strides,
@@ -487,9 +491,11 @@ class FileSystemReader(StorageReader):
     """Reads a checkpoint directory: each item's slice straight into its destination.
 
     Every tensor read is ``read_into`` (``preadv`` of the slice's byte span into the
-    destination, see ``direct_read``), every object read ``read_object``; a plain
-    load (``execute_read``) and a broadcast load both run them through
-    ``core.storage.read_items``, in the global ``(fqn, offset)`` order.  Up to
+    destination, see ``direct_read``), every object read ``read_object``, in the global
+    ``(fqn, offset)`` order: a broadcast load through ``core.storage.read_items``, a
+    plain load (``execute_read``) through the same batches with the planner's regions
+    (``LoadPlanner.resolve_region``: no view per read, the column slices one tensor
+    takes from several files copied as one from a ``MappingArena``).  Up to
     ``HP_DCP_FILES_KEPT`` files (default 8) stay open.  ``bytes_read`` counts the file
     bytes the reads span (a column slice spans every row it touches).
     ``verify`` checks the xxh3 checksum of every stored chunk a read touches (the whole
@@ -517,6 +523,9 @@ class FileSystemReader(StorageReader):
         # waiting for one preadv
         self._copies = PendingCopies()
         self._reads = AdjacentReads()
+        # where the open files are mapped (reserved on the first mapping; see _reserve_arena)
+        self._arena: Optional[MappingArena] = None
+        self._arena_tried = False
         self.bytes_read = 0
         self.files_kept = FILES_KEPT.get()
 
@@ -576,6 +585,25 @@ class FileSystemReader(StorageReader):
         self._latest = None
         while self._handles:
             self._handles.popitem()[1].close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        self._arena_tried = False
+
+    def _reserve_arena(self) -> Optional[MappingArena]:
+        """The arena the open files are mapped in: one slot per file that can be open at
+        once (``files_kept``), each the size of the checkpoint's largest file; ``None``
+        for a checkpoint of one file, one whose file sizes the metadata does not record,
+        or where the address space cannot be reserved (each file is then mapped alone)."""
+        if not self._arena_tried:
+            self._arena_tried = True
+            sizes = self.metadata.files.values() if self.metadata is not None else ()
+            if len(sizes) > 1:
+                slot = max(sizes)
+                slots = min(len(sizes), self.files_kept, _ARENA_MAX_BYTES // max(slot, 1))
+                if slots > 1:
+                    self._arena = MappingArena.reserve(slot, slots)
+        return self._arena
 
     def _open(self, name: str) -> _OpenFile:
         opened = self._handles.get(name)
@@ -723,10 +751,15 @@ class FileSystemReader(StorageReader):
                                      tuple(row_major_strides(chunk_sizes)), dtype)
         return found
 
-    def _read(self, item: ReadItem, dest: torch.Tensor) -> None:
+    def _read(self, item: ReadItem, dest: torch.Tensor, offset: Optional[int] = None,
+              dest_strides: tuple[int, ...] = ()) -> None:
         """Start filling ``dest`` with ``item``'s slice: done, or pending in the batch that
         ``_finish_pending`` completes (a copy from the file's mapping, or a read that joins
-        the previous one's ``preadv`` because its bytes follow them in the file)."""
+        the previous one's ``preadv`` because its bytes follow them in the file).
+
+        With ``offset``, ``dest`` is the tensor of a region (``LoadPlanner.resolve_region``):
+        the slice goes into ``dest.as_strided(item.lengths, dest_strides, offset)``, a
+        view made only if the read needs one (not for a copy from a mapping)."""
         index = item.storage_index
         chunk = self._chunks.get((index.fqn, index.offset))
         if chunk is None:
@@ -742,6 +775,8 @@ class FileSystemReader(StorageReader):
             geometry = self._slice_span(opened, item, sizes, strides)
         first, span, contiguous, count = geometry
         itemsize = dtype.itemsize
+        if offset is not None and contiguous:
+            dest, offset = dest.as_strided(lengths, dest_strides, offset), None
         if contiguous and self._reads.add(opened.fd, opened.name, data_offset + first * itemsize, dest, dtype):
             self.bytes_read += span * itemsize
             return
@@ -749,13 +784,19 @@ class FileSystemReader(StorageReader):
         # loaded as Shard(0)): copied from the mapping, not through a fresh span buffer
         nbytes = span * itemsize
         if dest.is_cpu and span and nbytes >= direct_read.MAPPED_SLICE_MIN_BYTES:
-            mapping = opened.mapping()
+            mapping = opened.mapping(self._arena or self._reserve_arena())
             start = None if mapping is None else mapping.slice_start(data_offset, dtype, first, span)
             if start is not None:
                 assert mapping is not None
-                self._copies.add_mapped(dest, mapping, dtype, start, lengths, strides, count * itemsize)
+                if offset is None:
+                    self._copies.add_mapped(dest, mapping, dtype, start, lengths, strides, count * itemsize)
+                else:
+                    self._copies.add_region(dest, offset, dest_strides, mapping, dtype, start, lengths, strides,
+                                            count * itemsize)
                 self.bytes_read += nbytes
                 return
+        if offset is not None:
+            dest = dest.as_strided(lengths, dest_strides, offset)
         spanned, source = read_slice(opened.fd, opened.name, data_offset, sizes, dtype, item.storage_offsets,
                                      lengths, dest, None, strides)
         self.bytes_read += spanned
@@ -804,29 +845,43 @@ class FileSystemReader(StorageReader):
         batch is yielded, in order, once complete.  Per read this saves the system call
         and the copy's dispatch (2000 small tensors: ~10 us of ~25 us a read).  A subclass
         that overrides ``read_into`` or ``read_object`` gets the item-by-item default."""
-        if type(self).read_into is not FileSystemReader.read_into or (
-                type(self).read_object is not FileSystemReader.read_object):
+        if not self._reads_alike():
             # a subclass that changes how one item is read (a bandwidth throttle, a
             # fault injection) still sees every read
             yield from super().read_stream(reads)
             return
+        yield from self._batched((item, dest, None, ()) for item, dest in reads)
+
+    def _reads_alike(self) -> bool:
+        """Whether ``read_into`` and ``read_object`` are this class's (a subclass that
+        changes them reads item by item, through them)."""
+        cls = type(self)
+        return cls.read_into is FileSystemReader.read_into and cls.read_object is FileSystemReader.read_object
+
+    def _batched(self, reads: Iterable[tuple[ReadItem, Any, Optional[int], tuple[int, ...]]]
+                 ) -> Iterator[tuple[ReadItem, Any]]:
+        """``read_stream`` of ``(item, destination, region offset, region strides)``
+        (``_read``'s arguments; destination ``None`` for an object): yields each read but
+        those into a region, once its batch is complete."""
         batch: list[tuple[ReadItem, Any]] = []
-        nbytes = 0
+        count = nbytes = 0
         read = self._read
         try:
-            for pair in reads:
-                item, dest = pair
+            for item, dest, offset, strides in reads:
                 if dest is None:
                     batch.append((item, self.read_object(item)))
-                else:
+                elif offset is None:
                     read(item, dest)
-                    batch.append(pair)  # (item, its filled destination), as yielded
+                    batch.append((item, dest))  # (item, its filled destination), as yielded
                     nbytes += dest.nbytes
-                if len(batch) >= _BATCH_ITEMS or nbytes >= _BATCH_BYTES:
+                else:
+                    read(item, dest, offset, strides)  # filled in place: nothing to yield
+                count += 1
+                if count >= _BATCH_ITEMS or nbytes >= _BATCH_BYTES:
                     self._finish_pending()
                     yield from batch
                     batch = []
-                    nbytes = 0
+                    count = nbytes = 0
             self._finish_pending()
             yield from batch
         finally:
@@ -858,5 +913,20 @@ class FileSystemReader(StorageReader):
         return deserialize_object(blob, fqn=item.storage_index.fqn, file=str(file))
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """``read_items`` of this rank's items, in file order; reads into part of a plain
+        tensor go to the planner's region (``resolve_region``): no view per read, and
+        the row blocks of a column slice become one copy (``PendingCopies.add_region``)."""
         mine = [it for it in plan.items if it.source is None or it.source == self.rank]
-        read_items(self, planner, self.sort_items(mine))
+        items = self.sort_items(mine)
+        region = getattr(planner, "resolve_region", None)
+        if region is None or not self._reads_alike():
+            read_items(self, planner, items)
+            return
+        byte_io = LoadItemType.BYTE_IO
+        commit_tensor, load_bytes = planner.commit_tensor, planner.load_bytes
+        reads = ((item, None, None, ()) if item.type is byte_io else (item, *region(item)) for item in items)
+        for item, value in self._batched(reads):
+            if item.type is byte_io:
+                load_bytes(item, value)
+            else:
+                commit_tensor(item, value)

@@ -1,0 +1,217 @@
+"""Files mapped in one arena, and column slices of one tensor from several files copied
+as one (``MappingArena``, ``PendingCopies.add_region``, the reader's regions).
+
+Every value is checked against what was written; the copies made are counted at
+``torch._foreach_copy_``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hyper_parallel_dcp.core.chunks import ChunkBox
+from hyper_parallel_dcp.core.layout import TensorShards
+from hyper_parallel_dcp.core.load_planning import StandardLoadPlanner
+from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
+from hyper_parallel_dcp.core.testing import run_distributed
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, direct_read
+from hyper_parallel_dcp.storage_fs.direct_read import FileMapping, MappingArena, PendingCopies
+
+COLS = 256  # int16 rows of 512 bytes
+
+
+def _write(tmp_path, name: str, rows: int, seed: int, prefix: int = 8):
+    values = (torch.arange(rows * COLS, dtype=torch.int32) * 7 + seed).remainder(30011).to(torch.int16)
+    path = tmp_path / name
+    path.write_bytes(b"h" * prefix + values.numpy().tobytes())
+    return values.view(rows, COLS), os.open(path, os.O_RDONLY)
+
+
+def _mapped_lines(tmp_path) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(str(tmp_path) in line for line in maps)
+
+
+@pytest.fixture
+def files(tmp_path):
+    opened = [_write(tmp_path, f"f{i}.bin", rows, seed=i) for i, rows in enumerate((64, 64, 40, 200))]
+    yield opened
+    for _, fd in opened:
+        os.close(fd)
+
+
+def _slice(mapping: FileMapping, rows: int, r0: int, nrows: int, c0: int, ncols: int) -> torch.Tensor:
+    first = r0 * COLS + c0
+    start = mapping.slice_start(8, torch.int16, first, (nrows - 1) * COLS + ncols)
+    assert start is not None
+    return mapping.typed(torch.int16).as_strided((nrows, ncols), (COLS, 1), start)
+
+
+def test_files_share_the_arena_in_slots_that_are_freed_and_taken_again(tmp_path, files):
+    """Files fit in slots of the first file's size: each is read through the arena's one
+    view; a file larger than a slot, or one more than the slots, is mapped alone; a
+    closed file's slot takes the next file.  Closing the arena unmaps every file."""
+    slot = 8 + 64 * COLS * 2
+    arena = MappingArena.reserve(slot, 2)
+    assert arena is not None, "Linux reserves address space"
+    (v0, fd0), (v1, fd1), (v2, fd2), (v3, fd3) = files
+    m0 = FileMapping.open(fd0, os.fstat(fd0).st_size, arena)
+    m1 = FileMapping.open(fd1, os.fstat(fd1).st_size, arena)
+    alone = FileMapping.open(fd2, os.fstat(fd2).st_size, arena)  # no free slot
+    large = FileMapping.open(fd3, os.fstat(fd3).st_size, arena)  # larger than a slot
+    assert m0 and m1 and alone and large
+    typed = arena.typed(torch.int16)
+    assert m0.typed(torch.int16) is typed and m1.typed(torch.int16) is typed
+    assert alone.typed(torch.int16) is not typed and large.typed(torch.int16) is not typed
+    for mapping, values in ((m0, v0), (m1, v1), (alone, v2), (large, v3)):
+        rows = values.shape[0]
+        assert torch.equal(_slice(mapping, rows, 3, rows - 5, 17, 100), values[3:rows - 2, 17:117])
+    # the same chunk of two files lies one slot apart
+    assert _slice(m1, 64, 0, 1, 0, 1).data_ptr() - _slice(m0, 64, 0, 1, 0, 1).data_ptr() == arena.slot_bytes
+    m0.close()
+    again = FileMapping.open(fd2, os.fstat(fd2).st_size, arena)  # slot 0 again
+    assert again is not None and again.typed(torch.int16) is typed
+    assert torch.equal(_slice(again, 40, 0, 40, 0, COLS), v2)
+    assert torch.equal(_slice(m1, 64, 0, 64, 0, COLS), v1)  # the other slot is untouched
+    for mapping in (m1, alone, large, again):
+        mapping.close()
+    arena.close()
+    direct_read.wait_for_unmaps()
+    assert _mapped_lines(tmp_path) == 0
+    assert FileMapping.open(fd0, os.fstat(fd0).st_size, arena) is not None  # a closed arena: mapped alone
+
+
+@pytest.fixture
+def counted_copies(monkeypatch):
+    shapes: list[list[tuple[int, ...]]] = []
+    copy = torch._foreach_copy_
+
+    def counting(dests, sources):
+        shapes.append([tuple(d.shape) for d in dests])
+        return copy(dests, sources)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counting)
+    return shapes
+
+
+def test_regions_of_one_tensor_evenly_spaced_in_the_arena_are_one_copy(files, counted_copies):
+    """Row blocks of a column slice from two files (in either order), from three files
+    evenly and unevenly spaced, two tensors' slices in one flat buffer, and one region
+    cast to another dtype: each evenly spaced stretch is one copy, each region left one
+    copy; every value lands in place (the flat buffer's gap untouched)."""
+    (v0, fd0), (v1, fd1), (v2, fd2), (v3, fd3) = files
+    slot = 8 + 200 * COLS * 2
+    arena = MappingArena.reserve(slot, 4)
+    assert arena is not None
+    m = [FileMapping.open(fd, os.fstat(fd).st_size, arena) for fd in (fd0, fd1, fd2, fd3)]
+    assert all(m)
+    pending = PendingCopies()
+    half = COLS // 2
+    strides = (COLS, 1)
+
+    def add(dest, block, file, r0, nrows, c0):
+        start = m[file].slice_start(8, torch.int16, r0 * COLS + c0, (nrows - 1) * COLS + half)
+        assert start is not None
+        pending.add_region(dest, block * nrows * half, (half, 1), m[file], torch.int16, start, (nrows, half),
+                           strides, nrows * half * 2)
+
+    two = torch.empty(2 * 32, half, dtype=torch.int16)
+    add(two, 0, 0, 32, 32, half)
+    add(two, 1, 1, 32, 32, half)
+    backwards = torch.empty(2 * 16, half, dtype=torch.int16)
+    add(backwards, 1, 1, 0, 16, 0)
+    add(backwards, 0, 0, 0, 16, 0)
+    even = torch.empty(3 * 8, half, dtype=torch.int16)  # files 0, 1, 2: one slot apart
+    for block in range(3):
+        add(even, block, block, 4, 8, 3)
+    uneven = torch.empty(3 * 8, half, dtype=torch.int16)  # files 0, 1, 3: the first two evenly
+    for block, file in enumerate((0, 1, 3)):
+        add(uneven, block, file, 4, 8, 3)
+    # two tensors' column slices in one flat buffer (a flat-parameter optimizer's), with a
+    # gap between them: each tensor's two row blocks are one copy
+    flat = torch.full((7 + 4 * 4 * half,), -1, dtype=torch.int16)
+    for block, (file, r0) in enumerate(((0, 50), (1, 50), (0, 60), (1, 60))):
+        start = m[file].slice_start(8, torch.int16, r0 * COLS, 3 * COLS + half)
+        assert start is not None
+        pending.add_region(flat, 7 * (block >= 2) + block * 4 * half, (half, 1), m[file], torch.int16, start,
+                           (4, half), strides, 4 * half * 2)
+    pending.flush()
+    assert sorted(counted_copies[0]) == sorted([(2, 32, half), (2, 16, half), (3, 8, half), (2, 8, half), (8, half),
+                                                (2, 4, half), (2, 4, half)])
+    assert torch.equal(two, torch.cat([v0[32:64, half:], v1[32:64, half:]]))
+    assert torch.equal(backwards, torch.cat([v0[:16, :half], v1[:16, :half]]))
+    assert torch.equal(even, torch.cat([v[4:12, 3:3 + half] for v in (v0, v1, v2)]))
+    assert torch.equal(uneven, torch.cat([v[4:12, 3:3 + half] for v in (v0, v1, v3)]))
+    blocks = [v[r0:r0 + 4, :half].flatten() for r0 in (50, 60) for v in (v0, v1)]
+    assert torch.equal(flat, torch.cat([blocks[0], blocks[1], torch.full((7,), -1, dtype=torch.int16),
+                                        blocks[2], blocks[3]]))
+
+    cast = torch.empty(16, half, dtype=torch.float32)  # another dtype: copied alone, cast
+    start = m[0].slice_start(8, torch.int16, 0, 15 * COLS + half)
+    assert start is not None
+    pending.add_region(cast, 0, (half, 1), m[0], torch.int16, start, (16, half), strides, 16 * half * 2)
+    pending.flush()
+    assert torch.equal(cast, v0[:16, :half].float())
+    for mapping in m:
+        mapping.close()
+    arena.close()
+
+
+SHAPE = (48, 40)
+
+
+def _save_rows(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {f"w{i}": distribute_tensor(_full(i), mesh, [Shard(0)]) for i in range(6)}
+    state["step"] = 7
+    save_state_dict(state, FileSystemWriter(path))
+
+
+def _full(i: int) -> torch.Tensor:
+    return (torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float32).view(SHAPE) * (i + 1)).to(torch.bfloat16)
+
+
+class _Committing(StandardLoadPlanner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.committed = 0
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        self.committed += 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("planner_cls", [StandardLoadPlanner, _Committing])
+def test_a_column_slice_of_row_sharded_files_loads_in_one_copy_a_tensor(tmp_path, counted_copies, planner_cls):
+    """Shard(0) saved on 2 ranks, a column slice of every tensor loaded in one process:
+    each tensor's two row blocks (one from each rank's file) are one copy; a planner that
+    changes ``commit_tensor`` sees every read instead (one copy a read).  Both arena
+    files are unmapped once the reader is dropped."""
+    path = tmp_path / "ck"
+    run_distributed(_save_rows, 2, str(path))
+    target = {f"w{i}": TensorShards(SHAPE, torch.bfloat16, [(ChunkBox((0, 8), (SHAPE[0], 24)),
+                                                             torch.zeros(SHAPE[0], 24, dtype=torch.bfloat16))])
+              for i in range(6)}
+    target["step"] = 0
+    planner = planner_cls()
+    reader = FileSystemReader(path)
+    load_state_dict(target, reader, planner, no_dist=True)
+    for i in range(6):
+        assert torch.equal(target[f"w{i}"].pieces[0][1], _full(i)[:, 8:32]), i
+    assert planner.loaded_objects == {"step": 7}
+    copies = sorted(shape for batch in counted_copies for shape in batch)
+    half = SHAPE[0] // 2
+    if planner_cls is StandardLoadPlanner:
+        assert copies == [(2, half, 24)] * 6
+    else:
+        assert copies == [(half, 24)] * 12 and planner.committed == 12
+    assert _mapped_lines(path) == 2
+    del reader
+    direct_read.wait_for_unmaps()
+    assert _mapped_lines(path) == 0
