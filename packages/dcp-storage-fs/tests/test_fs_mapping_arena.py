@@ -215,3 +215,22 @@ def test_a_column_slice_of_row_sharded_files_loads_in_one_copy_a_tensor(tmp_path
     del reader
     direct_read.wait_for_unmaps()
     assert _mapped_lines(path) == 0
+
+
+@pytest.mark.distributed
+def test_files_cycling_through_fewer_slots_than_files_load_every_value(tmp_path):
+    """Shard(0) saved on 4 ranks, a column slice of every tensor loaded in one process
+    that keeps 2 files open: every tensor takes a block from each of the 4 files, so
+    files are closed with regions pending and their slots taken by the next file."""
+    path = tmp_path / "ck"
+    run_distributed(_save_rows, 4, str(path))
+    target = {f"w{i}": TensorShards(SHAPE, torch.bfloat16, [(ChunkBox((0, 5), (SHAPE[0], 30)),
+                                                             torch.zeros(SHAPE[0], 30, dtype=torch.bfloat16))])
+              for i in range(6)}
+    reader = FileSystemReader(path)
+    reader.files_kept = 2
+    load_state_dict(target, reader, no_dist=True)
+    for i in range(6):
+        assert torch.equal(target[f"w{i}"].pieces[0][1], _full(i)[:, 5:35]), i
+    assert reader._arena is not None and reader._arena.size == 2 * reader._arena.slot_bytes
+    assert _mapped_lines(path) <= 2
