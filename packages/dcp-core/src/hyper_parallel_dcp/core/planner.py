@@ -75,7 +75,7 @@ class SavePlan:
     save_id: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ReadItem:
     """Copy ``lengths`` elements from a stored chunk into a local shard.
 
@@ -92,6 +92,22 @@ class ReadItem:
     storage_offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     source: int | None = None
+
+    def __init__(self, type: LoadItemType, dest_index: MetadataIndex, dest_offsets: tuple[int, ...],
+                 storage_index: MetadataIndex, storage_offsets: tuple[int, ...], lengths: tuple[int, ...],
+                 source: int | None = None) -> None:
+        # As MetadataIndex: the same frozen instance as the generated __init__ makes, in a
+        # quarter of the time (2.0 -> 0.5 us on the 2-core dev machine); a load plan has
+        # one per (target piece, stored chunk) pair, 4000 a rank for 2000 small tensors
+        # resharded on 2 ranks.
+        values = self.__dict__
+        values["type"] = type
+        values["dest_index"] = dest_index
+        values["dest_offsets"] = dest_offsets
+        values["storage_index"] = storage_index
+        values["storage_offsets"] = storage_offsets
+        values["lengths"] = lengths
+        values["source"] = source
 
 
 @dataclass(frozen=True)
