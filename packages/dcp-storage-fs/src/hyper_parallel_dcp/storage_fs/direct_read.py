@@ -239,13 +239,14 @@ class FileMapping:
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole mapping viewed as ``dtype`` (its last bytes short of an element left
         out); in an arena, the whole arena (``slice_start`` counts from its start)."""
-        if self._arena is not None:
-            return self._arena.typed(dtype)
         typed = self._typed.get(dtype)
         if typed is None:
-            assert self._data is not None
-            itemsize = dtype.itemsize
-            typed = self._typed[dtype] = self._data[:self.size - self.size % itemsize].view(dtype)
+            if self._arena is not None:
+                typed = self._typed[dtype] = self._arena.typed(dtype)
+            else:
+                assert self._data is not None
+                itemsize = dtype.itemsize
+                typed = self._typed[dtype] = self._data[:self.size - self.size % itemsize].view(dtype)
         return typed
 
     def _populate(self, start: int, end: int) -> bool:
@@ -659,17 +660,17 @@ class PendingCopies:
         group[1].append(start)
         group[2].append(dest)
 
-    def add_region(self, tensor: torch.Tensor, offset: int, dest_strides: tuple[int, ...], mapping: FileMapping,
-                   dtype: torch.dtype, start: int, lengths: tuple[int, ...], strides: tuple[int, ...],
-                   nbytes: int) -> None:
+    def add_region(self, tensor: torch.Tensor, offset: int, dest_strides: tuple[int, ...], typed: torch.Tensor,
+                   start: int, lengths: tuple[int, ...], strides: tuple[int, ...], nbytes: int) -> None:
         """``add_mapped`` into ``tensor.as_strided(lengths, dest_strides, offset)`` (a CPU
-        tensor), without making that view now.  Consecutive regions of one tensor whose
+        tensor), without making that view now; the source is ``typed`` (a mapping's
+        ``FileMapping.typed``) at element ``start``.  Consecutive regions of one tensor whose
         offsets and sources are evenly spaced (the row blocks of a column slice, each
         from one rank's file, in a :class:`MappingArena`) are copied as one: one view of
         each side with the block as an extra leading dimension.  A Shard(0) -> Shard(1)
         load of 2000 small tensors on 2 ranks makes 2000 copies a rank instead of 4000.
         """
-        typed = mapping.typed(dtype)
+        dtype = typed.dtype
         if tensor.dtype is not dtype or dtype not in _PLAIN or nbytes >= _WIDE_MIN_BYTES:
             self.others.append((tensor.as_strided(lengths, dest_strides, offset),
                                 typed.as_strided(lengths, strides, start)))

@@ -421,8 +421,10 @@ class _OpenFile:
         self._raw_header: Optional[bytes] = raw_header
         self._header: Optional[dict[str, HeaderEntry]] = None
         self._map: Optional[mmap.mmap] = None
-        self._mapping: Optional[FileMapping] = None
-        self._mapping_tried = False
+        # the file's FileMapping once mapping() has made it (None before, or where it
+        # cannot be mapped): read directly by the reader's per-read path
+        self.mapped: Optional[FileMapping] = None
+        self.mapping_tried = False
 
     def parse_header(self) -> dict[str, HeaderEntry]:
         """The parsed header (parsed once); raises :class:`CorruptCheckpointError` naming the file."""
@@ -439,10 +441,10 @@ class _OpenFile:
     def mapping(self, arena: Optional[MappingArena] = None) -> Optional[FileMapping]:
         """The file mapped for strided copies, in a slot of ``arena`` if it has one free
         (``None`` where it cannot be mapped)."""
-        if not self._mapping_tried:
-            self._mapping_tried = True
-            self._mapping = FileMapping.open(self.fd, self.size, arena)
-        return self._mapping
+        if not self.mapping_tried:
+            self.mapping_tried = True
+            self.mapped = FileMapping.open(self.fd, self.size, arena)
+        return self.mapped
 
     def hash_range(self, offset: int, length: int) -> str:
         """xxh3-64 of the file's bytes ``[offset, offset + length)``, hashed in place (mmap)."""
@@ -458,9 +460,9 @@ class _OpenFile:
         if self._map is not None:
             self._map.close()
             self._map = None
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
         self.fobj.close()
 
 
@@ -775,25 +777,27 @@ class FileSystemReader(StorageReader):
             geometry = self._slice_span(opened, item, sizes, strides)
         first, span, contiguous, count = geometry
         itemsize = dtype.itemsize
-        if offset is not None and contiguous:
-            dest, offset = dest.as_strided(lengths, dest_strides, offset), None
-        if contiguous and self._reads.add(opened.fd, opened.name, data_offset + first * itemsize, dest, dtype):
-            self.bytes_read += span * itemsize
-            return
+        if contiguous:
+            if offset is not None:
+                dest, offset = dest.as_strided(lengths, dest_strides, offset), None
+            if self._reads.add(opened.fd, opened.name, data_offset + first * itemsize, dest, dtype):
+                self.bytes_read += span * itemsize
+                return
         # a column slice, or a row slice into a strided destination (a Shard(1) chunk
         # loaded as Shard(0)): copied from the mapping, not through a fresh span buffer
-        nbytes = span * itemsize
-        if dest.is_cpu and span and nbytes >= direct_read.MAPPED_SLICE_MIN_BYTES:
-            mapping = opened.mapping(self._arena or self._reserve_arena())
+        if span and dest.is_cpu and span * itemsize >= direct_read.MAPPED_SLICE_MIN_BYTES:
+            mapping = opened.mapped
+            if mapping is None and not opened.mapping_tried:
+                mapping = opened.mapping(self._arena or self._reserve_arena())
             start = None if mapping is None else mapping.slice_start(data_offset, dtype, first, span)
             if start is not None:
                 assert mapping is not None
                 if offset is None:
                     self._copies.add_mapped(dest, mapping, dtype, start, lengths, strides, count * itemsize)
                 else:
-                    self._copies.add_region(dest, offset, dest_strides, mapping, dtype, start, lengths, strides,
-                                            count * itemsize)
-                self.bytes_read += nbytes
+                    self._copies.add_region(dest, offset, dest_strides, mapping.typed(dtype), start, lengths,
+                                            strides, count * itemsize)
+                self.bytes_read += span * itemsize
                 return
         if offset is not None:
             dest = dest.as_strided(lengths, dest_strides, offset)
