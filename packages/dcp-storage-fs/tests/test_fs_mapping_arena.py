@@ -35,6 +35,20 @@ def _mapped_lines(tmp_path) -> int:
         return sum(str(tmp_path) in line for line in maps)
 
 
+def _reserved_in(start: int, end: int) -> list[str]:
+    """The lines of /proc/self/maps of address space reserved without access (an arena's
+    ``PROT_NONE`` stretch) that overlap ``[start, end)``."""
+    with open("/proc/self/maps") as maps:
+        lines = maps.readlines()
+    found = []
+    for line in lines:
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if fields[1] == "---p" and low < end and high > start:
+            found.append(line)
+    return found
+
+
 @pytest.fixture
 def files(tmp_path):
     opened = [_write(tmp_path, f"f{i}.bin", rows, seed=i) for i, rows in enumerate((64, 64, 40, 200))]
@@ -57,6 +71,11 @@ def test_files_share_the_arena_in_slots_that_are_freed_and_taken_again(tmp_path,
     slot = 8 + 64 * COLS * 2
     arena = MappingArena.reserve(slot, 2)
     assert arena is not None, "Linux reserves address space"
+    # slots on 2 MiB boundaries (a 2 MiB page-cache folio maps with one page-table entry)
+    assert arena.base % (2 << 20) == 0 and arena.slot_bytes == 2 << 20
+    reserved = arena._reserved
+    assert reserved[0] <= arena.base and arena.base + arena.size <= reserved[0] + reserved[1]
+    assert _reserved_in(reserved[0], reserved[0] + reserved[1]), "the stretch is reserved"
     (v0, fd0), (v1, fd1), (v2, fd2), (v3, fd3) = files
     m0 = FileMapping.open(fd0, os.fstat(fd0).st_size, arena)
     m1 = FileMapping.open(fd1, os.fstat(fd1).st_size, arena)
@@ -76,11 +95,22 @@ def test_files_share_the_arena_in_slots_that_are_freed_and_taken_again(tmp_path,
     assert again is not None and again.typed(torch.int16) is typed
     assert torch.equal(_slice(again, 40, 0, 40, 0, COLS), v2)
     assert torch.equal(_slice(m1, 64, 0, 64, 0, COLS), v1)  # the other slot is untouched
-    for mapping in (m1, alone, large, again):
+    m1.close()
+    # a free slot, but a file larger than a slot: mapped alone
+    big, big_fd = _write(tmp_path, "big.bin", (2 << 20) // (2 * COLS) + 1, seed=5)
+    try:
+        beyond = FileMapping.open(big_fd, os.fstat(big_fd).st_size, arena)
+        assert beyond is not None and beyond.typed(torch.int16) is not typed
+        assert torch.equal(_slice(beyond, big.shape[0], 4090, 5, 3, 9), big[4090:4095, 3:12])
+        beyond.close()
+    finally:
+        os.close(big_fd)
+    for mapping in (alone, large, again):
         mapping.close()
     arena.close()
     direct_read.wait_for_unmaps()
     assert _mapped_lines(tmp_path) == 0
+    assert _reserved_in(reserved[0], reserved[0] + reserved[1]) == []  # the reservation too
     assert FileMapping.open(fd0, os.fstat(fd0).st_size, arena) is not None  # a closed arena: mapped alone
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import mmap
 import os
 import sys
 import threading
@@ -313,11 +312,13 @@ class FileMapping:
 
 
 _PROT_NONE, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0, 2, 0x10, 0x20, 0x4000
+# a huge page on x86-64 (and the largest folio the save's aligned writes make)
+_FOLIO_ALIGN = 2 << 20
 
 
 class MappingArena:
     """One stretch of address space in which a reader maps its files, each in a slot of
-    the same size (the largest file's, rounded up to a page).
+    the same size (the largest file's, rounded up to ``_FOLIO_ALIGN``).
 
     A column slice of a tensor sharded by rows reads one block of rows from each rank's
     file.  Ranks' files of one save hold their chunks at the same offsets, so in slots
@@ -329,12 +330,20 @@ class MappingArena:
     is mapped over its slot with ``MAP_FIXED`` and stays mapped until another file takes
     the slot (which replaces the mapping in one call) or ``close`` unmaps the stretch
     on the unmapping thread.  ``reserve`` returns ``None`` where the kernel refuses.
+
+    Every slot starts on a 2 MiB boundary, as the kernel places a file mapped alone: a
+    2 MiB page-cache folio (``HP_DCP_ALIGNED_WRITES=1``) is then mapped with one
+    page-table entry.  With slots only page-aligned, a 125 MiB file's populate took
+    3.8 ms instead of 0.1 (measured on the 2-core dev machine), and every 4 KiB page of
+    a strided copy was a TLB entry of its own.
     """
 
-    def __init__(self, base: int, slot_bytes: int, slots: int) -> None:
+    def __init__(self, base: int, slot_bytes: int, slots: int, reserved: tuple[int, int] | None = None) -> None:
         self.base = base
         self.slot_bytes = slot_bytes
         self.size = slot_bytes * slots
+        # the whole reservation (it may begin below base, to align base), unmapped at close
+        self._reserved = reserved if reserved is not None else (base, self.size)
         self.data: torch.Tensor | None = torch.frombuffer(
             (ctypes.c_char * self.size).from_address(base), dtype=torch.uint8)
         self._typed: dict[torch.dtype, torch.Tensor] = {}
@@ -342,15 +351,16 @@ class MappingArena:
 
     @classmethod
     def reserve(cls, slot_bytes: int, slots: int) -> MappingArena | None:
-        """An arena of ``slots`` slots of at least ``slot_bytes`` each, or ``None``."""
+        """An arena of ``slots`` slots of at least ``slot_bytes`` each, each starting on a
+        ``_FOLIO_ALIGN`` boundary, or ``None``."""
         if _LIBC is None or slot_bytes <= 0 or slots <= 0:
             return None
-        page = mmap.PAGESIZE
-        slot_bytes = -(-slot_bytes // page) * page
-        addr = _LIBC[0](None, slot_bytes * slots, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        slot_bytes = -(-slot_bytes // _FOLIO_ALIGN) * _FOLIO_ALIGN
+        size = slot_bytes * slots + _FOLIO_ALIGN  # room to move the start to a boundary
+        addr = _LIBC[0](None, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         if addr is None or addr == _MAP_FAILED:
             return None
-        return cls(addr, slot_bytes, slots)
+        return cls(-(-addr // _FOLIO_ALIGN) * _FOLIO_ALIGN, slot_bytes, slots, (addr, size))
 
     def place(self, fd: int, size: int) -> tuple[int, int] | None:
         """Map the file open as ``fd`` (``size`` bytes) read-only in a free slot: ``(slot,
@@ -392,7 +402,7 @@ class MappingArena:
             self.data = None
             self._typed.clear()
             self._free.clear()
-            _UNMAPPER.unmap(self.base, self.size)
+            _UNMAPPER.unmap(*self._reserved)
 
     def __del__(self) -> None:
         try:
