@@ -143,10 +143,9 @@ def test_regions_of_one_tensor_evenly_spaced_in_the_arena_are_one_copy(files, co
     strides = (COLS, 1)
 
     def add(dest, block, file, r0, nrows, c0):
-        start = m[file].slice_start(8, torch.int16, r0 * COLS + c0, (nrows - 1) * COLS + half)
-        assert start is not None
-        pending.add_region(dest, block * nrows * half, (half, 1), m[file].typed(torch.int16), start, (nrows, half),
-                           strides, nrows * half * 2)
+        # the first slice of a file populates its pages, the next ones lie in the populated run
+        assert pending.add_region(dest, block * nrows * half, (half, 1), m[file], torch.int16, 8, r0 * COLS + c0,
+                                  (nrows - 1) * COLS + half, (nrows, half), strides, nrows * half * 2)
 
     two = torch.empty(2 * 32, half, dtype=torch.int16)
     add(two, 0, 0, 32, 32, half)
@@ -164,10 +163,8 @@ def test_regions_of_one_tensor_evenly_spaced_in_the_arena_are_one_copy(files, co
     # gap between them: each tensor's two row blocks are one copy
     flat = torch.full((7 + 4 * 4 * half,), -1, dtype=torch.int16)
     for block, (file, r0) in enumerate(((0, 50), (1, 50), (0, 60), (1, 60))):
-        start = m[file].slice_start(8, torch.int16, r0 * COLS, 3 * COLS + half)
-        assert start is not None
-        pending.add_region(flat, 7 * (block >= 2) + block * 4 * half, (half, 1), m[file].typed(torch.int16), start,
-                           (4, half), strides, 4 * half * 2)
+        assert pending.add_region(flat, 7 * (block >= 2) + block * 4 * half, (half, 1), m[file], torch.int16, 8,
+                                  r0 * COLS, 3 * COLS + half, (4, half), strides, 4 * half * 2)
     pending.flush()
     assert sorted(counted_copies[0]) == sorted([(2, 32, half), (2, 16, half), (3, 8, half), (2, 8, half), (8, half),
                                                 (2, 4, half), (2, 4, half)])
@@ -180,9 +177,11 @@ def test_regions_of_one_tensor_evenly_spaced_in_the_arena_are_one_copy(files, co
                                         blocks[2], blocks[3]]))
 
     cast = torch.empty(16, half, dtype=torch.float32)  # another dtype: copied alone, cast
-    start = m[0].slice_start(8, torch.int16, 0, 15 * COLS + half)
-    assert start is not None
-    pending.add_region(cast, 0, (half, 1), m[0].typed(torch.int16), start, (16, half), strides, 16 * half * 2)
+    assert pending.add_region(cast, 0, (half, 1), m[0], torch.int16, 8, 0, 15 * COLS + half, (16, half), strides,
+                              16 * half * 2)
+    # a slice past the end of the file is refused, nothing queued
+    assert not pending.add_region(cast, 0, (half, 1), m[0], torch.int16, 8, 64 * COLS, COLS, (1, COLS), strides,
+                                  COLS * 2)
     pending.flush()
     assert torch.equal(cast, v0[:16, :half].float())
     for mapping in m:

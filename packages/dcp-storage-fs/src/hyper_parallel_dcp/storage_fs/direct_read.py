@@ -670,21 +670,37 @@ class PendingCopies:
         group[1].append(start)
         group[2].append(dest)
 
-    def add_region(self, tensor: torch.Tensor, offset: int, dest_strides: tuple[int, ...], typed: torch.Tensor,
-                   start: int, lengths: tuple[int, ...], strides: tuple[int, ...], nbytes: int) -> None:
-        """``add_mapped`` into ``tensor.as_strided(lengths, dest_strides, offset)`` (a CPU
-        tensor), without making that view now; the source is ``typed`` (a mapping's
-        ``FileMapping.typed``) at element ``start``.  Consecutive regions of one tensor whose
-        offsets and sources are evenly spaced (the row blocks of a column slice, each
-        from one rank's file, in a :class:`MappingArena`) are copied as one: one view of
-        each side with the block as an extra leading dimension.  A Shard(0) -> Shard(1)
-        load of 2000 small tensors on 2 ranks makes 2000 copies a rank instead of 4000.
+    def add_region(self, tensor: torch.Tensor, offset: int, dest_strides: tuple[int, ...], mapping: FileMapping,
+                   dtype: torch.dtype, data_offset: int, first: int, span: int, lengths: tuple[int, ...],
+                   strides: tuple[int, ...], nbytes: int) -> bool:
+        """Queue copying the slice of ``mapping`` that ``FileMapping.slice_start`` names
+        (``first``/``span`` elements of the chunk at byte ``data_offset``, shape ``lengths``,
+        ``strides``), its pages populated now, into ``tensor.as_strided(lengths,
+        dest_strides, offset)`` (a CPU tensor) without making that view now; ``False``
+        (nothing queued) where the pages cannot be populated.
+
+        Consecutive regions of one tensor whose offsets and sources are evenly spaced (the
+        row blocks of a column slice, each from one rank's file, in a
+        :class:`MappingArena`) are copied as one: one view of each side with the block as
+        an extra leading dimension.  A Shard(0) -> Shard(1) load of 2000 small tensors on 2
+        ranks makes 2000 copies a rank instead of 4000.  One call per read, the populated
+        run checked here: the reader's column slices run through it 4000 times a load.
         """
-        dtype = typed.dtype
+        itemsize = dtype.itemsize
+        begin = data_offset + first * itemsize
+        if mapping._low <= begin and begin + span * itemsize <= mapping._high and not begin % itemsize:
+            start: int | None = (mapping._origin + begin) // itemsize  # inside the populated run
+        else:
+            start = mapping.slice_start(data_offset, dtype, first, span)
+            if start is None:
+                return False
+        typed = mapping._typed.get(dtype)
+        if typed is None:
+            typed = mapping.typed(dtype)
         if tensor.dtype is not dtype or dtype not in _PLAIN or nbytes >= _WIDE_MIN_BYTES:
             self.others.append((tensor.as_strided(lengths, dest_strides, offset),
                                 typed.as_strided(lengths, strides, start)))
-            return
+            return True
         run = self._run
         if (run is not None and run[0] is tensor and run[1] is typed and run[2] == lengths and run[3] == dest_strides
                 and run[4] == strides):
@@ -693,6 +709,7 @@ class PendingCopies:
         else:
             self._run = run = [tensor, typed, lengths, dest_strides, strides, [offset], [start]]
             self.runs.append(run)
+        return True
 
     def _view_runs(self) -> None:
         """Turn the runs of ``add_region`` into destination views: one for each stretch of

@@ -789,16 +789,18 @@ class FileSystemReader(StorageReader):
             mapping = opened.mapped
             if mapping is None and not opened.mapping_tried:
                 mapping = opened.mapping(self._arena or self._reserve_arena())
-            start = None if mapping is None else mapping.slice_start(data_offset, dtype, first, span)
-            if start is not None:
-                assert mapping is not None
-                if offset is None:
-                    self._copies.add_mapped(dest, mapping, dtype, start, lengths, strides, count * itemsize)
+            if mapping is not None:
+                if offset is not None:
+                    if self._copies.add_region(dest, offset, dest_strides, mapping, dtype, data_offset, first, span,
+                                               lengths, strides, count * itemsize):
+                        self.bytes_read += span * itemsize
+                        return
                 else:
-                    self._copies.add_region(dest, offset, dest_strides, mapping.typed(dtype), start, lengths,
-                                            strides, count * itemsize)
-                self.bytes_read += span * itemsize
-                return
+                    start = mapping.slice_start(data_offset, dtype, first, span)
+                    if start is not None:
+                        self._copies.add_mapped(dest, mapping, dtype, start, lengths, strides, count * itemsize)
+                        self.bytes_read += span * itemsize
+                        return
         if offset is not None:
             dest = dest.as_strided(lengths, dest_strides, offset)
         spanned, source = read_slice(opened.fd, opened.name, data_offset, sizes, dtype, item.storage_offsets,
