@@ -209,6 +209,9 @@ MALFORMED = [
     (_v2_tensor(sizes=[2, 6, 2, -1]), r"sizes must hold integers >= 0, found -1"),
     (_v2_tensor(sizes=[2, 6, 2]), r"sizes must be a list of 4 integers"),
     (_v2_tensor(sizes=[3, 6]), r"offsets=\[2, 0\] sizes=\[3, 6\] does not fit"),
+    (_v2_tensor(sizes=[2, 6, 3, 6]), r"offsets=\[2, 0\] sizes=\[3, 6\] does not fit"),  # one size per chunk
+    (_v2_tensor(sizes=[2, -1]), r"sizes must hold integers >= 0, found -1"),  # one size for all, checked once
+    (_v2_tensor(sizes=[2, 6.0]), r"sizes must hold integers >= 0, found 6.0"),
     (_v2_tensor(checksum="00ff00ff00ff00ff"), r"checksum must be 2 xxh3 digests of 16 hex digits"),
     (_v2_tensor(checksum="00ff00ff00ff00ff0123456789ABCDEF"), r"checksum must be 2 xxh3 digests"),
     (_v2_tensor(offsets=[0, 0, 2, 0.5]), r"offsets must hold integers >= 0, found 0.5"),
