@@ -56,9 +56,12 @@ def _changed(md: Metadata, fqn: str, **change) -> Metadata:
     return Metadata(dict(md.state_dict_metadata), storage_data=storage, files=dict(md.files))
 
 
-@pytest.mark.parametrize("case", ["common", "key", "length", "no_checksum", "not_hex", "file", "unstored", "stray"])
+@pytest.mark.parametrize("case", ["common", "key", "length", "no_checksum", "not_hex", "file", "unstored", "stray",
+                                  "stray_same_fqn"])
 def test_columnar_entries_write_what_the_per_chunk_path_writes(case, monkeypatch):
-    md = _merge(_columnar("a b", 3), _columnar("one", 1), _columnar("f8", 2, torch.float8_e8m0fnu, torch.uint8))
+    # "lr%s%%": the derived keys are %-formatted, the name's own "%" must stay text
+    md = _merge(_columnar("a b", 3), _columnar("one", 1), _columnar("f8", 2, torch.float8_e8m0fnu, torch.uint8),
+                _columnar("lr%s%%", 2))
     if case == "key":
         md = _changed(md, "one", key="one custom")
     elif case == "length":
@@ -73,8 +76,11 @@ def test_columnar_entries_write_what_the_per_chunk_path_writes(case, monkeypatch
         md.storage_data = {k: v for k, v in md.storage_data.items() if k != MetadataIndex("a b", (2, 0))}
     elif case == "stray":
         md.storage_data[MetadataIndex("gone", (0,))] = StorageInfo("_rank0_.safetensors", 0, 4, "0" * 16)
+    elif case == "stray_same_fqn":  # an entry of a stored tensor that is none of its chunks stays "other"
+        md.storage_data[MetadataIndex("one", (7, 0))] = StorageInfo("_rank0_.safetensors", 0, 4, "0" * 16)
     text = M.metadata_to_json(md)
     assert text == _general(md, monkeypatch)
+    assert ("other_storage" in text) == case.startswith("stray")
     assert metadata_from_json(text) == md
     again = metadata_from_json(text)  # parsed metadata is columnar too: the same text again
     assert M.metadata_to_json(again) == text == _general(again, monkeypatch)
