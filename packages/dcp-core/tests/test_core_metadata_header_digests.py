@@ -21,6 +21,7 @@ from hyper_parallel_dcp.core.metadata import (
     TensorStorageMetadata,
     chunk_key,
     chunk_location,
+    chunk_locator,
     metadata_from_json,
     metadata_to_json,
     pack_metadata,
@@ -124,3 +125,16 @@ def test_chunk_location_reads_the_columns_of_parsed_metadata():
     assert chunk_location(parsed, MetadataIndex("w", (1, 0))) is None  # no chunk there
     assert chunk_location(parsed, MetadataIndex("step")) is None  # an object
     assert chunk_location(md, MetadataIndex("w", (0, 0))) is None  # a plain dict: use storage_data
+
+
+def test_chunk_locator_answers_as_chunk_location():
+    md = _sample()
+    parsed = metadata_from_json(metadata_to_json(md))
+    locate = chunk_locator(parsed)
+    assert locate is not None
+    for index in [MetadataIndex("w", (2 * r, 0), hint) for r in range(RANKS) for hint in (r, None, RANKS)] + [
+            MetadataIndex("w", (1, 0)), MetadataIndex("step")]:
+        assert locate(index) == chunk_location(parsed, index)
+    assert locate(MetadataIndex("w", (2, 0))) == (md.storage_data[MetadataIndex("w", (2, 0))].relative_path,
+                                                  md.storage_data[MetadataIndex("w", (2, 0))].offset, (2, 6))
+    assert chunk_locator(md) is None  # storage entries as a plain dict: nothing to locate from

@@ -210,9 +210,11 @@ class _Committing(StandardLoadPlanner):
     def __init__(self) -> None:
         super().__init__()
         self.committed = 0
+        self.seen: list[tuple[str, tuple[int, ...], torch.Tensor]] = []  # what each commit was handed
 
     def commit_tensor(self, read_item, tensor) -> None:
         self.committed += 1
+        self.seen.append((read_item.dest_index.fqn, read_item.dest_offsets, tensor.clone()))
 
 
 @pytest.mark.distributed
@@ -240,6 +242,11 @@ def test_a_column_slice_of_row_sharded_files_loads_in_one_copy_a_tensor(tmp_path
         assert copies == [(2, half, 24)] * 6
     else:
         assert copies == [(half, 24)] * 12 and planner.committed == 12
+        # each read is committed once its values are in place
+        for fqn, (row, col), tensor in planner.seen:
+            rows, cols = tensor.shape
+            expected = _full(int(fqn[1:]))[row:row + rows, 8 + col:8 + col + cols]
+            assert torch.equal(tensor, expected), (fqn, row, col)
     assert _mapped_lines(path) == 2
     del reader
     direct_read.wait_for_unmaps()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from itertools import chain, islice
 from operator import add, attrgetter, le
@@ -40,6 +40,7 @@ __all__ = [
     "FORMAT_VERSION",
     "METADATA_DIGEST",
     "BytesStorageMetadata",
+    "ChunkLocation",
     "ChunkStorageMetadata",
     "Metadata",
     "MetadataIndex",
@@ -49,6 +50,7 @@ __all__ = [
     "chunk_columns",
     "chunk_key",
     "chunk_location",
+    "chunk_locator",
     "dtype_from_name",
     "dtype_name",
     "metadata_from_json",
@@ -831,7 +833,11 @@ def tensor_metadata_from_columns(fqn: str, properties: TensorProperties, size: t
     return _ColumnarTensorStorageMetadata._from_columns(properties, size, columns)
 
 
-def chunk_location(metadata: Metadata, index: MetadataIndex) -> Optional[tuple[str, int, tuple[int, ...]]]:
+#: ``(file, byte offset, chunk sizes)`` of a stored tensor chunk, or ``None``: see :func:`chunk_location`
+ChunkLocation = Optional[tuple[str, int, tuple[int, ...]]]
+
+
+def chunk_location(metadata: Metadata, index: MetadataIndex) -> ChunkLocation:
     """``(file, byte offset, chunk sizes)`` of the stored tensor chunk ``index`` names, read
     from the columns of metadata parsed from format 2 without building its
     :class:`StorageInfo` (a load looks up every chunk it reads: a few microseconds each
@@ -839,8 +845,16 @@ def chunk_location(metadata: Metadata, index: MetadataIndex) -> Optional[tuple[s
     look it up in ``storage_data`` then.  The entry's length and checksum are not
     returned: a caller that needs them uses ``storage_data``.
     """
+    locate = chunk_locator(metadata)
+    return None if locate is None else locate(index)
+
+
+def chunk_locator(metadata: Metadata) -> Optional[Callable[[MetadataIndex], ChunkLocation]]:
+    """:func:`chunk_location` bound to ``metadata``, for a caller that locates every chunk
+    it reads: ``None`` where ``metadata`` holds no columns to read locations from (every
+    lookup would answer ``None``)."""
     storage = metadata.storage_data
-    return storage.locate(index) if type(storage) is _StorageView else None
+    return storage.locate if type(storage) is _StorageView else None
 
 
 def chunk_columns(md: TensorStorageMetadata) -> tuple[int, list[int], list[int], bool]:
@@ -901,7 +915,7 @@ class _StorageView(Mapping[MetadataIndex, StorageInfo]):
                 return columns.info(pos, self._names)
         return self._other[index]
 
-    def locate(self, index: MetadataIndex) -> Optional[tuple[str, int, tuple[int, ...]]]:
+    def locate(self, index: MetadataIndex) -> ChunkLocation:
         """``(file, byte offset, chunk sizes)`` of tensor chunk ``index`` straight from the
         columns (no :class:`StorageInfo`, no key built); ``None`` where it is not a stored
         chunk of a columnar tensor."""
