@@ -237,3 +237,32 @@ def test_metadata_chunks_are_built_only_when_read():
     assert md.chunks == [ChunkStorageMetadata((2 * r, 0), (2, 3)) for r in range(4)]
     md.chunks.append(ChunkStorageMetadata((8, 0), (0, 3)))  # a plain list once read
     assert len(md.chunks) == 5
+
+
+@st.composite
+def _tensors_of_boxes(draw):
+    """Several tensors' chunks as rows (each tensor's rows together, sorted by offsets):
+    grids, repeated offsets, ragged and empty boxes, 1 to 3 dims."""
+    ndim = draw(st.integers(1, 3))
+    kinds, offsets, sizes = [], [], []
+    for kind in draw(st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True)):
+        boxes = draw(st.lists(st.tuples(st.tuples(*[st.integers(0, 6)] * ndim), st.tuples(*[st.integers(0, 4)] * ndim)),
+                              min_size=1, max_size=6))
+        for o, z in sorted(boxes, key=lambda box: box[0]):
+            kinds.append(kind)
+            offsets.append(o)
+            sizes.append(z)
+    return torch.tensor(kinds), torch.tensor(offsets), torch.tensor(sizes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=_tensors_of_boxes())
+def test_grid_suspects_are_the_tensors_the_grid_test_does_not_clear(rows):
+    # all tensors at once, as the per-tensor test answers for each
+    kinds, offsets, sizes = rows
+    expected = set()
+    for kind in set(kinds.tolist()):
+        mine = kinds == kind
+        if not save_planning._grid_disjoint(offsets[mine], sizes[mine]):
+            expected.add(kind)
+    assert save_planning._grid_suspects(kinds, offsets, sizes) == expected
