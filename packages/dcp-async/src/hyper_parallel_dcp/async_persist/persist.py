@@ -259,6 +259,7 @@ class _Persister:
             if not wait or not self.writer_fresh:
                 return
             self._wait_inflight()
+            ready: list[Any] = []
             try:
                 self.conn.send(PING)
                 ready = mp_connection.wait([self.conn, self.proc.sentinel], timeout)
@@ -266,11 +267,15 @@ class _Persister:
             except (EOFError, OSError):
                 answer = None
             if answer != PING:
-                if self.proc.is_alive():
-                    raise CheckpointTimeoutError(
-                        f"the async writer process (pid {self.proc.pid}) was not ready within {timeout} s",
-                        "start_writer", ())
-                raise AsyncSaveError(_death_message(self.proc, None).replace(" while saving", " while starting"))
+                if ready:
+                    # its end of the pipe closed, or it exited: not a timeout, even while
+                    # its exit status is not there yet
+                    self.proc.join(timeout=5)
+                if not self.proc.is_alive():
+                    raise AsyncSaveError(_death_message(self.proc, None, starting=True, saving=False))
+                raise CheckpointTimeoutError(
+                    f"the async writer process (pid {self.proc.pid}) was not ready within {timeout} s",
+                    "start_writer", ())
             self.writer_fresh = False
 
     def shutdown(self) -> None:
@@ -462,7 +467,8 @@ class _Persister:
                                      self.proc.pid)
         response._thread = threading.Thread(
             target=self._join,
-            args=(response, self.proc, self.conn, seq, cache, planner, callback, deferred, held, board, failed_send),
+            args=(response, self.proc, self.conn, seq, cache, planner, callback, deferred, held, board, failed_send,
+                  started),
             name=f"hp-dcp-async-join-{seq}", daemon=False,
         )
         response._thread.start()
@@ -494,7 +500,10 @@ class _Persister:
     def _join(self, response: AsyncSaveResponse, proc: Any, conn: Any, seq: int, sent: Optional[CacheEntry],
               planner: Optional[SavePlanner], callback: Optional[Callable[[], None]],
               deferred: Optional[SaveRequest] = None, held: frozenset[int] = frozenset(),
-              board: Optional[Outcomes] = None, failed_send: Optional[BaseException] = None) -> None:
+              board: Optional[Outcomes] = None, failed_send: Optional[BaseException] = None,
+              fresh: bool = False) -> None:
+        """The save's second half, on its joining thread: send a deferred request, await the
+        writer's reply, settle the future.  ``fresh``: the writer was started for this save."""
         future = response.persist_completion
         sent_ok = failed_send is None
         try:
@@ -510,14 +519,14 @@ class _Persister:
                 except (BrokenPipeError, ConnectionError, OSError):
                     sent_ok = False
                     proc.join(timeout=5)
-                    raise AsyncSaveError(_death_message(proc, response.checkpoint_id)) from None
+                    raise AsyncSaveError(_death_message(proc, response.checkpoint_id, starting=fresh)) from None
                 except BaseException:
                     sent_ok = False
                     raise
             reply = _await_reply(proc, conn, board, seq, time.monotonic() + _timeout_s() + _REPLY_GRACE_S)
             if reply is None:
                 proc.join(timeout=5)
-                raise AsyncSaveError(_death_message(proc, response.checkpoint_id))
+                raise AsyncSaveError(_death_message(proc, response.checkpoint_id, starting=fresh))
             if reply.seq != seq:
                 raise AsyncSaveError(f"async writer answered save #{reply.seq}, expected #{seq}")
             if reply.metadata is None:
@@ -632,7 +641,10 @@ def _recv_reply(conn: Any) -> SaveReply:
         return conn.recv()
 
 
-def _death_message(proc: Any, checkpoint_id: Optional[str]) -> str:
+def _death_message(proc: Any, checkpoint_id: Optional[str], starting: bool = False, saving: bool = True) -> str:
+    """What to tell the caller of a writer process that died: during a save (``saving``)
+    or while ``start_writer`` waited for it; ``starting``: before it had served any
+    request (``start_writer``'s, or that of the save that started it)."""
     code = proc.exitcode
     if code is not None and code < 0:
         try:
@@ -641,10 +653,21 @@ def _death_message(proc: Any, checkpoint_id: Optional[str]) -> str:
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with code {code}"
-    where = f" into {checkpoint_id}" if checkpoint_id else ""
-    return (f"the async checkpoint writer process (pid {proc.pid}) {how} while saving{where}; "
-            "this checkpoint did not land (no .metadata was committed). The next async_save starts "
-            "a new writer process.")
+    if not saving:
+        text = f"the async checkpoint writer process (pid {proc.pid}) {how} while starting."
+    else:
+        where = f" into {checkpoint_id}" if checkpoint_id else ""
+        text = (f"the async checkpoint writer process (pid {proc.pid}) {how} while saving{where}; "
+                "this checkpoint did not land (no .metadata was committed). The next async_save starts "
+                "a new writer process.")
+    if starting and (code is None or code > 0):
+        # Its own traceback went to stderr.  The common cause: spawn imports the training
+        # script again in the writer, which then runs the script's top-level code.
+        text += (" It died before serving any request; its error is on stderr. The writer is started with "
+                 "multiprocessing's 'spawn', which imports the main script again in the new process: a "
+                 "script that trains or saves at its top level must do so under "
+                 "`if __name__ == \"__main__\":`.")
+    return text
 
 
 _persister: Optional[_Persister] = None
