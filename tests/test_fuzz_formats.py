@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -69,6 +70,8 @@ def _kept(written, given, where: str = "$") -> None:
         assert isinstance(given, list) and len(given) == len(written), where
         for i, (w, g) in enumerate(zip(written, given)):
             _kept(w, g, f"{where}[{i}]")
+    elif isinstance(written, float) and math.isnan(written):  # NaN == NaN is False
+        assert isinstance(given, float) and math.isnan(given), f"{where}: parsed {written!r} from {given!r}"
     else:
         assert written == given and type(written) is type(given) or (
             isinstance(written, float) and isinstance(given, int) and not isinstance(given, bool)
