@@ -19,6 +19,7 @@ from hyper_parallel_dcp.core.metadata import (
     TensorProperties,
     TensorStorageMetadata,
     chunk_key,
+    lazily_unpacked,
     metadata_from_json,
     metadata_to_json,
     pack_metadata,
@@ -89,3 +90,33 @@ def test_unknown_layout_is_refused():
     packed = pack_metadata(_sample())
     with pytest.raises(ValueError, match="unknown layout"):
         unpack_metadata((99,) + packed[1:])
+
+
+def test_lazily_unpacked_is_the_metadata_once_looked_at():
+    md = _sample()
+    lazy = lazily_unpacked(pickle.loads(pickle.dumps(pack_metadata(md))))
+    assert isinstance(lazy, Metadata) and "_packed" in vars(lazy)  # nothing unpacked yet
+    assert lazy.files == md.files  # the first look unpacks it ...
+    assert type(lazy) is Metadata and "_packed" not in vars(lazy)  # ... into a plain Metadata
+    _same(md, lazy)
+
+
+def test_lazily_unpacked_compares_copies_and_pickles_as_the_metadata():
+    import copy
+    import dataclasses
+
+    md = _sample()
+    assert lazily_unpacked(pack_metadata(md)) == md
+    assert md == lazily_unpacked(pack_metadata(md))  # from either side
+    assert lazily_unpacked(pack_metadata(md)) != dataclasses.replace(md, planner_data=None)
+    assert repr(lazily_unpacked(pack_metadata(md))) == repr(unpack_metadata(pack_metadata(md)))
+    assert dataclasses.replace(lazily_unpacked(pack_metadata(md)), planner_data=7).planner_data == 7
+    _same(md, pickle.loads(pickle.dumps(lazily_unpacked(pack_metadata(md)))))
+    _same(md, copy.deepcopy(lazily_unpacked(pack_metadata(md))))
+    # an attribute set on a copy before anything was unpacked stays set
+    changed = copy.copy(lazily_unpacked(pack_metadata(md)))
+    changed.files = {}
+    assert changed.files == {} and changed.state_dict_metadata.keys() == md.state_dict_metadata.keys()
+    assert changed.storage_data == md.storage_data
+    with pytest.raises(AttributeError):
+        lazily_unpacked(pack_metadata(md)).no_such_field  # noqa: B018

@@ -393,8 +393,7 @@ class DistWrapper:
         return value
 
     def all_reduce_confirmed(self, step: str, map_fun: Callable[[], T], prepare_fun: Callable[[list[T]], P],
-                             confirm_fun: Callable[[], None], commit_fun: Callable[[P], None],
-                             shared_fun: Optional[Callable[[P], None]] = None) -> P:
+                             confirm_fun: Callable[[], None], commit_fun: Callable[[P], None]) -> P:
         """Gather, prepare and share on the coordinator, confirm everywhere, then commit.
 
         Every rank runs ``map_fun`` and sends the result to the coordinator, which runs
@@ -406,12 +405,6 @@ class DistWrapper:
         commit follows every confirmation.  A failure of any function on any rank is raised
         on every rank, after the confirmations.  Without a process group: map, prepare,
         confirm, commit, exceptions unchanged.
-
-        ``shared_fun(prepared)`` runs on every other rank as soon as it has ``prepared``,
-        before ``confirm_fun``: a save unpacks the metadata it received while its files
-        are still being fsynced (after the confirmation, 2000 tensors' unpacking was 8 ms
-        added to every save); an exception of it is ignored, so the caller should do the
-        same work again after the return if it did not complete.
         """
         self._step = step
         if not self.use_dist:
@@ -437,11 +430,6 @@ class DistWrapper:
             shared = self.broadcast_object(prepared)
         finally:
             self._round = ""
-        if shared_fun is not None and not self.is_coordinator and shared is not None:
-            try:
-                shared_fun(shared)
-            except Exception:  # noqa: BLE001 - the caller repeats it after the outcome (see above)
-                pass
         confirmed = self._run(confirm_fun)
         self._round = "confirm"
         try:

@@ -53,6 +53,7 @@ __all__ = [
     "chunk_locator",
     "dtype_from_name",
     "dtype_name",
+    "lazily_unpacked",
     "metadata_from_json",
     "metadata_to_json",
     "pack_metadata",
@@ -437,6 +438,52 @@ def unpack_metadata(packed: tuple[Any, ...]) -> Metadata:
                     format_version=format_version, header_digests=dict(header_digests),
                     rank_objects={fqn: {r: StorageInfo(*info) for r, info in copies.items()}
                                   for fqn, copies in rank_objects.items()})
+
+
+def lazily_unpacked(packed: tuple[Any, ...]) -> Metadata:
+    """The :class:`Metadata` of :func:`pack_metadata`, unpacked when first looked at.
+
+    A save returns the global metadata on every rank, and most callers never look at it
+    (a trainer's checkpoint call).  Unpacked as it arrives, every rank but the coordinator
+    spent the work of building the whole checkpoint's metadata on each save while the
+    coordinator waited for its confirmation to commit: 2000 chunks, ~7 ms of a ~110 ms save
+    on the 2-core dev machine; it grows with the job's chunks, on every rank.
+    """
+    lazy = _PackedMetadata.__new__(_PackedMetadata)
+    lazy.__dict__["_packed"] = packed
+    return lazy
+
+
+class _PackedMetadata(Metadata):
+    """A :class:`Metadata` held as :func:`pack_metadata` columns until an attribute is
+    read; it then becomes a plain :class:`Metadata` (its class included).  Made by
+    :func:`lazily_unpacked`; copies and pickles stay packed."""
+
+    def _unpack(self) -> None:
+        values = self.__dict__
+        packed = values.get("_packed")
+        if packed is not None:
+            # an attribute set on the packed object (a copy's) wins over the unpacked one
+            for name, value in unpack_metadata(packed).__dict__.items():
+                values.setdefault(name, value)
+            values.pop("_packed", None)
+        self.__class__ = Metadata  # type: ignore[assignment]
+
+    def __getattr__(self, name: str) -> Any:  # only for attributes not set yet
+        if name.startswith("__") or "_packed" not in self.__dict__:
+            raise AttributeError(name)
+        self._unpack()
+        return getattr(self, name)
+
+    def __eq__(self, other: object) -> bool:
+        self._unpack()
+        return self == other
+
+    __hash__ = None  # type: ignore[assignment]  # as Metadata's (a mutable dataclass)
+
+    def __repr__(self) -> str:
+        self._unpack()
+        return repr(self)
 
 
 # ------------------------------------------------------------------------ format 2

@@ -23,7 +23,7 @@ from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .gc_pause import gc_paused
 from .layout import is_tensor_leaf
 from .load_planning import StandardLoadPlanner
-from .metadata import Metadata, MetadataIndex, StorageInfo, pack_metadata, unpack_metadata
+from .metadata import Metadata, MetadataIndex, StorageInfo, lazily_unpacked, pack_metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .reader_assignment import apply_reader_assignment, assign_readers_from_layouts, target_layout
 from .save_planning import StandardSavePlanner
@@ -203,7 +203,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         return results
 
     gathered_results: list[list[list[WriteResult]]] = []
-    # the metadata: built by the coordinator, unpacked from columns on the other ranks
+    # the metadata: built by the coordinator, received as columns by the other ranks
     final_metadata: list[Metadata] = []
 
     def prepare_step(gathered: list[Optional[list[WriteResult]]]) -> Any:
@@ -220,7 +220,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         gathered_results.append(all_results)
         final_metadata.append(metadata)
         # The other ranks get it as columns (pickled objects cost ~4x as much to send and
-        # build again) and unpack it while their files are fsynced (shared_step).
+        # build again), unpacked only if the caller looks at it (lazily_unpacked).
         return pack_metadata(metadata) if dw.use_dist else None
 
     def sync_step() -> None:
@@ -232,14 +232,10 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         with phase("finalize_checkpoint", rank):
             storage_writer.finalize_checkpoint(final_metadata[0], gathered_results[0])
 
-    def shared_step(packed: Any) -> None:
-        with phase("unpack_metadata", rank):
-            final_metadata.append(unpack_metadata(packed))
-
     with phase("_save_impl", rank):
-        packed = dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step, shared_step)
-    if not final_metadata:  # shared_step failed: unpack again, raising its error now
-        final_metadata.append(unpack_metadata(packed))
+        packed = dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step)
+    if not final_metadata:  # not the coordinator: the metadata unpacks when first looked at
+        final_metadata.append(lazily_unpacked(packed))
     if cached is None:  # a plan that made a checkpoint
         planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
     return final_metadata[0]
