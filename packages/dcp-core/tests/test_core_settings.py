@@ -17,6 +17,9 @@ def test_unset_or_blank_means_the_default(monkeypatch):
         assert s.get() == s.default, s.name
     assert settings.COLLECTIVE_TIMEOUT.default == settings.ASYNC_TIMEOUT.default == 1800.0
     assert (settings.FILES_KEPT.default, settings.READ_AHEAD.default, settings.BROADCASTS_IN_FLIGHT.default) == (8, 2, 8)
+    assert settings.ALIGNED_WRITES.default is None  # auto: decided by the machine (storage_fs.host_memory)
+    monkeypatch.setenv("HP_DCP_ALIGNED_WRITES", "AUTO")
+    assert settings.ALIGNED_WRITES.get() is None
 
 
 @pytest.mark.parametrize("setting,raw,value,later", [
@@ -30,6 +33,8 @@ def test_unset_or_blank_means_the_default(monkeypatch):
     (settings.MAILBOX_POLL_MAX, "0.01", 0.01, "0.02"),
     (settings.ASYNC_SHUTDOWN_TIMEOUT, "5", 5.0, "6"),
     (settings.LOG_CONFIG, "DCP:INFO", "DCP:INFO", "DCP:DEBUG"),
+    (settings.ALIGNED_WRITES, "1", True, "auto"),
+    (settings.ALIGNED_WRITES, "Off", False, "on"),
 ])
 def test_a_value_is_read_when_used(monkeypatch, setting, raw, value, later):
     monkeypatch.setenv(setting.name, raw)
@@ -49,6 +54,7 @@ def test_a_value_is_read_when_used(monkeypatch, setting, raw, value, later):
     (settings.READ_AHEAD, "2.5", "not a whole number"),
     (settings.BROADCASTS_IN_FLIGHT, "-3", "at least 1"),
     (settings.MAILBOX_POLL_MAX, "fast", "not a number of seconds"),
+    (settings.ALIGNED_WRITES, "maybe", "use 1, 0 or auto"),
 ])
 def test_a_bad_value_names_the_variable_and_the_value(monkeypatch, setting, raw, why):
     monkeypatch.setenv(setting.name, raw)

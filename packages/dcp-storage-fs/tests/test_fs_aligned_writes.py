@@ -1,6 +1,6 @@
-"""``write_safetensors`` sends the data in writes that end on 256 KiB boundaries of the file,
-2 MiB with ``HP_DCP_ALIGNED_WRITES=1`` (the page cache then holds folios of that size,
-which a reader's mapping maps whole).
+"""``write_safetensors`` sends the data in writes that end on 2 MiB boundaries of the file
+(the page cache then holds folios of that size, which a reader's mapping maps whole), 256
+KiB on a VM that reports free pages to its host or with ``HP_DCP_ALIGNED_WRITES=0``.
 
 The files are checked byte for byte against the safetensors layout built independently
 (header, then every tensor's bytes in order) and opened with the ``safetensors`` library;
@@ -23,7 +23,7 @@ from safetensors import safe_open
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.planner import SavePlanner, WriteItem
 from hyper_parallel_dcp.core.save_planning import StandardSavePlanner
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, safetensors_stream
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, host_memory, safetensors_stream
 from hyper_parallel_dcp.storage_fs.safetensors_stream import SAFETENSORS_DTYPES, TensorEntry, write_safetensors
 
 MIB = 1 << 20
@@ -72,11 +72,18 @@ def _check_file(path, tensors) -> None:
             assert torch.equal(f.get_tensor(k), v), k
 
 
-@pytest.mark.parametrize(("setting", "align"), [("1", 2 * MIB), (None, 256 << 10)])
-def test_writes_end_on_boundaries_and_the_file_is_exact(tmp_path, monkeypatch, setting, align):
-    """2 MiB with ``HP_DCP_ALIGNED_WRITES=1``; 256 KiB by default."""
+@pytest.mark.parametrize(("setting", "reporting", "align"), [
+    ("1", True, 2 * MIB), ("0", False, 256 << 10),
+    (None, False, 2 * MIB), (None, True, 256 << 10), ("auto", True, 256 << 10),
+])
+def test_writes_end_on_boundaries_and_the_file_is_exact(tmp_path, monkeypatch, setting, reporting, align):
+    """2 MiB with ``HP_DCP_ALIGNED_WRITES=1``, 256 KiB with ``0``; by default (unset or
+    ``auto``) 2 MiB unless the machine reports free pages to its host."""
     if setting is None:
         monkeypatch.delenv("HP_DCP_ALIGNED_WRITES")
+    else:
+        monkeypatch.setenv("HP_DCP_ALIGNED_WRITES", setting)
+    monkeypatch.setattr(host_memory, "_reporting_here", lambda: reporting)
     tensors = _tensors()
     calls: list[tuple[int, int, int]] = []
     real_writev = os.writev
@@ -262,6 +269,51 @@ def test_the_standard_planner_declares_its_data_stable_and_a_subclass_keeps_a_de
     assert SavePlanner.resolved_data_stable is False
     assert Declared.resolved_data_stable and Untouched.resolved_data_stable
     assert _OneBufferPlanner.resolved_data_stable is False
+
+
+def _virtio_device(root, name, device_id, features, bound=True):
+    device = root / name
+    device.mkdir(parents=True)
+    (device / "device").write_text(f"0x{device_id:04x}\n")
+    (device / "features").write_text(features + "\n")
+    if bound:
+        (device / "driver").symlink_to(root)  # any directory: sysfs links the bound driver's
+    return device
+
+
+# the balloon's negotiated features as sysfs prints them (one character per bit, bit 0
+# first): stats, deflate on OOM, free page reporting; and the same without reporting
+_REPORTING = "0110010000000000000000000000010010000000000000000000000000000000"
+_NO_REPORTING = "0110000000000000000000000000010010000000000000000000000000000000"
+
+
+def test_free_page_reporting_is_a_bound_balloon_with_the_reporting_feature(tmp_path):
+    """Read from sysfs: the dev VM's balloon (device 5, bit 5 set, driver bound) reports;
+    no balloon, a balloon without the feature or without its driver, or no virtio bus
+    does not.  Unreadable entries are skipped."""
+    root = tmp_path / "devices"
+    assert host_memory.free_page_reporting(tmp_path / "missing") is False
+    _virtio_device(root, "virtio1", 0x1, "1" * 64)  # a network device: bits mean other things
+    _virtio_device(root, "virtio2", 0x5, _NO_REPORTING)
+    _virtio_device(root, "virtio3", 0x5, _REPORTING, bound=False)
+    (root / "virtio4").mkdir()  # no attribute files
+    _virtio_device(root, "virtio5", 0x5, "01")  # fewer bits than the feature's
+    assert host_memory.free_page_reporting(root) is False
+    _virtio_device(root, "virtio6", 0x5, _REPORTING)
+    assert host_memory.free_page_reporting(root) is True
+
+
+def test_large_folio_writes_follows_the_setting_then_the_machine(monkeypatch):
+    for reporting in (True, False):
+        monkeypatch.setattr(host_memory, "_reporting_here", lambda reporting=reporting: reporting)
+        monkeypatch.setenv("HP_DCP_ALIGNED_WRITES", "1")
+        assert host_memory.large_folio_writes() is True
+        monkeypatch.setenv("HP_DCP_ALIGNED_WRITES", "0")
+        assert host_memory.large_folio_writes() is False
+        monkeypatch.setenv("HP_DCP_ALIGNED_WRITES", "auto")
+        assert host_memory.large_folio_writes() is (not reporting)
+        monkeypatch.delenv("HP_DCP_ALIGNED_WRITES")
+        assert host_memory.large_folio_writes() is (not reporting)
 
 
 def test_a_setting_that_is_not_a_flag_is_refused(monkeypatch):

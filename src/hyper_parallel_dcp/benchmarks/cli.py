@@ -62,6 +62,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _save_writes() -> str:
+    """The boundaries a save's writes end on here, and why (``storage_fs.host_memory``)."""
+    from hyper_parallel_dcp.core.settings import ALIGNED_WRITES
+    from hyper_parallel_dcp.storage_fs.host_memory import free_page_reporting, large_folio_writes
+
+    size = "2 MiB" if large_folio_writes() else "256 KiB"
+    setting = ALIGNED_WRITES.get()
+    if setting is not None:
+        return f"{size} (HP_DCP_ALIGNED_WRITES={int(setting)})"
+    why = "a VM reporting free pages to its host" if free_page_reporting() else "no free page reporting"
+    return f"{size} (HP_DCP_ALIGNED_WRITES=auto: {why})"
+
+
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -209,6 +222,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m hyper_parallel_dcp.benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": _machine(),
+        "save_writes": _save_writes(),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "config": dict(cfg, world=args.world, plan_worlds=list(worlds), preset=args.preset),
         "features": {name: feature_available(name) for name in ("async", "broadcast", "convert")},

@@ -164,6 +164,8 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
         f"- date: {result['date']}",
         f"- command: `{result['command']}`",
         f"- machine: {result['machine']}",
+        *([f"- save writes end on {result['save_writes']} boundaries (page-cache folios of that size)"]
+          if "save_writes" in result else []),
         f"- torch {result['versions']['torch']}, python {result['versions']['python']}",
         f"- sizes: dense {result['config']['dense_mib']} MiB, {result['config']['small_count']} small tensors of "
         f"{result['config']['small_kib']} KiB, per-tensor case {result['config'].get('tiny_count', 0)} tensors of "

@@ -148,8 +148,8 @@ class SavePlanner(abc.ABC):
     #: Whether every tensor ``resolve_data`` returns keeps its values until the storage
     #: writer's ``execute_write`` returns (views of a state dict nobody changes during the
     #: save).  A storage writer may then hold several chunks and write them together (the
-    #: filesystem writer's writes then end on 256 KiB boundaries, 2 MiB with
-    #: ``HP_DCP_ALIGNED_WRITES=1``) and hash them after writing (the filesystem writer
+    #: filesystem writer's writes then end on 2 MiB boundaries, 256 KiB on a VM with
+    #: free page reporting) and hash them after writing (the filesystem writer
     #: does, while its files are fsynced); a planner that refills one buffer for each
     #: ``resolve_data`` call must leave it False.
     resolved_data_stable: bool = False

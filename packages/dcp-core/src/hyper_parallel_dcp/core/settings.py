@@ -93,6 +93,15 @@ def _flag(name: str, raw: str) -> bool:
     raise SettingError(f"{name}={raw!r}: use 1 or 0")
 
 
+def _flag_or_auto(name: str, raw: str) -> bool | None:
+    if raw.lower() == "auto":
+        return None
+    try:
+        return _flag(name, raw)
+    except SettingError:
+        raise SettingError(f"{name}={raw!r}: use 1, 0 or auto") from None
+
+
 def _text(name: str, raw: str) -> str:
     return raw
 
@@ -150,12 +159,12 @@ READ_AHEAD: Setting[int] = Setting(
 BROADCASTS_IN_FLIGHT: Setting[int] = Setting(
     "HP_DCP_BROADCASTS_IN_FLIGHT", 8, _positive_int,
     "broadcasts a broadcast load keeps outstanding (each holds up to broadcast_batch_bytes of staging)")
-ALIGNED_WRITES: Setting[bool] = Setting(
-    "HP_DCP_ALIGNED_WRITES", False, _flag,
-    "1: a save sends its data in writes that end on 2 MiB boundaries (256 KiB by default), so the page "
-    "cache holds 2 MiB folios (faster loads from the page cache, resharded ones most); off by default: on "
-    "a VM whose host reclaims free guest memory (free page reporting), each fresh 2 MiB folio costs a "
-    "host fault")
+ALIGNED_WRITES: Setting[bool | None] = Setting(
+    "HP_DCP_ALIGNED_WRITES", None, _flag_or_auto,
+    "1: a save sends its data in writes that end on 2 MiB boundaries, so the page cache holds 2 MiB "
+    "folios (faster loads from the page cache, resharded ones most); 0: on 256 KiB boundaries; auto "
+    "(the default): 2 MiB unless the machine is a VM whose host reclaims free guest memory (virtio-balloon "
+    "free page reporting), where each fresh 2 MiB folio costs a host fault")
 OBJECT_LOCK_STALE_AFTER: Setting[float] = Setting(
     "HP_DCP_OBJECT_LOCK_STALE_AFTER", 60.0, _seconds,
     "object storage: seconds after which a save's lock object that was not renewed counts as left by a "

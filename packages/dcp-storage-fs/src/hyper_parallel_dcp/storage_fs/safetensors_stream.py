@@ -30,7 +30,7 @@ from typing import BinaryIO, Callable, NamedTuple, Sequence, TypeGuard, Union
 import torch
 import xxhash
 
-from hyper_parallel_dcp.core.settings import ALIGNED_WRITES
+from .host_memory import large_folio_writes
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -225,8 +225,8 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Encod
     ``header`` is ``encode_header(entries)`` when the caller made it already (to record
     its digest).  ``fetch()`` of each entry is called just before it is written, so a
     device tensor is copied to host one chunk at a time.  A chunk may wait to go out with
-    the next ones in a write that ends on a 256 KiB boundary of the file (2 MiB with
-    ``HP_DCP_ALIGNED_WRITES=1``; see ``_AlignedWrites``), but only when it stays valid
+    the next ones in a write that ends on a 2 MiB boundary of the file (256 KiB on a VM
+    with free page reporting; see ``_AlignedWrites``), but only when it stays valid
     until then: the entry is ``stable``, or the tensor is a copy made here (from a
     device, or made contiguous).  Any other chunk is written before the next ``fetch()``.
     With ``late``, the digest of a ``stable`` entry written from its own bytes is left
@@ -237,7 +237,7 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Encod
     f.write(header.raw)
     begins = header.begins
     data_start = len(header.raw)
-    writes = _AlignedWrites(f, data_start, _LARGE_FOLIO if ALIGNED_WRITES.get() else _WRITE_ALIGN)
+    writes = _AlignedWrites(f, data_start, _LARGE_FOLIO if large_folio_writes() else _WRITE_ALIGN)
     out: list[tuple[int, int, str]] = []
     for entry, begin in zip(entries, begins):
         tensor = entry.fetch()
@@ -268,10 +268,10 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Encod
     return out
 
 
-#: file data goes out in writes that end on multiples of this (see ``_AlignedWrites``)
-_WRITE_ALIGN = 256 << 10
-#: ... or of this, with ``HP_DCP_ALIGNED_WRITES=1``
+#: file data goes out in writes that end on multiples of this (see ``_AlignedWrites``) ...
 _LARGE_FOLIO = 2 << 20
+#: ... or of this where 2 MiB folios are costly (``host_memory.large_folio_writes``)
+_WRITE_ALIGN = 256 << 10
 
 _NOTHING = torch.empty(0)  # what a written-through view keeps alive
 
@@ -299,16 +299,17 @@ class _AlignedWrites:
     other goes out at once, with what is pending (``add_now``).  ``f`` without a file
     descriptor (an in-memory buffer, an upload stream) gets plain ``write`` calls.
 
-    2 MiB only with ``HP_DCP_ALIGNED_WRITES=1``: a 2 MiB folio takes a free 2 MiB block,
-    and on a VM whose host reclaims free guest memory (virtio-balloon free page
-    reporting, as on the dev machine) such blocks are often reported ones, each faulted
-    back in by the host on first touch.  Measured there, two processes each writing a
-    125 MiB file: the first aligned writes of a process took 290-320 ms of CPU instead of
-    52 (plain: 60), and the default benchmark's first saves went from 0.17 to 0.40 s
-    (dense) while the steady state was 12 % faster than plain writes.  Bare metal and
-    VMs without free page reporting should turn it on: loads from the page cache get
-    7-15 % faster.  256 KiB folios showed no such cost (first saves of a process: small
-    244, 231 ms against 274, 429 chunk by chunk; dense 205, 249 against 229, 251).
+    2 MiB except on a VM with free page reporting (``host_memory``), where a 2 MiB folio
+    takes a free 2 MiB block that the host has often reclaimed and faults back in on first
+    touch.  Measured there, two processes each writing a 125 MiB file: the first aligned
+    writes of a process took 290-320 ms of CPU instead of 52 (plain: 60), and the default
+    benchmark's first saves went from 0.17 to 0.40 s (dense) while the steady state was
+    12 % faster than plain writes.  256 KiB folios showed no such cost (first saves of a
+    process: small 244, 231 ms against 274, 429 chunk by chunk; dense 205, 249 against
+    229, 251; on 12-04, 256 MiB on 2 ranks: 168-242 ms against 395-436 with 2 MiB), as
+    long as the guest has unreported free memory: a 1 GiB save on 2 ranks
+    made 8 s after freeing the previous one's page cache took ~1.8 s with either size (0.53
+    s once the memory was in use).  ``HP_DCP_ALIGNED_WRITES`` forces either size.
     """
 
     _MAX_BUFFERS = 512  # below IOV_MAX (1024 on Linux)
