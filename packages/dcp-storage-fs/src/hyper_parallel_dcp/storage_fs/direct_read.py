@@ -334,10 +334,9 @@ class MappingArena:
     Every slot starts on a 2 MiB boundary, as the kernel places a file mapped alone: a
     2 MiB page-cache folio is then mapped with one page-table entry.  The save's writes
     make such folios (except on a VM with free page reporting: ``host_memory``), and
-    readahead makes some when a
-    cold load reads a file from disk (a third of a 64 MiB file, measured).  With slots
-    only page-aligned, a 125 MiB file of 2 MiB folios took 3.8 ms to populate instead
-    of 0.1 (measured on the 2-core dev machine).
+    readahead makes some when a cold load reads a file from disk (a third of a 64 MiB
+    file, measured).  With slots only page-aligned, a 125 MiB file of 2 MiB folios took
+    3.8 ms to populate instead of 0.1 (measured on the 2-core dev machine).
     """
 
     def __init__(self, base: int, slot_bytes: int, slots: int, reserved: tuple[int, int] | None = None) -> None:
