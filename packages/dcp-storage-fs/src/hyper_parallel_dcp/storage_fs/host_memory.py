@@ -10,8 +10,9 @@ Each such folio takes a free 2 MiB block.  A VM whose guest reports its free mem
 the host (virtio-balloon free page reporting) has most of its free 2 MiB blocks reported,
 and the host faults a reported block back in on first touch: on the dev machine (such a
 VM), two processes each writing 125 MiB in 2 MiB-aligned calls took 265-340 ms of CPU
-where 256 KiB-aligned calls took 23 ms, and 2 ranks' first saves of a 256 MiB state dict
-in fresh processes 395-436 ms instead of 168-242.  So by default (``HP_DCP_ALIGNED_WRITES=auto``)
+where 256 KiB-aligned calls took 23 ms, and the cost grows with the bytes (256 MiB each:
+620-670 ms against 46; 512 MiB: 1.22-1.29 s against 93 ms); 2 ranks' first saves of a
+256 MiB state dict in fresh processes took 395-436 ms instead of 168-242.  So by default (``HP_DCP_ALIGNED_WRITES=auto``)
 the writer uses 2 MiB everywhere but on such a VM; the variable overrides it either way.
 
 The check reads ``/sys/bus/virtio/devices``: a memory balloon (virtio device id 5) bound
