@@ -12,8 +12,9 @@ and the host faults a reported block back in on first touch: on the dev machine 
 VM), two processes each writing 125 MiB in 2 MiB-aligned calls took 265-340 ms of CPU
 where 256 KiB-aligned calls took 23 ms, and the cost grows with the bytes (256 MiB each:
 620-670 ms against 46; 512 MiB: 1.22-1.29 s against 93 ms); 2 ranks' first saves of a
-256 MiB state dict in fresh processes took 395-436 ms instead of 168-242.  So by default (``HP_DCP_ALIGNED_WRITES=auto``)
-the writer uses 2 MiB everywhere but on such a VM; the variable overrides it either way.
+256 MiB state dict in fresh processes took 395-436 ms instead of 168-242.  So by default
+(``HP_DCP_ALIGNED_WRITES=auto``) the writer uses 2 MiB everywhere but on such a VM; the
+variable overrides it either way.
 
 The check reads ``/sys/bus/virtio/devices``: a memory balloon (virtio device id 5) bound
 to its driver whose negotiated features include ``VIRTIO_BALLOON_F_REPORTING`` (bit 5).
