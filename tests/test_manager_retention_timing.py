@@ -80,3 +80,26 @@ def test_going_back_to_an_older_step_is_warned_about(tmp_path: Path, caplog: pyt
             mgr.wait()
         assert not [r for r in caplog.records if "newer step(s)" in r.getMessage()]
         assert mgr.all_steps() == [4, 8, 10, 11]
+
+
+def test_an_async_step_that_landed_before_the_previous_retention_is_not_warned_about(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # save(N) runs step N-2's retention while step N is in flight; a fast writer has landed
+    # step N by then, and it is this job's own step, not a newer one from an abandoned run
+    import hyper_parallel_dcp.async_persist as async_persist
+
+    real = async_persist.async_save
+
+    def landed_at_once(*args: object, **kwargs: object) -> object:
+        response = real(*args, **kwargs)
+        response.get_result(timeout=120)
+        return response
+
+    monkeypatch.setattr(async_persist, "async_save", landed_at_once)
+    with caplog.at_level(logging.WARNING, logger="hyper_parallel_dcp.manager"):
+        with CheckpointManager(tmp_path, keep_last=2, async_save=True) as mgr:
+            for step in range(1, 5):
+                mgr.save(step, {"w": torch.full((2,), float(step))})
+                assert step in _steps(tmp_path)  # landed before save() returned
+    assert not [r.getMessage() for r in caplog.records if "newer step(s)" in r.getMessage()]
+    assert _steps(tmp_path) == [3, 4]

@@ -322,15 +322,16 @@ class CheckpointManager:
         doomed = steps_to_delete(complete, keep_last=self.keep_last, keep_every=self.keep_every, best=best,
                                  protected=protected)
         saved = self._landed_step
-        if saved is not None and saved in complete and saved < max(complete):
+        # the step in flight (protected) is this job's own, and may have landed by now
+        newer = [s for s in complete if saved is not None and s > saved and s not in protected]
+        if saved is not None and saved in complete and newer:
             # a trainer that went back with restore(step=K) and trained on: its new steps are
             # older by number than the abandoned run's, which retention and restore prefer
             logger.warning("checkpoint manager: step %d was just saved under %s, but newer step(s) %s exist: "
                            "retention and restore go by step number, so %s; to go back to an older step, "
-                           "remove the newer steps or save into a new root", saved, self.root,
-                           [s for s in complete if s > saved][:5],
+                           "remove the newer steps or save into a new root", saved, self.root, newer[:5],
                            "retention deletes it now" if saved in doomed
-                           else f"restore() would load step {max(complete)}, not this one")
+                           else f"restore() would load step {max(newer)}, not this one")
         deleted = []
         for step in doomed:
             try:
