@@ -331,7 +331,7 @@ class CheckpointManager:
                            "retention and restore go by step number, so %s; to go back to an older step, "
                            "remove the newer steps or save into a new root", saved, self.root, newer[:5],
                            "retention deletes it now" if saved in doomed
-                           else f"restore() would load step {max(newer)}, not this one")
+                           else f"restore() would load step {max(complete)}, not this one")
         deleted = []
         for step in doomed:
             try:
