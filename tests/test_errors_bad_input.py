@@ -55,13 +55,16 @@ def test_missing_key_names_it_and_loads_nothing_silently(ckpt):
     with pytest.raises(MissingKeyError, match=r"'layer\.gamma' is not in the checkpoint") as info:
         dcp.load({"layer": {"weight": torch.zeros(4, 6), "gamma": torch.zeros(6)}}, checkpoint_id=ckpt)
     assert isinstance(info.value, KeyError)
+    # which checkpoint, and how to load the rest anyway
+    assert str(info.value).endswith(f"(checkpoint {ckpt})") and "allow_partial_load=True" in str(info.value)
 
 
 def test_shape_mismatch_names_fqn_and_both_sides_and_a_dtype_is_cast(ckpt):
     import hyper_parallel_dcp as dcp
 
-    with pytest.raises(MismatchError, match=r"'layer\.weight': shape mismatch: checkpoint has \[4, 6\], target expects \[6, 4\]"):
+    with pytest.raises(MismatchError, match=r"'layer\.weight': shape mismatch: checkpoint has \[4, 6\], target expects \[6, 4\]") as info:
         dcp.load({"layer": {"weight": torch.zeros(6, 4)}}, checkpoint_id=ckpt)
+    assert str(info.value).endswith(f"(checkpoint {ckpt})")
     # another dtype is cast by the copy, as torch.distributed.checkpoint does
     half = {"layer": {"bias": torch.zeros(6, dtype=torch.float16)}}
     dcp.load(half, checkpoint_id=ckpt)

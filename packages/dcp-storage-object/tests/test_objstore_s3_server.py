@@ -193,6 +193,19 @@ def test_missing_bucket_names_it(s3_test_env):
     assert time.monotonic() - started < 30
 
 
+def test_a_key_or_shape_the_checkpoint_lacks_names_the_url(s3_test_env):
+    from hyper_parallel_dcp.core import MismatchError, MissingKeyError
+
+    url = f"s3://{BUCKET}/names-the-url"
+    _save({"a": torch.ones(2, 3)}, url)
+    with pytest.raises(MissingKeyError, match=r"key 'b' is not in the checkpoint") as info:
+        _load({"a": torch.zeros(2, 3), "b": torch.zeros(1)}, url)
+    assert str(info.value).endswith(f"(checkpoint {url})")
+    with pytest.raises(MismatchError, match=r"target expects \[3, 2\]") as info:
+        _load({"a": torch.zeros(3, 2)}, url)
+    assert str(info.value).endswith(f"(checkpoint {url})")
+
+
 def test_bad_credentials_name_bucket_and_key(monkeypatch):
     # moto checks signatures only with authentication switched on
     with s3_server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as url:

@@ -175,8 +175,8 @@ def create_local_load_plan(
                 # key to load, as torch.distributed.checkpoint sees it.
                 continue
             raise MissingKeyError(
-                f"key {fqn!r} is not in the checkpoint ({len(sd_md)} keys stored); "
-                "remove it from the state dict to load the rest"
+                f"key {fqn!r} is not in the checkpoint ({len(sd_md)} key{'' if len(sd_md) == 1 else 's'} stored); "
+                "remove it from the state dict, or pass allow_partial_load=True, to load the rest"
             )
         if not is_tensor_leaf(leaf):
             if isinstance(md, TensorStorageMetadata):

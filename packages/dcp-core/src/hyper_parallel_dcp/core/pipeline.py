@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from .collectives import DistWrapper
-from .errors import CheckpointTimeoutError
+from .errors import CheckpointTimeoutError, MismatchError, MissingKeyError, MissingRegionError
 from .faults import fault_point
 from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .gc_pause import gc_paused
@@ -346,7 +346,15 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
         storage_reader.set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=rank)
         planner.set_up_planner(flat, metadata, is_coordinator=is_coordinator, rank=rank, world_size=world_size)
         with phase("build_local_plan", rank):
-            plan = storage_reader.prepare_local_plan(planner.create_local_plan())
+            try:
+                plan = storage_reader.prepare_local_plan(planner.create_local_plan())
+            except (MissingKeyError, MismatchError, MissingRegionError) as exc:
+                # the planner knows the key, the reader where the checkpoint is: a job
+                # loading several checkpoints (model, EMA, data loader) learns which one
+                where = storage_reader.location()
+                if where is not None and exc.args and isinstance(exc.args[0], str):
+                    exc.args = (f"{exc.args[0]} (checkpoint {where})", *exc.args[1:])
+                raise
         local.append(plan)
         return plan
 

@@ -111,6 +111,11 @@ class StorageReader(abc.ABC):
 
     _known_metadata: Optional[Metadata] = None
 
+    def location(self) -> Optional[str]:
+        """Where the checkpoint is (a path or URL), for error messages; ``None`` when the
+        reader does not know.  A load that fails on a key or a shape names it."""
+        return None
+
     def use_metadata(self, metadata: Metadata) -> None:
         """Serve ``metadata`` instead of reading it again on every load through this reader
         (a tool that loads one checkpoint in many small loads, e.g. tensor by tensor)."""

@@ -553,6 +553,9 @@ class FileSystemReader(StorageReader):
             raise ValueError("FileSystemReader has no checkpoint path: pass checkpoint_id or a path")
         return self.path
 
+    def location(self) -> Optional[str]:
+        return None if self.path is None else str(self.path)
+
     def load_metadata(self) -> Metadata:
         self.metadata, self._is_global = load_checkpoint_metadata(self._root())
         return self.metadata

@@ -157,6 +157,9 @@ class ObjectStoreReader(StorageReader):
         self.bytes_read = 0
         self.requests = 0
 
+    def location(self) -> Optional[str]:
+        return self.url
+
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
