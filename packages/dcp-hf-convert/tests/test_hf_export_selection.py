@@ -53,3 +53,24 @@ def test_only_and_strip_prefix_select_the_model_from_both_formats(tmp_path):
     out = tmp_path / "all"
     assert main(["dcp-to-hf", str(tmp_path / "ours"), str(out), "-q"]) == 0
     assert "optim.state.0.exp_avg" in _exported(out)
+
+
+def test_the_skipped_objects_warning_names_only_the_entries_the_selection_keeps(tmp_path, caplog):
+    from hyper_parallel_dcp.core.pipeline import save_state_dict
+    from hyper_parallel_dcp.storage_fs import FileSystemWriter
+
+    save_state_dict(_trainer_state(), FileSystemWriter(tmp_path / "ours"), no_dist=True)
+    logger = "hyper_parallel_dcp.offline_transform.from_dcp"
+
+    def warned(*args: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=logger):
+            assert main(["dcp-to-hf", str(tmp_path / "ours"), str(tmp_path / f"out{len(args)}"), *args, "-q"]) == 0
+        return [r.getMessage() for r in caplog.records if r.name == logger]
+
+    # the model holds no objects: `--only model.` leaves nothing out that it asked for
+    assert warned("--only", "model.") == []
+    # the whole checkpoint: the step and the optimizer's param_groups are named
+    (message,) = warned()
+    assert "2 non-tensor entries are not exported" in message
+    assert "'step'" in message and "'optim.param_groups'" in message

@@ -27,7 +27,7 @@ from hyper_parallel_dcp.core.storage import StorageReader
 
 from .dtypes import cast_floating, output_dtype, parse_dtype
 from .hf_writer import TensorSpec, write_huggingface_checkpoint
-from .keymap import KeyMapping, map_keys
+from .keymap import KeyMapping, map_keys, resolve_key_mapping
 from .progress import ConversionReport
 from .staging import StagingBuffer
 
@@ -131,10 +131,14 @@ def convert_dcp_to_huggingface(
     metadata = checkpoint_metadata(src)
     sd_md = metadata.state_dict_metadata
     tensors = [fqn for fqn, md in sd_md.items() if isinstance(md, TensorStorageMetadata)]
-    skipped = len(sd_md) - len(tensors)
-    if skipped:
-        logger.warning("%s: %d non-tensor entries are not exported (safetensors holds tensors only)", src, skipped)
     names = map_keys(tensors, key_mapping)
+    # only the entries the mapping keeps: `--only model.` leaves optimizer objects out anyway
+    keep = resolve_key_mapping(key_mapping)
+    skipped = [fqn for fqn, md in sd_md.items() if not isinstance(md, TensorStorageMetadata) and keep(fqn) is not None]
+    if skipped:
+        logger.warning("%s: %d non-tensor entr%s not exported (safetensors holds tensors only): %s%s", src,
+                       len(skipped), "y is" if len(skipped) == 1 else "ies are", ", ".join(map(repr, skipped[:5])),
+                       ", ..." if len(skipped) > 5 else "")
     specs = []
     for fqn, name in names.items():
         md = sd_md[fqn]
