@@ -26,6 +26,25 @@ _SCRIPT = textwrap.dedent('''
     try:
         if how == "start_writer":
             start_writer(wait=True, timeout=600)
+        elif how == "prestarted":
+            # started ahead (as CheckpointManager does), dead of the re-run by the time the
+            # first save comes: that save says so itself, before staging anything
+            from hyper_parallel_dcp.async_persist.persist import _get_persister
+            start_writer()
+            proc = _get_persister().proc
+            proc.join(timeout=300)
+            try:
+                response = async_save({"w": torch.arange(6.0)}, checkpoint_id=ckpt)
+            except AsyncSaveError as exc:
+                print(f"RESULT {type(exc).__name__}: {exc}", flush=True)
+                # the next save starts a fresh writer (which dies the same way, after the save)
+                try:
+                    async_save({"w": torch.arange(6.0)}, checkpoint_id=ckpt).get_result(timeout=600)
+                except AsyncSaveError as again:
+                    print(f"NEXT {again}", flush=True)
+                sys.exit(0)
+            print("RESULT returned", flush=True)
+            response.get_result(timeout=600)
         else:
             async_save({"w": torch.arange(6.0)}, checkpoint_id=ckpt).get_result(timeout=600)
         print("RESULT landed", flush=True)
@@ -34,7 +53,7 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("how", ["start_writer", "async_save"])
+@pytest.mark.parametrize("how", ["start_writer", "async_save", "prestarted"])
 def test_a_writer_that_dies_starting_says_why(tmp_path, how):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
@@ -45,7 +64,10 @@ def test_a_writer_that_dies_starting_says_why(tmp_path, how):
     assert len(results) == 1, (out.stdout, out.stderr)
     result = results[0]
     assert result.startswith("RESULT AsyncSaveError: "), result
-    assert "while starting" in result if how == "start_writer" else "did not land" in result
+    assert "while starting" in result if how != "async_save" else "did not land" in result
+    if how == "prestarted":
+        assert "was not started" in result, result
+        assert [line for line in out.stdout.splitlines() if line.startswith("NEXT")], out.stdout
     assert "died before serving any request" in result and 'if __name__ == "__main__":' in result, result
     assert "not ready within" not in result
     # the writer's own error is where the message says it is

@@ -410,6 +410,17 @@ class _Persister:
             mode = "files"
         tag = f"{self._mailbox_session()}-{seq}" if mode == "files" else ""
 
+        proc = self.proc
+        if self.writer_fresh and proc is not None and not proc.is_alive() and (proc.exitcode or 0) > 0:
+            # start_writer()'s writer exited of an error of its own before any request (its
+            # traceback on stderr): most often spawn running an unguarded training script
+            # again, which a new writer would repeat.  Said now, not by the next save
+            # (CheckpointManager's first save interval later); one killed by a signal is
+            # replaced below.
+            self._discard_process()
+            self.writer_fresh = False
+            raise AsyncSaveError(_death_message(proc, None, starting=True, saving=False)
+                                 + f" async_save into {checkpoint_id or 'the storage writer'} was not started.")
         # Started first: the child imports torch while we stage.  A writer that has not had
         # a request yet (just started, or by start_writer()) may still be importing torch.
         started = self._ensure_process() or self.writer_fresh
