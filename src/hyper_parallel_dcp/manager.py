@@ -236,7 +236,8 @@ class CheckpointManager:
             # (the first save of a job also tidies what an earlier, killed job left).
             try:
                 self._retain(dw, protected=frozenset({step}), local_error=staging_error,
-                             run=self._retention_due or not self._retained_once)
+                             run=self._retention_due or not self._retained_once,
+                             label=f"checkpoint manager: start the async save of step {step}, retention")
             except BaseException:
                 self._settle_failed_step()
                 raise
@@ -294,17 +295,17 @@ class CheckpointManager:
                         type(exc).__name__, exc)
 
     def _retain(self, dw: DistWrapper, protected: frozenset[int], local_error: Optional[BaseException] = None,
-                run: bool = True) -> list[int]:
+                run: bool = True, label: str = "checkpoint manager: retention") -> list[int]:
         """Retention, decided and done by the coordinator; every rank returns once it is done.
 
-        ``local_error`` (this rank's failure just before) is raised on every rank instead;
-        ``run=False`` only exchanges that.
+        ``local_error`` (this rank's failure just before) is raised on every rank instead,
+        under the phase ``label``; ``run=False`` only exchanges that.
         """
         def check() -> None:
             if local_error is not None:
                 raise local_error
 
-        deleted: list[int] = dw.all_reduce("checkpoint manager: retention", check,
+        deleted: list[int] = dw.all_reduce(label, check,
                                            lambda _: self._apply_retention(protected) if run else [])
         if run:
             self._retention_due = False
