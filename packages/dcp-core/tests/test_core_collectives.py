@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from hyper_parallel_dcp.core.collectives import DistWrapper, _Failure, _raise_failures
-from hyper_parallel_dcp.core.errors import CheckpointException, MismatchError
+from hyper_parallel_dcp.core.errors import CheckpointException, MismatchError, describe_failures, format_ranks
 
 
 def test_without_a_group_every_step_runs_locally():
@@ -55,6 +55,33 @@ def test_remote_failures_are_raised_as_their_class_naming_every_rank():
     assert back.remote_tracebacks == exc.remote_tracebacks
     plain = pickle.loads(pickle.dumps(CheckpointException("read", {0: "OSError: disk"})))
     assert type(plain) is CheckpointException and "[rank 0] OSError: disk" in str(plain)
+
+
+def test_rank_lists_are_compact():
+    assert format_ranks([]) == ""
+    assert format_ranks([3]) == "3"
+    assert format_ranks([3, 1]) == "1, 3"
+    assert format_ranks([1, 2]) == "1, 2"  # a run of two stays as it is
+    assert format_ranks(range(1024)) == "0-1023"
+    # sorted, duplicates dropped, a gap splits a run
+    assert format_ranks([*range(512), *range(513, 1024), 2001, 2000, 5]) == "0-511, 513-1023, 2000, 2001"
+
+
+def test_a_failure_shared_by_many_ranks_is_one_line():
+    """A key missing on every rank of a 1024-rank job: one line naming the ranks, not 1024."""
+    texts = {r: "MissingKeyError: key 'x' is not in the checkpoint" for r in range(1024)}
+    texts[5] = "OSError: disk gone"
+    exc = CheckpointException("plan", texts)
+    lines = str(exc).splitlines()
+    assert lines == ["checkpoint phase 'plan' failed on rank(s) 0-1023:",
+                     "[ranks 0-4, 6-1023] MissingKeyError: key 'x' is not in the checkpoint",
+                     "[rank 5] OSError: disk gone"]
+    assert exc.failures is texts  # every rank's failure is still there
+    # past the limit of distinct texts, one line counts the rest
+    distinct = {r: f"OSError: disk {r} gone" for r in range(20)}
+    body = describe_failures(distinct, limit=3).splitlines()
+    assert body == ["[rank 0] OSError: disk 0 gone", "[rank 1] OSError: disk 1 gone", "[rank 2] OSError: disk 2 gone",
+                    "... and 17 other failure(s) on rank(s) 3-19"]
 
 
 def test_foreign_exception_classes_are_not_imported():

@@ -252,6 +252,28 @@ def test_load_plan_errors_name_the_fqn():
         create_local_load_plan({"half": torch.zeros(8)}, metadata)
 
 
+def test_missing_keys_are_all_counted_and_a_wrapper_prefix_is_pointed_out():
+    """A model that grew a layer: every key it lacks is counted, the first few named."""
+    metadata = build_metadata([create_local_save_plan({"w": torch.zeros(4, 2)})[0]])
+    grown = {"w": torch.zeros(4, 2), **{f"extra.{i}": torch.zeros(1) for i in range(10)}}
+    with pytest.raises(MissingKeyError) as info:
+        create_local_load_plan(grown, metadata)
+    text = str(info.value)
+    assert text.startswith("10 keys are not in the checkpoint (1 key stored): 'extra.0', 'extra.1', ")
+    assert "'extra.7' and 2 more; remove them from the state dict, or pass allow_partial_load=True" in text
+    assert "'extra.8'" not in text and "wrapper" not in text
+    # saved from a torch.compile'd (or DDP) model's own state_dict(), loaded into the bare model
+    wrapped = build_metadata([create_local_save_plan({"model._orig_mod.0.weight": torch.zeros(2),
+                                                      "model.module.1.bias": torch.zeros(2)})[0]])
+    with pytest.raises(MissingKeyError) as info:
+        create_local_load_plan({"model.0.weight": torch.zeros(2), "model.1.bias": torch.zeros(2)}, wrapped)
+    assert ("The checkpoint has 'model._orig_mod.0.weight' for 'model.0.weight': the two differ by a wrapper's "
+            "module name") in str(info.value)
+    # and the other way round: saved bare, loaded into a wrapped model's state_dict()
+    with pytest.raises(MissingKeyError, match=r"has 'w' for 'module\.w'"):
+        create_local_load_plan({"module.w": torch.zeros(4, 2)}, metadata)
+
+
 def test_assign_readers_spreads_equal_shards_over_the_group():
     metadata = build_metadata([create_local_save_plan({f"p{i}": torch.zeros(10) for i in range(6)})[0]])
     flat = {f"p{i}": torch.zeros(10) for i in range(6)}

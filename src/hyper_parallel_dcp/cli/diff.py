@@ -174,7 +174,7 @@ def _objects_equal(a: Any, b: Any) -> bool:
 
 def _diff_object(fqn: str, sa: _Side, sb: _Side) -> TensorDiff:
     """Equal when the copy every rank would load is equal (each rank's own copy of rank-local state)."""
-    from hyper_parallel_dcp.core.errors import CheckpointError
+    from hyper_parallel_dcp.core.errors import CheckpointError, format_ranks
 
     ranks = sorted(sa.object_ranks(fqn) | sb.object_ranks(fqn)) or [0]
     differing = []
@@ -190,7 +190,7 @@ def _diff_object(fqn: str, sa: _Side, sb: _Side) -> TensorDiff:
     if not differing:
         return TensorDiff(fqn, True, "object")
     if len(ranks) > 1:
-        return TensorDiff(fqn, False, f"object differs (copy of rank(s) {differing})")
+        return TensorDiff(fqn, False, f"object differs (copy of rank(s) [{format_ranks(differing)}])")
     return TensorDiff(fqn, False, "object differs")
 
 

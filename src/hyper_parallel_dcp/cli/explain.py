@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from hyper_parallel_dcp.core.chunks import span_elements
-from hyper_parallel_dcp.core.errors import CheckpointError
+from hyper_parallel_dcp.core.errors import CheckpointError, format_ranks
 from hyper_parallel_dcp.core.layout import TensorShards, placement_boxes
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.metadata import (
@@ -420,7 +420,7 @@ def _print_human(path: Any, exp: LoadExplanation, complete: bool, show_keys: boo
     if exp.problems:
         print(f"\nproblems ({len(exp.problems)}): the load would fail")
         for p in exp.problems:
-            ranks = f" [ranks {','.join(map(str, p.ranks))}]" if p.ranks else ""
+            ranks = f" [ranks {format_ranks(p.ranks)}]" if p.ranks else ""
             print(f"  {p.kind:<15} {p.message}{ranks}")
     else:
         print("\nno problems: every key loads")

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-from hyper_parallel_dcp.core.errors import CheckpointTimeoutError
+from hyper_parallel_dcp.core.errors import CheckpointTimeoutError, format_ranks
 
 __all__ = ["POLL_S", "Outcomes"]
 
@@ -97,7 +97,7 @@ class Outcomes:
                 return failed
             if time.monotonic() > deadline:
                 raise CheckpointTimeoutError(
-                    f"async save #{seq}, phase '{phase}': rank(s) {missing} did not report within the "
+                    f"async save #{seq}, phase '{phase}': rank(s) [{format_ranks(missing)}] did not report within the "
                     f"deadline (waiting on rank {self.rank}); their training process died or hangs",
                     phase, tuple(missing),
                 )

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 
 from hyper_parallel_dcp.core import settings
 from hyper_parallel_dcp.core.backends import storage_writer_for, url_scheme
-from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointTimeoutError
+from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointTimeoutError, describe_failures, format_ranks
 from hyper_parallel_dcp.core.gc_pause import gc_paused
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import process_rank
@@ -598,13 +598,11 @@ def _others_failed(board: Outcomes, seq: int, until: float) -> dict[int, str]:
 
 
 def _remote_message(seq: int, failed: dict[int, str], checkpoint_id: Optional[str], landed_here: bool) -> str:
-    ranks = sorted(failed)
     where = f" into {checkpoint_id}" if checkpoint_id else ""
-    parts = "\n".join(f"[rank {r}] {failed[r]}" for r in ranks)
     here = ("this rank's part had landed, but the checkpoint is not trusted" if landed_here else
             "this rank's writer was stopped")
-    return (f"async save #{seq}{where} failed on rank(s) {ranks}; {here}. The next async_save starts new "
-            f"writer processes on every rank.\n{parts}")
+    return (f"async save #{seq}{where} failed on rank(s) [{format_ranks(failed)}]; {here}. The next async_save "
+            f"starts new writer processes on every rank.\n{describe_failures(failed)}")
 
 
 def _await_reply(proc: Any, conn: Any, board: Optional[Outcomes] = None, seq: int = 0,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel_dcp.core.collectives import TIMEOUT_ENV, DistWrapper, collective_timeout
-from hyper_parallel_dcp.core.errors import CheckpointTimeoutError
+from hyper_parallel_dcp.core.errors import CheckpointTimeoutError, format_ranks
 from hyper_parallel_dcp.core.faults import fault_point
 from hyper_parallel_dcp.core.planner import LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD
@@ -380,9 +380,10 @@ class BroadcastReadExecutor:
     def _broadcast_error(self, ranks: tuple[int, ...], source: int, exc: BaseException) -> CheckpointTimeoutError:
         others = [r for r in ranks if r != dist.get_rank()]
         return CheckpointTimeoutError(
-            f"checkpoint phase 'broadcast': the broadcast from rank {source} to replica group {list(ranks)} "
-            f"failed or did not finish within {self._timeout:g} s ({TIMEOUT_ENV}) on rank {dist.get_rank()}; "
-            f"rank(s) {others} of that group died or hang ({type(exc).__name__}: {exc})",
+            f"checkpoint phase 'broadcast': the broadcast from rank {source} to replica group "
+            f"[{format_ranks(ranks)}] failed or did not finish within {self._timeout:g} s ({TIMEOUT_ENV}) on rank "
+            f"{dist.get_rank()}; rank(s) [{format_ranks(others)}] of that group died or hang "
+            f"({type(exc).__name__}: {exc})",
             "broadcast", tuple(others))
 
     def _complete(self, entry: tuple[Any, Optional[Callable[[], Any]]]) -> None:

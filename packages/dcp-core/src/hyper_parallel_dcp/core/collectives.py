@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import exit_drain
-from .errors import CheckpointException, CheckpointTimeoutError
+from .errors import CheckpointException, CheckpointTimeoutError, format_ranks
 from .settings import COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT_S
 from .timing import phase
 
@@ -223,7 +223,7 @@ class DistWrapper:
             if not missing:
                 raise
             raise CheckpointTimeoutError(
-                f"checkpoint phase '{self._step}' ({collective}): rank(s) {missing} did not arrive within "
+                f"checkpoint phase '{self._step}' ({collective}): rank(s) [{format_ranks(missing)}] did not arrive within "
                 f"{self.timeout:g} s (waiting on rank {self._global_rank()}); they died, hang, or are still "
                 f"working. Set {TIMEOUT_ENV} to wait longer.",
                 self._step,

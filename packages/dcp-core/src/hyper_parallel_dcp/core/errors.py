@@ -8,6 +8,7 @@ concerned.  Several also derive from the built-in type a caller would naturally 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 
 __all__ = [
     "CheckpointError",
@@ -89,13 +90,9 @@ class CheckpointException(CheckpointError):
     def __init__(self, phase: str, failures: dict[int, BaseException | str]):
         self.phase = phase
         self.failures = failures
-        parts = []
-        for rank in sorted(failures):
-            err = failures[rank]
-            text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
-            parts.append(f"[rank {rank}] {text}")
-        ranks = ", ".join(str(r) for r in sorted(failures))
-        super().__init__(f"checkpoint phase '{phase}' failed on rank(s) {ranks}:\n" + "\n".join(parts))
+        texts = {rank: err if isinstance(err, str) else f"{type(err).__name__}: {err}" for rank, err in failures.items()}
+        super().__init__(f"checkpoint phase '{phase}' failed on rank(s) {format_ranks(failures)}:\n"
+                         + describe_failures(texts))
 
     def __reduce__(self):  # picklable across processes (the async writer ships errors back)
         failures = {r: (e if isinstance(e, str) else f"{type(e).__name__}: {e}") for r, e in self.failures.items()}
@@ -115,3 +112,37 @@ def _rebuild_checkpoint_exception(original: type | None, phase: str, failures: d
     combined = type(original.__name__, (CheckpointException, original),
                     {"__module__": original.__module__, "__str__": CheckpointException.__str__})
     return combined(phase, failures)
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``ranks`` sorted, runs of three or more as ``first-last``: ``0-511, 513-1023``
+    instead of a thousand numbers (``1, 3`` and ``1, 2`` stay as they are)."""
+    ordered = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ordered[i]}-{ordered[j]}")
+        else:
+            parts.extend(str(r) for r in ordered[i:j + 1])
+        i = j + 1
+    return ", ".join(parts)
+
+
+def describe_failures(texts: dict[int, str], limit: int = 8) -> str:
+    """One line per distinct failure text, ``[rank 3] text`` or ``[ranks 0-1023] text``
+    for ranks that failed alike (a key missing on every rank of a large job is one
+    line, not one per rank); past ``limit`` distinct texts, one line counts the rest."""
+    by_text: dict[str, list[int]] = {}
+    for rank in sorted(texts):
+        by_text.setdefault(texts[rank], []).append(rank)
+    lines = []
+    for text, ranks in list(by_text.items())[:limit]:
+        lines.append(f"[{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}] {text}")
+    rest = [r for ranks in list(by_text.values())[limit:] for r in ranks]
+    if rest:
+        lines.append(f"... and {len(by_text) - limit} other failure(s) on rank(s) {format_ranks(rest)}")
+    return "\n".join(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 from operator import add, mul, sub
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
@@ -167,17 +167,15 @@ def create_local_load_plan(
     templates: dict[Any, Optional[tuple[_PieceRead, ...]]] = {}
     TENSOR = LoadItemType.TENSOR
     sd_md = metadata.state_dict_metadata
+    missing: list[str] = []
     for fqn, leaf in flat.items():
         md = sd_md.get(fqn)
         if md is None:
-            if allow_partial_load or (isinstance(leaf, dict) and not leaf):
-                # Left as it is.  An empty dict (a fresh optimizer's ``state``) holds no
-                # key to load, as torch.distributed.checkpoint sees it.
-                continue
-            raise MissingKeyError(
-                f"key {fqn!r} is not in the checkpoint ({len(sd_md)} key{'' if len(sd_md) == 1 else 's'} stored); "
-                "remove it from the state dict, or pass allow_partial_load=True, to load the rest"
-            )
+            if not (allow_partial_load or (isinstance(leaf, dict) and not leaf)):
+                missing.append(fqn)
+            # else left as it is.  An empty dict (a fresh optimizer's ``state``) holds no
+            # key to load, as torch.distributed.checkpoint sees it.
+            continue
         if not is_tensor_leaf(leaf):
             if isinstance(md, TensorStorageMetadata):
                 raise MismatchError(f"{fqn!r} is stored as a tensor but the target is a {type(leaf).__name__}")
@@ -227,7 +225,48 @@ def create_local_load_plan(
             for pos, c_off, dest_offsets, storage_offsets, sizes in reads:
                 items.append(ReadItem(TENSOR, dest, dest_offsets, MetadataIndex(fqn, c_off, pos), storage_offsets,
                                       sizes))
+    if missing:
+        raise MissingKeyError(missing_keys_message(missing, sd_md))
     return LoadPlan(tuple(items)), shards
+
+
+#: Module names that wrappers put into FQNs: DDP and FSDP1 (``module``), ``torch.compile``
+#: (``_orig_mod``), FSDP1 and activation checkpointing wrappers.
+_WRAPPER_PARTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module",
+                            "_forward_module"})
+
+_SHOWN_KEYS = 8
+
+
+def missing_keys_message(missing: list[str], stored: Mapping[str, Any]) -> str:
+    """The message of :class:`MissingKeyError` for the target keys ``missing`` from the
+    checkpoint's keys ``stored``: every missing key counted, the first few named, and the
+    stored key a missing one matches once wrapper module names (``module.``,
+    ``_orig_mod.``, ...) are dropped from both, the usual cause of a load that finds none."""
+    count = len(missing)
+    stored_text = f"{len(stored)} key{'' if len(stored) == 1 else 's'} stored"
+    if count == 1:
+        text = f"key {missing[0]!r} is not in the checkpoint ({stored_text}); remove it from the state dict"
+    else:
+        shown = ", ".join(map(repr, missing[:_SHOWN_KEYS]))
+        more = f" and {count - _SHOWN_KEYS} more" if count > _SHOWN_KEYS else ""
+        text = (f"{count} keys are not in the checkpoint ({stored_text}): {shown}{more}; remove them from the "
+                "state dict")
+    text += ", or pass allow_partial_load=True, to load the rest"
+    unwrapped = {_unwrapped(key): key for key in stored}
+    for key in missing:
+        found = unwrapped.get(_unwrapped(key))
+        if found is not None:
+            text += (f". The checkpoint has {found!r} for {key!r}: the two differ by a wrapper's module name "
+                     "(DDP's 'module.', torch.compile's '_orig_mod.', ...); build the state dict with "
+                     "torch.distributed.checkpoint.state_dict.get_state_dict, which leaves them out, or from "
+                     "the same wrapping as at save time")
+            break
+    return text
+
+
+def _unwrapped(fqn: str) -> str:
+    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_PARTS)
 
 
 # a target piece as the planner resolves reads into it: (view, shape, strides, storage

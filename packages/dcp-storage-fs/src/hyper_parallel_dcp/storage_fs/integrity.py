@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 
 import xxhash
 
-from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointFormatError, CorruptCheckpointError
+from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointFormatError, CorruptCheckpointError, format_ranks
 from hyper_parallel_dcp.core.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -133,7 +133,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     # A rank-local save cannot know how many ranks there were; a gap is at least detectable.
     missing = sorted(set(range(ranks[-1][0] + 1)) - {r for r, _ in ranks})
     if missing:
-        _add(problems, f"{root}: the rank-local metadata of rank(s) {missing} is missing")
+        _add(problems, f"{root}: the rank-local metadata of rank(s) [{format_ranks(missing)}] is missing")
     parts: dict[int, Metadata] = {}
     version = None  # typed Optional[int] by the single-file branch above
     for rank, name in ranks:
