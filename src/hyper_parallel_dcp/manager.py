@@ -98,7 +98,8 @@ class CheckpointManager:
     in the main thread).
 
     Every rank of the default process group must call :meth:`save`, :meth:`restore`,
-    :meth:`wait` and :meth:`close` (they are collective, like ``save``/``load``).
+    :meth:`wait` and :meth:`close` (they are collective, like ``save``/``load``); leaving a
+    ``with`` block on an exception closes without a collective (see :meth:`__exit__`).
     :meth:`latest_step`, :meth:`all_steps` and :meth:`metrics` only read storage.
 
     Raises ``ValueError`` for a setting out of range, ``NotADirectoryError`` naming
@@ -447,26 +448,48 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._closed = True
-            if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, self._previous_handler)
-                self._previous_handler = None
-            if self._used_async:
-                from hyper_parallel_dcp.async_persist import shutdown_writer
+            self._release()
 
-                shutdown_writer()
+    def _release(self) -> None:
+        """Close without a collective: restore the SIGTERM handler and stop the writer
+        process, once this rank's part of the async save in flight is written."""
+        self._closed = True
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+        if self._used_async:
+            from hyper_parallel_dcp.async_persist import shutdown_writer
+
+            shutdown_writer()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """:meth:`close`; when leaving on an exception, without its collective.
+
+        An exception is often this rank's alone (a bad batch, an out-of-memory error, a
+        check of the loss) while the other ranks train on. Waiting for them in a
+        collective hung this rank until ``HP_DCP_COLLECTIVE_TIMEOUT`` (30 min by default),
+        and with it the launcher's restart. So it only lets this rank's writer finish its
+        part of the save in flight (that save commits if every rank's part is written) and
+        leaves the retention due to the next job's first save."""
         if exc_type is None:
             self.close()
             return
+        if self._closed:
+            return
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None or self._retention_due:
+            step = (f"step {inflight[0]} (in flight)" if inflight is not None else
+                    "the last save" if self._landed_step is None else f"step {self._landed_step}")
+            logger.warning("checkpoint manager: leaving on %s without a collective clean-up (the other ranks may "
+                           "not come); the retention of %s runs at the next job's first save",
+                           exc_type.__name__, step)
         try:
-            self.close()
+            self._release()
         except Exception:  # noqa: BLE001 - do not hide the exception that is already propagating
-            logger.exception("checkpoint manager: close() failed while handling another exception")
+            logger.exception("checkpoint manager: closing failed while handling another exception")
 
     # -- internals ---------------------------------------------------------------------------
     @staticmethod
