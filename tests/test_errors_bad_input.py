@@ -17,6 +17,7 @@ from hyper_parallel_dcp.core.errors import (
     CorruptCheckpointError,
     MismatchError,
     MissingKeyError,
+    UnsupportedTensorError,
 )
 from hyper_parallel_dcp.core.metadata import FORMAT_VERSION
 from hyper_parallel_dcp.core.testing import run_distributed
@@ -58,6 +59,30 @@ def test_missing_key_names_it_and_loads_nothing_silently(ckpt):
     # which checkpoint, and how to load the rest anyway
     assert str(info.value).endswith(f"(checkpoint {ckpt})") and "allow_partial_load=True" in str(info.value)
 
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # beta / deprecated tensor kinds
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_a_tensor_without_dense_data_is_named_and_nothing_is_written(tmp_path, how):
+    """torch's own errors named no key ("Cannot copy out of meta tensor; no data!")."""
+    import hyper_parallel_dcp as dcp
+
+    odd = {"meta": (torch.empty(3, device="meta"), "is on the meta device and holds no data"),
+           "sparse": (torch.eye(3).to_sparse(), "is a sparse_coo tensor"),
+           "quantized": (torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8), "has the quantized dtype")}
+    for name, (tensor, why) in odd.items():
+        path = tmp_path / name
+        with pytest.raises(UnsupportedTensorError, match=rf"'model\.{name}'.* {why}"):
+            result = getattr(dcp, how)({"model": {"ok": torch.ones(2), name: tensor}}, checkpoint_id=path)
+            result.get_result(60)
+        assert not (path / ".metadata").exists()
+    # the next save goes through
+    getattr(dcp, how)({"model": {"ok": torch.ones(2)}}, checkpoint_id=tmp_path / "fine")
+    if how == "async_save":
+        from hyper_parallel_dcp.async_persist import shutdown_writer
+
+        shutdown_writer()
+    assert (tmp_path / "fine" / ".metadata").exists()
 
 def test_shape_mismatch_names_fqn_and_both_sides_and_a_dtype_is_cast(ckpt):
     import hyper_parallel_dcp as dcp

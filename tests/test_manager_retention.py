@@ -15,7 +15,7 @@ import torch
 
 from hyper_parallel_dcp import CheckpointManager
 from hyper_parallel_dcp.cli import main as cli_main
-from hyper_parallel_dcp.core.errors import CheckpointNotFoundError
+from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, UnsupportedTensorError
 from hyper_parallel_dcp.retention import best_steps, steps_to_delete
 
 
@@ -334,7 +334,7 @@ def test_async_error_surfaces_once_in_the_next_save(tmp_path: Path) -> None:
 def test_async_staging_error_is_raised_and_the_next_save_works(tmp_path: Path) -> None:
     with CheckpointManager(tmp_path, async_save=True) as mgr:
         mgr.save(1, {"w": torch.ones(4)})
-        with pytest.raises(NotImplementedError, match="meta"):
+        with pytest.raises(UnsupportedTensorError, match="meta device"):
             mgr.save(2, {"w": torch.empty(4, device="meta")})  # fails while staging, in the caller
         assert mgr.save(3, {"w": torch.full((4,), 3.0)})
         mgr.wait()

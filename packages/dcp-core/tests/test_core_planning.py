@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hyper_parallel_dcp.core.chunks import ChunkBox, full_box
-from hyper_parallel_dcp.core.errors import MismatchError, MissingKeyError, MissingRegionError
+from hyper_parallel_dcp.core.errors import MismatchError, MissingKeyError, MissingRegionError, UnsupportedTensorError
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo, TensorStorageMetadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
@@ -273,6 +273,33 @@ def test_missing_keys_are_all_counted_and_a_wrapper_prefix_is_pointed_out():
     with pytest.raises(MissingKeyError, match=r"has 'w' for 'module\.w'"):
         create_local_load_plan({"module.w": torch.zeros(4, 2)}, metadata)
 
+
+_UNSUPPORTED = {
+    "meta": (lambda: torch.empty(3, device="meta"), "is on the meta device and holds no data"),
+    "sparse": (lambda: torch.eye(3).to_sparse(), "is a sparse_coo tensor: only dense \\(strided\\)"),
+    "csr": (lambda: torch.eye(3).to_sparse_csr(), "is a sparse_csr tensor"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "is a nested tensor"),
+    "quantized": (lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8),
+                  "has the quantized dtype torch.qint8"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # prototype / beta / deprecated tensor kinds
+@pytest.mark.parametrize("kind", list(_UNSUPPORTED))
+def test_a_tensor_without_storable_data_is_named_on_save_and_load(kind):
+    """torch's own errors name no key ("Cannot copy out of meta tensor; no data!")."""
+    make, why = _UNSUPPORTED[kind]
+    if kind == "meta":
+        # a save is planned from shapes alone (the Hugging Face importer's planner supplies
+        # the data); the writer refuses a meta tensor's data (tests/test_errors_bad_input.py)
+        assert len(create_local_save_plan({"ok": torch.zeros(2), "model.w": make()})[0].items) == 2
+    else:
+        with pytest.raises(UnsupportedTensorError, match=rf"^'model\.w' {why}") as info:
+            create_local_save_plan({"ok": torch.zeros(2), "model.w": make()})
+        assert isinstance(info.value, TypeError)
+    metadata = build_metadata([create_local_save_plan({"model.w": torch.zeros(3)})[0]])
+    with pytest.raises(UnsupportedTensorError, match=rf"^'model\.w' {why}"):
+        create_local_load_plan({"model.w": make()}, metadata)
 
 def test_assign_readers_spreads_equal_shards_over_the_group():
     metadata = build_metadata([create_local_save_plan({f"p{i}": torch.zeros(10) for i in range(6)})[0]])

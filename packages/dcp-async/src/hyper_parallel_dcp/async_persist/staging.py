@@ -29,7 +29,7 @@ import torch
 
 from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.flatten import flatten_state_dict
-from hyper_parallel_dcp.core.layout import TensorShards, is_tensor_leaf, to_tensor_shards
+from hyper_parallel_dcp.core.layout import TensorShards, check_tensor, is_tensor_leaf, to_tensor_shards
 from hyper_parallel_dcp.core.ragged import RaggedShard
 
 from .copier import DataCopier
@@ -324,6 +324,7 @@ class StagingArena:
         spec = leaf._spec
         known = self._whole_local.get(spec)
         if known is not None:
+            check_tensor(leaf._local_tensor, fqn)
             return TensorShards(known[0], leaf.dtype, [(known[1], leaf._local_tensor)]), known[2]
         ts = to_tensor_shards(leaf, fqn)
         check = _leaf_check(leaf, ts, dtensor_cls)

@@ -14,6 +14,7 @@ from .errors import (
     MissingRegionError,
     UnsafeObjectError,
     UnsupportedPlacementError,
+    UnsupportedTensorError,
 )
 from .layout import TensorShards, to_tensor_shards
 from .metadata import (
@@ -75,6 +76,7 @@ __all__ = [
     "TensorStorageMetadata",
     "UnsafeObjectError",
     "UnsupportedPlacementError",
+    "UnsupportedTensorError",
     "WriteColumns",
     "WriteItem",
     "WriteItemType",

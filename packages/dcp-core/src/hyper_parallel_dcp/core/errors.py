@@ -23,6 +23,7 @@ __all__ = [
     "MissingRegionError",
     "UnsafeObjectError",
     "UnsupportedPlacementError",
+    "UnsupportedTensorError",
 ]
 
 
@@ -55,6 +56,11 @@ class MismatchError(CheckpointError, ValueError):
 
 class UnsupportedPlacementError(CheckpointError, ValueError):
     """A DTensor placement that cannot be checkpointed (``Partial``)."""
+
+
+class UnsupportedTensorError(CheckpointError, TypeError):
+    """A tensor that cannot be saved or loaded into: sparse, nested, quantized, or on the
+    meta device."""
 
 
 class CorruptCheckpointError(CheckpointError):

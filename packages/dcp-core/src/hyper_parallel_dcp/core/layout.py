@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from .chunks import ChunkBox, Run, boxes_from_runs, full_box, runs_from_indices
-from .errors import UnsupportedPlacementError
+from .errors import UnsupportedPlacementError, UnsupportedTensorError
 from .ragged import RaggedShard
 
 __all__ = ["TensorShards", "is_tensor_leaf", "placement_boxes", "to_tensor_shards"]
@@ -135,10 +135,40 @@ def _dtensor_boxes(dt: Any, fqn: str) -> Sequence[tuple[ChunkBox, tuple[int, ...
         return placement_boxes(*args, fqn=fqn)  # raise again, naming the tensor
 
 
-def to_tensor_shards(leaf: Any, fqn: str = "<tensor>") -> TensorShards:
+_STRIDED = torch.strided
+
+
+def check_tensor(tensor: torch.Tensor, fqn: str, meta: bool = True) -> None:
+    """Raise :class:`UnsupportedTensorError` naming ``fqn`` for a tensor whose data a
+    checkpoint cannot hold or receive (torch's own errors name no key: "Cannot copy out of
+    meta tensor; no data!").  ``meta=False`` lets a meta tensor pass: a save is planned
+    from its shape alone (a planner may supply the data, as the Hugging Face importer's
+    does), and only the data's copy needs real memory.  ~0.15 us a tensor."""
+    if tensor.layout is _STRIDED and not ((meta and tensor.is_meta) or tensor.is_nested or tensor.is_quantized):
+        return
+    raise UnsupportedTensorError(f"{fqn!r} {tensor_problem(tensor)}")
+
+
+def tensor_problem(tensor: torch.Tensor) -> str:
+    """Why :func:`check_tensor` refuses ``tensor``, and what to do instead."""
+    if tensor.is_nested:
+        return "is a nested tensor: save its components (t.unbind()) under keys of their own"
+    if tensor.layout is not _STRIDED:
+        return (f"is a {str(tensor.layout).removeprefix('torch.')} tensor: only dense (strided) tensors are "
+                "checkpointed; save t.to_dense(), or its indices and values under keys of their own")
+    if tensor.is_meta:
+        return ("is on the meta device and holds no data: materialize the module first (e.g. "
+                "module.to_empty(device=...), then initialize it), and build the state dict from that")
+    return (f"has the quantized dtype {tensor.dtype}, whose scale and zero point are not tensor data: "
+            "save t.dequantize(), or t.int_repr() and the quantization parameters")
+
+
+def to_tensor_shards(leaf: Any, fqn: str = "<tensor>", meta: bool = True) -> TensorShards:
     """Describe a tensor leaf as :class:`TensorShards` (views alias the leaf's memory).
 
-    Raises :class:`UnsupportedPlacementError` for a ``Partial`` DTensor.
+    Raises :class:`UnsupportedPlacementError` for a ``Partial`` DTensor and
+    :class:`UnsupportedTensorError` for a sparse, nested or quantized tensor, and for a
+    meta tensor unless ``meta=False`` (see :func:`check_tensor`).
     """
     if isinstance(leaf, TensorShards):
         return leaf
@@ -149,6 +179,7 @@ def to_tensor_shards(leaf: Any, fqn: str = "<tensor>") -> TensorShards:
     if _is_dtensor(leaf):
         # the attribute, not to_local(): that goes through autograd dispatch (~10 us a call)
         local = leaf._local_tensor
+        check_tensor(local, fqn, meta)
         pieces = []
         for box, local_offsets in _dtensor_boxes(leaf, fqn):
             view = local
@@ -158,6 +189,7 @@ def to_tensor_shards(leaf: Any, fqn: str = "<tensor>") -> TensorShards:
             pieces.append((box, view))
         return TensorShards(tuple(leaf.shape), leaf.dtype, pieces)
     if isinstance(leaf, torch.Tensor):
+        check_tensor(leaf, fqn, meta)
         shape = tuple(leaf.shape)
         return TensorShards(shape, leaf.dtype, [(full_box(shape), leaf)])
     raise TypeError(f"{fqn!r}: {type(leaf).__name__} is not a tensor leaf")

@@ -20,7 +20,7 @@ import torch
 
 from .chunks import ChunkBox, full_box
 from .gc_pause import gc_paused
-from .layout import _dtensor_boxes, is_tensor_leaf, to_tensor_shards
+from .layout import _dtensor_boxes, check_tensor, is_tensor_leaf, to_tensor_shards
 from .metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -71,6 +71,7 @@ def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[Metadat
                 layout = layouts[key] = _dtensor_layout(leaf, fqn)
             if layout is not None:
                 local = leaf._local_tensor
+                check_tensor(local, fqn, meta=False)
                 for offsets, sizes, global_shape, dtype, nbytes, narrow in layout:
                     view = local
                     for d, off, size in narrow:
@@ -82,7 +83,7 @@ def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[Metadat
                     data[index] = view
                 continue
         if is_tensor_leaf(leaf):
-            shards = to_tensor_shards(leaf, fqn)
+            shards = to_tensor_shards(leaf, fqn, meta=False)
             ragged = ragged or shards.ragged
             dtype = dtype_name(shards.dtype)
             itemsize = shards.dtype.itemsize

@@ -243,6 +243,11 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Encod
         tensor = entry.fetch()
         copied = False  # a fresh host tensor, ours alone
         if not tensor.is_cpu:
+            if tensor.is_meta:  # planned from its shape, but no planner supplied its data
+                from hyper_parallel_dcp.core.errors import UnsupportedTensorError
+                from hyper_parallel_dcp.core.layout import tensor_problem
+
+                raise UnsupportedTensorError(f"{entry.label} {tensor_problem(tensor)}")
             tensor = tensor.to("cpu")
             copied = True
         if not tensor.is_contiguous():
