@@ -50,6 +50,24 @@ def test_missing_directory_names_it(tmp_path):
         dcp.load({"x": torch.zeros(1)}, checkpoint_id=empty)
 
 
+def test_a_directory_of_checkpoints_names_the_one_to_pass(tmp_path, capsys):
+    """A CheckpointManager root (or a run's directory) passed where one checkpoint goes."""
+    import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp.cli import main as cli_main
+
+    for step in (3, 12):
+        dcp.save(_state(), checkpoint_id=tmp_path / f"step_{step}", no_dist=True)
+    (tmp_path / "step_20").mkdir()  # an interrupted save: no .metadata
+    hint = rf"directory of 2 checkpoint\(s\): pass one of them, e.g. the newest, {tmp_path}/step_12 "
+    with pytest.raises(CheckpointNotFoundError, match=hint):
+        dcp.load(_state(), checkpoint_id=tmp_path)
+    assert cli_main(["verify", str(tmp_path)]) == 1
+    assert re.search(hint, capsys.readouterr().out)
+    # a directory that holds nothing of the kind gets no hint
+    with pytest.raises(CheckpointNotFoundError) as info:
+        dcp.load(_state(), checkpoint_id=tmp_path / "step_20")
+    assert "directory of" not in str(info.value)
+
 def test_missing_key_names_it_and_loads_nothing_silently(ckpt):
     import hyper_parallel_dcp as dcp
 

@@ -194,7 +194,7 @@ def test_missing_bucket_names_it(s3_test_env):
 
 
 def test_a_key_or_shape_the_checkpoint_lacks_names_the_url(s3_test_env):
-    from hyper_parallel_dcp.core import MismatchError, MissingKeyError
+    from hyper_parallel_dcp.core import CheckpointNotFoundError, MismatchError, MissingKeyError
 
     url = f"s3://{BUCKET}/names-the-url"
     _save({"a": torch.ones(2, 3)}, url)
@@ -204,6 +204,12 @@ def test_a_key_or_shape_the_checkpoint_lacks_names_the_url(s3_test_env):
     with pytest.raises(MismatchError, match=r"target expects \[3, 2\]") as info:
         _load({"a": torch.zeros(3, 2)}, url)
     assert str(info.value).endswith(f"(checkpoint {url})")
+    # the run's directory instead of one of its steps: the message names the step to pass
+    root = f"s3://{BUCKET}/a-run-root"
+    for step in (2, 10):
+        _save({"a": torch.ones(2, 3)}, f"{root}/step_{step}")
+    with pytest.raises(CheckpointNotFoundError, match=rf"directory of 2 checkpoint\(s\).* the newest, {root}/step_10 "):
+        _load({"a": torch.zeros(2, 3)}, root)
 
 
 def test_bad_credentials_name_bucket_and_key(monkeypatch):

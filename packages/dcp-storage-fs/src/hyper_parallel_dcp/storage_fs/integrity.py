@@ -128,7 +128,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     ranks = sorted((int(m.group(1)), n) for n in names if (m := RANK_METADATA.match(n)))
     if not ranks:
         _add(problems, f"{root} holds neither {METADATA_FILE} nor any {{rank}}.metadata file "
-                       "(the save never finished, or this is not a checkpoint)")
+                       f"(the save never finished, or this is not a checkpoint){checkpoints_inside_hint(root)}")
         return None, None
     # A rank-local save cannot know how many ranks there were; a gap is at least detectable.
     missing = sorted(set(range(ranks[-1][0] + 1)) - {r for r, _ in ranks})
@@ -251,6 +251,26 @@ def _item_name(index: MetadataIndex) -> str:
     if index.offset is None:
         return f"object {index.fqn!r}"
     return f"{index.fqn!r} chunk at offsets {list(index.offset)}"
+
+
+def checkpoints_inside_hint(root: CheckpointFiles) -> str:
+    """For a message about ``root`` holding no checkpoint: ``""``, or the hint that it is a
+    directory of checkpoints (a ``CheckpointManager`` root, a run's directory) and which
+    one to pass.  Looks one level down only: one listing and a stat per step directory."""
+    try:
+        entries = root.entries()
+    except OSError:
+        return ""
+    steps = []
+    for name, size in entries:
+        match = _STEP.search(name)
+        if size is None and match and not name.startswith(".") and root.child(name).size(METADATA_FILE) is not None:
+            steps.append((int(match.group(1)), name))
+    if not steps:
+        return ""
+    newest = root.child(max(steps)[1])
+    return (f"; it is a directory of {len(steps)} checkpoint(s): pass one of them, e.g. the newest, {newest} "
+            f"(`hp-dcp ls {root}` lists them)")
 
 
 def find_latest_checkpoint(root: PathLike) -> Optional[Union[Path, str]]:

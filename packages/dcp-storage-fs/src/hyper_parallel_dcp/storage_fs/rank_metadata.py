@@ -56,9 +56,12 @@ def load_rank_metadata(root: Union[str, os.PathLike], *, on_error: Optional[OnEr
     """
     files = rank_metadata_files(root)
     if not files:
+        from .files import as_checkpoint_files
+        from .integrity import checkpoints_inside_hint
+
         raise CheckpointNotFoundError(
             f"{root} holds no checkpoint: neither .metadata nor any {{rank}}.metadata file "
-            "(an interrupted save leaves none)"
+            f"(an interrupted save leaves none){checkpoints_inside_hint(as_checkpoint_files(root))}"
         )
     parts: dict[int, Metadata] = {}
     for rank, path in files:

@@ -191,8 +191,13 @@ class ObjectStoreReader(StorageReader):
             if match and size >= 0:
                 parts[int(match.group(1))] = metadata_from_json(store.get(key), source=store.url(key))
         if not parts:
+            from hyper_parallel_dcp.storage_fs.integrity import checkpoints_inside_hint
+
+            from .files import ObjectFiles
+
+            hint = checkpoints_inside_hint(ObjectFiles(self.url, store=store)) if self.url else ""
             raise CheckpointNotFoundError(f"{self.url} holds no checkpoint: neither {METADATA_OBJECT} nor any "
-                                          "{rank}.metadata object (an interrupted save leaves none)")
+                                          f"{{rank}}.metadata object (an interrupted save leaves none){hint}")
         self.metadata, self._is_global = merge_rank_metadata(parts), False
         return self.metadata
 
