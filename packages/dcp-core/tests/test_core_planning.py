@@ -272,6 +272,24 @@ def test_missing_keys_are_all_counted_and_a_wrapper_prefix_is_pointed_out():
     # and the other way round: saved bare, loaded into a wrapped model's state_dict()
     with pytest.raises(MissingKeyError, match=r"has 'w' for 'module\.w'"):
         create_local_load_plan({"module.w": torch.zeros(4, 2)}, metadata)
+    # a Hugging Face import stores the model at the top level; loaded under {"model": ...}
+    hf = build_metadata([create_local_save_plan({"model.layers.0.weight": torch.zeros(2),
+                                                 "lm_head.weight": torch.zeros(2)})[0]])
+    with pytest.raises(MissingKeyError) as info:
+        create_local_load_plan({"model.model.layers.0.weight": torch.zeros(2), "model.lm_head.weight": torch.zeros(2)},
+                               hf)
+    assert ("The checkpoint has 'model.layers.0.weight' for 'model.model.layers.0.weight': its keys lack the "
+            "prefix 'model.'") in str(info.value)
+    # saved under {"model": ...}, loaded at the top level
+    with pytest.raises(MissingKeyError, match=r"has 'model\.layers\.0\.weight' for 'layers\.0\.weight': its keys carry "
+                                              r"the prefix 'model\.'; nest the state dict under it \(\{'model': \.\.\.\}\)"):
+        create_local_load_plan({"layers.0.weight": torch.zeros(2)}, hf)
+    # a prefix that explains one key of several is a coincidence, not a hint
+    grown = build_metadata([create_local_save_plan({"model.0.weight": torch.zeros(2), "weight": torch.zeros(2)})[0]])
+    with pytest.raises(MissingKeyError) as info:
+        create_local_load_plan({"model.3.weight": torch.zeros(2), "model.3.bias": torch.zeros(2),
+                                "model.4.bias": torch.zeros(2)}, grown)
+    assert "The checkpoint has" not in str(info.value)
 
 
 _UNSUPPORTED = {

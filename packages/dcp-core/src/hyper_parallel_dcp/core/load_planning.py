@@ -240,9 +240,9 @@ _SHOWN_KEYS = 8
 
 def missing_keys_message(missing: list[str], stored: Mapping[str, Any]) -> str:
     """The message of :class:`MissingKeyError` for the target keys ``missing`` from the
-    checkpoint's keys ``stored``: every missing key counted, the first few named, and the
-    stored key a missing one matches once wrapper module names (``module.``,
-    ``_orig_mod.``, ...) are dropped from both, the usual cause of a load that finds none."""
+    checkpoint's keys ``stored``: every missing key counted, the first few named, and a
+    stored key that a missing one matches but for a prefix (see :func:`_near_miss`), the
+    usual cause of a load that finds none of its keys."""
     count = len(missing)
     stored_text = f"{len(stored)} key{'' if len(stored) == 1 else 's'} stored"
     if count == 1:
@@ -252,17 +252,62 @@ def missing_keys_message(missing: list[str], stored: Mapping[str, Any]) -> str:
         more = f" and {count - _SHOWN_KEYS} more" if count > _SHOWN_KEYS else ""
         text = (f"{count} keys are not in the checkpoint ({stored_text}): {shown}{more}; remove them from the "
                 "state dict")
-    text += ", or pass allow_partial_load=True, to load the rest"
+    return text + ", or pass allow_partial_load=True, to load the rest" + _near_miss(missing[:_SHOWN_KEYS], stored)
+
+
+def _near_miss(missing: list[str], stored: Mapping[str, Any]) -> str:
+    """``""``, or a sentence naming a stored key that one of ``missing`` matches once
+    wrapper module names are dropped from both (DDP's ``module.``, ``torch.compile``'s
+    ``_orig_mod.``), or once leading components are dropped from one of them (a model's
+    state dict loaded under ``{"model": ...}`` from a checkpoint that stores it at the top
+    level, as a Hugging Face import does, or the other way round).  On the error path only."""
     unwrapped = {_unwrapped(key): key for key in stored}
     for key in missing:
         found = unwrapped.get(_unwrapped(key))
         if found is not None:
-            text += (f". The checkpoint has {found!r} for {key!r}: the two differ by a wrapper's module name "
-                     "(DDP's 'module.', torch.compile's '_orig_mod.', ...); build the state dict with "
-                     "torch.distributed.checkpoint.state_dict.get_state_dict, which leaves them out, or from "
-                     "the same wrapping as at save time")
-            break
-    return text
+            return (f". The checkpoint has {found!r} for {key!r}: the two differ by a wrapper's module name "
+                    "(DDP's 'module.', torch.compile's '_orig_mod.', ...); build the state dict with "
+                    "torch.distributed.checkpoint.state_dict.get_state_dict, which leaves them out, or from "
+                    "the same wrapping as at save time")
+    # a prefix counts when it explains at least half of the keys shown: a model that grew a
+    # layer lacks 'model.3.weight', which is not the top-level key 'weight' under 'model.3.'
+    lacking: dict[str, list[tuple[str, str]]] = {}
+    for key in missing:
+        parts = key.split(".")
+        for i in range(1, len(parts)):
+            rest = ".".join(parts[i:])
+            if rest in stored:
+                lacking.setdefault(".".join(parts[:i]) + ".", []).append((rest, key))
+                break
+    if lacking:
+        prefix, pairs = max(lacking.items(), key=lambda entry: len(entry[1]))
+        if 2 * len(pairs) >= len(missing):
+            (rest, key) = pairs[0]
+            return (f". The checkpoint has {rest!r} for {key!r}: its keys lack the prefix {prefix!r}; load "
+                    f"into a state dict without it (e.g. the module's own state_dict(), not nested under "
+                    f"{prefix.split('.')[0]!r})")
+    by_suffix: dict[str, str] = {}
+    for name in stored:
+        parts = name.split(".")
+        for i in range(1, min(len(parts), _PREFIX_PARTS + 1)):
+            by_suffix.setdefault(".".join(parts[i:]), name)
+    carrying: dict[str, list[tuple[str, str]]] = {}
+    for key in missing:
+        found = by_suffix.get(key)
+        if found is not None:
+            carrying.setdefault(found[:-len(key)], []).append((found, key))
+    if carrying:
+        prefix, pairs = max(carrying.items(), key=lambda entry: len(entry[1]))
+        if 2 * len(pairs) >= len(missing):
+            (found, key) = pairs[0]
+            return (f". The checkpoint has {found!r} for {key!r}: its keys carry the prefix {prefix!r}; nest "
+                    f"the state dict under it ({{{prefix[:-1]!r}: ...}}), or leave the prefix out of the "
+                    f"checkpoint (hp-dcp-convert hf-to-dcp --strip-prefix {prefix})")
+    return ""
+
+
+#: Leading components a stored key may have that the target's lacks (``model.``, ``model.module.``)
+_PREFIX_PARTS = 3
 
 
 def _unwrapped(fqn: str) -> str:
