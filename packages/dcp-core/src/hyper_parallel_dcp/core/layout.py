@@ -60,6 +60,33 @@ def _select(runs: list[Run], local_indices: range | list[int]) -> list[Run]:
     return runs_from_indices(flat[i] for i in local_indices)
 
 
+def _shard_span(size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``rank``'s piece when ``Shard`` splits ``size`` into ``num_chunks``.
+
+    torch.chunk's rule (pieces of ``ceil(size / num_chunks)``, the last ones short or
+    empty), computed here rather than through torch's private helpers, whose signatures
+    change between releases.
+    """
+    piece = -(-size // num_chunks)
+    start = min(rank * piece, size)
+    return start, min(start + piece, size)
+
+
+def _strided_shard_indices(size: int, split_factor: int, num_chunks: int, rank: int) -> list[int]:
+    """The indices of a dimension of ``size`` that ``_StridedShard(split_factor)`` gives ``rank``.
+
+    The dimension is cut into ``split_factor`` pieces (as a ``Shard`` applied after this one
+    would cut it), each piece into ``num_chunks``, and the rank holds its part of every
+    piece: FSDP2 over TP keeps each TP shard's rows apart this way.
+    """
+    indices: list[int] = []
+    for piece in range(split_factor):
+        first, first_stop = _shard_span(size, split_factor, piece)
+        start, stop = _shard_span(first_stop - first, num_chunks, rank)
+        indices.extend(range(first + start, first + stop))
+    return indices
+
+
 def placement_boxes(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -98,18 +125,12 @@ def placement_boxes(
         current = sum(length for _, length in per_dim[dim])
         chunks = int(mesh_shape[mesh_dim])
         if is_strided:
-            from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
-
-            _, offsets = placement._local_shard_size_and_offset(
-                curr_local_size=current,
-                num_chunks=chunks,
-                rank=coordinate[mesh_dim],
-                offset_mode=_StridedShardOffsetMode.ALL,
-            )
-            per_dim[dim] = _select(per_dim[dim], list(offsets))
+            indices: range | list[int] = _strided_shard_indices(current, int(placement.split_factor), chunks,
+                                                            coordinate[mesh_dim])
         else:
-            size, offset = placement._local_shard_size_and_offset(current, chunks, coordinate[mesh_dim])
-            per_dim[dim] = _select(per_dim[dim], range(offset, offset + size))
+            start, stop = _shard_span(current, chunks, coordinate[mesh_dim])
+            indices = range(start, stop)
+        per_dim[dim] = _select(per_dim[dim], indices)
     if any(not runs for runs in per_dim):
         return []
     return boxes_from_runs(per_dim)
