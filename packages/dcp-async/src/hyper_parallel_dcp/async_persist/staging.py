@@ -376,6 +376,9 @@ class StagingArena:
                 missing.append((key, n))
         allocated = 0
         new_slab_id = -1
+        # Not for device pieces.  Measured on an H200 host, 32 x 32 MiB + 2000 x 4 KiB bf16:
+        # staging into a new pinned slab blocked 582 ms, into private pageable memory 951 ms
+        # (a fresh allocation there faults its pages in more slowly than the slab's).
         defer = defer_new_slab and device_type is None
         if missing:
             allocated = sum(_align(n) for _, n in missing)
@@ -484,7 +487,10 @@ class StagingArena:
                 return
             # Into page-locked memory the copy engine works asynchronously: queue every
             # device -> host copy on the current stream (one fused call), then wait for
-            # that stream only, before the writer process may read the slots.
+            # that stream only, before the writer process may read the slots.  (Packing
+            # the small pieces into one device buffer first, for one copy, was slower on
+            # an H200 host: 2000 x 4 KiB + 1 GiB dense, 49 against 34 ms; the Python work
+            # per piece costs what a copy's launch does.)
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
             for device in {src.device for src in srcs if src.device.type != "cpu"}:
                 stream = torch.accelerator.current_stream(device)
