@@ -176,3 +176,37 @@ def test_a_dropped_reader_unmaps_its_files(tmp_path):
     del reader  # no reset(): the mapping goes with the reader, unmapped on a thread
     direct_read.wait_for_unmaps()
     assert mapped() == 0
+
+
+def test_device_reads_fill_their_destinations_through_one_buffer(tmp_path):
+    """``DeviceReads`` (the accelerator path), driven here with host destinations and an
+    unpinned buffer of 1000 bytes: adjacent ranges joined, two files, a slice larger than
+    the buffer streamed in parts, a fill split over threads; every byte checked."""
+    data = [torch.randint(-(2**15), 2**15, (5000,), dtype=torch.int16, generator=torch.Generator().manual_seed(s))
+            for s in (1, 2)]
+    fds = []
+    for i, values in enumerate(data):
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(values.numpy().tobytes())
+        fds.append(os.open(path, os.O_RDONLY))
+    try:
+        reads = direct_read.DeviceReads(capacity=1000, pin=False)
+        reads._SPLIT = 96  # several threads fill a buffer of 1000 bytes
+        # (file, first element, elements): adjacent, a jump, the other file, one larger than the buffer
+        wanted = [(0, 0, 100), (0, 100, 50), (0, 400, 7), (1, 3, 200), (0, 157, 0), (1, 1000, 2100), (0, 4990, 10)]
+        dests = [torch.full((n,), -1, dtype=torch.int16) for _, _, n in wanted]
+        for (f, first, _), dest in zip(wanted, dests):
+            assert reads.add(fds[f], f"f{f}.bin", first * 2, dest, torch.int16)
+        assert not reads.add(fds[0], "f0.bin", 0, torch.empty(4, 4, dtype=torch.int16).t(), torch.int16)
+        assert not reads.add(fds[0], "f0.bin", 0, torch.empty(4, dtype=torch.int32), torch.int16)
+        reads.flush()
+        reads.wait()
+        for (f, first, n), dest in zip(wanted, dests):
+            assert torch.equal(dest, data[f][first:first + n]), (f, first, n)
+        # a read past the end of a file names it
+        with pytest.raises(Exception, match="f1.bin is truncated"):
+            reads.add(fds[1], "f1.bin", 9990, torch.empty(8, dtype=torch.int16), torch.int16)
+            reads.flush()
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -53,7 +53,15 @@ from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, Stor
 from . import direct_read
 from .atomic import PendingFile, fsync_dir, write_file_atomic, write_file_pending
 from .commit import SaveLock, commit_directory, remove_stale_staging, staging_dir
-from .direct_read import AdjacentReads, FileMapping, MappingArena, PendingCopies, read_slice, span_from_strides
+from .direct_read import (
+    AdjacentReads,
+    DeviceReads,
+    FileMapping,
+    MappingArena,
+    PendingCopies,
+    read_slice,
+    span_from_strides,
+)
 from .rank_files import objects_file_name, tensors_file_name, with_stored_as, write_rank_files
 from .rank_metadata import RANK_METADATA, load_rank_metadata, merge_rank_metadata
 from .safetensors_stream import (
@@ -533,6 +541,7 @@ class FileSystemReader(StorageReader):
         # waiting for one preadv
         self._copies = PendingCopies()
         self._reads = AdjacentReads()
+        self._device_reads = DeviceReads()  # contiguous reads into accelerator tensors
         # where the open files are mapped (reserved on the first mapping; see _reserve_arena)
         self._arena: Optional[MappingArena] = None
         self._arena_tried = False
@@ -781,7 +790,7 @@ class FileSystemReader(StorageReader):
         layout 407 -> 398 M.
         """
         chunks, spans, handles, strides_of = self._chunks, self._spans, self._handles, self._strides
-        adjacent, copies = self._reads, self._copies
+        adjacent, copies, device_reads = self._reads, self._copies, self._device_reads
         locate = self._chunk_locator()
         assert self.metadata is not None
         tensors = self.metadata.state_dict_metadata
@@ -825,7 +834,9 @@ class FileSystemReader(StorageReader):
                 if contiguous:
                     if offset is not None:
                         dest, offset = dest.as_strided(lengths, dest_strides, offset), None
-                    if adjacent.add(opened.fd, opened.name, data_offset + first * itemsize, dest, dtype):
+                    if adjacent.add(opened.fd, opened.name, data_offset + first * itemsize, dest, dtype) or (
+                            not dest.is_cpu
+                            and device_reads.add(opened.fd, opened.name, data_offset + first * itemsize, dest, dtype)):
                         spanned += span * itemsize
                         continue
                 # a column slice, or a row slice into a strided destination (a Shard(1) chunk
@@ -874,6 +885,8 @@ class FileSystemReader(StorageReader):
         """Complete every pending read and copy (before a file closes, before yielding)."""
         self._reads.flush()
         self._copies.flush()
+        self._device_reads.flush()
+        self._device_reads.wait()
 
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
         """Fill ``dest`` (shape ``item.lengths``) with the stored slice, straight from the file.
@@ -943,6 +956,7 @@ class FileSystemReader(StorageReader):
             # the reader closes its files, which finishes or drops the rest
             self._reads.clear()
             self._copies.clear()
+            self._device_reads.clear()
 
     def read_object(self, item: ReadItem) -> Any:
         """The stored object; from a per-rank checkpoint, the copy this rank saved (SPEC §4)."""
