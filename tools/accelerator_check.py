@@ -216,6 +216,8 @@ def _single_device(args: argparse.Namespace, device_type: str, workdir: str) -> 
         state = _state_dict(args.size_mib, args.small, mesh, device, zeros=False)
         nbytes = _bytes(state)
         report: dict[str, Any] = {"device": str(device), "bytes": nbytes, "tensors": len(state)}
+        report["environment"] = (f"{time.strftime('%Y-%m-%d')}: torch {torch.__version__}, Python "
+                                 f"{sys.version.split()[0]}, {os.cpu_count()} CPUs.")
         if device_type != "cpu":
             report["device_name"] = torch.cuda.get_device_name(device) if device_type == "cuda" else device_type
         report.update(_reference_copies(device_type, nbytes, device))
@@ -311,6 +313,7 @@ def _markdown(report: dict[str, Any]) -> str:
         f"# Accelerator check — {report.get('device_name', report['device'])}",
         "",
         f"{report['tensors']} tensors, {gib:.2f} GiB, one device; every loaded value compared with what was saved.",
+        f"{report.get('environment', '')}",
         "Each figure is one run, next to a reference measured in the same run (the last column: "
         "the figure's seconds over the reference's).",
         "",
