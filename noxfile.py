@@ -155,8 +155,10 @@ def accelerator(session: nox.Session) -> None:
 
     Uses the machine's own torch build (CUDA, or NPU through torch_npu): the venv sees the
     system site-packages and the project is installed without dependencies, so nothing
-    replaces that torch. Results: ``docs/benchmarks/accelerator.md``.
+    replaces that torch. Results: ``docs/benchmarks/accelerator.md``.  Then a training loop
+    on the devices, killed and resumed under torchrun (``tools/train_resume_check.py``).
     """
     targets = [f"./{folder}" for folder, _, _ in PACKAGES.values()]
     session.install("--no-deps", *targets, ".")
     session.run("python", "tools/accelerator_check.py", "--out", "docs/benchmarks/accelerator.md", *session.posargs)
+    session.run("python", "tools/train_resume_check.py")
