@@ -586,9 +586,12 @@ class DeviceReads:
             for fill in fills:
                 self._fill(buffer, *fill)
         dests = [dest for *_, dest in queue]
+        devices = {dest.device for dest in dests if dest.device.type != "cpu"}
+        # a device torch.accelerator does not drive gets blocking copies (no stream to mark)
+        streamed = bool(devices) and _accelerator_available()
         with torch.no_grad():
-            torch._foreach_copy_(dests, sources, non_blocking=True)
-        for device in {dest.device for dest in dests if dest.device.type != "cpu"}:
+            torch._foreach_copy_(dests, sources, non_blocking=streamed)
+        for device in devices if streamed else ():
             event = torch.Event(device=device)
             event.record(torch.accelerator.current_stream(device))
             self._events.append(event)
