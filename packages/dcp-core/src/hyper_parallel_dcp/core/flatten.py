@@ -65,16 +65,17 @@ def flatten_state_dict(
     flat: FlatStateDict = {}
     paths: dict[str, Path] = {}
 
-    def visit(obj: Any, path: Path) -> None:
-        if isinstance(obj, Mapping) and obj and not is_tensor(obj):
-            for key, value in obj.items():
-                visit(value, path + (key,))
-            return
-        if isinstance(obj, (list, tuple)) and obj and _contains(obj, is_tensor):
-            for i, value in enumerate(obj):
-                visit(value, path + (Position(i, type(obj)),))
-            return
-        fqn = ".".join(str(p) for p in path)
+    # the FQN is built along the walk (a join per leaf was a third of a 2000-leaf walk)
+    def visit(obj: Any, path: Path, fqn: str) -> None:
+        if not is_tensor(obj):
+            if isinstance(obj, Mapping) and obj:
+                for key, value in obj.items():
+                    visit(value, path + (key,), fqn + "." + str(key))
+                return
+            if isinstance(obj, (list, tuple)) and obj and _contains(obj, is_tensor):
+                for i, value in enumerate(obj):
+                    visit(value, path + (Position(i, type(obj)),), fqn + "." + str(i))
+                return
         if fqn in flat:
             raise ValueError(
                 f"state dict paths {paths[fqn]!r} and {path!r} both flatten to the FQN {fqn!r}"
@@ -84,7 +85,7 @@ def flatten_state_dict(
 
     try:
         for key, value in state_dict.items():
-            visit(value, (key,))
+            visit(value, (key,), str(key))
     finally:
         # ``visit`` refers to itself through its closure: a reference cycle that would keep
         # ``flat`` (and every tensor in it) alive until the next gc run — the offline

@@ -12,9 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 __all__ = ["expand_stateful", "is_stateful", "restore_stateful"]
 
 Found = list[tuple[tuple[Any, ...], Any]]
+
+#: Values never stateful: tensors (and DTensors), numbers, strings.
+_LEAF_TYPES = (torch.Tensor, int, float, str, bytes)
 
 
 def is_stateful(obj: Any) -> bool:
@@ -37,6 +42,8 @@ def expand_stateful(state_dict: Mapping[str, Any]) -> tuple[Any, Found]:
         out: dict[Any, Any] | None = None
         for key, value in node.items():
             new = value
+            if isinstance(value, _LEAF_TYPES):  # most values: no attribute lookups
+                continue
             if is_stateful(value):
                 new = value.state_dict()
                 found.append((path + (key,), value))
