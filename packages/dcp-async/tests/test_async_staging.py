@@ -136,6 +136,52 @@ def test_deferred_slab_fills_in_batches_and_frees_each_batch_first(monkeypatch) 
     arena.clear()
 
 
+def test_small_pieces_gathered_then_copied_in_one_run(monkeypatch) -> None:
+    """A repeated save's small device pieces go through a scratch buffer mirroring their
+    slots (driven here with host tensors): adjacent slots make one run, a large piece, a
+    lone small one and pieces past the memory budget are copied one by one, and every
+    staged value is the source's, a strided source and mixed dtypes included."""
+    from hyper_parallel_dcp.async_persist import staging
+    from hyper_parallel_dcp.core.flatten import flatten_state_dict
+    from hyper_parallel_dcp.core.layout import is_tensor_leaf
+
+    monkeypatch.setattr(staging, "_PACK_PIECE_BYTES", 1024)
+
+    def state(step: int) -> dict:
+        wide = torch.arange(40.0).reshape(5, 8) + step
+        return {
+            "a": torch.arange(7, dtype=torch.int16) + step,  # 14 bytes: padded slot
+            "b": torch.full((3, 5), step, dtype=torch.bfloat16),
+            "c": wide[:, 1:4],  # strided source
+            "big": torch.arange(512.0) * step,  # 2 KiB: not gathered
+            "d": torch.tensor([step, -step], dtype=torch.float64),
+            "lone": {"x": torch.ones(1) * step, "n": "object"},
+        }
+
+    def sources(sd: dict) -> list[torch.Tensor]:
+        flat, _ = flatten_state_dict(sd, is_tensor_leaf)
+        return arena._sources(arena._layout, flat)  # noqa: SLF001
+
+    arena = StagingArena()
+    staged, _ = arena.stage(state(1))  # its slots are the ones a repeated save fills
+    sd = state(2)
+    pack = staging._DevicePack(arena._layout.dsts, sources(sd), host_sources=True)  # noqa: SLF001
+    # slots in state-dict order: a b c big d x; a, b, c adjacent, then d and x
+    assert [scratch.numel() for _, scratch in pack.runs] == [64 * 3, 64 * 2]
+    assert pack.packed == 5 and pack.rest == [3]
+    pack.copy(sources(sd))
+    _assert_same(_staged_values(arena, staged), _expect_plain(sd))
+
+    # a budget of two slots: a and b gathered, the rest one by one
+    monkeypatch.setattr(staging, "_PACK_TOTAL_BYTES", 128)
+    sd = state(3)
+    pack = staging._DevicePack(arena._layout.dsts, sources(sd), host_sources=True)  # noqa: SLF001
+    assert [scratch.numel() for _, scratch in pack.runs] == [128] and pack.rest == [2, 3, 4, 5]
+    pack.copy(sources(sd))
+    _assert_same(_staged_values(arena, staged), _expect_plain(sd))
+    arena.clear()
+
+
 def test_release_free_heap_on_glibc() -> None:
     import sys
 

@@ -184,6 +184,88 @@ def slab_view(buffer: torch.Tensor, offset: int, sizes: tuple[int, ...], dtype: 
     return buffer[offset : offset + nbytes].view(dtype).view(sizes)
 
 
+#: Device pieces up to this size are gathered on the device before going to the host.
+_PACK_PIECE_BYTES = 256 << 10
+#: At most this much device memory per process holds gathered pieces.
+_PACK_TOTAL_BYTES = 64 << 20
+
+
+class _DevicePack:
+    """The small device pieces of the saves of one layout, gathered on the device and
+    sent to the host in one copy per run of adjacent slots.
+
+    Every device -> host copy is its own transfer that costs microseconds to launch,
+    whatever its size.  With the first save of a layout, its small pieces get a device
+    scratch buffer that mirrors their slab slots byte for byte (views made once, here);
+    each later save fills it with one fused device copy per dtype, and one copy moves
+    each run of adjacent slots to the host.  Measured on an H200 host (32 x
+    32 MiB + 33 x 1 MiB + 2000 x 4 KiB bf16, best of 5): 23.3 ms against 26.4 ms one by
+    one; a plain device -> pinned copy of the same bytes takes 20.2 ms.  Device memory: at most
+    :data:`_PACK_TOTAL_BYTES`; pieces over :data:`_PACK_PIECE_BYTES` or past that budget
+    are copied one by one as before.
+    """
+
+    def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, host_sources: bool = False) -> None:
+        """``host_sources=True`` gathers host pieces too (the tests drive it that way)."""
+        # (slab address, byte offset in the slab, position) of each small device piece
+        small: list[tuple[int, int, int]] = []
+        budget = _PACK_TOTAL_BYTES
+        for position, (dst, src) in enumerate(zip(dsts, srcs)):
+            n = dst.nbytes
+            if (src.is_cpu and not host_sources) or n > _PACK_PIECE_BYTES or _align(n) > budget:
+                continue
+            budget -= _align(n)
+            small.append((dst.untyped_storage().data_ptr(), int(dst.storage_offset()) * dst.element_size(), position))
+        small.sort()
+        packed: set[int] = set()
+        # per (device, dtype): the pieces' positions and their scratch views
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
+        self.runs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slab bytes, device scratch bytes)
+        start = 0
+        while start < len(small):
+            ptr, first, position = small[start]
+            device = srcs[position].device
+            end, run_end = start, first
+            # adjacent slots: the next starts where this one's aligned end is
+            while (end < len(small) and small[end][0] == ptr and small[end][1] == run_end
+                   and srcs[small[end][2]].device == device):
+                run_end = small[end][1] + _align(dsts[small[end][2]].nbytes)
+                end += 1
+            if end - start > 1:
+                slab_bytes = dsts[position].untyped_storage()
+                host = torch.empty(0, dtype=torch.uint8).set_(slab_bytes)[first:run_end]
+                scratch = torch.empty(run_end - first, dtype=torch.uint8, device=device)
+                typed: dict[torch.dtype, torch.Tensor] = {}  # the run as each dtype (slots are 64-byte aligned)
+                for _, offset, at in small[start:end]:
+                    dst = dsts[at]
+                    dtype = dst.dtype
+                    as_dtype = typed.get(dtype)
+                    if as_dtype is None:
+                        as_dtype = typed[dtype] = scratch.view(dtype)
+                    # one as_strided: a third of slab_view's slice and two views (2000 pieces)
+                    view = as_dtype.as_strided(dst.shape, dst.stride(), (offset - first) // dtype.itemsize)
+                    positions, views = groups.setdefault((device, dtype), ([], []))
+                    positions.append(at)
+                    views.append(view)
+                    packed.add(at)
+                self.runs.append((host, scratch))
+            start = max(end, start + 1)
+        self.groups = list(groups.values())
+        self.rest = [i for i in range(len(dsts)) if i not in packed]
+        self.rest_dsts = [dsts[i] for i in self.rest]
+        self.packed = len(packed)
+        self.devices = {src.device for src in srcs if not src.is_cpu}
+
+    def copy(self, srcs: list[torch.Tensor]) -> None:
+        """Queue every copy of ``srcs`` into its slot (non-blocking; the caller waits)."""
+        for positions, views in self.groups:
+            torch._foreach_copy_(views, [srcs[i] for i in positions])
+        for host, scratch in self.runs:
+            host.copy_(scratch, non_blocking=True)
+        if self.rest:
+            torch._foreach_copy_(self.rest_dsts, [srcs[i] for i in self.rest], non_blocking=True)
+
+
 @dataclass
 class _Layout:
     """What a repeated save with the same flat keys and tensor geometry reuses.
@@ -205,6 +287,7 @@ class _Layout:
     object_fqns: tuple[str, ...]
     device_type: Optional[str]
     staged_bytes: int
+    pack: Optional[_DevicePack] = None
 
 
 def _leaf_check(leaf: Any, ts: TensorShards, dtensor_cls: Any) -> Optional[tuple[Any, bool]]:
@@ -270,7 +353,14 @@ class StagingArena:
         if srcs is None:
             return self._stage_new_layout(flat, defer_new_slab)
         assert layout is not None
-        self._copy(layout.dsts, srcs, layout.device_type)
+        if layout.device_type is None:
+            self._copy(layout.dsts, srcs, None)
+        else:
+            if layout.pack is None:
+                layout.pack = _DevicePack(layout.dsts, srcs)
+            with torch.no_grad():
+                layout.pack.copy(srcs)
+            self._wait_for_copies(layout.pack.devices)
         leaves = dict(layout.tensor_leaves)
         for fqn in layout.object_fqns:
             leaves[fqn] = ("object", DataCopier.copy(flat[fqn]))
@@ -294,7 +384,8 @@ class StagingArena:
                 continue
             token, whole = check
             if dtensor_cls is not None and isinstance(leaf, dtensor_cls):
-                if leaf._spec != token:
+                spec = leaf._spec
+                if spec is not token and spec != token:  # the same DTensor: the same spec object
                     return None
                 if whole:
                     srcs.append(leaf._local_tensor)
@@ -325,7 +416,8 @@ class StagingArena:
         known = self._whole_local.get(spec)
         if known is not None:
             check_tensor(leaf._local_tensor, fqn)
-            return TensorShards(known[0], leaf.dtype, [(known[1], leaf._local_tensor)]), known[2]
+            # this leaf's own spec object: a later save finds it by identity (see _sources)
+            return TensorShards(known[0], leaf.dtype, [(known[1], leaf._local_tensor)]), (spec, known[2][1])
         ts = to_tensor_shards(leaf, fqn)
         check = _leaf_check(leaf, ts, dtensor_cls)
         if len(ts.pieces) == 1 and ts.pieces[0][1] is leaf._local_tensor:
@@ -436,6 +528,10 @@ class StagingArena:
             # with a deferred slab, complete() makes the destination views once it exists
             self._layout = _Layout(tuple(flat), checks, [] if deferred else dsts, tensor_leaves,
                                    tuple(object_fqns), device_type, staged_bytes)
+            if device_type is not None:
+                # made now, with the first save's copy (a few ms for 2000 pieces), not by
+                # the next save the training loop waits for
+                self._layout.pack = _DevicePack(dsts, srcs)
         stats = StagingStats(staged_bytes, reused, allocated, any(s.pinned for s in self._slabs.values()))
         return staged, stats
 
@@ -487,16 +583,20 @@ class StagingArena:
                 return
             # Into page-locked memory the copy engine works asynchronously: queue every
             # device -> host copy on the current stream (one fused call), then wait for
-            # that stream only, before the writer process may read the slots.  (Packing
-            # the small pieces into one device buffer first, for one copy, was slower on
-            # an H200 host: 2000 x 4 KiB + 1 GiB dense, 49 against 34 ms; the Python work
-            # per piece costs what a copy's launch does.)
+            # that stream only, before the writer process may read the slots.  A first
+            # save copies piece by piece: gathering the small pieces on the device first
+            # pays off only with views made once (_DevicePack, for the saves after).
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            for device in {src.device for src in srcs if src.device.type != "cpu"}:
-                stream = torch.accelerator.current_stream(device)
-                event = torch.Event(device=device)
-                event.record(stream)
-                event.synchronize()
+        StagingArena._wait_for_copies({src.device for src in srcs if not src.is_cpu})
+
+    @staticmethod
+    def _wait_for_copies(devices: set[torch.device]) -> None:
+        """Wait for the copies queued on ``devices`` (their current streams only)."""
+        for device in devices:
+            stream = torch.accelerator.current_stream(device)
+            event = torch.Event(device=device)
+            event.record(stream)
+            event.synchronize()
 
     def clear(self) -> None:
         """Release every slab (the next save allocates again)."""
