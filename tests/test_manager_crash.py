@@ -38,6 +38,12 @@ def _crash_worker(rank: int, world_size: int, root: str, fault: str) -> str:
     from hyper_parallel_dcp.storage_fs import rank_files
 
     mgr = CheckpointManager(root, keep_last=2, async_save=fault == "async")
+    if fault == "async":
+        from hyper_parallel_dcp.async_persist import start_writer
+
+        # ready before the first save: a writer still importing torch (seconds for a CUDA
+        # build on a busy machine) would run into this test's 5 s mailbox timeout
+        start_writer(wait=True, timeout=120)
     for step in (1, 2, 3):
         mgr.save(step, _state(step, rank))
     if fault == "save" and rank == 0:

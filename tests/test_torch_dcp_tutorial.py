@@ -17,7 +17,9 @@ SCRIPT = Path(__file__).parent / "assets" / "torch_dcp_tutorial.py"
 
 
 def _torchrun(mode: str, ckpt: Path, tmp: Path) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # 2 CPU ranks (gloo): on a machine with one GPU, fully_shard's default mesh would put
+    # both ranks on CUDA devices 0 and 1
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(SCRIPT), mode, str(ckpt)]
     # No retry: a rank that aborted at exit (docs/faults.md) is a failure since core.exit_drain.

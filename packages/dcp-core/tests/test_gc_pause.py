@@ -7,41 +7,41 @@ import gc
 
 import pytest
 
+from hyper_parallel_dcp.core.gc_pause import gc_paused
+
+_PAUSED_THEN_ENABLED = """
+import gc
 from hyper_parallel_dcp.core import gc_pause
 from hyper_parallel_dcp.core.gc_pause import gc_paused
 
+seen = []
+gc.callbacks.append(lambda phase, info: phase == "start" and seen.append(info["generation"]))
+assert gc.isenabled()
+threshold = gc.get_threshold()[0]
+with gc_paused():
+    assert not gc.isenabled()
+    kept = [[i] for i in range(threshold * 20)]  # would trigger ~20 young collections
+assert gc.isenabled()
+assert seen == [], seen
+after = [[i] for i in range(10)]  # the first allocations after the block
+if gc_pause._PROMOTE:
+    # what the block left alive went to the oldest generation: no young collection
+    # walks the 20 x threshold lists at the next allocation
+    assert seen == [], seen
+    assert gc.get_count()[0] < threshold, gc.get_count()
+assert len(kept) == threshold * 20 and len(after) == 10
+print("ok")
+"""
 
-@pytest.fixture
-def collections():
-    """The generations of the collections that run while the test does."""
-    seen: list[int] = []
 
-    def callback(phase: str, info: dict) -> None:
-        if phase == "start":
-            seen.append(info["generation"])
+def test_paused_inside_and_enabled_after() -> None:
+    """In a fresh interpreter: the collector and its counts are process-wide, and a test
+    runner's own threads (pytest-xdist's) allocate and collect while a test runs."""
+    import subprocess
+    import sys
 
-    gc.callbacks.append(callback)
-    try:
-        yield seen
-    finally:
-        gc.callbacks.remove(callback)
-
-
-def test_paused_inside_and_enabled_after(collections: list[int]) -> None:
-    assert gc.isenabled()
-    threshold = gc.get_threshold()[0]
-    with gc_paused():
-        assert not gc.isenabled()
-        kept = [[i] for i in range(threshold * 20)]  # would trigger ~20 young collections
-    assert gc.isenabled()
-    assert collections == []
-    after = [[i] for i in range(10)]  # the first allocations after the block
-    if gc_pause._PROMOTE:
-        # what the block left alive went to the oldest generation: no young collection
-        # walks the 20 x threshold lists at the next allocation
-        assert collections == []
-        assert gc.get_count()[0] < threshold
-    assert len(kept) == threshold * 20 and len(after) == 10
+    out = subprocess.run([sys.executable, "-c", _PAUSED_THEN_ENABLED], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
 
 
 def test_cycles_made_inside_are_still_collected() -> None:
