@@ -11,14 +11,18 @@ Then it compares the final weights of both runs bit for bit, and prints what eac
 restored and how long each save blocked::
 
     python tools/train_resume_check.py                      # the accelerator, one rank per device
-    python tools/train_resume_check.py --device cpu --nproc 2
+    python tools/train_resume_check.py --device cpu           # one CPU rank
 
 Deterministic algorithms are on (``CUBLAS_WORKSPACE_CONFIG`` is set for CUDA), and each
 step's batch comes from a generator seeded by the step and rank, so a resumed run that
 restored everything (weights, Adam moments, the step) ends equal to the reference.  Run
 on one H200 with torch 2.11 (NCCL, one rank): restored step 12 in 0.37 s, bit-identical.
-On CPU, torch's own gloo set-up of a restarted attempt sometimes fails to connect with
-two or more ranks (``Gloo connectFullMesh failed``); ``--max-restarts 3`` rides that out.
+On CPU with two or more ranks, torch's own gloo set-up of a restarted attempt often fails
+to connect (``Gloo connectFullMesh failed``, in ``init_process_group``).  A script that
+only initialises gloo, all-reduces and raises on rank 1 shows the same under ``torchrun
+--standalone --max-restarts=3`` with torch 2.13 (3 runs on the dev machine: one restarted
+after two failed attempts, one ran out of restarts, one hung).  So on CPU the default is
+one rank; ``--nproc 2`` works when torch's restart connects.
 """
 
 from __future__ import annotations
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="auto (the accelerator, else cpu), or a device type")
-    parser.add_argument("--nproc", type=int, default=0, help="ranks (default: the device count; 2 on cpu)")
+    parser.add_argument("--nproc", type=int, default=0, help="ranks (default: the device count; 1 on cpu)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for each torchrun")
     args = parser.parse_args(argv)
     import torch
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         current = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         device_type = current.type if current is not None else "cpu"
     if not args.nproc:
-        args.nproc = torch.accelerator.device_count() if device_type != "cpu" else 2
+        args.nproc = torch.accelerator.device_count() if device_type != "cpu" else 1
     with tempfile.TemporaryDirectory(prefix="hp-dcp-resume-") as workdir:
         work = Path(workdir)
         print(f"reference: {TOTAL_STEPS} steps on {args.nproc} {device_type} rank(s)")
