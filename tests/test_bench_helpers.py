@@ -188,6 +188,9 @@ def test_quick_mode_smoke(tmp_path):
             assert s[case]["n"] == 3 and s[case]["median"] > 0  # saves of each kind: 2 * reps + 1
         for case in ("ours.load", "torch.load", "ours.load_resharded", "ref.copy_pieces", "ref.copy_pieces_resharded"):
             assert s[case]["n"] == 3 and s[case]["median"] > 0  # page-cache loads repeat 2 * reps + 1 times
+        # ours: three first saves, each by a new writer, then the later ones; torch's first once
+        assert s["ours.async_blocking_first"]["n"] == 3 and s["ours.async_blocking"]["n"] == 3
+        assert s["torch.async_blocking_first"]["n"] == 1
         info = result["io"][kind]["info"]
         # a same-layout load reads every stored byte once over all ranks (replicated
         # shards read once and broadcast, or once per holder without broadcast)

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .io_bench import async_reps, load_reps, save_reps
+from .io_bench import FIRST_ASYNC_SAVES, async_reps, load_reps, save_reps
 
 __all__ = ["evaluate_goals", "nlogn_exponent", "summarize", "write_markdown", "write_plots"]
 
@@ -175,8 +175,9 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
         f"{load_reps(result['config']['reps'])}, each library's in a block of its own after one untimed load of "
         f"each layout; saves with the plan cache cleared and warm: {save_reps(result['config']['reps'])} of each, "
         "interleaved; cold loads, N→1: "
-        f"{result['config'].get('reps_secondary', result['config']['reps'])}; async: the first save and "
-        f"{async_reps(result['config'].get('reps_secondary', result['config']['reps']))} later ones); "
+        f"{result['config'].get('reps_secondary', result['config']['reps'])}; async: torch's first save and ours "
+        f"{FIRST_ASYNC_SAVES} times, each by a new writer, then "
+        f"{async_reps(result['config'].get('reps_secondary', result['config']['reps']))} later saves); "
         "times in seconds, median (min–max); "
         "every case timed between barriers (slowest rank).",
         "",
