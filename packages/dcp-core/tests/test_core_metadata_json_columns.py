@@ -22,9 +22,7 @@ from hyper_parallel_dcp.core.metadata import (
 
 
 def _general(md: Metadata, monkeypatch: pytest.MonkeyPatch) -> str:
-    with monkeypatch.context() as m:
-        m.setattr(M, "_columnar_entry", lambda *a: None)
-        return M.metadata_to_json(md)
+    return M._metadata_to_json(md, columnar=False)
 
 
 def _columnar(fqn: str, count: int, dtype: torch.dtype = torch.bfloat16, stored_as=None) -> Metadata:
@@ -98,3 +96,64 @@ def test_the_columnar_path_is_taken_for_the_common_case(monkeypatch):
     M.metadata_to_json(md)
     assert [fqn for fqn, _ in calls] == ["w"] and isinstance(calls[0][1], dict)
     assert fast("w", md.state_dict_metadata["w"], {}, {}) is None  # nothing stored: the general path
+
+
+def _saved_again(md: Metadata, checksum_base: int, **change) -> Metadata:
+    """The metadata of a later save with the same plan: the same tensor metadata objects,
+    new storage entries (new checksums; ``change`` applied to the first chunk of "a b")."""
+    from dataclasses import replace
+
+    storage = {}
+    for i, (index, info) in enumerate((md.storage_data or {}).items()):
+        info = replace(info, checksum=f"{checksum_base + i:016x}")
+        if change and index == MetadataIndex("a b", (0, 0)):
+            info = replace(info, **change)
+        storage[index] = info
+    return Metadata(md.state_dict_metadata, storage_data=storage, files=dict(md.files))
+
+
+@pytest.mark.parametrize("change", [{}, {"offset": 4096}, {"length": 5}, {"key": "a b custom"},
+                                    {"relative_path": "_rank1_.safetensors"}, {"checksum": "XYZXYZXYZXYZXYZX"},
+                                    {"checksum": None}])
+def test_a_later_save_reuses_each_tensors_text_up_to_its_checksums(change, monkeypatch):
+    md = _merge(_columnar("a b", 3), _columnar("one", 1), _columnar("lr%s%%", 2))
+    calls = []
+    entry = M._columnar_entry
+    monkeypatch.setattr(M, "_columnar_entry", lambda *a: calls.append(a[0]) or entry(*a))
+    assert M.metadata_to_json(md) == _general(md, monkeypatch)
+    second = _saved_again(md, 1 << 30)
+    assert M.metadata_to_json(second) == _general(second, monkeypatch)
+    # each entry made the first time, and the second, when its text is kept
+    assert calls == ["a b", "one", "lr%s%%"] * 2
+    calls.clear()
+    later = _saved_again(md, 1 << 40, **change)
+    text = M.metadata_to_json(later)
+    assert text == _general(later, monkeypatch)
+    assert metadata_from_json(text) == later
+    # the unchanged tensors' texts are reused; a changed chunk makes its tensor's text again
+    assert calls == ([] if not change else ["a b"])
+    if not change:
+        assert f"{(1 << 40) + 5:016x}" in text  # the new checksums are written
+
+
+def test_a_tensors_text_is_made_again_when_the_file_table_moves(monkeypatch):
+    md = _merge(_columnar("a b", 3), _columnar("one", 1))
+    M.metadata_to_json(md)
+    M.metadata_to_json(_saved_again(md, 3))  # the texts are kept from the second time
+    # a file listed first moves every chunk's file index
+    later = _saved_again(md, 7)
+    later.files = {"_extra_.bin": 5, **later.files}
+    assert M.metadata_to_json(later) == _general(later, monkeypatch)
+    # a file named only by an entry outside the tensors' chunks, grouped with theirs
+    stray = _saved_again(md, 9)
+    stray.storage_data[MetadataIndex("gone", (0,))] = StorageInfo("_rank2_.safetensors", 0, 4, "0" * 16)
+    assert M.metadata_to_json(stray) == _general(stray, monkeypatch)
+    assert metadata_from_json(M.metadata_to_json(stray)) == stray
+    # ... and one that groups with a file listed before the chunks' files: those move
+    moved = _saved_again(md, 11)
+    moved.files = {"_a1.bin": 5, **moved.files}
+    M.metadata_to_json(moved)
+    moved.storage_data[MetadataIndex("gone", (0,))] = StorageInfo("_a2.bin", 0, 4, "0" * 16)
+    text = M.metadata_to_json(moved)
+    assert text == _general(moved, monkeypatch)
+    assert metadata_from_json(text) == moved
