@@ -25,6 +25,18 @@ resharded load reads its slices in file order) populates ahead of itself, the ru
 length ahead up to 32 MiB, as readahead does: 2000 × 128 KiB tensors resharded on 2
 ranks made 126 populate calls per file, 11 → 7 ms CPU a load.
 
+Pages already in the page cache are not populated: ``cachestat`` (Linux 6.5+, ~30 us for
+128 MiB of 256 KiB folios) says so for a block range, and the copy's own page faults map
+them, each fault a whole large folio's pages at once.  The populate call walks the
+range a page at a time.  Measured on a 2-core AMD EPYC VM (kernel 6.18), half the
+columns of a 128 MiB file: populate + copy 5.9 + 8.1 ms against a faulting copy of
+9.0 ms (256 KiB folios, what a save writes on such a VM: ``host_memory``), 20.7 against
+17.5 ms for 4 KiB folios, equal for 2 MiB ones.  The 246 MiB dense benchmark state dict
+loaded Shard(0) -> Shard(1) on 2 ranks: 1.32-1.46 -> 1.18-1.31 × a same-layout load.
+A range not wholly cached is still populated: a failed read from disk is then an error
+the caller handles, not a ``SIGBUS`` in the copy (left: a page evicted between the check
+and the copy, milliseconds later, is read by the fault).
+
 Per read, Python and dispatch cost as much as the bytes of a small tensor, so a reader
 can batch: :class:`AdjacentReads` turns contiguous reads of consecutive file ranges into
 one ``preadv`` (a same-layout load reads its chunks in file order), and ``read_slice``
@@ -98,6 +110,49 @@ def _libc_functions() -> tuple[Any, Any, Any] | None:
 _LIBC = _libc_functions() if sys.platform.startswith("linux") else None
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = 451  # one number on every architecture (Linux 6.5+)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _cachestat_function() -> Any:
+    if _LIBC is None:
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    call.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.POINTER(_CachestatRange), ctypes.POINTER(_Cachestat),
+                     ctypes.c_uint]
+    return call
+
+
+_CACHESTAT_CALL = _cachestat_function()
+
+
+def _cached(fd: int, start: int, length: int) -> bool:
+    """Whether every page of the file's bytes ``[start, start + length)`` is in the page cache
+    (``False`` where the kernel cannot tell: ``cachestat`` came with Linux 6.5)."""
+    global _CACHESTAT_CALL
+    call = _CACHESTAT_CALL
+    if call is None:
+        return False
+    stat = _Cachestat()
+    if call(_SYS_CACHESTAT, fd, ctypes.byref(_CachestatRange(start, length)), ctypes.byref(stat), 0) != 0:
+        _CACHESTAT_CALL = None  # ENOSYS (an older kernel) or refused (seccomp): populate as before
+        return False
+    return stat.nr_cache >= (start + length + _PAGE - 1) // _PAGE - start // _PAGE
+
+
 class _Unmapper:
     """Unmaps closed mappings on a thread of its own, in the order they were closed.
 
@@ -166,8 +221,8 @@ class FileMapping:
     """A whole file mapped read-only and shared (the page cache's own pages, no copy).
 
     ``slice_view`` gives a strided tensor over a stored slice after populating the 1 MiB
-    blocks it touches (each block once, one system call); ``None`` when the kernel
-    refuses (no ``MADV_POPULATE_READ`` before Linux 5.14, a range past the end of the
+    blocks it touches that are not all in the page cache (each block once, one system
+    call); ``None`` when the kernel refuses (no ``MADV_POPULATE_READ`` before Linux 5.14, a range past the end of the
     file): the caller reads another way.  Views are used until the reader's batch is
     copied, before the file closes; ``close`` unmaps.  Files of a checkpoint are
     never truncated in place (every save writes new files and renames them), so a
@@ -176,6 +231,7 @@ class FileMapping:
 
     def __init__(self, fd: int, size: int, arena: MappingArena | None = None) -> None:
         self.size = size
+        self._fd = fd
         self._addr: int | None = None
         self._data: torch.Tensor | None = None
         # the whole mapping viewed as each dtype read so far: a slice is then one
@@ -252,7 +308,8 @@ class FileMapping:
     def _populate(self, start: int, end: int) -> bool:
         """Populate the pages of the 1 MiB blocks that bytes ``[start, end)`` touch (each
         block once, in one system call), and ahead of them when the read walks forwards;
-        ``False`` when the kernel refuses."""
+        ``False`` when the kernel refuses.  Blocks whose pages are all in the page cache
+        are left to the copy's page faults (see the module's docstring)."""
         populated = self._populated
         end_block = ((end - 1) >> _BLOCK_SHIFT) + 1
         first_block = populated.find(0, start >> _BLOCK_SHIFT, end_block)
@@ -274,7 +331,8 @@ class FileMapping:
             block_start = first_block << _BLOCK_SHIFT
             block_end = min((last_block + 1) << _BLOCK_SHIFT, self.size)
             assert self._addr is not None and _LIBC is not None
-            if _LIBC[2](self._addr + block_start, block_end - block_start, _MADV_POPULATE_READ) != 0:
+            if not _cached(self._fd, block_start, block_end - block_start) and \
+                    _LIBC[2](self._addr + block_start, block_end - block_start, _MADV_POPULATE_READ) != 0:
                 return False
             populated[first_block:last_block + 1] = b"\x01" * (last_block + 1 - first_block)
         # Every block from start's to last_block is populated now; a read walks a file
