@@ -15,7 +15,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyper_parallel_dcp.benchmarks.planning_sim import LAYOUTS, fit_exponent, rank_boxes, simulate_world
+from hyper_parallel_dcp.benchmarks.planning_sim import (
+    GLOBAL_LOAD_SAMPLES,
+    LAYOUTS,
+    fit_exponent,
+    rank_boxes,
+    simulate_world,
+)
 from hyper_parallel_dcp.benchmarks.report import evaluate_goals, nlogn_exponent, summarize
 from hyper_parallel_dcp.benchmarks.state_dicts import dense_shapes, small_shapes
 from hyper_parallel_dcp.benchmarks.throttle import SharedBandwidth
@@ -89,6 +95,11 @@ def test_simulated_planning_matches_torch_chunk_counts():
     assert row["ours_metadata_json_bytes"] > 0 and row["torch_metadata_pickle_bytes"] > 0
     moe = simulate_world(LAYOUTS["moe"], 64, load_ranks=2, with_torch=False)
     assert moe["save_mesh"] == [1, 64] and moe["chunks_stored"] > 64
+    # the coordinator's reader assignment: the median of GLOBAL_LOAD_SAMPLES runs
+    for r in (row, moe):
+        samples = r["ours_global_load_samples_s"]
+        assert len(samples) == GLOBAL_LOAD_SAMPLES == 3
+        assert r["ours_global_load_s"] == sorted(samples)[1]
 
 
 def _columns(chunks):

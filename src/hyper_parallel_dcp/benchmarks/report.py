@@ -267,7 +267,7 @@ def _planning_lines(p: dict[str, Any]) -> list[str]:
              "(torch: `_dedup_save_plans` + "
              "`create_default_global_save_plan` + `_validate_global_plan`). Local load plan = one rank's plan "
              "for a resharded target (slowest of a sample of ranks). Global load = the coordinator's reader "
-             "assignment over every rank's target description. Rank receives = the largest answer a sampled "
+             "assignment over every rank's target description (median of 3 runs; the rest are one run). Rank receives = the largest answer a sampled "
              "rank receives in the load's planning collectives, and its ratio to that rank's own final plan. "
              "Metadata: our JSON with storage entries; torch's pickle. — : not run (above 8192 simulated ranks "
              "torch runs only its global save; its overlap validation is projected from the seconds per chunk "
