@@ -55,12 +55,26 @@ def _changed(md: Metadata, fqn: str, **change) -> Metadata:
 
 
 @pytest.mark.parametrize("case", ["common", "key", "length", "no_checksum", "not_hex", "file", "unstored", "stray",
-                                  "stray_same_fqn"])
+                                  "stray_same_fqn", "one_length", "one_no_checksum", "one_short_checksum", "one_file",
+                                  "one_unstored", "one_escaped_key"])
 def test_columnar_entries_write_what_the_per_chunk_path_writes(case, monkeypatch):
-    # "lr%s%%": the derived keys are %-formatted, the name's own "%" must stay text
+    # "lr%s%%": the derived keys are %-formatted, the name's own "%" must stay text;
+    # "one", "sp ace" and "f8one": one chunk each (their own path, _one_chunk_entry)
     md = _merge(_columnar("a b", 3), _columnar("one", 1), _columnar("f8", 2, torch.float8_e8m0fnu, torch.uint8),
-                _columnar("lr%s%%", 2))
-    if case == "key":
+                _columnar("lr%s%%", 2), _columnar("sp ace", 1), _columnar("f8one", 1, torch.float8_e8m0fnu, torch.uint8))
+    if case == "one_length":
+        md = _changed(md, "f8one", length=7)
+    elif case == "one_no_checksum":
+        md = _changed(md, "one", checksum=None)
+    elif case == "one_short_checksum":
+        md = _changed(md, "one", checksum="abc")
+    elif case == "one_file":
+        md = _changed(md, "sp ace", relative_path="elsewhere.safetensors")
+    elif case == "one_unstored":
+        md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != "one"}
+    elif case == "one_escaped_key":  # the key as written unescaped: not the derived one
+        md = _changed(md, "sp ace", key="sp ace 000000000000_000000000000")
+    elif case == "key":
         md = _changed(md, "one", key="one custom")
     elif case == "length":
         md = _changed(md, "a b", length=5)
