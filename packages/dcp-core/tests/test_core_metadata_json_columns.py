@@ -56,12 +56,30 @@ def _changed(md: Metadata, fqn: str, **change) -> Metadata:
 
 @pytest.mark.parametrize("case", ["common", "key", "length", "no_checksum", "not_hex", "file", "unstored", "stray",
                                   "stray_same_fqn", "one_length", "one_no_checksum", "one_short_checksum", "one_file",
-                                  "one_unstored", "one_escaped_key"])
+                                  "one_unstored", "one_escaped_key", "few_key", "few_not_hex", "few_short_checksum",
+                                  "many_key", "many_length", "many_no_checksum", "many_not_hex", "many_file",
+                                  "many_unstored"])
 def test_columnar_entries_write_what_the_per_chunk_path_writes(case, monkeypatch):
     # "lr%s%%": the derived keys are %-formatted, the name's own "%" must stay text;
-    # "one", "sp ace" and "f8one": one chunk each (their own path, _one_chunk_entry)
+    # "one", "sp ace" and "f8one": one chunk each (their own path, _one_chunk_entry);
+    # "a b", "f8" and "lr%s%%": a few chunks (_few_chunks_entry); "many a" and "f8 many":
+    # more (the whole-column operations)
     md = _merge(_columnar("a b", 3), _columnar("one", 1), _columnar("f8", 2, torch.float8_e8m0fnu, torch.uint8),
-                _columnar("lr%s%%", 2), _columnar("sp ace", 1), _columnar("f8one", 1, torch.float8_e8m0fnu, torch.uint8))
+                _columnar("lr%s%%", 2), _columnar("sp ace", 1), _columnar("f8one", 1, torch.float8_e8m0fnu, torch.uint8),
+                _columnar("many a", 5), _columnar("f8 many", 6, torch.float8_e8m0fnu, torch.uint8))
+    if case.startswith("many_"):
+        fqn = "f8 many" if case in ("many_length", "many_file") else "many a"
+        md = _changed(md, fqn, **{"key": {"key": "many a custom"}, "length": {"length": 7},
+                                  "no_checksum": {"checksum": None}, "not_hex": {"checksum": "XYZXYZXYZXYZXYZX"},
+                                  "file": {"relative_path": "elsewhere.safetensors"}, "unstored": {}}[case[5:]])
+        if case == "many_unstored":
+            md.storage_data = {k: v for k, v in md.storage_data.items() if k != MetadataIndex("many a", (4, 0))}
+    elif case == "few_key":  # the derived key's prefix, another offset
+        md = _changed(md, "lr%s%%", key=chunk_key("lr%s%%", (9, 0)))
+    elif case == "few_not_hex":
+        md = _changed(md, "a b", checksum="000000000000000G")
+    elif case == "few_short_checksum":
+        md = _changed(md, "f8", checksum="0" * 15)
     if case == "one_length":
         md = _changed(md, "f8one", length=7)
     elif case == "one_no_checksum":
@@ -98,17 +116,23 @@ def test_columnar_entries_write_what_the_per_chunk_path_writes(case, monkeypatch
     assert M.metadata_to_json(again) == text == _general(again, monkeypatch)
 
 
-def test_the_columnar_path_is_taken_for_the_common_case(monkeypatch):
-    md = _columnar("w", 4)
+@pytest.mark.parametrize("count, path", [(1, "_one_chunk_entry"), (2, "_few_chunks_entry"), (3, "_few_chunks_entry"),
+                                         (4, None), (9, None)])
+def test_the_columnar_path_is_taken_for_the_common_case(count, path, monkeypatch):
+    md = _columnar("w", count)
     calls = []
+    taken = []
     fast = M._columnar_entry
     def spy(*a):
         calls.append((a[0], fast(*a)))
         return calls[-1][1]
 
     monkeypatch.setattr(M, "_columnar_entry", spy)
+    for name in ("_one_chunk_entry", "_few_chunks_entry"):
+        monkeypatch.setattr(M, name, lambda *a, _f=getattr(M, name), _n=name: taken.append(_n) or _f(*a))
     M.metadata_to_json(md)
     assert [fqn for fqn, _ in calls] == ["w"] and isinstance(calls[0][1], dict)
+    assert taken == ([path] if path else [])
     assert fast("w", md.state_dict_metadata["w"], {}, {}) is None  # nothing stored: the general path
 
 

@@ -672,6 +672,8 @@ def _columnar_entry(fqn: str, md: TensorStorageMetadata, stored: dict[Any, Any],
         return None
     if count == 1:
         return _one_chunk_entry(fqn, md, stored, file_index, flat_offsets, flat_sizes)
+    if count <= _FEW_CHUNKS:
+        return _few_chunks_entry(fqn, md, stored, file_index, flat_offsets, flat_sizes, ndim, count)
     offsets = list(zip(*[iter(flat_offsets)] * ndim))
     get = stored.get
     infos = list(map(get, offsets))
@@ -711,17 +713,8 @@ def _columnar_entry(fqn: str, md: TensorStorageMetadata, stored: dict[Any, Any],
     else:
         for o in offsets:
             del stored[o]
-    entry: dict[str, Any] = {"dtype": dtype_name(props.dtype)}
-    if props.stored_as:
-        entry["stored_as"] = dtype_name(props.stored_as)
-    entry["size"] = list(md.size)
-    entry["count"] = count
-    entry["offsets"] = list(flat_offsets)
-    entry["sizes"] = list(flat_sizes[:ndim]) if count > 1 and uniform else list(flat_sizes)
-    entry["file"] = files
-    entry["offset"] = list(map(_OFFSET, infos))
-    entry["checksum"] = joined
-    return entry
+    return _entry_of(md, count, flat_offsets, list(flat_sizes[:ndim]) if uniform else list(flat_sizes), files,
+                     list(map(_OFFSET, infos)), joined)
 
 
 def _one_chunk_entry(fqn: str, md: TensorStorageMetadata, stored: dict[Any, Any], file_index: dict[str, int],
@@ -745,15 +738,64 @@ def _one_chunk_entry(fqn: str, md: TensorStorageMetadata, stored: dict[Any, Any]
         stored.clear()
     else:
         del stored[offset]
+    return _entry_of(md, 1, flat_offsets, list(flat_sizes), [file], [info.offset], checksum)
+
+
+#: Up to this many chunks :func:`_columnar_entry` checks them one by one (1000 tensors of
+#: two chunks each, first write: 16.2 -> 11.5 ms; four chunks: the same either way).
+_FEW_CHUNKS = 3
+
+
+def _few_chunks_entry(fqn: str, md: TensorStorageMetadata, stored: dict[Any, Any], file_index: dict[str, int],
+                      flat_offsets: list[int], flat_sizes: list[int], ndim: int, count: int) -> Optional[dict[str, Any]]:
+    """:func:`_columnar_entry` of a tensor stored as 2 to :data:`_FEW_CHUNKS` chunks (a
+    tensor sharded over a mesh dimension of that size), the same checks chunk by chunk."""
+    props = md.properties
+    itemsize = (props.stored_as or props.dtype).itemsize
+    prefix = chunk_key(fqn, ())  # the escaped name and the space
+    get = stored.get
+    offsets: list[tuple[int, ...]] = []
+    files: list[int] = []
+    positions: list[int] = []
+    checksums: list[str] = []
+    for begin in range(0, count * ndim, ndim):
+        offset = tuple(flat_offsets[begin:begin + ndim])
+        info = get(offset)
+        if info is None:
+            return None
+        file = file_index.get(info.relative_path)
+        checksum = info.checksum
+        if file is None or info.length != math.prod(flat_sizes[begin:begin + ndim]) * itemsize \
+                or checksum is None or not _HEX16.fullmatch(checksum) or info.key != prefix + _offsets_text(offset):
+            return None
+        offsets.append(offset)
+        files.append(file)
+        positions.append(info.offset)
+        checksums.append(checksum)
+    if len(set(offsets)) != count:
+        return None
+    if len(stored) == count:
+        stored.clear()
+    else:
+        for offset in offsets:
+            del stored[offset]
+    sizes = list(flat_sizes[:ndim]) if flat_sizes[:ndim] * count == flat_sizes else list(flat_sizes)
+    return _entry_of(md, count, flat_offsets, sizes, files, positions, "".join(checksums))
+
+
+def _entry_of(md: TensorStorageMetadata, count: int, flat_offsets: Sequence[int], sizes: list[int],
+              files: list[int], positions: list[int], checksum: str) -> dict[str, Any]:
+    """A tensor's entry as :func:`metadata_to_json` writes it, from its checked columns."""
+    props = md.properties
     entry: dict[str, Any] = {"dtype": dtype_name(props.dtype)}
     if props.stored_as:
         entry["stored_as"] = dtype_name(props.stored_as)
     entry["size"] = list(md.size)
-    entry["count"] = 1
+    entry["count"] = count
     entry["offsets"] = list(flat_offsets)
-    entry["sizes"] = list(flat_sizes)
-    entry["file"] = [file]
-    entry["offset"] = [info.offset]
+    entry["sizes"] = sizes
+    entry["file"] = files
+    entry["offset"] = positions
     entry["checksum"] = checksum
     return entry
 
