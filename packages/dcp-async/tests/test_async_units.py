@@ -178,6 +178,34 @@ def test_staging_arena_reuses_slots_and_releases_unused_slabs() -> None:
     assert len(arena.slabs) == 1 and all(t.is_shared() for t in arena.slabs.values())
 
 
+def test_a_later_description_without_its_tensor_leaves_is_made_whole_again() -> None:
+    arena = StagingArena()
+    sd = {"a": torch.ones(3), "meta": {"epoch": 1}, "b": torch.zeros(2, 2), "c": {"d": torch.ones(1)}}
+    first, _ = arena.stage(sd)
+    assert first.layout_id is not None and not first.tensors_held
+    sd["meta"]["epoch"] = 2
+    later, _ = arena.stage(sd)
+    assert later.layout_id == first.layout_id
+    thin = later.without_tensors()
+    # only the object leaf travels, and it is this save's value
+    assert thin.tensors_held and thin.leaves == {"meta.epoch": ("object", 2)}
+    whole = thin.with_tensors_of(first)
+    assert list(whole.leaves) == ["a", "meta.epoch", "b", "c.d"]  # the state dict's order
+    assert whole.leaves == later.leaves and whole.slab_ids == later.slab_ids and not whole.tensors_held
+    assert later.with_tensors_of(None) is later  # a whole description needs nothing held
+    flat = materialize(whole, arena.slabs)
+    assert flat["meta.epoch"] == 2 and torch.equal(flat["b"].pieces[0][1], torch.zeros(2, 2))
+    # a writer holding nothing, or another layout, refuses instead of guessing
+    other, _ = arena.stage({"x": torch.ones(4)})
+    assert other.layout_id != first.layout_id
+    for held in (None, other, thin):
+        with pytest.raises(RuntimeError, match=f"staged layout {first.layout_id}"):
+            thin.with_tensors_of(held)
+    unreusable = type(first)(dict(first.leaves), first.slab_ids)  # no layout id
+    with pytest.raises(ValueError, match="no tensor leaves"):
+        unreusable.without_tensors()
+
+
 # ----------------------------------------------------------------------------- one-process saves
 class _FailingWriter(FileSystemWriter):
     def execute_write(self, plan, planner):
@@ -212,6 +240,52 @@ def test_single_process_async_save_errors_callback_and_assertion(tmp_path: Path,
     with pytest.raises(AssertionError, match="MASTER_ADDR"):
         dcp.async_save(sd, checkpoint_id=tmp_path / "gloo", use_gloo=True)
     assert not (tmp_path / "gloo").exists()
+
+
+def test_later_saves_of_one_layout_send_the_writer_their_object_leaves_only(tmp_path: Path, monkeypatch) -> None:
+    from multiprocessing.connection import Connection
+
+    from hyper_parallel_dcp.async_persist import shutdown_writer
+    from hyper_parallel_dcp.async_persist.writer import SaveRequest
+
+    sent: list[bool] = []
+    send = Connection.send
+
+    def spy(self, obj):
+        if isinstance(obj, SaveRequest):
+            sent.append(obj.staged.tensors_held)
+        return send(self, obj)
+
+    monkeypatch.setattr(Connection, "send", spy)
+    shutdown_writer()  # a writer of this test's own
+    sd = {"w": torch.arange(12.0).reshape(3, 4), "meta": {"epoch": 0}, "b": torch.ones(2)}
+    steps = []
+    for step, writer in enumerate([None, None, _FailingWriter(tmp_path / "s2"), None, None]):
+        sd["w"].fill_(step)
+        sd["meta"]["epoch"] = step
+        resp = dcp.async_save(sd, checkpoint_id=tmp_path / f"s{step}", storage_writer=writer)
+        try:
+            resp.get_result(timeout=120)
+            steps.append(step)
+        except ValueError:
+            pass  # the failing writer's save
+    # the first request is whole, later ones of the layout are not; after a failed save
+    # the next one is whole again
+    assert sent == [False, True, True, False, True]
+    assert steps == [0, 1, 3, 4]
+    for step in steps:
+        target = {"w": torch.zeros(3, 4), "meta": {"epoch": None}, "b": torch.zeros(2)}
+        dcp.load(target, checkpoint_id=tmp_path / f"s{step}")
+        assert torch.equal(target["w"], torch.full((3, 4), float(step))) and target["meta"] == {"epoch": step}
+        assert torch.equal(target["b"], torch.ones(2))
+    # a new writer process holds nothing: its first request is whole
+    shutdown_writer()
+    sd["meta"]["epoch"] = 9
+    dcp.async_save(sd, checkpoint_id=tmp_path / "s9").get_result(timeout=120)
+    assert sent[-1] is False
+    target = {"w": torch.zeros(3, 4), "meta": {"epoch": None}, "b": torch.zeros(2)}
+    dcp.load(target, checkpoint_id=tmp_path / "s9")
+    assert target["meta"] == {"epoch": 9}
 
 
 def test_populate_read_maps_a_slab_without_changing_it() -> None:

@@ -171,6 +171,8 @@ class _Persister:
         self.proc: Any = None
         self.conn: Any = None
         self.child_slabs: set[int] = set()
+        #: the staged layout whose tensor leaves the writer holds (see StagedStateDict.layout_id)
+        self.child_layout: Optional[int] = None
         #: plan-cache key -> the entry object of this process's cache that the writer holds too
         self.child_cache: dict[Any, Any] = {}
         #: the writer was started but has no request yet (it may still be importing torch)
@@ -209,6 +211,7 @@ class _Persister:
             logger.debug("async_save: cannot lower the writer's priority: %s", exc)
         self.proc, self.conn = proc, parent_end
         self.child_slabs = set()
+        self.child_layout = None
         self.child_cache = {}
         self.writer_fresh = True
         if self._exit_hook is None:
@@ -227,6 +230,7 @@ class _Persister:
             self.proc.join(timeout=0)
         self.proc = self.conn = None
         self.child_slabs = set()
+        self.child_layout = None
 
     def _wait_inflight(self) -> None:
         response = self.inflight
@@ -436,8 +440,11 @@ class _Persister:
         planner_copy = clean_planner(planner)
         cache = self._cache_to_send(planner_copy, staged.leaves.keys(), mode, rank, world_size,
                                     use_collectives)
+        # A writer holding this layout's tensor leaves gets the object leaves only.
+        layout_held = not started and staged.layout_id is not None and staged.layout_id == self.child_layout
         request = SaveRequest(
-            seq=seq, staged=staged, new_slabs={}, storage_writer=writer, planner=planner_copy, mode=mode,
+            seq=seq, staged=staged.without_tensors() if layout_held else staged, new_slabs={},
+            storage_writer=writer, planner=planner_copy, mode=mode,
             rank=0 if mode == "local" else rank, world_size=1 if mode == "local" else world_size,
             no_dist=no_dist, use_collectives=use_collectives, gloo_init=gloo_init,
             mailbox_dir=mailbox_dir, mailbox_tag=tag, timeout_s=_timeout_s(), cache=cache,
@@ -467,6 +474,7 @@ class _Persister:
                     self._ensure_process()
                     self.writer_fresh = False  # this request is its first
                     request.cache, request.cache_held = cache, False
+                    request.staged = staged
                     deferred, held = request, frozenset()
                 except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable leaf: fails the future
                     failed_send = exc
@@ -474,6 +482,7 @@ class _Persister:
             # What the writer holds once the request arrives.  A request that could not be
             # sent never changes this (the next save sends those slabs again).
             self.child_slabs = set(staged.slab_ids)
+            self.child_layout = staged.layout_id
         response = AsyncSaveResponse(None if checkpoint_id is None else str(checkpoint_id), stats,
                                      self.proc.pid)
         response._thread = threading.Thread(
@@ -574,6 +583,9 @@ class _Persister:
                 # a writer of a failed coordinated save may wait for a dead peer, and one
                 # that missed a request holds other slabs than we think: start afresh
                 self._retire(proc, seq, board)
+            # whatever failed, the next save sends its whole staged description (the next
+            # submit joins this thread before it looks)
+            self.child_layout = None
             future.set_exception(exc)
             return
         if callback is not None:

@@ -144,6 +144,9 @@ class _Writer:
         self.gloo_init: Optional[tuple[str, int, int]] = None
         #: the training process's plan-cache entries as this writer last received or sent them
         self.held: dict[Any, Any] = {}
+        #: the last whole staged description of a reusable layout: a later save of that
+        #: layout sends its object leaves only
+        self.staged: Optional[StagedStateDict] = None
 
     def _install_cache(self, req: SaveRequest) -> None:
         assert req.cache is not None
@@ -176,12 +179,17 @@ class _Writer:
 
         from .mailbox import FileMailbox, RankIdentity
 
+        # first: what this writer holds must follow every request it received, as the
+        # training process assumes (a failing save does not end the writer)
+        staged = req.staged.with_tensors_of(self.staged)
+        if staged.layout_id is not None:
+            self.staged = staged
         for buffer in req.new_slabs.values():
             populate_read(buffer)
         self.slabs.update(req.new_slabs)
-        for slab_id in [i for i in self.slabs if i not in req.staged.slab_ids]:
+        for slab_id in [i for i in self.slabs if i not in staged.slab_ids]:
             del self.slabs[slab_id]
-        state_dict = materialize(req.staged, self.slabs)
+        state_dict = materialize(staged, self.slabs)
         if req.cache is not None:
             self._install_cache(req)
         planner = req.planner if req.planner is not None else StandardSavePlanner()
