@@ -14,7 +14,7 @@ offsets outside the global shape) or one with different pieces at one key goes t
 :func:`~hyper_parallel_dcp.core.save_reference.plan_items`, which words the error (or
 plans it item by item); the result is that function's for every plan.
 
-Exports :func:`plan_global_columns`, :func:`dedup_columns` and :func:`check_disjoint`.
+Exports :func:`plan_global_columns` and :func:`check_disjoint`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import replace
 from itertools import accumulate
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from .plan_columns import ROW, Kind, WriteColumns
 from .planner import SavePlan, WriteItemType
 from .save_reference import dedup_items, plan_items, raise_overlap
 
-__all__ = ["check_disjoint", "dedup_columns", "plan_global_columns"]
+__all__ = ["check_disjoint", "plan_global_columns"]
 
 _KEY_LIMIT = 1 << 62  # the keys of every tensor's offsets must fit an int64
 
@@ -49,36 +49,26 @@ class _ItemByItem(Exception):
     """The plans go to the item-by-item reference (which raises the error, if any)."""
 
 
-def plan_global_columns(plans: Sequence[SavePlan], dedup: bool, save_to_minimum_rank: bool
-                        ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
-    """The plans after dedup (with ``dedup``) and a function that builds their metadata.
+def plan_global_columns(plans: Sequence[SavePlan], *, dedup: bool, save_to_minimum_rank: bool,
+                        metadata: bool = True) -> tuple[list[SavePlan], Optional[Callable[[], Metadata]]]:
+    """The plans after dedup (with ``dedup``), and with ``metadata`` a function that builds
+    their metadata (else ``None``).
 
-    Every check is made here (the errors of
-    :func:`~hyper_parallel_dcp.core.save_reference.plan_items`, raised now); the function
-    only builds the objects.
+    Returns and raises what :func:`~hyper_parallel_dcp.core.save_reference.plan_items` does,
+    every error now (the function only builds objects).  A plan that keeps every item is
+    returned as is; a cut one as columns of its own kind table, ``picked`` naming its items.
     """
     columns = [WriteColumns.of(plan.items) for plan in plans]
     try:
         gathered = _Gathered(columns)
         keep = _dedup(gathered, save_to_minimum_rank) if dedup else None
     except _ItemByItem:
-        out, metadata = plan_items(plans, dedup, save_to_minimum_rank)
-        return out, lambda: metadata
+        if not metadata:
+            return (dedup_items(plans, save_to_minimum_rank) if dedup else list(plans)), None
+        out, built = plan_items(plans, dedup, save_to_minimum_rank)
+        return out, lambda: built
     out = list(plans) if keep is None else _kept_plans(plans, columns, gathered, keep)
-    return out, _metadata(gathered, keep)
-
-
-def dedup_columns(plans: Sequence[SavePlan], save_to_minimum_rank: bool) -> list[SavePlan]:
-    """The plans after dedup, as :func:`~hyper_parallel_dcp.core.save_reference.dedup_items`
-    gives them.  A plan that keeps every item is returned as is; a cut one as columns of
-    its own kind table, with ``picked`` naming the items it kept."""
-    columns = [WriteColumns.of(plan.items) for plan in plans]
-    try:
-        gathered = _Gathered(columns)
-        keep = _dedup(gathered, save_to_minimum_rank)
-    except _ItemByItem:
-        return dedup_items(plans, save_to_minimum_rank)
-    return list(plans) if keep is None else _kept_plans(plans, columns, gathered, keep)
+    return out, _metadata(gathered, keep) if metadata else None
 
 
 class _Gathered:
@@ -87,12 +77,10 @@ class _Gathered:
     def __init__(self, columns: Sequence[WriteColumns]) -> None:
         tables: dict[str, int] = {}  # the ranks of a job mostly share one table: compared as strings
         table_of_plan = [tables.setdefault(c.kinds_text, len(tables)) for c in columns]
-        first_with: dict[int, int] = {}
-        for plan, table in enumerate(table_of_plan):
-            first_with.setdefault(table, plan)
+        first_with = dict(zip(reversed(table_of_plan), range(len(columns) - 1, -1, -1)))  # table -> first plan
         kind_ids: dict[Kind, int] = {}
-        table_map = [[kind_ids.setdefault(k, len(kind_ids)) for k in columns[plan].kinds]
-                     for plan in first_with.values()]
+        table_map = [[kind_ids.setdefault(k, len(kind_ids)) for k in columns[first_with[t]].kinds]
+                     for t in range(len(tables))]
         self.kinds = kinds = list(kind_ids)
         self.plans = len(columns)
         if len({k[0] for k in kinds}) != len(kinds):
@@ -100,70 +88,54 @@ class _Gathered:
         width = max([len(k[2]) for k in kinds if k[2] is not None], default=0)
         self.kind_ndim = np.full(len(kinds), -1, dtype=np.int64)  # -1: an object
         self.properties: list[Any] = [None] * len(kinds)
-        shapes = np.zeros((len(kinds), width), dtype=np.int64)
-        strides = np.zeros((len(kinds), width), dtype=np.int64)
+        shapes, strides = np.zeros((2, len(kinds), width), dtype=np.int64)
         bases = np.zeros(len(kinds), dtype=np.int64)
         base = 0
         for k, (_, kind_type, shape, dtype) in enumerate(kinds):
             bases[k] = base
-            if kind_type != WriteItemType.TENSOR.value:
-                base += 1
-                continue
-            if shape is None or dtype is None:
-                raise _ItemByItem
-            try:
-                self.properties[k] = TensorProperties(dtype_from_name(dtype))
-            except CheckpointFormatError:
-                raise _ItemByItem from None
-            self.kind_ndim[k] = len(shape)
             span = 1
-            for dim in reversed(range(len(shape))):  # offsets may equal a dim: radix dim + 1
-                strides[k, dim] = span
-                span *= shape[dim] + 1
-            shapes[k, :len(shape)] = shape
+            if kind_type == WriteItemType.TENSOR.value:
+                if shape is None or dtype is None:
+                    raise _ItemByItem
+                try:
+                    self.properties[k] = TensorProperties(dtype_from_name(dtype))
+                except CheckpointFormatError:
+                    raise _ItemByItem from None
+                self.kind_ndim[k] = len(shape)
+                shapes[k, :len(shape)] = shape
+                for dim in reversed(range(len(shape))):  # offsets may equal a dim: radix dim + 1
+                    strides[k, dim] = span
+                    span *= shape[dim] + 1
             base += span
-        if base >= _KEY_LIMIT:
-            raise _ItemByItem
-        lengths = np.array([len(c) for c in columns], dtype=np.int64)
-        self.rank = rank = np.repeat(np.arange(len(columns)), lengths)
-        self.rows = rows = _joined(c.rows for c in columns).reshape(-1, ROW)
-        if not len(rows):
-            raise _ItemByItem  # nothing to plan
-        local_kind = rows[:, 0]
-        table_len = np.array([len(t) for t in table_map], dtype=np.int64)
-        if len(table_map) == 1:  # one table for every rank (the usual case): the ids are global ids
-            if len(rows) and (local_kind.min() < 0 or local_kind.max() >= table_len[0]):
-                raise ValueError("a plan's columns name a kind its table does not have")
-            self.kind = kind = local_kind
-        else:
-            mapped = np.zeros((len(table_map), int(table_len.max())), dtype=np.int64)
-            for t, ids in enumerate(table_map):
-                mapped[t, :len(ids)] = ids
-            plan_table = np.array(table_of_plan, dtype=np.int64)[rank]
-            if ((local_kind < 0) | (local_kind >= table_len[plan_table])).any():
-                raise ValueError("a plan's columns name a kind its table does not have")
-            self.kind = kind = mapped[plan_table, local_kind]
+        rows = _joined(c.rows for c in columns).reshape(-1, ROW)
+        if base >= _KEY_LIMIT or not len(rows):
+            raise _ItemByItem  # nothing to plan, or keys that would not fit an int64
+        self.rank = rank = np.repeat(np.arange(len(columns)), [len(c) for c in columns])
+        mapped = np.full((len(table_map), max(map(len, table_map)) + 1), -1, dtype=np.int64)
+        for t, ids in enumerate(table_map):
+            mapped[t, :len(ids)] = ids
+        plan_table, local_kind = np.array(table_of_plan, dtype=np.int64)[rank], rows[:, 0]
+        if ((local_kind < 0) | (local_kind >= mapped.shape[1])).any() or (mapped[plan_table, local_kind] < 0).any():
+            raise ValueError("a plan's columns name a kind its table does not have")
+        self.kind = kind = mapped[plan_table, local_kind]
         item_ndim = self.kind_ndim[kind]
         if not (np.array_equal(rows[:, 1], item_ndim) and np.array_equal(rows[:, 2], item_ndim)):
             raise _ItemByItem  # a chunk whose offsets or sizes do not match its tensor's dims
-        self.ndim = ndim = np.maximum(item_ndim, 0)
-        self.nbytes = rows[:, 3]
+        self.rows, self.nbytes, self.ndim = rows, rows[:, 3], np.maximum(item_ndim, 0)
         self.flat_offsets = _joined(c.offsets for c in columns)
         self.flat_sizes = _joined(c.sizes for c in columns)
-        per_plan = np.bincount(rank, weights=ndim, minlength=len(columns)).astype(np.int64).tolist()
+        per_plan = np.bincount(rank, weights=self.ndim, minlength=len(columns)).astype(np.int64).tolist()
         if per_plan != [len(c.offsets) for c in columns] or per_plan != [len(c.sizes) for c in columns]:
             raise ValueError("a plan's offsets or sizes do not match their per-item lengths")
-        # items x widest dims, zero-padded; filled one dim at a time (few temporaries: at
-        # 2-4M items each one is pages the kernel must fault in)
-        self.offsets = np.zeros((len(kind), width), dtype=np.int64)
-        self.sizes = np.zeros((len(kind), width), dtype=np.int64)
+        # items x widest dims, zero-padded, filled one dim at a time (few temporaries: at 2-4M
+        # items each one is pages the kernel must fault in)
+        self.offsets, self.sizes = np.zeros((2, len(kind), width), dtype=np.int64)
         key = bases[kind]
-        first = np.cumsum(ndim) - ndim
+        first = np.cumsum(self.ndim) - self.ndim
         for dim in range(width):
-            has = ndim > dim
+            has = self.ndim > dim
             at = first[has] + dim
-            self.offsets[has, dim] = self.flat_offsets[at]
-            self.sizes[has, dim] = self.flat_sizes[at]
+            self.offsets[has, dim], self.sizes[has, dim] = self.flat_offsets[at], self.flat_sizes[at]
             column = self.offsets[:, dim]
             if (column < 0).any() or (column > shapes[kind, dim]).any():
                 raise _ItemByItem  # offsets outside the global shape: the key would not be one-to-one

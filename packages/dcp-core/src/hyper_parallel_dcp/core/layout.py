@@ -1,10 +1,10 @@
 """One normal form for every tensor leaf: the rank's pieces of a global tensor.
 
 A DTensor (Shard, uneven Shard, Replicate, ``_StridedShard``), a plain tensor (the whole
-tensor, i.e. replicated) and a :class:`RaggedShard` all become :class:`TensorShards`: the
-global shape and dtype plus ``(global box, local view)`` pieces.  Planners only ever see
-this form, so the async writer process (which has no device mesh) plans the same way as
-the training process.
+tensor, i.e. replicated) and a :class:`RaggedShard` all become :class:`TensorShards`:
+global shape, dtype and ``(global box, local view)`` pieces.  Planners see only this form,
+so the async writer process (no device mesh) plans as the training process does.  The
+only module that reads DTensor's private fields (:func:`dtensor_layout`).
 """
 
 from __future__ import annotations
@@ -103,10 +103,9 @@ def placement_boxes(
 ) -> list[tuple[ChunkBox, tuple[int, ...]]]:
     """Pure geometry of a DTensor layout: the global boxes one mesh coordinate holds.
 
-    Returns ``(global_box, offsets in the local tensor)`` pairs — one pair for Shard /
-    uneven Shard / Replicate, possibly several for ``_StridedShard`` layouts whose local
-    rows are not contiguous in the global tensor.  Needs no process group, so tools can
-    plan for a layout they do not run (``hp-dcp explain``, planning simulations).
+    Returns ``(global_box, offsets in the local tensor)`` pairs: one for Shard / uneven
+    Shard / Replicate, possibly several for ``_StridedShard`` (local rows not contiguous in
+    the global tensor).  Needs no process group (``hp-dcp explain``, planning simulations).
     Raises :class:`UnsupportedPlacementError` for ``Partial``.
     """
     from torch.distributed.tensor.placement_types import Partial, Shard
@@ -146,8 +145,7 @@ def placement_boxes(
 @functools.lru_cache(maxsize=1 << 16)
 def _cached_placement_boxes(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
                             placements: tuple[Any, ...]) -> tuple[tuple[ChunkBox, tuple[int, ...]], ...]:
-    # Models repeat a handful of (shape, layout) pairs thousands of times; the geometry
-    # is pure, so each pair is computed once (the per-tensor budget is ~0.1 ms in all).
+    # models repeat a handful of (shape, layout) pairs thousands of times
     return tuple(placement_boxes(global_shape, mesh_shape, coordinate, placements))
 
 

@@ -18,7 +18,7 @@ import torch
 
 from .chunks import full_box
 from .gc_pause import gc_paused
-from .global_save import dedup_columns, plan_global_columns
+from .global_save import plan_global_columns
 from .layout import check_tensor, dtensor_layout, dtensor_pieces, is_tensor_leaf, narrowed, to_tensor_shards
 from .metadata import Metadata, MetadataIndex, dtype_name
 from .plan_cache import PlanCache
@@ -115,7 +115,7 @@ def dedup_save_plans(plans: Sequence[SavePlan], save_to_minimum_rank: bool = Fal
     two ranks hold different pieces (sizes or kind) at one key, and as
     :func:`build_metadata` does.
     """
-    return dedup_columns(plans, save_to_minimum_rank)
+    return plan_global_columns(plans, dedup=True, save_to_minimum_rank=save_to_minimum_rank, metadata=False)[0]
 
 
 def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
@@ -127,17 +127,15 @@ def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
     do not all have the same number of offsets and sizes, or when stored chunks of a
     tensor overlap.
     """
-    return plan_global_columns(plans, False, False)[1]()
+    return plan_global_save_deferred(plans, dedup=False)[1]()
 
 
 def plan_global_save(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_minimum_rank: bool = False,
                      metadata: bool = True) -> tuple[list[SavePlan], Optional[Metadata]]:
     """The coordinator's save planning in one pass: :func:`dedup_save_plans` (with
     ``dedup``), then :func:`build_metadata` of the result (with ``metadata``; else ``None``)."""
-    if not metadata:
-        return (dedup_columns(plans, save_to_minimum_rank) if dedup else list(plans)), None
-    out, build = plan_global_columns(plans, dedup, save_to_minimum_rank)
-    return out, build()
+    out, build = plan_global_columns(plans, dedup=dedup, save_to_minimum_rank=save_to_minimum_rank, metadata=metadata)
+    return out, None if build is None else build()
 
 
 def plan_global_save_deferred(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_minimum_rank: bool = False
@@ -145,7 +143,9 @@ def plan_global_save_deferred(plans: Sequence[SavePlan], *, dedup: bool = True, 
     """:func:`plan_global_save` in two halves: the plans now, checked as the metadata would
     be (the same errors, raised here), and a function that builds the metadata (the save
     pipeline calls it while the ranks write)."""
-    return plan_global_columns(plans, dedup, save_to_minimum_rank)
+    out, build = plan_global_columns(plans, dedup=dedup, save_to_minimum_rank=save_to_minimum_rank)
+    assert build is not None
+    return out, build
 
 
 class StandardSavePlanner(SavePlanner):
@@ -274,8 +274,8 @@ class StandardSavePlanner(SavePlanner):
 
     def _global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Callable[[], Metadata]]:
         with gc_paused():
-            return plan_global_columns(all_plans, self.remove_redundancy and self.use_collectives,
-                                       self.save_to_minimum_rank)
+            return plan_global_save_deferred(all_plans, dedup=self.remove_redundancy and self.use_collectives,
+                                             save_to_minimum_rank=self.save_to_minimum_rank)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         local = self._local_plan
