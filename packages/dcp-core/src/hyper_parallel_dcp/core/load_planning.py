@@ -229,18 +229,12 @@ def _near_miss(missing: list[str], stored: Mapping[str, Any]) -> str:
                     "(DDP's 'module.', torch.compile's '_orig_mod.', ...); build the state dict with "
                     "torch.distributed.checkpoint.state_dict.get_state_dict, which leaves them out, or from "
                     "the same wrapping as at save time")
-    lacking: dict[str, list[tuple[str, str]]] = {}  # prefix -> (stored key, missing key)
+    lacking: dict[str, list[tuple[str, str]]] = {}  # prefix -> [(stored key, missing key)]
     for key in missing:
         parts = key.split(".")
         rest = next((i for i in range(1, len(parts)) if ".".join(parts[i:]) in stored), None)
         if rest is not None:
             lacking.setdefault(".".join(parts[:rest]) + ".", []).append((".".join(parts[rest:]), key))
-    hit = _common_prefix(lacking, missing)
-    if hit is not None:
-        prefix, (found, key) = hit
-        return (f". The checkpoint has {found!r} for {key!r}: its keys lack the prefix {prefix!r}; load "
-                f"into a state dict without it (e.g. the module's own state_dict(), not nested under "
-                f"{prefix.split('.')[0]!r})")
     by_suffix: dict[str, str] = {}
     for name in stored:
         parts = name.split(".")
@@ -251,24 +245,23 @@ def _near_miss(missing: list[str], stored: Mapping[str, Any]) -> str:
         found = by_suffix.get(key)
         if found is not None:
             carrying.setdefault(found[:-len(key)], []).append((found, key))
-    hit = _common_prefix(carrying, missing)
-    if hit is not None:
-        prefix, (found, key) = hit
-        return (f". The checkpoint has {found!r} for {key!r}: its keys carry the prefix {prefix!r}; nest "
-                f"the state dict under it ({{{prefix[:-1]!r}: ...}}), or leave the prefix out of the "
-                f"checkpoint (hp-dcp-convert hf-to-dcp --strip-prefix {prefix})")
+    for pairs_by_prefix, hint in ((lacking, _LACKS_PREFIX), (carrying, _CARRIES_PREFIX)):
+        if not pairs_by_prefix:
+            continue
+        # the prefix that explains the most keys, when it explains half of them at least:
+        # a model that grew a layer lacks 'model.3.weight', not 'weight' under 'model.3.'
+        prefix, pairs = max(pairs_by_prefix.items(), key=lambda entry: len(entry[1]))
+        if 2 * len(pairs) >= len(missing):
+            found, key = pairs[0]
+            return hint.format(found=found, key=key, prefix=prefix, top=prefix.split(".")[0], bare=prefix[:-1])
     return ""
 
 
-def _common_prefix(pairs_by_prefix: dict[str, list[tuple[str, str]]], missing: list[str]
-                   ) -> Optional[tuple[str, tuple[str, str]]]:
-    """The prefix that explains the most missing keys, with its first (stored, missing)
-    pair, when it explains at least half of them: a model that grew a layer lacks
-    'model.3.weight', which is not the top-level key 'weight' under 'model.3.'."""
-    if not pairs_by_prefix:
-        return None
-    prefix, pairs = max(pairs_by_prefix.items(), key=lambda entry: len(entry[1]))
-    return (prefix, pairs[0]) if 2 * len(pairs) >= len(missing) else None
+_LACKS_PREFIX = (". The checkpoint has {found!r} for {key!r}: its keys lack the prefix {prefix!r}; load into a state "
+                 "dict without it (e.g. the module's own state_dict(), not nested under {top!r})")
+_CARRIES_PREFIX = (". The checkpoint has {found!r} for {key!r}: its keys carry the prefix {prefix!r}; nest the state "
+                   "dict under it ({{{bare!r}: ...}}), or leave the prefix out of the checkpoint (hp-dcp-convert "
+                   "hf-to-dcp --strip-prefix {prefix})")
 
 
 #: Leading components a stored key may have that the target's lacks (``model.``, ``model.module.``)
@@ -318,27 +311,22 @@ class StandardLoadPlanner(LoadPlanner):
 
     def __init__(self, allow_partial_load: bool = False) -> None:
         self.allow_partial_load = allow_partial_load
-        self.flat: dict[str, Any] = {}
         self.metadata: Optional[Metadata] = None
-        self.is_coordinator = True
-        self.rank = 0
-        self.world_size = 1
+        self._set_up({}, True, 0, 1)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata, *,
+                       is_coordinator: bool, rank: int = 0, world_size: int = 1) -> None:
+        self.metadata = metadata
+        self._set_up(state_dict, is_coordinator, rank, world_size)
+
+    def _set_up(self, state_dict: dict[str, Any], is_coordinator: bool, rank: int, world_size: int) -> None:
+        self.flat: dict[str, Any] = state_dict
+        self.is_coordinator, self.rank, self.world_size = is_coordinator, rank, world_size
         self.shards: dict[str, TensorShards] = {}
         # (fqn, offsets) -> the piece (see _Piece): a read into part of a piece costs one
         # lookup and one ``as_strided``
         self._pieces: dict[tuple[str, Any], _Piece] = {}
         self.loaded_objects: dict[str, Any] = {}
-
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata, *,
-                       is_coordinator: bool, rank: int = 0, world_size: int = 1) -> None:
-        self.flat = state_dict
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
-        self.rank = rank
-        self.world_size = world_size
-        self.shards = {}
-        self._pieces = {}
-        self.loaded_objects = {}
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None

@@ -28,16 +28,8 @@ from typing import Optional, Sequence, Union
 from .metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from .planner import LoadItemType, LoadPlan, order_key
 
-__all__ = [
-    "AssignmentReply",
-    "ReaderAssignment",
-    "ReplicaGroup",
-    "TargetLayout",
-    "apply_reader_assignment",
-    "assign_readers",
-    "assign_readers_from_layouts",
-    "target_layout",
-]
+__all__ = ["AssignmentReply", "ReaderAssignment", "ReplicaGroup", "TargetLayout", "apply_reader_assignment",
+           "assign_readers", "assign_readers_from_layouts", "target_layout"]
 
 RankTuple = tuple[int, ...]
 # A rank tuple on the wire: a range when its ranks step evenly (every device-mesh group),

@@ -182,13 +182,8 @@ class StandardSavePlanner(SavePlanner):
         self.enable_plan_caching = enable_plan_caching
         self.remove_redundancy = remove_redundancy
         self.save_to_minimum_rank = save_to_minimum_rank
-        self.flat: dict[str, Any] = {}
-        self.is_coordinator = True
-        self.rank = 0
-        self.world_size = 1
-        self.use_collectives = True
-        self.cache_hit = False
         self._reset_state()
+        self._set_up({}, True, 0, 1, True)
 
     def _reset_state(self) -> None:
         self._data: dict[MetadataIndex, Any] = {}
@@ -211,10 +206,12 @@ class StandardSavePlanner(SavePlanner):
 
     def set_up_planner(self, state_dict: dict[str, Any], *, is_coordinator: bool, rank: int = 0,
                        world_size: int = 1, use_collectives: bool = True) -> None:
-        self.flat = state_dict
-        self.is_coordinator = is_coordinator
-        self.rank = rank
-        self.world_size = world_size
+        self._set_up(state_dict, is_coordinator, rank, world_size, use_collectives)
+
+    def _set_up(self, state_dict: dict[str, Any], is_coordinator: bool, rank: int, world_size: int,
+                use_collectives: bool) -> None:
+        self.flat: dict[str, Any] = state_dict
+        self.is_coordinator, self.rank, self.world_size = is_coordinator, rank, world_size
         self.use_collectives = use_collectives
         self._local_plan = None
         self.cache_hit = False
