@@ -26,8 +26,8 @@ from hyper_parallel_dcp.benchmarks.report import evaluate_goals, nlogn_exponent,
 from hyper_parallel_dcp.benchmarks.state_dicts import dense_shapes, small_shapes
 from hyper_parallel_dcp.benchmarks.throttle import SharedBandwidth
 from hyper_parallel_dcp.core.chunks import ChunkBox
+from hyper_parallel_dcp.core.global_save import check_disjoint as _check_disjoint
 from hyper_parallel_dcp.core.metadata import ChunkStorageMetadata
-from hyper_parallel_dcp.core.save_planning import _check_disjoint
 
 
 def test_fit_exponent_recovers_power_laws():

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from core_planning_strategies import partition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +25,7 @@ from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo, TensorStorageMetadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from hyper_parallel_dcp.core.save_planning import plan_global_save_deferred
 from hyper_parallel_dcp.core.standard_planner import (
     StandardLoadPlanner,
     StandardSavePlanner,
@@ -42,28 +44,9 @@ def _slices(offsets, sizes):
 
 # ------------------------------------------------------------------ random layouts
 @st.composite
-def _partition(draw, shape, max_parts=6):
-    """Boxes that partition ``full_box(shape)`` (random guillotine cuts)."""
-    parts = [full_box(shape)]
-    for _ in range(draw(st.integers(0, max_parts - 1))):
-        i = draw(st.integers(0, len(parts) - 1))
-        box = parts[i]
-        dims = [d for d, s in enumerate(box.sizes) if s > 1]
-        if not dims:
-            continue
-        d = draw(st.sampled_from(dims))
-        cut = draw(st.integers(1, box.sizes[d] - 1))
-        lo = ChunkBox(box.offsets, box.sizes[:d] + (cut,) + box.sizes[d + 1:])
-        hi = ChunkBox(box.offsets[:d] + (box.offsets[d] + cut,) + box.offsets[d + 1:],
-                      box.sizes[:d] + (box.sizes[d] - cut,) + box.sizes[d + 1:])
-        parts[i:i + 1] = [lo, hi]
-    return parts
-
-
-@st.composite
 def _placed(draw, shape, world):
     """Per rank, the boxes it holds: a partition, each part on a non-empty set of ranks."""
-    parts = draw(_partition(shape))
+    parts = draw(partition(shape))
     per_rank: list[list[ChunkBox]] = [[] for _ in range(world)]
     for box in parts:
         holders = draw(st.sets(st.integers(0, world - 1), min_size=1))
@@ -165,6 +148,11 @@ def _shards(total: int, start: int, length: int) -> TensorShards:
     return TensorShards((total,), torch.float32, [(ChunkBox((start,), (length,)), torch.zeros(length))])
 
 
+def _plans_of_t(*pieces: tuple[int, int, int]) -> list[SavePlan]:
+    """One plan per rank holding the piece ``(total, start, length)`` of the tensor "t"."""
+    return [create_local_save_plan({"t": _shards(*piece)})[0] for piece in pieces]
+
+
 def _owners(final: list[SavePlan]) -> dict[str, int]:
     return {item.index.fqn: rank for rank, plan in enumerate(final) for item in plan.items
             if item.index.fqn != "u" or item.sizes == (250,)}
@@ -203,27 +191,26 @@ def test_dedup_ties_go_to_the_lowest_rank_and_balance_three_ranks():
     assert dedup_save_plans(plans) == final  # deterministic
 
 
-def test_dedup_refuses_different_pieces_at_the_same_offsets():
-    plans = [create_local_save_plan({"t": _shards(8, 0, 4)})[0], create_local_save_plan({"t": _shards(8, 0, 3)})[0]]
-    with pytest.raises(ValueError, match=r"'t': ranks 0 and 1 hold different pieces"):
-        dedup_save_plans(plans)
+_STEPS = {
+    "dedup": dedup_save_plans,
+    "dedup, then metadata": lambda plans: build_metadata(dedup_save_plans(plans)),
+    "metadata": build_metadata,
+    "deferred global plan (before any metadata is asked for)": lambda plans: plan_global_save_deferred(plans),
+}
 
 
-def test_build_metadata_refuses_overlapping_chunks_and_conflicting_shapes():
-    overlapping = [create_local_save_plan({"t": _shards(8, 0, 5)})[0], create_local_save_plan({"t": _shards(8, 4, 4)})[0]]
-    with pytest.raises(ValueError, match=r"'t': stored chunks overlap"):
-        build_metadata(dedup_save_plans(overlapping))
-    shapes = [create_local_save_plan({"t": _shards(8, 0, 4)})[0], create_local_save_plan({"t": _shards(9, 4, 4)})[0]]
-    with pytest.raises(ValueError, match=r"'t' has global shape \[8\].*\[9\] / float32 on rank 1"):
-        build_metadata(shapes)
+@pytest.mark.parametrize("step, pieces, message", [
+    ("dedup", ((8, 0, 4), (8, 0, 3)), r"'t': ranks 0 and 1 hold different pieces"),
+    ("dedup, then metadata", ((8, 0, 5), (8, 4, 4)), r"'t': stored chunks overlap"),
+    ("metadata", ((8, 0, 4), (9, 4, 4)), r"'t' has global shape \[8\].*\[9\] / float32 on rank 1"),
+    ("deferred global plan (before any metadata is asked for)", ((8, 0, 5), (8, 4, 4)), r"'t': stored chunks overlap"),
+])
+def test_global_planning_refuses_conflicting_pieces_shapes_and_overlaps(step, pieces, message):
+    with pytest.raises(ValueError, match=message):
+        _STEPS[step](_plans_of_t(*pieces))
 
 
-def test_the_deferred_global_plan_checks_now_and_builds_the_metadata_later():
-    from hyper_parallel_dcp.core.save_planning import plan_global_save_deferred
-
-    overlapping = [create_local_save_plan({"t": _shards(8, 0, 5)})[0], create_local_save_plan({"t": _shards(8, 4, 4)})[0]]
-    with pytest.raises(ValueError, match=r"'t': stored chunks overlap"):
-        plan_global_save_deferred(overlapping)  # before any metadata is asked for
+def test_the_deferred_global_plan_builds_the_metadata_later():
     plans = [create_local_save_plan({"t": _shards(8, 0, 4), "w": torch.zeros(3), "o": {"a": 1}})[0],
              create_local_save_plan({"t": _shards(8, 4, 4), "w": torch.zeros(3), "o": {"a": 1}})[0]]
     out, build = plan_global_save_deferred(plans)

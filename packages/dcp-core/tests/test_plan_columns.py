@@ -1,42 +1,18 @@
-"""Save plans as columns: WriteColumns round trips, and the coordinator's planning over
-columns equals the per-item reference, for column plans, item plans and a mix of both."""
+"""Save plans as columns: WriteColumns round trips, and a rank's final plan reuses its own
+item objects (the coordinator's planning over columns: test_save_planning_columns.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import pickle
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from hyper_parallel_dcp.core import save_planning
-from hyper_parallel_dcp.core.metadata import MetadataIndex, metadata_to_json
+from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.plan_columns import WriteColumns
 from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType
-from hyper_parallel_dcp.core.save_planning import (
-    StandardSavePlanner,
-    build_metadata,
-    create_local_save_plan,
-    dedup_save_plans,
-    plan_global_save,
-)
-
-_REFERENCE = Path(__file__).with_name("test_save_planning_columns.py")
-
-
-def _reference():
-    spec = importlib.util.spec_from_file_location("save_planning_reference_for_columns", _REFERENCE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-REF = _reference()
+from hyper_parallel_dcp.core.save_planning import StandardSavePlanner, create_local_save_plan
 
 _ITEMS = (
     WriteItem(MetadataIndex("w", (0, 4)), WriteItemType.TENSOR, (2, 4), (4, 8), "bfloat16", 16),
@@ -81,82 +57,6 @@ def test_the_standard_local_plan_is_columns_with_the_item_objects_kept():
     assert [it.index.fqn for it in plan.items] == ["a", "b", "c"]
     assert all(it.index in data for it in plan.items)
     assert not ragged
-
-
-def _as_columns(plans, which):
-    """``plans`` with the ranks flagged in ``which`` as unpickled columns (a gather's
-    view of a standard planner's plan), the others as item tuples (a custom planner's)."""
-    return [SavePlan(pickle.loads(pickle.dumps(WriteColumns.from_items(p.items)))) if flag else p
-            for p, flag in zip(plans, which)]
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), to_minimum=st.booleans())
-def test_column_and_mixed_plans_equal_the_per_item_reference(data, to_minimum):
-    plans = data.draw(REF._plans())
-    which = data.draw(st.lists(st.booleans(), min_size=len(plans), max_size=len(plans)))
-    mixed = _as_columns(plans, which)
-    fast = REF._outcome(dedup_save_plans, mixed, to_minimum)
-    ref = REF._outcome(REF._ref_dedup, plans, to_minimum)
-    assert fast[0] == ref[0], (fast, ref)
-    if fast[0] == "error":
-        assert fast[1] == ref[1]
-        return
-    assert fast[1] == ref[1]
-    for out, plan in zip(fast[1], mixed):  # a rank that drops nothing keeps its plan object
-        assert (out is plan) == (tuple(out.items) == tuple(plan.items))
-        assert pickle.loads(pickle.dumps(out)) == out
-    fast_md = REF._outcome(build_metadata, mixed)
-    ref_md = REF._outcome(REF._ref_build_metadata, plans)
-    assert fast_md[0] == ref_md[0]
-    if fast_md[0] == "ok":
-        assert list(fast_md[1].state_dict_metadata) == list(ref_md[1].state_dict_metadata)
-        assert REF._outcome(metadata_to_json, fast_md[1]) == REF._outcome(metadata_to_json, ref_md[1])
-    else:
-        assert fast_md[1] == ref_md[1]
-    # the planner's one call equals the two steps
-    both = REF._outcome(lambda: plan_global_save(mixed, dedup=True, save_to_minimum_rank=to_minimum))
-    if both[0] == "ok":
-        again = REF._outcome(build_metadata, fast[1])
-        assert both[1][0] == fast[1]
-        assert REF._outcome(metadata_to_json, both[1][1]) == REF._outcome(metadata_to_json, again[1])
-
-
-def _grid_plans(world: int, replicas: int) -> list[SavePlan]:
-    """``world`` ranks, ``replicas`` of them holding each row block of three tensors."""
-    plans = []
-    for rank in range(world):
-        block = rank // replicas
-        items = [WriteItem(MetadataIndex(f"layer{t}.w", (2 * block, 0)), WriteItemType.TENSOR, (2, 5),
-                           (2 * world // replicas, 5), "float32", 40) for t in range(3)]
-        items.append(WriteItem(MetadataIndex("step"), WriteItemType.BYTE_IO))
-        plans.append(SavePlan(WriteColumns.from_items(items)))
-    return plans
-
-
-def test_well_formed_plans_never_take_the_item_path(monkeypatch):
-    def refuse(*_args, **_kwargs):
-        raise AssertionError("the item path ran")
-
-    monkeypatch.setattr(save_planning, "_dedup_items", refuse)
-    monkeypatch.setattr(save_planning, "_build_metadata_items", refuse)
-    plans = _grid_plans(8, 2)
-    final, metadata = StandardSavePlanner().create_global_plan(plans)
-    assert final == REF._ref_dedup(plans)
-    assert metadata_to_json(metadata) == metadata_to_json(REF._ref_build_metadata(final))
-    # each of 4 row blocks of 3 tensors once, and the object once
-    assert sum(len(p.items) for p in final) == 4 * 3 + 1
-
-
-def test_a_rank_that_drops_items_gets_columns_of_its_own_table():
-    plans = _grid_plans(4, 4)  # every rank holds the same chunks
-    final = dedup_save_plans(plans)
-    kept = [it for p in final for it in p.items]
-    assert sorted(it.index.fqn for it in kept) == ["layer0.w", "layer1.w", "layer2.w", "step"]
-    for out, plan in zip(final, plans):
-        assert isinstance(out.items, WriteColumns)
-        if out is not plan:
-            assert out.items.kinds_text == plan.items.kinds_text
 
 
 def test_a_rank_that_keeps_its_plan_reuses_its_own_items():

@@ -15,10 +15,11 @@ from typing import Sequence
 
 import pytest
 import torch
+from core_planning_strategies import partition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyper_parallel_dcp.core.chunks import ChunkBox, full_box
+from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.metadata import Metadata, TensorStorageMetadata
@@ -103,25 +104,6 @@ def _assigned_bytes(plans: Sequence[LoadPlan], metadata: Metadata) -> list[int]:
 
 # ------------------------------------------------------------------ random layouts
 @st.composite
-def _boxes(draw, shape, max_parts=5):
-    parts = [full_box(shape)]
-    for _ in range(draw(st.integers(0, max_parts - 1))):
-        i = draw(st.integers(0, len(parts) - 1))
-        box = parts[i]
-        dims = [d for d, s in enumerate(box.sizes) if s > 1]
-        if not dims:
-            continue
-        d = draw(st.sampled_from(dims))
-        cut = draw(st.integers(1, box.sizes[d] - 1))
-        parts[i:i + 1] = [
-            ChunkBox(box.offsets, box.sizes[:d] + (cut,) + box.sizes[d + 1:]),
-            ChunkBox(box.offsets[:d] + (box.offsets[d] + cut,) + box.offsets[d + 1:],
-                     box.sizes[:d] + (box.sizes[d] - cut,) + box.sizes[d + 1:]),
-        ]
-    return parts
-
-
-@st.composite
 def _case(draw):
     """A stored checkpoint and per load rank a target: a few target partitions per tensor
     (so ranks share some shards exactly and differ on others, also at equal offsets)."""
@@ -129,10 +111,10 @@ def _case(draw):
     n = draw(st.integers(1, 4))
     dtypes = [draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int8])) for _ in range(n)]
     shapes = [tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=2))) for _ in range(n)]
-    stored = [draw(_boxes(s)) for s in shapes]
+    stored = [draw(partition(s, max_parts=5)) for s in shapes]
     targets = []
     for s in shapes:
-        variants = [draw(_boxes(s)) for _ in range(draw(st.integers(1, 3)))]
+        variants = [draw(partition(s, max_parts=5)) for _ in range(draw(st.integers(1, 3)))]
         per_rank = []
         for _ in range(world):
             parts = draw(st.sampled_from(variants))

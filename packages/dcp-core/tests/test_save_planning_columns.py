@@ -1,162 +1,34 @@
-"""The column-based dedup and metadata build equal the per-item reference on random plans.
+"""The columnar global save plan equals the item-by-item reference on random plans.
 
-``dedup_save_plans`` and ``build_metadata`` work on whole columns (one Python loop over the
-items, then C and torch); the reference below is the per-item version they replaced, kept
-here only as the oracle.  On random plans — grids, ragged and overlapping boxes, pieces
-held by several ranks, objects, scalars, empty boxes, conflicting sizes, shapes, dtypes
-and kinds — both give the same plans, the same metadata (same key order, same chunk
-order, byte-identical JSON) or the same error message.
+``dedup_save_plans`` and ``build_metadata`` work on whole columns (:mod:`.global_save`);
+:mod:`.save_reference` defines the result one item at a time.  On random plans — grids,
+ragged and overlapping boxes, pieces held by several ranks, objects, scalars, empty
+boxes, conflicting sizes, shapes, dtypes and kinds, as item tuples, as columns and mixed —
+both give the same plans, the same metadata (same key order, same chunk order,
+byte-identical JSON) or the same error message.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
-from typing import Any, Sequence
 
-import pytest
-import torch
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyper_parallel_dcp.core import save_planning
+from hyper_parallel_dcp.core import global_save
 from hyper_parallel_dcp.core.chunks import ChunkBox
-from hyper_parallel_dcp.core.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-    dtype_from_name,
-    dtype_name,
-    metadata_to_json,
+from hyper_parallel_dcp.core.metadata import ChunkStorageMetadata, MetadataIndex, metadata_to_json
+from hyper_parallel_dcp.core.plan_columns import WriteColumns
+from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType
+from hyper_parallel_dcp.core.save_planning import (
+    StandardSavePlanner,
+    build_metadata,
+    dedup_save_plans,
+    plan_global_save,
 )
-from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType, order_key
-from hyper_parallel_dcp.core.save_planning import build_metadata, dedup_save_plans
-
-
-# ------------------------------------------------------------------ the reference
-def _ref_dedup(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -> list[SavePlan]:
-    holders: dict[tuple, list[Any]] = {}
-    for rank, plan in enumerate(plans):
-        for item in plan.items:
-            key = (item.index.fqn, item.index.offset)
-            entry = holders.get(key)
-            if entry is None:
-                holders[key] = [item, rank]
-                continue
-            other = entry[0]
-            if other.sizes != item.sizes or other.type != item.type:
-                raise ValueError(
-                    f"{item.index.fqn!r}: ranks {entry[1]} and {rank} hold different pieces at offsets "
-                    f"{item.index.offset} (sizes {other.sizes} vs {item.sizes})"
-                )
-            entry.append(rank)
-    planned = [0] * len(plans)
-    replicated = []
-    for key, entry in holders.items():
-        if len(entry) == 2:
-            planned[entry[1]] += entry[0].nbytes
-        else:
-            replicated.append((-entry[0].nbytes, order_key(entry[0].index), key))
-    replicated.sort()
-    dropped: dict[int, set[tuple]] = {}
-    for neg_bytes, _, key in replicated:
-        ranks = holders[key][1:]
-        chosen = ranks[0] if save_to_minimum_rank else min(ranks, key=planned.__getitem__)
-        planned[chosen] -= neg_bytes
-        for r in ranks:
-            if r != chosen:
-                dropped.setdefault(r, set()).add(key)
-    return [plan if not dropped.get(rank) else replace(plan, items=tuple(
-        it for it in plan.items if (it.index.fqn, it.index.offset) not in dropped[rank]))
-        for rank, plan in enumerate(plans)]
-
-
-def _ref_sweep_overlap(order, dim):
-    active: list[ChunkStorageMetadata] = []
-    for chunk in order:
-        active = [a for a in active if a.offsets[dim] + a.sizes[dim] > chunk.offsets[dim]]
-        for other in active:
-            if ChunkBox(chunk.offsets, chunk.sizes).intersect(ChunkBox(other.offsets, other.sizes)) is not None:
-                return other, chunk
-        active.append(chunk)
-    return None
-
-
-def _ref_find_overlap(chunks, dims):
-    """The slab search over chunk objects (the overlapping pair it reports is part of the
-    error message): equal intervals form slabs, partly overlapping ones a pairwise sweep."""
-    if len(chunks) < 2:
-        return None
-    if not dims:
-        return chunks[0], chunks[1]
-    dim = dims[0]
-    order = sorted(chunks, key=lambda c: (c.offsets[dim], c.sizes[dim]))
-    slabs: list[list[ChunkStorageMetadata]] = []
-    reach = None
-    for chunk in order:
-        start, size = chunk.offsets[dim], chunk.sizes[dim]
-        if slabs and slabs[-1][0].offsets[dim] == start and slabs[-1][0].sizes[dim] == size:
-            slabs[-1].append(chunk)
-            continue
-        if reach is not None and start < reach:
-            return _ref_sweep_overlap(order, dim)
-        slabs.append([chunk])
-        reach = start + size
-    for members in slabs:
-        hit = _ref_find_overlap(members, dims[1:])
-        if hit is not None:
-            return hit
-    return None
-
-
-def _ref_build_metadata(plans: Sequence[SavePlan]) -> Metadata:
-    sd: dict[str, Any] = {}
-    first: dict[str, tuple] = {}
-    for rank, plan in enumerate(plans):
-        for item in plan.items:
-            fqn = item.index.fqn
-            existing = sd.get(fqn)
-            if item.type is not WriteItemType.TENSOR:
-                if existing is not None and not isinstance(existing, BytesStorageMetadata):
-                    raise ValueError(f"{fqn!r} is a tensor on some ranks and an object on rank {rank}")
-                sd[fqn] = BytesStorageMetadata()
-                continue
-            if existing is None:
-                existing = sd[fqn] = TensorStorageMetadata(
-                    TensorProperties(dtype_from_name(item.dtype)), torch.Size(item.global_shape), [])
-                first[fqn] = (item.global_shape, item.dtype)
-            elif isinstance(existing, BytesStorageMetadata):
-                raise ValueError(f"{fqn!r} is an object on some ranks and a tensor on rank {rank}")
-            elif first[fqn] != (item.global_shape, item.dtype):
-                raise ValueError(
-                    f"{fqn!r} has global shape {list(existing.size)} / {dtype_name(existing.properties.dtype)} "
-                    f"on one rank but {list(item.global_shape)} / {item.dtype} on rank {rank}"
-                )
-            existing.chunks.append(ChunkStorageMetadata(item.index.offset, item.sizes))
-    # Chunks of one tensor with different numbers of offsets are refused before any overlap
-    # check (the per-item planner of old had no such check and fell into the scalar or the
-    # overlap error by chance of the sort), naming the first chunk in plan order.
-    for fqn, md in sd.items():
-        if isinstance(md, TensorStorageMetadata):
-            ndim = len(md.chunks[0].offsets)
-            if any(len(c.offsets) != ndim for c in md.chunks):
-                raise ValueError(f"{fqn!r}: chunks with {ndim} and with other numbers of offsets (the first at "
-                                 f"{list(md.chunks[0].offsets)})")
-    for fqn, md in sd.items():
-        if isinstance(md, TensorStorageMetadata):
-            md.chunks.sort(key=lambda c: c.offsets)
-            if len(md.chunks) > 1 and not md.chunks[0].offsets:
-                raise ValueError(f"{fqn!r}: {len(md.chunks)} different chunks stored for a scalar")
-            hit = _ref_find_overlap(md.chunks, range(len(md.chunks[0].offsets)))
-            if hit is not None:
-                other, chunk = hit
-                raise ValueError(
-                    f"{fqn!r}: stored chunks overlap: offsets {list(other.offsets)} sizes {list(other.sizes)} "
-                    f"and offsets {list(chunk.offsets)} sizes {list(chunk.sizes)}"
-                )
-    return Metadata(state_dict_metadata=sd)
+from hyper_parallel_dcp.core.save_reference import build_metadata_items, dedup_items
 
 
 # ------------------------------------------------------------------ random plans
@@ -201,24 +73,33 @@ def _outcome(fn, *args):
         return "error", f"{type(exc).__name__}: {exc}"
 
 
-@pytest.mark.parametrize("few_chunks", [save_planning._FEW_CHUNKS, 0], ids=["python-few", "torch-columns"])
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(plans=_plans(), to_minimum=st.booleans())
-def test_columns_equal_the_per_item_reference(plans, to_minimum, few_chunks, monkeypatch):
-    # both ways of building a tensor's metadata: plain Python for a few chunks, torch columns
-    monkeypatch.setattr(save_planning, "_FEW_CHUNKS", few_chunks)
-    fast = _outcome(dedup_save_plans, plans, to_minimum)
-    ref = _outcome(_ref_dedup, plans, to_minimum)
+def _as_columns(plans, which):
+    """``plans`` with the ranks flagged in ``which`` as unpickled columns (a gather's
+    view of a standard planner's plan), the others as item tuples (a custom planner's)."""
+    return [SavePlan(pickle.loads(pickle.dumps(WriteColumns.from_items(p.items)))) if flag else p
+            for p, flag in zip(plans, which)]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), to_minimum=st.booleans())
+def test_columns_equal_the_per_item_reference(data, to_minimum):
+    plans = data.draw(_plans())
+    which = data.draw(st.lists(st.booleans(), min_size=len(plans), max_size=len(plans)))
+    mixed = _as_columns(plans, which)
+    fast = _outcome(dedup_save_plans, mixed, to_minimum)
+    ref = _outcome(dedup_items, plans, to_minimum)
     assert fast[0] == ref[0], (fast, ref)
     if fast[0] == "error":
         assert fast[1] == ref[1]
         return
     assert fast[1] == ref[1]
-    # a rank that drops nothing keeps its plan object
-    assert all((a is p) == (b is p) for a, b, p in zip(fast[1], ref[1], plans))
-    for source in (plans, ref[1]):  # build_metadata also runs without dedup (use_collectives=False)
+    for out, plan, ref_out, ref_plan in zip(fast[1], mixed, ref[1], plans):
+        # a rank that drops nothing keeps its plan object
+        assert (out is plan) == (ref_out is ref_plan) == (tuple(out.items) == tuple(plan.items))
+        assert pickle.loads(pickle.dumps(out)) == out
+    for source, ref_source in ((mixed, plans), (fast[1], ref[1])):  # also without dedup (use_collectives=False)
         fast_md = _outcome(build_metadata, source)
-        ref_md = _outcome(_ref_build_metadata, source)
+        ref_md = _outcome(build_metadata_items, ref_source)
         assert fast_md[0] == ref_md[0], (fast_md, ref_md)
         if fast_md[0] == "error":
             assert fast_md[1] == ref_md[1]
@@ -227,6 +108,49 @@ def test_columns_equal_the_per_item_reference(plans, to_minimum, few_chunks, mon
         assert fast_md[1].state_dict_metadata == ref_md[1].state_dict_metadata
         # (a chunk with fewer offsets than its tensor has dims is refused here, by both)
         assert _outcome(metadata_to_json, fast_md[1]) == _outcome(metadata_to_json, ref_md[1])
+    # the planner's one call equals the two steps
+    both = _outcome(lambda: plan_global_save(mixed, dedup=True, save_to_minimum_rank=to_minimum))
+    if both[0] == "ok":
+        again = _outcome(build_metadata, fast[1])
+        assert both[1][0] == fast[1]
+        assert _outcome(metadata_to_json, both[1][1]) == _outcome(metadata_to_json, again[1])
+
+
+def _grid_plans(world: int, replicas: int) -> list[SavePlan]:
+    """``world`` ranks, ``replicas`` of them holding each row block of three tensors."""
+    plans = []
+    for rank in range(world):
+        block = rank // replicas
+        items = [WriteItem(MetadataIndex(f"layer{t}.w", (2 * block, 0)), WriteItemType.TENSOR, (2, 5),
+                           (2 * world // replicas, 5), "float32", 40) for t in range(3)]
+        items.append(WriteItem(MetadataIndex("step"), WriteItemType.BYTE_IO))
+        plans.append(SavePlan(WriteColumns.from_items(items)))
+    return plans
+
+
+def test_well_formed_plans_never_take_the_item_path(monkeypatch):
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the item path ran")
+
+    plans = _grid_plans(8, 2)
+    expected = dedup_items(plans)
+    monkeypatch.setattr(global_save, "plan_items", refuse)
+    final, metadata = StandardSavePlanner().create_global_plan(plans)
+    assert final == expected
+    assert metadata_to_json(metadata) == metadata_to_json(build_metadata_items(final))
+    # each of 4 row blocks of 3 tensors once, and the object once
+    assert sum(len(p.items) for p in final) == 4 * 3 + 1
+
+
+def test_a_rank_that_drops_items_gets_columns_of_its_own_table():
+    plans = _grid_plans(4, 4)  # every rank holds the same chunks
+    final = dedup_save_plans(plans)
+    kept = [it for p in final for it in p.items]
+    assert sorted(it.index.fqn for it in kept) == ["layer0.w", "layer1.w", "layer2.w", "step"]
+    for out, plan in zip(final, plans):
+        assert isinstance(out.items, WriteColumns)
+        if out is not plan:
+            assert out.items.kinds_text == plan.items.kinds_text
 
 
 def test_metadata_chunks_are_built_only_when_read():
@@ -252,17 +176,19 @@ def _tensors_of_boxes(draw):
             kinds.append(kind)
             offsets.append(o)
             sizes.append(z)
-    return torch.tensor(kinds), torch.tensor(offsets), torch.tensor(sizes)
+    return np.array(kinds), np.array(offsets), np.array(sizes)
 
 
 @settings(max_examples=300, deadline=None)
 @given(rows=_tensors_of_boxes())
-def test_grid_suspects_are_the_tensors_the_grid_test_does_not_clear(rows):
-    # all tensors at once, as the per-tensor test answers for each
+def test_grid_suspects_are_each_tensors_own_and_clear_only_disjoint_chunks(rows):
+    # all tensors at once, as each tensor's rows alone answer; a tensor not suspect has
+    # pairwise disjoint chunks
     kinds, offsets, sizes = rows
-    expected = set()
+    suspects = global_save._grid_suspects(kinds, offsets, sizes)
     for kind in set(kinds.tolist()):
         mine = kinds == kind
-        if not save_planning._grid_disjoint(offsets[mine], sizes[mine]):
-            expected.add(kind)
-    assert save_planning._grid_suspects(kinds, offsets, sizes) == expected
+        assert (kind in suspects) == bool(global_save._grid_suspects(kinds[mine], offsets[mine], sizes[mine]))
+        boxes = [ChunkBox(tuple(o), tuple(z)) for o, z in zip(offsets[mine].tolist(), sizes[mine].tolist())]
+        if kind not in suspects:
+            assert all(a.intersect(b) is None for i, a in enumerate(boxes) for b in boxes[i + 1:])

@@ -1,15 +1,12 @@
-"""N-d chunk boxes and the pure geometry of sharding.
-
-A *chunk box* is a half-open N-d box ``[offsets, offsets + sizes)`` inside a global
-tensor.  Everything the planners do (dedup, overlap, reader assignment) is arithmetic on
-boxes, so it lives here as pure functions over plain tuples that can be tested in one
-process.
-"""
+"""N-d chunk boxes and the pure geometry of sharding: :class:`ChunkBox` (a half-open box
+``[offsets, offsets + sizes)`` in a global tensor), runs of indices along one dim, the
+boxes of a flat range, and the row-major span arithmetic every reader uses."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate, product
 from typing import Iterable, Sequence
 
 __all__ = [
@@ -106,12 +103,8 @@ def slice_span(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequ
         return 0, 0, True
     strides = row_major_strides(chunk_sizes)
     first = sum(o * s for o, s in zip(offsets, strides))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
-    span = last - first + 1
-    volume = 1
-    for n in lengths:
-        volume *= n
-    return first, span, span == volume
+    span = sum((n - 1) * s for n, s in zip(lengths, strides)) + 1
+    return first, span, span == math.prod(lengths)
 
 
 def span_elements(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> int:
@@ -142,25 +135,11 @@ def boxes_from_runs(per_dim_runs: Sequence[Sequence[Run]]) -> list[tuple[ChunkBo
     tensor and where its data sits in the local tensor whose dimension ``d`` is the
     concatenation of ``per_dim_runs[d]``.
     """
-    per_dim: list[list[tuple[int, int, int]]] = []  # (global_start, length, local_start)
-    for runs in per_dim_runs:
-        local = 0
-        entries = []
-        for start, length in runs:
-            entries.append((start, length, local))
-            local += length
-        per_dim.append(entries)
-    out: list[tuple[ChunkBox, tuple[int, ...]]] = []
-
-    def rec(d: int, g_off: tuple[int, ...], g_size: tuple[int, ...], l_off: tuple[int, ...]) -> None:
-        if d == len(per_dim):
-            out.append((ChunkBox(g_off, g_size), l_off))
-            return
-        for start, length, local in per_dim[d]:
-            rec(d + 1, g_off + (start,), g_size + (length,), l_off + (local,))
-
-    rec(0, (), (), ())
-    return out
+    per_dim = [[(start, length, local) for (start, length), local in zip(runs, accumulate((n for _, n in runs),
+                                                                                         initial=0))]
+               for runs in per_dim_runs]  # (global start, length, local start)
+    return [(ChunkBox(tuple(e[0] for e in combo), tuple(e[1] for e in combo)), tuple(e[2] for e in combo))
+            for combo in product(*per_dim)]
 
 
 def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[ChunkBox]:

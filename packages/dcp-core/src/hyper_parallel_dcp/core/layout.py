@@ -1,10 +1,10 @@
 """One normal form for every tensor leaf: the rank's pieces of a global tensor.
 
 A DTensor (Shard, uneven Shard, Replicate, ``_StridedShard``), a plain tensor (the whole
-tensor, i.e. replicated) and a :class:`RaggedShard` all become :class:`TensorShards`: the
-global shape and dtype plus ``(global box, local view)`` pieces.  Planners only ever see
-this form, so the async writer process (which has no device mesh) plans the same way as
-the training process.
+tensor, i.e. replicated) and a :class:`RaggedShard` all become :class:`TensorShards`:
+global shape, dtype and ``(global box, local view)`` pieces.  Planners see only this form,
+so the async writer process (no device mesh) plans as the training process does.  The
+only module that reads DTensor's private fields (:func:`dtensor_layout`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 
@@ -20,7 +20,21 @@ from .chunks import ChunkBox, Run, boxes_from_runs, full_box, runs_from_indices
 from .errors import UnsupportedPlacementError, UnsupportedTensorError
 from .ragged import RaggedShard
 
-__all__ = ["TensorShards", "is_tensor_leaf", "placement_boxes", "to_tensor_shards"]
+__all__ = [
+    "Narrowing",
+    "TensorShards",
+    "check_tensor",
+    "dtensor_layout",
+    "dtensor_pieces",
+    "is_tensor_leaf",
+    "narrowed",
+    "placement_boxes",
+    "tensor_problem",
+    "to_tensor_shards",
+]
+
+#: How a piece is cut from a local tensor: ``(dim, start, length)`` per narrowed dim
+Narrowing = tuple[tuple[int, int, int], ...]
 
 
 @dataclass
@@ -36,13 +50,6 @@ class TensorShards:
     dtype: torch.dtype
     pieces: list[tuple[ChunkBox, torch.Tensor]] = field(default_factory=list)
     ragged: bool = False
-
-
-def _is_dtensor(obj: Any) -> bool:
-    # No DTensor exists before torch.distributed.tensor is imported, and importing it
-    # costs seconds that a plain-tensor save (or an async_save's staging) must not pay.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(obj, module.DTensor)
 
 
 def is_tensor_leaf(obj: Any) -> bool:
@@ -96,10 +103,9 @@ def placement_boxes(
 ) -> list[tuple[ChunkBox, tuple[int, ...]]]:
     """Pure geometry of a DTensor layout: the global boxes one mesh coordinate holds.
 
-    Returns ``(global_box, offsets in the local tensor)`` pairs — one pair for Shard /
-    uneven Shard / Replicate, possibly several for ``_StridedShard`` layouts whose local
-    rows are not contiguous in the global tensor.  Needs no process group, so tools can
-    plan for a layout they do not run (``hp-dcp explain``, planning simulations).
+    Returns ``(global_box, offsets in the local tensor)`` pairs: one for Shard / uneven
+    Shard / Replicate, possibly several for ``_StridedShard`` (local rows not contiguous in
+    the global tensor).  Needs no process group (``hp-dcp explain``, planning simulations).
     Raises :class:`UnsupportedPlacementError` for ``Partial``.
     """
     from torch.distributed.tensor.placement_types import Partial, Shard
@@ -139,21 +145,49 @@ def placement_boxes(
 @functools.lru_cache(maxsize=1 << 16)
 def _cached_placement_boxes(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
                             placements: tuple[Any, ...]) -> tuple[tuple[ChunkBox, tuple[int, ...]], ...]:
-    # Models repeat a handful of (shape, layout) pairs thousands of times; the geometry
-    # is pure, so each pair is computed once (the per-tensor budget is ~0.1 ms in all).
+    # models repeat a handful of (shape, layout) pairs thousands of times
     return tuple(placement_boxes(global_shape, mesh_shape, coordinate, placements))
 
 
-def _dtensor_boxes(dt: Any, fqn: str) -> Sequence[tuple[ChunkBox, tuple[int, ...]]]:
-    mesh = dt.device_mesh
+def dtensor_layout(leaf: Any) -> Optional[tuple[torch.Tensor, Hashable]]:
+    """``(local tensor, layout key)`` of a DTensor, ``None`` for any other leaf.
+
+    DTensors with equal keys (mesh, global shape, dtype, placements, local shape) have the
+    same :func:`dtensor_pieces`.  The one place that reads DTensor's private fields:
+    ``to_local()`` goes through autograd dispatch (~10 us a call), and no DTensor exists
+    before ``torch.distributed.tensor`` is imported (which costs seconds a plain save must
+    not pay).
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not isinstance(leaf, module.DTensor):
+        return None
+    spec, local = leaf._spec, leaf._local_tensor
+    return local, (id(spec.mesh), spec.shape, leaf.dtype, spec.placements, local.shape)
+
+
+def dtensor_pieces(leaf: Any, fqn: str) -> tuple[tuple[ChunkBox, Narrowing], ...]:
+    """The global box of each piece a DTensor's local tensor holds, with its narrowing of
+    the local tensor (see :func:`narrowed`).  Raises as :func:`placement_boxes` does."""
+    mesh = leaf.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not part of the mesh
-        return []
-    args = (tuple(dt.shape), tuple(mesh.shape), tuple(coord), tuple(dt.placements))
+        return ()
+    args = (tuple(leaf.shape), tuple(mesh.shape), tuple(coord), tuple(leaf.placements))
     try:
-        return _cached_placement_boxes(*args)
+        boxes = _cached_placement_boxes(*args)
     except UnsupportedPlacementError:
-        return placement_boxes(*args, fqn=fqn)  # raise again, naming the tensor
+        boxes = tuple(placement_boxes(*args, fqn=fqn))  # raise again, naming the tensor
+    local_shape = leaf._local_tensor.shape
+    return tuple((box, tuple((d, off, size) for d, (off, size) in enumerate(zip(local_offsets, box.sizes))
+                             if off or size != local_shape[d]))
+                 for box, local_offsets in boxes)
+
+
+def narrowed(local: torch.Tensor, narrowing: Narrowing) -> torch.Tensor:
+    """The view of ``local`` that ``narrowing`` cuts."""
+    for dim, start, length in narrowing:
+        local = local.narrow(dim, start, length)
+    return local
 
 
 _STRIDED = torch.strided
@@ -197,17 +231,10 @@ def to_tensor_shards(leaf: Any, fqn: str = "<tensor>", meta: bool = True) -> Ten
         flat = leaf.local_tensor
         pieces = [(box, flat[pos : pos + box.volume].view(box.sizes)) for box, pos in leaf.boxes()]
         return TensorShards(leaf.global_shape, leaf.dtype, pieces, ragged=True)
-    if _is_dtensor(leaf):
-        # the attribute, not to_local(): that goes through autograd dispatch (~10 us a call)
-        local = leaf._local_tensor
-        check_tensor(local, fqn, meta)
-        pieces = []
-        for box, local_offsets in _dtensor_boxes(leaf, fqn):
-            view = local
-            for d, (off, size) in enumerate(zip(local_offsets, box.sizes)):
-                if off or size != view.shape[d]:
-                    view = view.narrow(d, off, size)
-            pieces.append((box, view))
+    parts = dtensor_layout(leaf)
+    if parts is not None:
+        check_tensor(parts[0], fqn, meta)
+        pieces = [(box, narrowed(parts[0], cut)) for box, cut in dtensor_pieces(leaf, fqn)]
         return TensorShards(tuple(leaf.shape), leaf.dtype, pieces)
     if isinstance(leaf, torch.Tensor):
         check_tensor(leaf, fqn, meta)

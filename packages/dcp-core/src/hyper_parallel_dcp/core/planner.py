@@ -1,10 +1,10 @@
 """Plan types (plain frozen data) and the planner interfaces.
 
 A save plan is a sequence of :class:`WriteItem` (what this rank writes, in global
-coordinates): a tuple, or the same items as columns
-(:class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns`, what the standard planner
-makes and what travels between ranks); a load plan is a list of :class:`ReadItem` (which piece of which stored
-chunk goes where in which local shard).  Planners decide *what*; storage decides *how*.
+coordinates): a tuple, or the same items as :class:`~.plan_columns.WriteColumns` (what
+the standard planner makes and what travels between ranks); a load plan is a tuple of
+:class:`ReadItem` (which piece of which stored chunk goes where in which local shard).
+Planners decide *what*; storage decides *how*.
 """
 
 from __future__ import annotations
@@ -61,13 +61,8 @@ class WriteItem:
 
 @dataclass(frozen=True)
 class SavePlan:
-    """A rank's write items; ``save_id`` names the save (it picks the staging area).
-
-    ``items`` is a tuple of :class:`WriteItem` or a
-    :class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns` (a sequence of the same
-    items, built when first read); both iterate, index and compare alike, and a planner
-    may return either.
-    """
+    """A rank's write items (a tuple, or :class:`~.plan_columns.WriteColumns`: both iterate,
+    index and compare alike); ``save_id`` names the save (it picks the staging area)."""
 
     items: Sequence[WriteItem]
     storage_data: Any = None
@@ -96,10 +91,8 @@ class ReadItem:
     def __init__(self, type: LoadItemType, dest_index: MetadataIndex, dest_offsets: tuple[int, ...],
                  storage_index: MetadataIndex, storage_offsets: tuple[int, ...], lengths: tuple[int, ...],
                  source: int | None = None) -> None:
-        # As MetadataIndex: the same frozen instance as the generated __init__ makes, in a
-        # quarter of the time (2.0 -> 0.5 us on the 2-core dev machine); a load plan has
-        # one per (target piece, stored chunk) pair, 4000 a rank for 2000 small tensors
-        # resharded on 2 ranks.
+        # the instance the generated __init__ makes, in a third of the time (2.4 -> 0.9 us;
+        # 4000 a rank for 2000 small tensors resharded on 2 ranks)
         values = self.__dict__
         values["type"] = type
         values["dest_index"] = dest_index
@@ -125,9 +118,7 @@ def sort_read_items(items: Iterable[ReadItem]) -> list[ReadItem]:
     offsets (a new list).  The default of ``StorageReader.sort_items``; for the
     filesystem layout it is file order, and it is the order a broadcast load ships shards.
     """
-    # (fqn, offsets) tuples sort exactly as their chunk keys (``order_key``: FQNs escaped
-    # so that key order is tuple order) and compare in C without formatting two keys
-    # per item (~4 us of a read of 4 KiB)
+    # (fqn, offsets) tuples sort as their chunk keys (``order_key``) without formatting them
     return sorted(items, key=lambda it: (it.dest_index.fqn, it.dest_index.offset or (), it.storage_index.fqn,
                                          it.storage_index.offset or (), it.storage_offsets))
 
@@ -147,11 +138,8 @@ class SavePlanner(abc.ABC):
 
     #: Whether every tensor ``resolve_data`` returns keeps its values until the storage
     #: writer's ``execute_write`` returns (views of a state dict nobody changes during the
-    #: save).  A storage writer may then hold several chunks and write them together (the
-    #: filesystem writer's writes then end on 2 MiB boundaries, 256 KiB on a VM with
-    #: free page reporting) and hash them after writing (the filesystem writer
-    #: does, while its files are fsynced); a planner that refills one buffer for each
-    #: ``resolve_data`` call must leave it False.
+    #: save): a writer may then hold several chunks, write them together and hash them
+    #: after writing.  A planner that refills one buffer per ``resolve_data`` call leaves it False.
     resolved_data_stable: bool = False
 
     @abc.abstractmethod
@@ -218,10 +206,9 @@ class LoadPlanner(abc.ABC):
         ``tensor.as_strided(read_item.lengths, strides, offset)`` is that view.  The reader
         then fills that memory and ``commit_tensor`` is not called for the read.
 
-        A resharded load of small tensors makes a view per read (~2-4 us each); a reader
-        that fills several parts of one tensor in one strided copy (the filesystem reader:
-        the row blocks of a column slice, one from each rank's file) makes one instead.
-        The default: ``resolve_tensor``'s view.
+        A reader that fills several parts of one tensor in one strided copy (the filesystem
+        reader: a column slice's row blocks from each rank's file) then makes no view per
+        read.  The default: ``resolve_tensor``'s view.
         """
         return self.resolve_tensor(read_item), None, ()
 

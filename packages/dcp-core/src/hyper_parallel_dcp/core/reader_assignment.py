@@ -28,16 +28,8 @@ from typing import Optional, Sequence, Union
 from .metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from .planner import LoadItemType, LoadPlan, order_key
 
-__all__ = [
-    "AssignmentReply",
-    "ReaderAssignment",
-    "ReplicaGroup",
-    "TargetLayout",
-    "apply_reader_assignment",
-    "assign_readers",
-    "assign_readers_from_layouts",
-    "target_layout",
-]
+__all__ = ["AssignmentReply", "ReaderAssignment", "ReplicaGroup", "TargetLayout", "apply_reader_assignment",
+           "assign_readers", "assign_readers_from_layouts", "target_layout"]
 
 RankTuple = tuple[int, ...]
 # A rank tuple on the wire: a range when its ranks step evenly (every device-mesh group),
@@ -86,13 +78,10 @@ def _pack(ranks: RankTuple) -> PackedRanks:
 def target_layout(plan: LoadPlan, metadata: Metadata) -> TargetLayout:
     """What the coordinator needs of one rank's local plan: one entry per tensor shard.
 
-    The digest is ``hash`` of the sorted request tuples, which hold only ints, so it is
-    the same in every process; ranks are grouped only when FQN, offsets, bytes and digest
-    all agree (the requests are the shard ∩ the stored chunks, so equal boxes give equal
-    requests).
+    The digest is ``hash`` of the sorted request tuples (ints only: the same in every
+    process); ranks are grouped only when FQN, offsets, bytes and digest all agree.
     """
-    # per shard: [its elements, then its read requests]
-    requests: dict[MetadataIndex, list] = {}
+    requests: dict[MetadataIndex, list] = {}  # per shard: [its elements, then its read requests]
     TENSOR, prod = LoadItemType.TENSOR, math.prod
     last: Optional[MetadataIndex] = None
     found: list = []
@@ -100,9 +89,7 @@ def target_layout(plan: LoadPlan, metadata: Metadata) -> TargetLayout:
         if item.type is not TENSOR:
             continue
         dest = item.dest_index
-        if dest is not last:
-            # a plan lists a shard's reads together (a resharded load: two per tensor),
-            # so the shard is hashed once per run of its reads, not once per read
+        if dest is not last:  # a shard's reads are listed together: one lookup per run of them
             last = dest
             found = requests.setdefault(dest, [0])
         found[0] += prod(item.lengths)
@@ -132,10 +119,9 @@ class _Group:
 def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[AssignmentReply]:
     """The coordinator's step: one :data:`AssignmentReply` per rank, from every rank's layout.
 
-    O(total shards) dictionary work plus O(replicated shards × members) in tensor ops;
-    ranks with identical layouts (data-parallel replicas) share one answer object.
+    O(total shards + replicated shards × members); ranks with identical layouts
+    (data-parallel replicas) form one class and share one answer object.
     """
-    # Ranks with equal layouts form a class (tuple hashing and comparison run in C).
     class_of: dict[TargetLayout, int] = {}
     class_ranks: list[list[int]] = []
     for rank, layout in enumerate(layouts):
@@ -199,10 +185,9 @@ def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int,
                     order_keys: dict[int, str]) -> None:
     """Set ``source`` of every replicated group (given in visiting order).
 
-    A shard only one rank reads still counts for that rank at its place in the visiting
-    order: such shards are bucketed by the number of replicated groups that precede them
-    (found per distinct size; only a size equal to a replicated shard's needs the order
-    keys), and each bucket is added just before the group it precedes.
+    A shard only one rank reads counts for that rank at its place in the visiting order:
+    such shards are bucketed by the replicated group they precede (found per distinct
+    size; only a size equal to a replicated shard's needs the order keys).
     """
     neg = [-g.nbytes for g in replicated]
     m = len(replicated)

@@ -1,10 +1,7 @@
-"""The default planners, re-exported from the modules that hold them by concern.
+"""Compatibility path: the default planners and planning functions, re-exported.
 
-* :mod:`.save_planning` — local write items, dedup across ranks, metadata build,
-  :class:`StandardSavePlanner`;
-* :mod:`.plan_cache` — the plan cache the save planner uses;
-* :mod:`.load_planning` — local read items, :class:`StandardLoadPlanner`;
-* :mod:`.reader_assignment` — replica groups and one reader per replicated shard.
+They live in :mod:`.save_planning` and :mod:`.load_planning` (and
+:mod:`.reader_assignment`); import them from there.
 """
 
 from __future__ import annotations
