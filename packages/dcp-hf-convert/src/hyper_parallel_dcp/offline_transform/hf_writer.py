@@ -31,8 +31,8 @@ from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
 from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, write_safetensors
 
 from .hf_source import INDEX_SUFFIX, SINGLE_FILE
+from .options import parse_size
 from .progress import ConversionReport, Progress
-from .sizes import parse_size
 
 __all__ = ["HFShardPlan", "TensorSpec", "plan_huggingface_shards", "write_huggingface_checkpoint"]
 
