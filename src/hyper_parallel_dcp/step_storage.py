@@ -324,7 +324,8 @@ class FileSystemSteps:
                 continue
             if older_than is None or step >= older_than or busy(step, entry.path):
                 continue
-            foreign = [n for n in names if (n != INFO_FILE and not is_checkpoint_artifact(n)) or _RANK_METADATA.match(n)]
+            foreign = [n for n in names
+                       if (n != INFO_FILE and not is_checkpoint_artifact(n)) or _RANK_METADATA.match(n)]
             if foreign:
                 logger.warning("%s has no %s but holds files that are not a checkpoint's (%s); left alone",
                                entry.path, _METADATA, ", ".join(sorted(foreign)[:5]))

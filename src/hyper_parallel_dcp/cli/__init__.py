@@ -17,39 +17,12 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Any, Optional, Sequence
 
+from . import target_spec
 from ._common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, UsageError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 _EXIT_CODES = "exit codes: 0 ok, 1 problem found, 2 usage error"
-
-_TARGET_SPEC_HELP = """\
-The target spec is a JSON (or YAML, with PyYAML) file describing the layout to load into:
-
-  {
-    "mesh": {"dp": 2, "tp": 2},                       # or "mesh": [2, 2]; world size = 4
-    "default": ["Replicate", "Shard(0)"],             # one placement per mesh dimension
-    "rules": [                                        # first matching FQN pattern wins
-      {"match": "*.bias", "placements": ["Replicate", "Replicate"]},
-      {"match": "*.o_proj.weight", "placements": {"tp": "Shard(1)"}},
-      {"match": "optim.*", "skip": true}              # not loaded
-    ],
-    "expect": {"lm_head.weight": {"shape": [32000, 4096]}}   # optional checks
-  }
-
-Placements: "Replicate", "Shard(d)", "_StridedShard(d, split_factor=k)".  Rank r sits at
-the row-major mesh coordinate of r.  A Shard(d) in "default" that does not fit a tensor
-(d >= its number of dims) falls back to Replicate; a rule's placements must fit.
-Optional keys: "world_size" (must equal the mesh size), "mesh_dim_names",
-"load" (FQN patterns of the keys the target holds; default all).
-
-Reports per rank: bytes its targets need, bytes it reads from storage and files it opens
-(when every rank reads for itself, and with read-once + broadcast), broadcast bytes sent
-and received; the over-read factor (bytes read by all ranks / bytes stored); keys that
-are missing, mismatched or not covered by the stored chunks.  Bytes are counted as
-FileSystemReader.bytes_read counts them (a column slice spans the rows it touches).
-
-"""
 
 Argument = tuple[tuple[str, ...], dict[str, Any]]
 _CKPT: Argument = (("checkpoint",), {"metavar": "CKPT", "help": "checkpoint directory or s3:// URL"})
@@ -93,12 +66,16 @@ COMMANDS: tuple[Command, ...] = (
         "explain", "explain:run",
         "dry-run a resharded load into a target layout: bytes and files per rank, problems",
         "Simulate loading CKPT into the layout described by --target, without processes or accelerators, "
-        "using the same planner code as hyper_parallel_dcp.load.",
+        "using the same planner code as hyper_parallel_dcp.load.  Reports per rank: bytes its targets need, "
+        "bytes it reads from storage and files it opens (when every rank reads for itself, and with read-once + "
+        "broadcast), broadcast bytes sent and received; the over-read factor (bytes read by all ranks / bytes "
+        "stored); keys that are missing, mismatched or not covered by the stored chunks.  Bytes are counted as "
+        "FileSystemReader.bytes_read counts them (a column slice spans the rows it touches).",
         "hp-dcp explain /ckpt/step_1000 --target tp2.json", "",
         (_CKPT, (("--target", "-t"), {"metavar": "SPEC", "required": True,
                                       "help": "target layout file (.json, .yaml)"}),
          _JSON, (("--keys",), {"action": "store_true", "help": "also list the placements chosen for every key"})),
-        epilog_head=_TARGET_SPEC_HELP),
+        epilog_head=target_spec.format_help()),
     Command(
         "diff", "diff:run", "per-tensor max abs / relative difference between two checkpoints",
         "Compare two checkpoints key by key (they may have been saved with different layouts).  For each "

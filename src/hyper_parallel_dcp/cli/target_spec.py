@@ -33,8 +33,8 @@ Example (JSON; the same keys in YAML)::
 * ``expect``: keys the target model has, with optional ``shape``/``dtype``; a key the
   checkpoint lacks is reported missing, a different shape or dtype as a mismatch.
 
-Exports :func:`load_target_spec`, :func:`parse_target_spec`, :class:`TargetSpec` and the
-placement helpers.  Errors are :class:`UsageError` naming the file and the entry.
+Exports :func:`load_target_spec`, :func:`parse_target_spec`, :class:`TargetSpec`,
+:func:`format_help` and the placement helpers.  Errors are :class:`UsageError` naming the file and the entry.
 """
 
 from __future__ import annotations
@@ -49,13 +49,24 @@ from typing import Any, Optional
 
 from ._common import UsageError
 
-__all__ = ["PlacementRule", "TargetSpec", "load_target_spec", "parse_placement", "parse_target_spec", "placement_fits"]
+__all__ = [
+    "PlacementRule", "TargetSpec", "format_help", "load_target_spec", "parse_placement", "parse_target_spec",
+    "placement_fits",
+]
 
 _SHARD = re.compile(r"^\s*(?:Shard|S)\s*\(\s*(-?\d+)\s*\)\s*$")
 _STRIDED = re.compile(r"^\s*_?StridedShard\s*\(\s*(?:dim\s*=\s*)?(-?\d+)\s*,\s*(?:split_factor\s*=\s*)?(\d+)\s*\)\s*$")
 _REPLICATE = re.compile(r"^\s*(?:Replicate|R)\s*(?:\(\s*\))?\s*$")
 _PARTIAL = re.compile(r"^\s*(?:Partial|P)\b")
 _KEYS = {"world_size", "mesh", "mesh_dim_names", "default", "rules", "load", "expect"}
+
+
+def format_help() -> str:
+    """The file format as this module's docstring states it, for ``hp-dcp explain --help``."""
+    body = (__doc__ or "").split("\n", 1)[-1].split("\nExports", 1)[0]
+    body = body.replace("``", "").replace("::", ":").strip()
+    intro = "The target spec (--target) is a JSON or YAML (with PyYAML) file describing the layout to load into."
+    return f"{intro}\n\n{body}\n\n"
 
 
 def _replicate() -> Any:

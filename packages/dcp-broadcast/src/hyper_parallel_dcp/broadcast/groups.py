@@ -39,7 +39,9 @@ def _provided_problem(rank: int, ranks: RankTuple, group: Any) -> Optional[str]:
         actual = tuple(sorted(dist.get_process_group_ranks(group)))
     except Exception as exc:  # noqa: BLE001 - reported on every rank
         return f"rank {rank}: broadcast_groups[{ranks}] is not a usable process group ({exc})"
-    return None if actual == tuple(sorted(ranks)) else f"rank {rank}: broadcast_groups[{ranks}] holds ranks {list(actual)}"
+    if actual != tuple(sorted(ranks)):
+        return f"rank {rank}: broadcast_groups[{ranks}] holds ranks {list(actual)}"
+    return None
 
 
 def _groups_to_create(required: Sequence[RankTuple], rank: int, provided: dict, whole: RankTuple,

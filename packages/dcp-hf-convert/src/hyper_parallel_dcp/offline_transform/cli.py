@@ -41,7 +41,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("src", metavar="SRC")
         p.add_argument("dst", metavar="DST")
-        p.add_argument("--overwrite", action="store_true", help="replace what DST holds (default: refuse a non-empty DST)")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace what DST holds (default: refuse a non-empty DST)")
         if renames:
             p.add_argument("--strip-prefix", action="append", default=[], metavar="PREFIX",
                            help="remove PREFIX from tensor names that start with it (repeatable, applied in order), "

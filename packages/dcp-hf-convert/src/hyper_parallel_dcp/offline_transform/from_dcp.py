@@ -113,9 +113,11 @@ def save_state_dict_as_huggingface_format(dst: PathLike, state_dict: Union[Mappi
     flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     if len(tensors) != len(flat):
-        logger.warning("%d non-tensor entries are not exported (safetensors holds tensors only)", len(flat) - len(tensors))
+        logger.warning("%d non-tensor entries are not exported (safetensors holds tensors only)",
+                       len(flat) - len(tensors))
     names = map_keys(tensors, key_mapping)
-    specs = [TensorSpec(new, tuple(tensors[old].shape), output_dtype(tensors[old].dtype, cast)) for old, new in names.items()]
+    specs = [TensorSpec(new, tuple(tensors[old].shape), output_dtype(tensors[old].dtype, cast))
+             for old, new in names.items()]
     fqn_of = {new: old for old, new in names.items()}
 
     def fetch(name: str) -> torch.Tensor:

@@ -75,7 +75,8 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> list[SafetensorsEn
     for name, entry in header.items():
         dtype = _DTYPES.get(entry.dtype)
         if dtype is None:
-            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {entry.dtype}, which this tool cannot convert")
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {entry.dtype}, "
+                                        "which this tool cannot convert")
         entries.append(SafetensorsEntry(name, path, dtype, entry.shape, entry.begin, entry.end - entry.begin))
     entries.sort(key=lambda e: e.start)
     return entries
@@ -118,7 +119,8 @@ def _scan_index(index: Path) -> dict[str, SafetensorsEntry]:
         entries = {e.name: e for e in read_safetensors_header(file)}
         for name in shards[shard]:
             if name not in entries:
-                raise CheckpointFormatError(f"{index.name} maps tensor {name!r} to {shard}, but {file} does not hold it")
+                raise CheckpointFormatError(f"{index.name} maps tensor {name!r} to {shard}, "
+                                            f"but {file} does not hold it")
         for name, entry in entries.items():
             mapped = weight_map.get(name)
             if mapped != shard:
@@ -176,7 +178,8 @@ def read_entry(entry: SafetensorsEntry, out: Optional[torch.Tensor] = None) -> t
     tensor = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
     if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype or not tensor.is_contiguous() or (
             tensor.device.type != "cpu"):
-        raise ValueError(f"{entry.name!r}: cannot read {entry.dtype} {list(entry.shape)} into {tensor.dtype} {list(tensor.shape)}")
+        raise ValueError(f"{entry.name!r}: cannot read {entry.dtype} {list(entry.shape)} "
+                         f"into {tensor.dtype} {list(tensor.shape)}")
     view = tensor_bytes(tensor)
     done = 0
     with open(entry.file, "rb", buffering=0) as f:
@@ -191,7 +194,8 @@ def read_entry(entry: SafetensorsEntry, out: Optional[torch.Tensor] = None) -> t
     return tensor
 
 
-def parse_checkpoint_from_huggingface(path: Union[str, os.PathLike], *, key_mapping: KeyMapping = None) -> dict[str, torch.Tensor]:
+def parse_checkpoint_from_huggingface(path: Union[str, os.PathLike], *,
+                                      key_mapping: KeyMapping = None) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face safetensors checkpoint, loaded into memory.
 
     ``path`` is as for :func:`scan_huggingface_checkpoint`; ``key_mapping`` renames or drops

@@ -97,7 +97,8 @@ def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, pro
     entries = {e.name: e for e in read_safetensors_header(src)} if single_file else scan_huggingface_checkpoint(src)
     names = map_keys(entries, key_mapping)
     source_of = {new: old for old, new in names.items()}
-    plan_sd = {new: torch.empty(entries[old].shape, dtype=entries[old].dtype, device="meta") for old, new in names.items()}
+    plan_sd = {new: torch.empty(entries[old].shape, dtype=entries[old].dtype, device="meta")
+               for old, new in names.items()}
     # The writer writes each tensor before it asks for the next: one buffer serves all.
     buffer = StagingBuffer(max((e.nbytes for e in entries.values()), default=0))
 
