@@ -23,7 +23,7 @@ from hyper_parallel_dcp.core.pipeline import save_state_dict
 from hyper_parallel_dcp.core.planner import WriteItem, WriteItemType
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 
-from .hf_source import read_entry, read_safetensors_header, scan_huggingface_checkpoint
+from .hf_source import read_entry, scan_huggingface_checkpoint
 from .keymap import KeyMapping, map_keys
 from .progress import ConversionReport, Progress
 from .staging import StagingBuffer
@@ -92,9 +92,8 @@ def full_state_dict_to_dcp_format(state_dict: Mapping[str, Any], dst: PathLike, 
     return _save(plan_sd, "<state_dict>", dst, None, progress, "state_dict -> DCP")
 
 
-def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool,
-                      single_file: bool) -> ConversionReport:
-    entries = {e.name: e for e in read_safetensors_header(src)} if single_file else scan_huggingface_checkpoint(src)
+def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool) -> ConversionReport:
+    entries = scan_huggingface_checkpoint(src)
     names = map_keys(entries, key_mapping)
     source_of = {new: old for old, new in names.items()}
     plan_sd = {new: torch.empty(entries[old].shape, dtype=entries[old].dtype, device="meta")
@@ -154,9 +153,9 @@ def convert_full_checkpoint_to_dcp(src: PathLike, dst: PathLike, src_platform: s
     """
     platform = src_platform.lower()
     if platform in ("huggingface", "hf"):
-        return _from_safetensors(src, dst, key_mapping, progress, single_file=False)
+        return _from_safetensors(src, dst, key_mapping, progress)
     if platform in ("torch", "pytorch", "pt"):
         if Path(src).suffix == ".safetensors":
-            return _from_safetensors(src, dst, key_mapping, progress, single_file=True)
+            return _from_safetensors(src, dst, key_mapping, progress)
         return _from_torch_file(src, dst, key_mapping, progress)
     raise ValueError(f"src_platform must be 'huggingface' or 'torch', got {src_platform!r}")
