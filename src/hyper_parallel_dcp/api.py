@@ -1,10 +1,15 @@
-"""The public entry points ``save`` and ``load`` (``async_save`` comes from ``hyper_parallel_dcp.async_persist``)."""
+"""The public entry points ``save`` and ``load`` (``async_save`` is ``hyper_parallel_dcp.async_persist``'s).
+
+Both resolve the storage from ``checkpoint_id`` through the backend registry
+(``core.backends``) and run the one pipeline of ``core.pipeline``.
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Optional, Union
 
+from hyper_parallel_dcp.broadcast import make_read_executor
 from hyper_parallel_dcp.core.backends import storage_reader_for, storage_writer_for
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
@@ -17,16 +22,9 @@ __all__ = ["load", "save"]
 CheckpointId = Union[str, os.PathLike]
 
 
-def save(
-    state_dict: dict[str, Any],
-    *,
-    checkpoint_id: Optional[CheckpointId] = None,
-    storage_writer: Optional[StorageWriter] = None,
-    planner: Optional[SavePlanner] = None,
-    no_dist: bool = False,
-    use_collectives: bool = True,
-    process_group: Optional[Any] = None,
-) -> Metadata:
+def save(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = None,
+         storage_writer: Optional[StorageWriter] = None, planner: Optional[SavePlanner] = None,
+         no_dist: bool = False, use_collectives: bool = True, process_group: Optional[Any] = None) -> Metadata:
     """Save a (sharded) state dict; every rank writes only the shards it owns.
 
     ``state_dict`` is a nested dict whose leaves are DTensors, tensors (treated as
@@ -45,26 +43,15 @@ def save(
     directory is running, and :class:`CheckpointException` (raised on every rank) when
     any rank fails.
     """
-    writer = storage_writer_for(checkpoint_id, storage_writer)
-    return save_state_dict(state_dict, writer, planner, process_group=process_group, no_dist=no_dist,
-                           use_collectives=use_collectives)
+    return save_state_dict(state_dict, storage_writer_for(checkpoint_id, storage_writer), planner,
+                           process_group=process_group, no_dist=no_dist, use_collectives=use_collectives)
 
 
-def load(
-    state_dict: dict[str, Any],
-    *,
-    checkpoint_id: Optional[CheckpointId] = None,
-    storage_reader: Optional[StorageReader] = None,
-    planner: Optional[LoadPlanner] = None,
-    no_dist: bool = False,
-    use_collectives: bool = True,
-    broadcast_replicated_tensors: bool = True,
-    broadcast_groups: Optional[dict[tuple[int, ...], Any]] = None,
-    broadcast_batch_bytes: int = 6 * 1024 * 1024,
-    verify: Optional[bool] = None,
-    allow_partial_load: bool = False,
-    process_group: Optional[Any] = None,
-) -> None:
+def load(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = None,
+         storage_reader: Optional[StorageReader] = None, planner: Optional[LoadPlanner] = None,
+         no_dist: bool = False, use_collectives: bool = True, broadcast_replicated_tensors: bool = True,
+         broadcast_groups: Optional[dict[tuple[int, ...], Any]] = None, broadcast_batch_bytes: int = 6 * 1024 * 1024,
+         verify: Optional[bool] = None, allow_partial_load: bool = False, process_group: Optional[Any] = None) -> None:
     """Load a checkpoint into ``state_dict`` in place; returns ``None``.
 
     Tensors (DTensor local shards, plain tensors, :class:`RaggedShard`) are filled in
@@ -77,8 +64,9 @@ def load(
     (``state_dict()`` + ``load_state_dict()``) gets its state dict filled and passed to
     its ``load_state_dict``.  ``process_group`` loads on a sub-group (only its ranks
     call; read-once + broadcast is then off).  A torch.distributed.checkpoint directory
-    (pickled ``.metadata``) is recognised and read as is.  With collectives, replicated shards are read by one rank of their replica group
-    and broadcast to the others (``broadcast_replicated_tensors``); shards below
+    (pickled ``.metadata``) is recognised and read as is.  With collectives, replicated
+    shards are read by one rank of their replica group and broadcast to the others
+    (``broadcast_replicated_tensors``; the pipeline decides whether it runs); shards below
     ``broadcast_batch_bytes`` are batched (must be equal on all ranks; 0 disables).
     ``verify=True`` checks the recorded xxh3 checksum of every stored chunk the load reads
     (the whole chunk, once); ``None`` keeps the reader's default (off for
@@ -101,12 +89,8 @@ def load(
         if not hasattr(planner, "allow_partial_load"):
             raise ValueError(f"allow_partial_load=True given but {type(planner).__name__} has no such setting")
         planner.allow_partial_load = True  # type: ignore[attr-defined]
-    executor = None
-    if broadcast_replicated_tensors:
-        # The pipeline decides whether it runs (collectives, a global plan, the whole world).
-        from hyper_parallel_dcp.broadcast import make_read_executor
-
-        executor = make_read_executor(groups=broadcast_groups, batch_bytes=broadcast_batch_bytes)
+    executor = (make_read_executor(groups=broadcast_groups, batch_bytes=broadcast_batch_bytes)
+                if broadcast_replicated_tensors else None)
     load_state_dict(state_dict, reader, planner, process_group=process_group, no_dist=no_dist,
                     use_collectives=use_collectives, read_executor=executor)
 

@@ -66,11 +66,12 @@ def _sharded(reference: dict[str, torch.Tensor], world_size: int, layout: str, z
     model = {}
     optim: dict[str, Any] = {}
     for name, full in reference.items():
-        src = torch.zeros_like(full) if zeros else full
-        model[name] = distribute_tensor(src, mesh, [_tp_placement(name, layout)])
+        placements = [_tp_placement(name, layout)]
+        model[name] = distribute_tensor(torch.zeros_like(full) if zeros else full, mesh, placements)
         moment = torch.zeros_like(full, dtype=torch.float32) if zeros else full.float() * 0.5
-        optim[name] = {"exp_avg": distribute_tensor(moment, mesh, [_tp_placement(name, layout)]), "step": 0 if zeros else 7}
-    return {"model": model, "optim": {"state": optim, "param_groups": [{"lr": 0.0 if zeros else 3e-4, "betas": (0.9, 0.95)}]},
+        optim[name] = {"exp_avg": distribute_tensor(moment, mesh, placements), "step": 0 if zeros else 7}
+    param_groups = [{"lr": 0.0 if zeros else 3e-4, "betas": (0.9, 0.95)}]
+    return {"model": model, "optim": {"state": optim, "param_groups": param_groups},
             "train": {"step": 0 if zeros else 1000, "data_cursor": "" if zeros else "shard-17:offset-4096"}}
 
 
@@ -96,7 +97,8 @@ def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -
         shards = {name: leaf.to_local() for name, leaf in sd["model"].items()}
         trained = {name: shard.clone() for name, shard in shards.items()}
         # Keep the last 2 checkpoints, save every 250 steps; the async one returns once staged.
-        with dcp.CheckpointManager(root, keep_last=KEEP, save_interval_steps=SAVE_EVERY, async_save=use_async) as mgr:
+        with dcp.CheckpointManager(root, keep_last=KEEP, save_interval_steps=SAVE_EVERY,
+                                   async_save=use_async) as mgr:
             saves = 0
             for step in range(1, TRAIN_STEPS + 1):
                 # (forward, backward and optimizer step would be here; the weights stay the reference's)
@@ -108,8 +110,11 @@ def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -
                 if mgr.save(step, sd, metrics={"loss": 1.0 / step}):
                     seconds = time.perf_counter() - start
                     saves += 1
-                    name = (f"{label} save #1 (plans{', starts the writer' if use_async else ''})" if saves == 1
-                            else f"{label} save, later (plan cache{', waits for the previous to land' if use_async else ''})")
+                    if saves == 1:
+                        name = f"{label} save #1 (plans{', starts the writer' if use_async else ''})"
+                    else:
+                        waits = ", waits for the previous to land" if use_async else ""
+                        name = f"{label} save, later (plan cache{waits})"
                     timings[name] = max(timings.get(name, 0.0), seconds)
                     if use_async:
                         # training goes on at once: the staged copy is independent of these tensors

@@ -1,26 +1,22 @@
 """``CheckpointManager``: save every N steps, keep the last K, resume from the newest complete.
 
-Step ``N`` lives at ``root/step_N`` (so ``hp-dcp latest root`` finds it).  The rules that
-keep it crash-safe at every moment:
+Step ``N`` lives at ``root/step_N`` (so ``hp-dcp latest root`` finds it).  What keeps it
+crash-safe at every moment:
 
 - A checkpoint counts once its ``.metadata`` is committed (the save's last, atomic act);
-  ``restore`` and retention look at nothing else, so a save killed at any moment is just
-  an incomplete directory or a hidden staging directory, never a candidate.
-- Retention runs only after a save is durable, on one rank (the coordinator), inside a
-  collective step: every rank waits until it is decided, and an error there is raised on
-  every rank.  It never deletes the newest complete step, a step being written (an
-  ``async_save`` in flight) or read (:meth:`FileSystemSteps.reading`), or anything in
-  ``root`` that is not ``step_N`` or a leftover of a save.  A deleted step is first
-  renamed away in one step, so it is never seen half deleted.
-- With ``async_save=True`` a save returns once staged; the next ``save``/``wait``/
-  ``close`` waits for it to land (every rank, one collective: a failure on any rank is
-  raised on all of them, once), and only then runs the retention that landing triggers —
-  while the next save is already in flight.  So between a ``save`` and the next call, and
-  after a job that did not ``close()``, ``keep_last + 1`` complete steps can be on disk.
-- A save that fails on one rank (a ``Stateful`` raising, a staging error) is raised by that
-  call on every rank, once; the next save works.
+  ``restore`` and retention look at nothing else, so a killed save is never a candidate.
+- Retention runs only after a save is durable, on the coordinator, inside a collective
+  step: every rank waits until it is decided, and an error there is raised on every rank.
+  It never deletes the newest complete step, a step being written or read, or anything in
+  ``root`` that is not ``step_N`` or a leftover of a save.
+- With ``async_save=True`` a save returns once staged; the next ``save``/``wait``/``close``
+  waits for it to land (one collective: a failure on any rank is raised on all, once) and
+  then runs the retention that landing triggers, while the next save is in flight; so
+  ``keep_last + 1`` complete steps can be on disk between a ``save`` and the next call.
+- A save that fails on one rank is raised by that call on every rank, once; the next works.
 
-All storage access goes through :mod:`hyper_parallel_dcp.step_storage`.
+All storage access goes through :mod:`hyper_parallel_dcp.step_storage`.  Exports
+:class:`CheckpointManager`.
 """
 
 from __future__ import annotations
@@ -35,6 +31,10 @@ import time
 from contextlib import ExitStack
 from typing import Any, Optional, Union
 
+import torch.distributed as dist
+
+from hyper_parallel_dcp import api, async_persist
+from hyper_parallel_dcp.core.backends import url_scheme
 from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError
 from hyper_parallel_dcp.core.stateful import expand_stateful
@@ -58,10 +58,8 @@ def _positive_or_none(name: str, value: Any) -> Optional[int]:
 
 
 def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    if step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step}")
     return int(step)
 
 
@@ -145,14 +143,11 @@ class CheckpointManager:
                 raise ValueError("save_on_preemption=True installs a SIGTERM handler and needs the main thread")
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         if self.async_save:
-            # The writer process starts now, in the background (it imports torch: 1-2 s), so
-            # the first checkpoint's time to landed does not include its start.
-            from hyper_parallel_dcp.async_persist import start_writer
-
-            start_writer()
+            # started now, in the background (it imports torch: 1-2 s), so the first
+            # checkpoint's time to landed does not include it
+            async_persist.start_writer()
             self._used_async = True
 
-    # -- queries (storage only, no collective) ----------------------------------------------
     def latest_step(self) -> Optional[int]:
         """The newest complete step under ``root`` (``None`` if there is none)."""
         steps = self.all_steps()
@@ -172,21 +167,18 @@ class CheckpointManager:
         metrics = info.get("metrics") if info else None
         return metrics if isinstance(metrics, dict) else None
 
-    # -- save --------------------------------------------------------------------------------
     def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
              metrics: Optional[dict[str, Any]] = None) -> bool:
         """Save ``state_dict`` as ``step`` when ``step % save_interval_steps == 0`` or ``force``.
 
-        Returns True when this call saved.  Synchronous: the checkpoint is committed and the
-        retention it triggers decided when this returns.  With ``async_save=True``: returns
-        once staged; first waits for the previous async save to land (raising its error on
-        every rank, once; this step is then not saved) and runs that save's retention while
-        this one is in flight (so ``keep_last + 1`` steps may be complete until the next
-        call).  An error of this step on any rank (a ``Stateful``'s ``state_dict()``, staging)
-        is raised here on every rank and the step is not saved.  ``metrics`` (small JSON values,
-        rank 0's are kept) are stored with the step (``hp-dcp-step.json``) and used by
-        ``keep_best``.  Saving a step that exists replaces it atomically.  Collective: every
-        rank calls with the same ``step``.
+        Returns True when this call saved.  Synchronous: the checkpoint is committed and its
+        retention decided when this returns.  With ``async_save=True``: returns once staged,
+        after waiting for the previous async save to land (its error is raised on every rank,
+        once, and this step is not saved) and running that save's retention.  An error of
+        this step on any rank (a ``Stateful``'s ``state_dict()``, staging) is raised here on
+        every rank.  ``metrics`` (small JSON values; rank 0's are kept) are stored with the
+        step (``hp-dcp-step.json``) for ``keep_best``.  Saving a step that exists replaces it
+        atomically.  Collective: every rank calls with the same ``step``.
 
         Raises ``ValueError`` for a negative or non-integer step or bad metrics,
         ``RuntimeError`` after :meth:`close`, and what ``save``/``async_save`` raise.
@@ -211,25 +203,21 @@ class CheckpointManager:
         expanded: list[Any] = [state_dict]
 
         def expand() -> None:
-            # A sync save asks its Stateful leaves for their state_dict() here, inside this
-            # collective step, so that one failing on one rank is raised on every rank.  Left
-            # to save(), it raised on that rank alone, before the save's first collective, and
-            # a trainer that caught it and went on deadlocked both ranks (two different
-            # collectives met).  An async save's staging does this, and its errors are
-            # exchanged by the retention step below.
+            # A sync save asks its Stateful leaves for their state_dict() inside this
+            # collective step: one failing on one rank is then raised on every rank (left to
+            # save(), a trainer that caught it went on into another collective: deadlock).
+            # An async save's staging errors are exchanged by the retention step below.
             if not self.async_save:
                 expanded[0], _ = expand_stateful(state_dict)
 
         self._land(dw, f"checkpoint manager: land the previous save, prepare step {step}", write_info, expand)
         location = self._steps.location(step)
         if self.async_save:
-            from hyper_parallel_dcp.async_persist import async_save
-
             self._used_async = True
             staging_error: Optional[BaseException] = None
             try:
-                self._inflight = (step, async_save(state_dict, checkpoint_id=location,
-                                                   use_gloo=self._async_needs_gloo(location)))
+                self._inflight = (step, async_persist.async_save(state_dict, checkpoint_id=location,
+                                                                 use_gloo=self._async_needs_gloo(location)))
             except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
                 staging_error = exc
             # One collective: a staging error on any rank is raised on all of them (none is left
@@ -243,9 +231,7 @@ class CheckpointManager:
                 self._settle_failed_step()
                 raise
         else:
-            from hyper_parallel_dcp.api import save
-
-            save(expanded[0], checkpoint_id=location)
+            api.save(expanded[0], checkpoint_id=location)
             self._retention_due = True
             self._landed_step = step
             self._retain(dw, protected=frozenset())
@@ -279,10 +265,9 @@ class CheckpointManager:
         """After the step just started failed on some rank (its error is being raised on
         every rank): wait for this rank's own async save of it, if it started one.
 
-        That save fails too (the writers of the other ranks gave up on it) or, when only the
-        retention step failed, lands; either way it is over here, so the next ``save``/``wait``
-        does not raise the same failure a second time (and lose a second step to it).  Every
-        rank then runs the retention at the next save, whichever way it ended.
+        That save fails too, or (when only the retention step failed) lands; either way the
+        next ``save``/``wait`` does not raise the same failure again, and every rank runs
+        the retention at the next save.
         """
         inflight, self._inflight = self._inflight, None
         self._retention_due = True
@@ -371,7 +356,6 @@ class CheckpointManager:
                 values[step] = float(value)
         return values
 
-    # -- restore -----------------------------------------------------------------------------
     def restore(self, state_dict: dict[str, Any], step: Optional[int] = None) -> Optional[int]:
         """Load the newest complete step (or ``step``) into ``state_dict`` in place; returns it.
 
@@ -417,13 +401,10 @@ class CheckpointManager:
                                                   lambda: None, choose)
             if chosen is None:
                 return None
-            from hyper_parallel_dcp.api import load
-
-            load(state_dict, checkpoint_id=self._steps.location(chosen))
+            api.load(state_dict, checkpoint_id=self._steps.location(chosen))
             dw.barrier()  # the coordinator holds the step until every rank has read it
         return chosen
 
-    # -- wait / close ------------------------------------------------------------------------
     def wait(self) -> None:
         """Return once every save in flight has landed and its retention is done.
 
@@ -458,9 +439,7 @@ class CheckpointManager:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
         if self._used_async:
-            from hyper_parallel_dcp.async_persist import shutdown_writer
-
-            shutdown_writer()
+            async_persist.shutdown_writer()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -468,12 +447,11 @@ class CheckpointManager:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """:meth:`close`; when leaving on an exception, without its collective.
 
-        An exception is often this rank's alone (a bad batch, an out-of-memory error, a
-        check of the loss) while the other ranks train on. Waiting for them in a
-        collective hung this rank until ``HP_DCP_COLLECTIVE_TIMEOUT`` (30 min by default),
-        and with it the launcher's restart. So it only lets this rank's writer finish its
-        part of the save in flight (that save commits if every rank's part is written) and
-        leaves the retention due to the next job's first save."""
+        An exception is often this rank's alone (a bad batch, out of memory) while the
+        others train on: a collective would hang it until ``HP_DCP_COLLECTIVE_TIMEOUT``, and
+        with it the launcher's restart.  So this rank's writer only finishes its part of
+        the save in flight (it commits if every rank's part is written), and the retention
+        due is left to the next job's first save."""
         if exc_type is None:
             self.close()
             return
@@ -491,16 +469,11 @@ class CheckpointManager:
         except Exception:  # noqa: BLE001 - do not hide the exception that is already propagating
             logger.exception("checkpoint manager: closing failed while handling another exception")
 
-    # -- internals ---------------------------------------------------------------------------
     @staticmethod
     def _async_needs_gloo(location: str) -> bool:
         """Several ranks saving asynchronously to a URL (``s3://``): the writers exchange
         plans through their own gloo group (the default exchanges files in the checkpoint
         directory, which a bucket is not)."""
-        import torch.distributed as dist
-
-        from hyper_parallel_dcp.core.backends import url_scheme
-
         return url_scheme(location) != "file" and dist.is_initialized() and dist.get_world_size() > 1
 
     def _check_open(self) -> None:

@@ -1,29 +1,26 @@
-"""Every storage operation :class:`CheckpointManager`, ``hp-dcp ls`` and ``hp-dcp clean`` make.
+"""Every storage operation of :class:`CheckpointManager`, ``hp-dcp ls`` and ``hp-dcp clean``.
 
 A manager root holds one checkpoint per saved step, ``root/step_N`` (``N`` written as
 ``str(N)``: ``step_007`` is not a step), beside whatever else the user keeps there.
-:class:`FileSystemSteps` answers, for a filesystem root: which steps exist and which are
-complete (``.metadata`` present, §4), their size, age and stored info (metrics), removes
-a step crash-safely, and finds and removes what saves that died left behind.  An object
-store's package registers its own class with the same methods (``storage_object.steps``;
-:func:`step_storage_for` picks by URL scheme through the backend registry).
+:class:`FileSystemSteps` is the ``core.steps.StepStorage`` of a filesystem root: which
+steps exist and are complete (``.metadata`` present), their size, age and stored info,
+crash-safe removal, and what dead saves left.  An object store's package registers its
+own class (:func:`step_storage_for` picks one by URL scheme).
 
-What a killed save leaves on a filesystem (read from ``storage_fs/commit.py`` and
-``async_persist/mailbox.py``, and seen by killing saves):
+What a killed save leaves on a filesystem:
 
 - ``.step_N.hp-dcp-staging-<id>/`` beside the step: the data written so far;
-- ``.step_N.hp-dcp-old-<id>/``: the replaced (or, here, retired) checkpoint whose removal
-  was interrupted;
+- ``.step_N.hp-dcp-old-<id>/``: a replaced (or retired) checkpoint whose removal was cut;
 - ``.step_N.hp-dcp-lock``: the save lock file (its ``flock`` died with the process);
 - ``step_N/`` without ``.metadata``, holding ``LOCAL_PLAN_r.pkl``, ``STORAGE_DATA_r.pkl``,
   ``.hp-dcp-mailbox-*`` files of an ``async_save`` and the manager's ``hp-dcp-step.json``;
 - ``*.hp-dcp-tmp`` files inside either.
 
-A save that is still running holds the ``flock`` of ``.step_N.hp-dcp-lock`` (its
-coordinator does, from planning to commit); nothing of a step whose lock is held is
-touched.  The few moments a live save has files but no lock (other ranks' mailbox files
-before the coordinator locks, the acknowledgements after the commit) are covered by
-``grace``: entries modified in the last ``grace`` seconds are left alone.
+A running save holds the ``flock`` of ``.step_N.hp-dcp-lock`` (its coordinator, from
+planning to commit); nothing of a step whose lock is held is touched.  The moments a live
+save has files but no lock (other ranks' mailbox files before the coordinator locks, the
+acknowledgements after the commit) are covered by ``grace``: entries modified in the
+last ``grace`` seconds are left alone.
 """
 
 from __future__ import annotations
@@ -40,14 +37,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
+from hyper_parallel_dcp.core.backends import backend_for, url_scheme
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
 from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, StepStorage, parse_step_name, step_name
+from hyper_parallel_dcp.storage_fs.backend import local_path
 from hyper_parallel_dcp.storage_fs.commit import SaveLock, is_checkpoint_artifact
+from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
-__all__ = [
-    "INFO_FILE", "FileSystemSteps", "Leftover", "StepEntry", "StepStorage", "parse_step_name", "step_name",
-    "step_storage_for",
-]
+__all__ = ["FileSystemSteps", "step_storage_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +55,12 @@ _MAILBOX = re.compile(r"^((LOCAL_PLAN|STORAGE_DATA)_\d+\.pkl(\.done)?|\.hp-dcp-m
 
 
 def _tree_bytes(path: str) -> int:
-    total = 0
     try:
-        st = os.lstat(path)
+        if not os.path.isdir(path) or os.path.islink(path):
+            return os.lstat(path).st_size
     except FileNotFoundError:
         return 0
-    if not os.path.isdir(path) or os.path.islink(path):
-        return st.st_size
+    total = 0
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
             try:
@@ -78,18 +74,40 @@ def _newest_mtime(path: str) -> float:
     """The newest mtime of ``path`` and its direct entries (a writer touches one of them)."""
     try:
         newest = os.lstat(path).st_mtime
-    except FileNotFoundError:
-        return 0.0
-    if os.path.isdir(path) and not os.path.islink(path):
-        try:
+        if os.path.isdir(path) and not os.path.islink(path):
             for entry in os.scandir(path):
                 try:
                     newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
                 except FileNotFoundError:
                     pass
-        except FileNotFoundError:
-            pass
+    except FileNotFoundError:
+        return 0.0
     return newest
+
+
+def _lock_free(path: Path) -> bool:
+    """Nobody holds a ``flock`` on ``path`` (or it does not exist); a probe that changes nothing."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing releases the probe's lock
+
+
+def _move_away(path: Union[str, Path], trash: Path) -> bool:
+    """Rename ``path`` to the hidden ``trash`` in one step, so it is never seen half deleted
+    (a crash while ``trash`` is deleted leaves a leftover); False when ``path`` is gone."""
+    try:
+        os.rename(path, trash)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 class FileSystemSteps:
@@ -102,7 +120,6 @@ class FileSystemSteps:
     def __init__(self, root: Union[str, os.PathLike]):
         self.root = Path(root)
 
-    # -- reading -----------------------------------------------------------------------
     def check_root(self) -> None:
         """Raise ``NotADirectoryError`` naming ``root`` when it exists and is not a directory."""
         if self.root.exists() and not self.root.is_dir():
@@ -112,17 +129,17 @@ class FileSystemSteps:
         """The ``checkpoint_id`` that ``save``/``load`` use for ``step``."""
         return str(self.root / step_name(step))
 
+    def _hidden(self, step: int, kind: str) -> Path:
+        return self.root / f".{step_name(step)}.hp-dcp-{kind}"
+
     def list_steps(self) -> list[StepEntry]:
         """Every ``step_N`` directory, ascending by step; a missing root has none."""
         try:
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
             return []
-        out = []
-        for entry in entries:
-            step = parse_step_name(entry.name)
-            if step is not None and entry.is_dir(follow_symlinks=False):
-                out.append(StepEntry(step, entry.path, os.path.isfile(os.path.join(entry.path, _METADATA))))
+        out = [StepEntry(step, e.path, os.path.isfile(os.path.join(e.path, _METADATA))) for e in entries
+               if (step := parse_step_name(e.name)) is not None and e.is_dir(follow_symlinks=False)]
         return sorted(out, key=lambda e: e.step)
 
     def is_complete(self, step: int) -> bool:
@@ -130,11 +147,10 @@ class FileSystemSteps:
 
     def completeness_problems(self, step: int) -> list[str]:
         """Why ``step`` would not load (metadata and file sizes, no data read); empty when fine."""
-        from hyper_parallel_dcp.storage_fs.integrity import check_complete
-
         report = check_complete(self.location(step))
-        return [] if report.complete and report.metadata is not None and self.is_complete(step) else (
-            report.problems or [f"{self.location(step)} has no {_METADATA}"])
+        if report.complete and report.metadata is not None and self.is_complete(step):
+            return []
+        return report.problems or [f"{self.location(step)} has no {_METADATA}"]
 
     def size_bytes(self, step: int) -> int:
         return _tree_bytes(self.location(step))
@@ -156,48 +172,33 @@ class FileSystemSteps:
             return None
         return doc if isinstance(doc, dict) else None
 
-    # -- writing -----------------------------------------------------------------------
     def write_info(self, step: int, info: dict[str, Any]) -> None:
-        """Write the step's info file atomically, before its save starts (the commit carries
-        it into the new checkpoint).  Creates ``root`` and the step directory as needed."""
+        """Write the step's info file atomically before its save starts (the commit carries
+        it into the new checkpoint); creates ``root`` and the step directory as needed."""
         directory = Path(self.location(step))
         directory.mkdir(parents=True, exist_ok=True)
-        target = directory / INFO_FILE
         tmp = directory / f"{INFO_FILE}.{os.getpid()}.hp-dcp-tmp"
         tmp.write_text(json.dumps(info, sort_keys=True))
-        os.replace(tmp, target)
+        os.replace(tmp, directory / INFO_FILE)
 
     def remove_step(self, step: int) -> bool:
-        """Delete ``step``'s directory; False (nothing done) when a save into it or a
-        :meth:`reading` of it is running, or it is gone already.
-
-        Crash-safe: the directory is first renamed to a hidden ``.step_N.hp-dcp-old-*``
-        name in one step, so it is never seen half deleted as a step; a crash while the
-        renamed tree is removed leaves a leftover that the next retention removes.
-        """
-        target = self.root / step_name(step)
-        lock = SaveLock(target)
+        """Delete ``step`` crash-safely (renamed to a hidden ``.step_N.hp-dcp-old-*`` name
+        first); False (nothing done) while a save into it or a :meth:`reading` of it runs,
+        or when it is gone."""
+        lock = SaveLock(self.root / step_name(step))
+        trash = self._hidden(step, f"old-retired-{os.getpid()}-{time.time_ns()}")
         try:
             lock.acquire()
         except ConcurrentSaveError:
             return False
         try:
             with self._exclusive_readlock(step) as free:
-                if not free:
-                    return False
-                trash = self.root / f".{target.name}.hp-dcp-old-retired-{os.getpid()}-{time.time_ns()}"
-                try:
-                    os.rename(target, trash)
-                except FileNotFoundError:
+                if not free or not _move_away(self.location(step), trash):
                     return False
         finally:
             lock.release()
         shutil.rmtree(trash, ignore_errors=True)
         return True
-
-    # -- readers -------------------------------------------------------------------------
-    def _readlock_path(self, step: int) -> Path:
-        return self.root / f".{step_name(step)}.hp-dcp-readlock"
 
     @contextmanager
     def reading(self, step: int) -> Iterator[None]:
@@ -206,7 +207,7 @@ class FileSystemSteps:
         Raises :class:`CheckpointNotFoundError` when the step is no longer complete once
         the lock is held (it was removed meanwhile).
         """
-        path = self._readlock_path(step)
+        path = self._hidden(step, "readlock")
         while True:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -218,11 +219,10 @@ class FileSystemSteps:
                 return
             fcntl.flock(fd, fcntl.LOCK_SH)
             try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    break
             except FileNotFoundError:
-                same = False
-            if same:
-                break
+                pass
             os.close(fd)  # a remover unlinked it meanwhile: lock the new file
         try:
             if not self.is_complete(step):
@@ -241,7 +241,7 @@ class FileSystemSteps:
     @contextmanager
     def _exclusive_readlock(self, step: int) -> Iterator[bool]:
         """Yields True holding the read lock exclusively (no reader), False when a reader holds it."""
-        path = self._readlock_path(step)
+        path = self._hidden(step, "readlock")
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -251,10 +251,10 @@ class FileSystemSteps:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
-                if exc.errno in (errno.EAGAIN, errno.EACCES):
-                    yield False
-                    return
-                raise
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                yield False
+                return
             try:
                 os.unlink(path)  # while locked: a reader that opened it re-opens the new file
             except FileNotFoundError:
@@ -262,27 +262,6 @@ class FileSystemSteps:
             yield True
         finally:
             os.close(fd)
-
-    # -- what dead saves left -----------------------------------------------------------------
-    def _save_running(self, step: int) -> bool:
-        """True while some process holds the save lock of ``step`` (a probe that changes nothing)."""
-        return not self._lock_free(self.root / f".{step_name(step)}.hp-dcp-lock")
-
-    @staticmethod
-    def _lock_free(path: Path) -> bool:
-        """Nobody holds a ``flock`` on ``path`` (or it does not exist); the probe's lock is
-        dropped at once and the file left as found."""
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-        finally:
-            os.close(fd)  # closing releases the probe's lock
-        return True
 
     def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
                        max_step: Optional[int] = None, grace: float = 0.0,
@@ -292,11 +271,11 @@ class FileSystemSteps:
         Hidden staging/old directories, lock files nobody holds and mailbox/temp files in
         complete step directories are always candidates; a step directory without
         ``.metadata`` only when its step is below ``older_than`` (the newest complete step)
-        and it holds nothing but checkpoint files (a directory with a file of the user's is
-        left alone and logged).  A step whose save lock is held (a save is running) and
-        entries modified in the last ``grace`` seconds are skipped, and with ``max_step``
-        everything of a higher step.  ``check_running=False`` probes no lock (changes
-        nothing, lists no lock files) and so also lists the files of a running save.
+        and it holds nothing but checkpoint files (one with a file of the user's is left
+        alone and logged).  A step whose save lock is held and entries modified in the
+        last ``grace`` seconds are skipped, and with ``max_step`` everything of a higher
+        step.  ``check_running=False`` probes no lock (changes nothing, lists no lock
+        files) and so also lists the files of a running save.
         """
         try:
             entries = list(os.scandir(self.root))
@@ -305,35 +284,34 @@ class FileSystemSteps:
         now = time.time()
         running: dict[int, bool] = {}
 
+        def save_running(step: int) -> bool:
+            if step not in running:
+                running[step] = not _lock_free(self._hidden(step, "lock"))
+            return running[step]
+
         def busy(step: int, path: str) -> bool:
             if step in protected or (grace > 0 and now - _newest_mtime(path) < grace):
                 return True
-            if not check_running:
-                return False
-            if step not in running:
-                running[step] = self._save_running(step)
-            return running[step]
+            return check_running and save_running(step)
 
         out: list[Leftover] = []
         for entry in entries:
             hidden = _HIDDEN.match(entry.name)
+            step = int(hidden.group(1)) if hidden else parse_step_name(entry.name)
+            if step is None or (max_step is not None and step > max_step):
+                continue
             if hidden:
-                step, kind = int(hidden.group(1)), hidden.group(2)
-                if max_step is not None and step > max_step:
-                    continue
-                if kind in ("lock", "readlock"):
-                    if not check_running or step in protected or (kind == "lock" and self._save_running(step)):
-                        continue
-                    if kind == "readlock" and not self._readlock_free(step):
-                        continue
-                    out.append(Leftover(step, kind, entry.path, 0))
+                kind = hidden.group(2)
+                if kind in ("lock", "readlock"):  # a lock file is left over once nobody holds it
+                    in_use = not check_running or step in protected or (
+                        save_running(step) if kind == "lock" else not _lock_free(self._hidden(step, kind)))
+                    if not in_use:
+                        out.append(Leftover(step, kind, entry.path, 0))
                 elif not busy(step, entry.path):
                     out.append(Leftover(step, kind, entry.path, _tree_bytes(entry.path)))
                 continue
-            parsed = parse_step_name(entry.name)
-            if parsed is None or not entry.is_dir(follow_symlinks=False) or (max_step is not None and parsed > max_step):
+            if not entry.is_dir(follow_symlinks=False):
                 continue
-            step = parsed
             try:
                 names = os.listdir(entry.path)
             except FileNotFoundError:
@@ -346,16 +324,14 @@ class FileSystemSteps:
                 continue
             if older_than is None or step >= older_than or busy(step, entry.path):
                 continue
-            foreign = [n for n in names if (n != INFO_FILE and not is_checkpoint_artifact(n)) or _RANK_METADATA.match(n)]
+            foreign = [n for n in names
+                       if (n != INFO_FILE and not is_checkpoint_artifact(n)) or _RANK_METADATA.match(n)]
             if foreign:
                 logger.warning("%s has no %s but holds files that are not a checkpoint's (%s); left alone",
                                entry.path, _METADATA, ", ".join(sorted(foreign)[:5]))
                 continue
             out.append(Leftover(step, "incomplete", entry.path, _tree_bytes(entry.path)))
         return sorted(out, key=lambda x: (x.step, x.kind, x.location))
-
-    def _readlock_free(self, step: int) -> bool:
-        return self._lock_free(self._readlock_path(step))
 
     def remove_leftover(self, item: Leftover) -> bool:
         """Remove ``item`` (re-checking the save lock); False when it is in use or gone."""
@@ -380,10 +356,8 @@ class FileSystemSteps:
             if item.kind == "incomplete":
                 if os.path.exists(os.path.join(item.location, _METADATA)):
                     return False  # a save completed it meanwhile
-                trash = self.root / f".{step_name(item.step)}.hp-dcp-old-incomplete-{os.getpid()}-{time.time_ns()}"
-                try:
-                    os.rename(item.location, trash)
-                except FileNotFoundError:
+                trash = self._hidden(item.step, f"old-incomplete-{os.getpid()}-{time.time_ns()}")
+                if not _move_away(item.location, trash):
                     return False
                 shutil.rmtree(trash, ignore_errors=True)
                 return True
@@ -400,12 +374,8 @@ def step_storage_for(root: Union[str, os.PathLike]) -> StepStorage:
     Raises ``UnknownSchemeError`` (a ``ValueError``) naming the package to install for a
     scheme without a backend, ``ValueError`` for a backend without step storage.
     """
-    from hyper_parallel_dcp.core.backends import backend_for, url_scheme
-
     text = os.fspath(root)
     if url_scheme(text) == "file":
-        from hyper_parallel_dcp.storage_fs.backend import local_path
-
         return FileSystemSteps(local_path(text))
     backend = backend_for(text)
     if backend.steps is None:

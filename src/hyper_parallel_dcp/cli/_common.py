@@ -1,4 +1,4 @@
-"""Shared pieces of the ``hp-dcp`` commands: exit codes, errors, output and progress."""
+"""Shared pieces of the ``hp-dcp`` commands: exit codes, usage errors, output, progress bars."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ __all__ = [
     "print_json",
     "print_table",
     "progress",
+    "progress_bar",
 ]
 
 #: Nothing wrong was found.
@@ -30,17 +31,16 @@ T = TypeVar("T")
 
 
 class UsageError(Exception):
-    """A wrong argument: a path that does not exist, an invalid target spec, ...
-
-    ``main`` prints the message and exits with :data:`EXIT_USAGE`.
-    """
+    """A wrong argument (a path that does not exist, an invalid target spec, ...):
+    ``main`` prints the message and exits with :data:`EXIT_USAGE`."""
 
 
 def existing_dir(path: str, what: str = "checkpoint") -> Any:
-    """``path`` as a :class:`Path`, or as is when it is a URL (``s3://...``: the storage
-    backend checks it); raises :class:`UsageError` when a path is not a directory or no
-    backend handles the URL's scheme."""
+    """``path`` as a :class:`Path`, or as is when it is a URL (``s3://...``: its backend
+    checks it).  Raises :class:`UsageError` when a path is not a directory or no backend
+    handles the URL's scheme."""
     from hyper_parallel_dcp.core.backends import UnknownSchemeError, backend_for, url_scheme
+    from hyper_parallel_dcp.storage_fs.backend import local_path
 
     if url_scheme(path) != "file":
         try:
@@ -48,8 +48,6 @@ def existing_dir(path: str, what: str = "checkpoint") -> Any:
         except UnknownSchemeError as exc:
             raise UsageError(str(exc)) from None
         return path
-    from hyper_parallel_dcp.storage_fs.backend import local_path
-
     p = Path(local_path(path))
     if not p.exists():
         raise UsageError(f"{what} directory {p} does not exist")
@@ -65,12 +63,12 @@ def format_bytes(n: float) -> str:
     for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
         n /= 1024.0
         if n < 1024 or unit == "PiB":
-            return f"{n:.2f} {unit}"
-    raise AssertionError("unreachable")
+            break
+    return f"{n:.2f} {unit}"
 
 
 def print_json(doc: Any) -> None:
-    """One JSON object on stdout (sorted keys are left to the caller's dict order)."""
+    """One JSON object on stdout, keys in the order of ``doc``."""
     json.dump(doc, sys.stdout, indent=2)
     sys.stdout.write("\n")
 
@@ -78,33 +76,27 @@ def print_json(doc: Any) -> None:
 def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[int] = ()) -> None:
     """A plain aligned text table; columns whose index is in ``right`` are right-aligned."""
     text_rows = [[str(c) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in text_rows:
-        for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
+    widths = [max([len(h)] + [len(row[i]) for row in text_rows]) for i, h in enumerate(headers)]
+    for cells in [list(headers), *text_rows]:
+        line = "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        print(line.rstrip())
 
-    def line(cells: Sequence[str]) -> str:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-        return "  ".join(parts).rstrip()
 
-    print(line(list(headers)))
-    for row in text_rows:
-        print(line(row))
+def progress_bar(enabled: bool = True, **kwargs: Any) -> Any:
+    """A tqdm bar on stderr (``kwargs`` as tqdm's), or ``None`` when ``enabled`` is false,
+    stderr is not a terminal or tqdm is missing: a bar never writes to stdout, so
+    ``--json`` output stays parseable."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(file=sys.stderr, leave=False, dynamic_ncols=True, **kwargs)
 
 
 def progress(iterable: Iterable[T], *, total: Optional[int] = None, desc: str = "", unit: str = "it",
              enabled: bool = True) -> Iterator[T]:
-    """Wrap ``iterable`` in a tqdm bar on stderr when stderr is a terminal.
-
-    The bar never writes to stdout (``--json`` output stays parseable) and disappears when
-    stderr is not a terminal or tqdm is not installed.
-    """
-    if not enabled or not sys.stderr.isatty():
-        yield from iterable
-        return
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        yield from iterable
-        return
-    yield from tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)
+    """``iterable``, counted on a :func:`progress_bar` when there is one."""
+    bar = progress_bar(enabled, iterable=iterable, total=total, desc=desc, unit=unit)
+    return iter(iterable if bar is None else bar)

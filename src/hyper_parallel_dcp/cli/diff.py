@@ -1,10 +1,10 @@
 """``hp-dcp diff``: per-tensor differences between two checkpoints, streamed.
 
 Tensors are compared one at a time, in row blocks of at most ``block_bytes`` per side,
-each block read through the normal load path (``StandardLoadPlanner`` + the storage
-reader of the checkpoint's backend, a directory or ``s3://``, into a buffer covering just that block), so memory stays
-near two blocks whatever the checkpoint size, and the two checkpoints may have been saved
-with different layouts.
+each block read through the load path (``offline_transform.blocks.CheckpointBlocks``: any
+backend, either format) into a buffer of just that block, so memory stays near two
+blocks whatever the checkpoint size, and the two may have been saved with different
+layouts.  Exports :func:`diff_checkpoints`, its result types and ``run``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, print_json, print_table, progress
+import torch
+
+from hyper_parallel_dcp.core.chunks import ChunkBox
+from hyper_parallel_dcp.core.errors import CheckpointError, format_ranks
+from hyper_parallel_dcp.core.metadata import TensorStorageMetadata, dtype_name
+from hyper_parallel_dcp.offline_transform.blocks import CheckpointBlocks
+
+from ._common import EXIT_OK, EXIT_PROBLEM, UsageError, existing_dir, print_json, print_table, progress
 
 __all__ = ["DiffResult", "TensorDiff", "diff_checkpoints", "run"]
 
@@ -52,63 +59,7 @@ class DiffResult:
         return not self.only_in_a and not self.only_in_b and all(k.equal for k in self.keys)
 
 
-class _Side:
-    """One checkpoint opened for block reads through the standard load path."""
-
-    def __init__(self, path: Any):
-        from hyper_parallel_dcp.core.backends import storage_reader_for, url_scheme
-
-        self.path = path
-        self.reader: Any
-        if url_scheme(str(path)) == "file":
-            from hyper_parallel_dcp.storage_fs import storage_reader_for_path
-
-            self.reader = storage_reader_for_path(path)  # also a torch.distributed.checkpoint directory
-        else:
-            self.reader = storage_reader_for(str(path), None)
-        self.metadata = self.reader.read_metadata()
-        self.reader.set_up_storage_reader(self.metadata, is_coordinator=True, rank=0)
-
-    def read_block(self, fqn: str, box: Any, global_shape: tuple[int, ...], dtype: Any) -> Any:
-        import torch
-
-        from hyper_parallel_dcp.core.layout import TensorShards
-        from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
-
-        buf = torch.empty(box.sizes, dtype=dtype)
-        planner = StandardLoadPlanner()
-        planner.set_up_planner({fqn: TensorShards(global_shape, dtype, [(box, buf)])}, self.metadata,
-                               is_coordinator=True)
-        self.reader.execute_read(planner.create_local_plan(), planner)
-        return buf
-
-    def read_object(self, fqn: str, rank: int = 0) -> Any:
-        """The object as ``rank`` loads it (its own copy of a rank-local object)."""
-        from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
-
-        self.reader.rank = rank
-        planner = StandardLoadPlanner()
-        planner.set_up_planner({fqn: None}, self.metadata, is_coordinator=True)
-        self.reader.execute_read(planner.create_local_plan(), planner)
-        return planner.loaded_objects[fqn]
-
-    def object_ranks(self, fqn: str) -> set[int]:
-        """Ranks that saved their own copy of ``fqn`` (rank-local state; empty for one copy)."""
-        return set(self.metadata.rank_objects.get(fqn, {}))
-
-    def object_blob(self, fqn: str, rank: int = 0) -> bytes:
-        from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
-
-        info = self.metadata.object_storage(fqn, rank)
-        assert info is not None, fqn
-        with as_checkpoint_files(str(self.path)).open(info.relative_path) as f:
-            f.seek(info.offset)
-            return f.read(info.length)
-
-
 def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, float, int]:
-    import torch
-
     wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
     a = a.to(wide)
     b = b.to(wide)
@@ -125,13 +76,9 @@ def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, fl
     return max_abs, max_rel, differing
 
 
-def _diff_tensor(fqn: str, sa: _Side, sb: _Side, atol: float, rtol: float, block_bytes: int) -> TensorDiff:
-    from hyper_parallel_dcp.core.chunks import ChunkBox
-    from hyper_parallel_dcp.core.metadata import TensorStorageMetadata, dtype_name
-
-    ma = sa.metadata.state_dict_metadata[fqn]
-    mb = sb.metadata.state_dict_metadata[fqn]
-    assert isinstance(ma, TensorStorageMetadata) and isinstance(mb, TensorStorageMetadata)
+def _diff_tensor(fqn: str, sa: CheckpointBlocks, sb: CheckpointBlocks, atol: float, rtol: float,
+                 block_bytes: int) -> TensorDiff:
+    ma, mb = sa.tensor(fqn), sb.tensor(fqn)
     shape = tuple(ma.size)
     numel = math.prod(shape)
     if shape != tuple(mb.size):
@@ -147,8 +94,7 @@ def _diff_tensor(fqn: str, sa: _Side, sb: _Side, atol: float, rtol: float, block
         for start in range(0, rows, step):
             n = min(step, rows - start)
             box = ChunkBox((start,) + (0,) * (len(shape) - 1), (n,) + shape[1:]) if shape else ChunkBox((), ())
-            a = sa.read_block(fqn, box, shape, da)
-            b = sb.read_block(fqn, box, shape, db)
+            a, b = sa.read_block(fqn, box), sb.read_block(fqn, box)
             ba, br, bd = _compare_blocks(a, b, atol, rtol)
             max_abs, max_rel, differing = max(max_abs, ba), max(max_rel, br), differing + bd
             del a, b
@@ -161,8 +107,6 @@ def _diff_tensor(fqn: str, sa: _Side, sb: _Side, atol: float, rtol: float, block
 
 
 def _objects_equal(a: Any, b: Any) -> bool:
-    import torch
-
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(
             torch.equal(a, b))
@@ -172,14 +116,12 @@ def _objects_equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _diff_object(fqn: str, sa: _Side, sb: _Side) -> TensorDiff:
+def _diff_object(fqn: str, sa: CheckpointBlocks, sb: CheckpointBlocks) -> TensorDiff:
     """Equal when the copy every rank would load is equal (each rank's own copy of rank-local state)."""
-    from hyper_parallel_dcp.core.errors import CheckpointError, format_ranks
-
-    ranks = sorted(sa.object_ranks(fqn) | sb.object_ranks(fqn)) or [0]
+    ranks = sorted(set(sa.metadata.rank_objects.get(fqn, {})) | set(sb.metadata.rank_objects.get(fqn, {}))) or [0]
     differing = []
     for rank in ranks:
-        if sa.object_blob(fqn, rank) == sb.object_blob(fqn, rank):
+        if sa.object_bytes(fqn, rank) == sb.object_bytes(fqn, rank):
             continue
         try:
             equal = _objects_equal(sa.read_object(fqn, rank), sb.read_object(fqn, rank))
@@ -204,9 +146,7 @@ def diff_checkpoints(a: Any, b: Any, *, atol: float = 0.0, rtol: float = 0.0,
     the load path's errors (:class:`CheckpointNotFoundError`, :class:`CheckpointFormatError`,
     :class:`CorruptCheckpointError`) for an unreadable checkpoint.
     """
-    from hyper_parallel_dcp.core.metadata import TensorStorageMetadata
-
-    sa, sb = _Side(a), _Side(b)
+    sa, sb = CheckpointBlocks(a), CheckpointBlocks(b)
     ka, kb = sa.metadata.state_dict_metadata, sb.metadata.state_dict_metadata
     result = DiffResult(a, b, only_in_a=sorted(set(ka) - set(kb)), only_in_b=sorted(set(kb) - set(ka)))
     common = sorted(set(ka) & set(kb))
@@ -235,8 +175,6 @@ def _fmt(x: Optional[float]) -> str:
 
 def run(args: Any) -> int:
     """Print the differences; exit 1 when the checkpoints differ."""
-    from ._common import UsageError
-
     a = existing_dir(args.a, "checkpoint A")
     b = existing_dir(args.b, "checkpoint B")
     if args.atol < 0 or args.rtol < 0:

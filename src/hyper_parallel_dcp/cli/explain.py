@@ -2,43 +2,51 @@
 
 For every simulated rank of the target layout the target leaves are built as
 :class:`~hyper_parallel_dcp.core.layout.TensorShards` over meta-device views (from
-:func:`~hyper_parallel_dcp.core.layout.placement_boxes`), then the load planner's own
-functions run on them: :func:`~hyper_parallel_dcp.core.load_planning.create_local_load_plan`
-per rank and :func:`~hyper_parallel_dcp.core.reader_assignment.assign_readers` over all
-ranks, exactly as ``load`` does after its all-gather.  Bytes are counted the way
-``FileSystemReader`` counts ``bytes_read``: the span of each stored chunk a read touches
-(:func:`~hyper_parallel_dcp.core.chunks.span_elements`), plus the whole blob of each object.
+:func:`~hyper_parallel_dcp.core.layout.placement_boxes`); then the load planner's own
+functions run on them, as ``load`` runs them after its all-gather:
+:func:`~hyper_parallel_dcp.core.load_planning.create_local_load_plan` per rank and
+:func:`~hyper_parallel_dcp.core.reader_assignment.assign_readers` over all ranks.  Bytes
+are counted as ``FileSystemReader.bytes_read`` counts them: the span of each stored chunk
+a read touches (:func:`~hyper_parallel_dcp.core.chunks.span_elements`), plus the whole
+blob of each object.  Exports :func:`explain_load`, its result types and ``run``.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from hyper_parallel_dcp.core.chunks import span_elements
-from hyper_parallel_dcp.core.errors import CheckpointError, format_ranks
+from hyper_parallel_dcp.core.errors import (
+    CheckpointError,
+    MismatchError,
+    MissingKeyError,
+    MissingRegionError,
+    format_ranks,
+)
 from hyper_parallel_dcp.core.layout import TensorShards, placement_boxes
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
-from hyper_parallel_dcp.core.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-    dtype_from_name,
-)
+from hyper_parallel_dcp.core.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata, dtype_from_name
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem
 from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, assign_readers
+from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
-from .target_spec import TargetSpec, placement_fits
+from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, format_bytes, print_json, print_table, progress
+from .target_spec import TargetSpec, load_target_spec, placement_fits
 
-__all__ = ["KeyLayout", "LoadExplanation", "LoadProblem", "RankLoad", "explain_load"]
+__all__ = ["KeyLayout", "LoadExplanation", "LoadProblem", "RankLoad", "explain_load", "run"]
+
+# fqn -> (global shape, dtype, placements) of a tensor the target loads
+_Layouts = dict[str, tuple[tuple[int, ...], torch.dtype, tuple[Any, ...]]]
 
 
 @dataclass
 class LoadProblem:
-    """Something that makes the simulated load fail: ``kind`` is one of ``missing_key``,
+    """Something that makes the simulated load fail; ``kind`` is one of ``missing_key``,
     ``mismatch``, ``missing_region``, ``placement``, ``storage``."""
 
     kind: str
@@ -60,11 +68,10 @@ class KeyLayout:
 class RankLoad:
     """What one simulated rank reads.
 
-    ``bytes_needed``: bytes of the regions its targets need.  ``bytes_read`` / ``files``:
-    what it reads from storage when every rank reads for itself
-    (``broadcast_replicated_tensors=False``).  ``read_once_*``: the same with read-once +
-    broadcast; ``broadcast_sent`` / ``broadcast_received``: shard bytes it broadcasts as a
-    group's reader / receives from another reader.
+    ``bytes_needed``: bytes of the regions its targets need; ``bytes_read`` / ``files``:
+    what it reads from storage when every rank reads for itself; ``read_once_*``: the same
+    with read-once + broadcast; ``broadcast_sent`` / ``broadcast_received``: shard bytes it
+    broadcasts as a group's reader / receives from another reader.
     """
 
     rank: int
@@ -76,6 +83,12 @@ class RankLoad:
     read_once_files: list[str] = field(default_factory=list)
     broadcast_sent: int = 0
     broadcast_received: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "coordinate": list(self.coordinate), "bytes_needed": self.bytes_needed,
+                "bytes_read": self.bytes_read, "files": self.files,
+                "read_once": {"bytes_read": self.read_once_bytes_read, "files": self.read_once_files,
+                              "broadcast_sent": self.broadcast_sent, "broadcast_received": self.broadcast_received}}
 
 
 @dataclass
@@ -114,39 +127,15 @@ class LoadExplanation:
         """A plain-JSON view (what ``hp-dcp explain --json`` prints)."""
         t = self.target
         return {
-            "target": {
-                "world_size": t.world_size,
-                "mesh": list(t.mesh_shape),
-                "mesh_dim_names": list(t.mesh_dim_names) if t.mesh_dim_names else None,
-            },
-            "tensors": self.tensors,
-            "objects": self.objects,
-            "stored_bytes": self.stored_bytes,
-            "total_bytes_read": self.total_bytes_read,
-            "over_read_factor": self.over_read_factor,
-            "read_once": {
-                "total_bytes_read": self.read_once_total_bytes_read,
-                "over_read_factor": self.read_once_over_read_factor,
-                "broadcast_groups": self.broadcast_groups,
-                "broadcast_bytes": self.broadcast_bytes,
-                "broadcast_delivered_bytes": self.broadcast_delivered_bytes,
-            },
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "coordinate": list(r.coordinate),
-                    "bytes_needed": r.bytes_needed,
-                    "bytes_read": r.bytes_read,
-                    "files": r.files,
-                    "read_once": {
-                        "bytes_read": r.read_once_bytes_read,
-                        "files": r.read_once_files,
-                        "broadcast_sent": r.broadcast_sent,
-                        "broadcast_received": r.broadcast_received,
-                    },
-                }
-                for r in self.ranks
-            ],
+            "target": {"world_size": t.world_size, "mesh": list(t.mesh_shape),
+                       "mesh_dim_names": list(t.mesh_dim_names) if t.mesh_dim_names else None},
+            "tensors": self.tensors, "objects": self.objects, "stored_bytes": self.stored_bytes,
+            "total_bytes_read": self.total_bytes_read, "over_read_factor": self.over_read_factor,
+            "read_once": {"total_bytes_read": self.read_once_total_bytes_read,
+                          "over_read_factor": self.read_once_over_read_factor,
+                          "broadcast_groups": self.broadcast_groups, "broadcast_bytes": self.broadcast_bytes,
+                          "broadcast_delivered_bytes": self.broadcast_delivered_bytes},
+            "ranks": [r.to_json() for r in self.ranks],
             "keys": {k.fqn: {"placements": k.placements, "rule": k.rule} for k in self.keys},
             "problems": [{"kind": p.kind, "fqn": p.fqn, "ranks": p.ranks, "message": p.message}
                          for p in self.problems],
@@ -157,69 +146,52 @@ class _Problems:
     """Collects problems, merging the same (kind, fqn, message) across ranks."""
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple[str, str, str], LoadProblem] = {}
+        self.by_key: dict[tuple[str, str, str], LoadProblem] = {}
 
     def add(self, kind: str, fqn: str, message: str, rank: Optional[int] = None) -> None:
-        problem = self._by_key.setdefault((kind, fqn, message), LoadProblem(kind, fqn, message))
+        problem = self.by_key.setdefault((kind, fqn, message), LoadProblem(kind, fqn, message))
         if rank is not None and rank not in problem.ranks:
             problem.ranks.append(rank)
 
-    def fqns(self) -> set[str]:
-        return {p.fqn for p in self._by_key.values()}
-
     def all(self) -> list[LoadProblem]:
-        return sorted(self._by_key.values(), key=lambda p: (p.fqn, p.kind, p.message))
+        return sorted(self.by_key.values(), key=lambda p: (p.fqn, p.kind, p.message))
 
 
 def _kind(exc: CheckpointError) -> str:
-    from hyper_parallel_dcp.core.errors import MismatchError, MissingKeyError, MissingRegionError
-
-    if isinstance(exc, MissingKeyError):
-        return "missing_key"
-    if isinstance(exc, MissingRegionError):
-        return "missing_region"
-    if isinstance(exc, MismatchError):
-        return "mismatch"
+    for cls, kind in ((MissingKeyError, "missing_key"), (MissingRegionError, "missing_region"),
+                      (MismatchError, "mismatch")):
+        if isinstance(exc, cls):
+            return kind
     return "placement"
 
 
 def _plan_rank(flat: dict[str, Any], metadata: Metadata, rank: int, problems: _Problems) -> LoadPlan:
-    """The rank's local load plan, skipping (and reporting) keys the planner rejects."""
+    """The rank's local load plan, leaving out (and reporting) keys the planner rejects."""
     try:
-        plan, _ = create_local_load_plan(flat, metadata)
-        return plan
+        return create_local_load_plan(flat, metadata)[0]
     except CheckpointError:
         pass
     items: list[ReadItem] = []
     for fqn, leaf in flat.items():
         try:
-            plan, _ = create_local_load_plan({fqn: leaf}, metadata)
+            items.extend(create_local_load_plan({fqn: leaf}, metadata)[0].items)
         except CheckpointError as exc:
             problems.add(_kind(exc), fqn, str(exc), rank)
-            continue
-        items.extend(plan.items)
     return LoadPlan(tuple(items))
 
 
-def _describe_placements(placements: tuple[Any, ...]) -> str:
-    return "(" + ", ".join(str(p) for p in placements) + ")"
-
-
 def _target_layouts(metadata: Metadata, spec: TargetSpec, problems: _Problems
-                    ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype, tuple[Any, ...]]], list[str], list[KeyLayout]]:
-    """Per loaded tensor: (global shape, dtype, placements); the loaded objects; the key table."""
+                    ) -> tuple[_Layouts, list[str], list[KeyLayout]]:
+    """The loaded tensors' layouts, the loaded objects and the key table."""
     sd = metadata.state_dict_metadata
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype, tuple[Any, ...]]] = {}
+    tensors: _Layouts = {}
     objects: list[str] = []
     keys: list[KeyLayout] = []
     for fqn in spec.expect:
         if fqn not in sd:
             problems.add("missing_key", fqn, f"key {fqn!r} is expected by the target but not in the checkpoint")
-    for fqn in sorted(sd):
-        if not spec.wants(fqn):
-            continue
-        md = sd[fqn]
-        expected = spec.expect.get(fqn, {})
+    for fqn in sorted(fqn for fqn in sd if spec.wants(fqn)):
+        md, expected = sd[fqn], spec.expect.get(fqn, {})
         if isinstance(md, BytesStorageMetadata):
             objects.append(fqn)
             keys.append(KeyLayout(fqn, "object (every rank)", None))
@@ -228,18 +200,18 @@ def _target_layouts(metadata: Metadata, spec: TargetSpec, problems: _Problems
         shape = tuple(expected["shape"]) if expected.get("shape") is not None else tuple(md.size)
         dtype = dtype_from_name(str(expected["dtype"])) if expected.get("dtype") else md.properties.dtype
         placements, rule = spec.placements_for(fqn, len(shape))
-        keys.append(KeyLayout(fqn, _describe_placements(placements), rule))
+        keys.append(KeyLayout(fqn, "(" + ", ".join(str(p) for p in placements) + ")", rule))
         bad = [p for p in placements if not placement_fits(p, len(shape))]
         if bad:
             problems.add("placement", fqn, f"{fqn!r}: placement {bad[0]} (rule {rule!r}) does not fit a "
                          f"{len(shape)}-d tensor of shape {list(shape)}")
-            continue
-        tensors[fqn] = (shape, dtype, placements)
+        else:
+            tensors[fqn] = (shape, dtype, placements)
     return tensors, objects, keys
 
 
-def _rank_leaves(spec: TargetSpec, rank: int, tensors: dict[str, tuple[tuple[int, ...], torch.dtype, tuple[Any, ...]]],
-                 objects: list[str], problems: _Problems) -> dict[str, Any]:
+def _rank_leaves(spec: TargetSpec, rank: int, tensors: _Layouts, objects: list[str],
+                 problems: _Problems) -> dict[str, Any]:
     """The flat target state dict of one simulated rank (meta views, ``None`` for objects)."""
     coord = spec.coordinate(rank)
     flat: dict[str, Any] = {}
@@ -249,71 +221,58 @@ def _rank_leaves(spec: TargetSpec, rank: int, tensors: dict[str, tuple[tuple[int
         except (CheckpointError, ValueError, IndexError, AssertionError) as exc:
             problems.add("placement", fqn, f"{fqn!r}: {type(exc).__name__}: {exc}", rank)
             continue
-        pieces = [(box, torch.empty(box.sizes, dtype=dtype, device="meta")) for box, _ in boxes]
-        flat[fqn] = TensorShards(shape, dtype, pieces)
-    for fqn in objects:
-        flat[fqn] = None  # any non-tensor leaf plans as one object read
+        flat[fqn] = TensorShards(shape, dtype, [(box, torch.empty(box.sizes, dtype=dtype, device="meta"))
+                                                for box, _ in boxes])
+    flat.update({fqn: None for fqn in objects})  # any non-tensor leaf plans as one object read
     return flat
 
 
-def _itemsizes(metadata: Metadata) -> dict[str, int]:
-    return {fqn: md.properties.dtype.itemsize for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata)}
+class _Bytes:
+    """Byte counts of plan items against one checkpoint's metadata."""
 
+    def __init__(self, metadata: Metadata, problems: _Problems) -> None:
+        self.storage = metadata.storage_data or {}
+        tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+        self.itemsize = {fqn: md.properties.dtype.itemsize for fqn, md in tensors.items()}
+        self.chunk_sizes = {(fqn, c.offsets): c.sizes for fqn, md in tensors.items() for c in md.chunks}
+        self.problems = problems
 
-def _chunk_sizes(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[int, ...]]:
-    return {(fqn, c.offsets): c.sizes for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata) for c in md.chunks}
-
-
-def _account(plan: LoadPlan, rank: int, metadata: Metadata, itemsize: dict[str, int],
-             chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]], problems: _Problems
-             ) -> tuple[int, list[str]]:
-    """Bytes the rank reads from storage for ``plan`` (items whose source is the rank) and the files."""
-    storage = metadata.storage_data or {}
-    total = 0
-    files: set[str] = set()
-    for item in plan.items:
-        if item.source is not None and item.source != rank:
-            continue
-        info = storage.get(item.storage_index)
-        if info is None:
-            problems.add("storage", item.storage_index.fqn,
-                         f"{item.storage_index.fqn!r}: the metadata has no storage entry for the chunk at "
-                         f"{list(item.storage_index.offset or ())}", rank)
-            continue
-        files.add(info.relative_path)
+    def item_needed(self, item: ReadItem) -> int:
         if item.type is LoadItemType.BYTE_IO:
-            total += info.length
-        else:
-            sizes = chunk_sizes[(item.storage_index.fqn, item.storage_index.offset or ())]
-            total += span_elements(sizes, item.storage_offsets, item.lengths) * itemsize[item.storage_index.fqn]
-    return total, sorted(files)
+            info = self.storage.get(item.storage_index)
+            return info.length if info is not None else 0
+        return math.prod(item.lengths) * self.itemsize[item.dest_index.fqn]
+
+    def read_by(self, plan: LoadPlan, rank: int) -> tuple[int, list[str]]:
+        """Bytes ``rank`` reads from storage for ``plan`` (items whose source it is) and the files."""
+        total, files = 0, set()
+        for item in plan.items:
+            if item.source is not None and item.source != rank:
+                continue
+            index = item.storage_index
+            info = self.storage.get(index)
+            if info is None:
+                self.problems.add("storage", index.fqn, f"{index.fqn!r}: the metadata has no storage entry for the "
+                                  f"chunk at {list(index.offset or ())}", rank)
+                continue
+            files.add(info.relative_path)
+            if item.type is LoadItemType.BYTE_IO:
+                total += info.length
+            else:
+                sizes = self.chunk_sizes[(index.fqn, index.offset or ())]
+                total += span_elements(sizes, item.storage_offsets, item.lengths) * self.itemsize[index.fqn]
+        return total, sorted(files)
 
 
-def _needed(plan: LoadPlan, metadata: Metadata, itemsize: dict[str, int]) -> int:
-    storage = metadata.storage_data or {}
-    total = 0
-    for item in plan.items:
-        if item.type is LoadItemType.BYTE_IO:
-            info = storage.get(item.storage_index)
-            total += info.length if info is not None else 0
-        else:
-            total += math.prod(item.lengths) * itemsize[item.dest_index.fqn]
-    return total
-
-
-def _stored_bytes(metadata: Metadata, tensors: dict[str, Any], objects: list[str]) -> int:
+def _stored_bytes(metadata: Metadata, tensors: _Layouts, objects: list[str]) -> int:
     sd = metadata.state_dict_metadata
-    storage = metadata.storage_data or {}
     total = 0
     for fqn in tensors:
         md = sd[fqn]
         assert isinstance(md, TensorStorageMetadata)
         total += sum(math.prod(c.sizes) for c in md.chunks) * md.properties.dtype.itemsize
-    object_bytes = {index.fqn: info.length for index, info in storage.items() if index.offset is None}
-    total += sum(object_bytes.get(fqn, 0) for fqn in objects)
-    return total
+    object_bytes = {i.fqn: info.length for i, info in (metadata.storage_data or {}).items() if i.offset is None}
+    return total + sum(object_bytes.get(fqn, 0) for fqn in objects)
 
 
 def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) -> LoadExplanation:
@@ -328,130 +287,98 @@ def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) 
     """
     problems = _Problems()
     tensors, objects, keys = _target_layouts(metadata, spec, problems)
-    ranks = range(spec.world_size)
-    if progress is not None:
-        ranks = progress(ranks)
-    all_plans = []
-    for rank in ranks:
-        flat = _rank_leaves(spec, rank, tensors, objects, problems)
-        all_plans.append(_plan_rank(flat, metadata, rank, problems))
-    failed = problems.fqns()
+    ranks = range(spec.world_size) if progress is None else progress(range(spec.world_size))
+    plans = [_plan_rank(_rank_leaves(spec, rank, tensors, objects, problems), metadata, rank, problems)
+             for rank in ranks]
+    failed = {p.fqn for p in problems.by_key.values()}
     if failed:  # a key that fails on one rank fails the whole load; count only the rest
-        all_plans = [LoadPlan(tuple(it for it in p.items if it.dest_index.fqn not in failed)) for p in all_plans]
+        plans = [LoadPlan(tuple(it for it in p.items if it.dest_index.fqn not in failed)) for p in plans]
         tensors = {k: v for k, v in tensors.items() if k not in failed}
         objects = [k for k in objects if k not in failed]
-    read_once_plans = assign_readers(all_plans, metadata) if spec.world_size > 1 else all_plans
-
-    itemsize = _itemsizes(metadata)
-    chunk_sizes = _chunk_sizes(metadata)
+    once_plans = assign_readers(plans, metadata) if spec.world_size > 1 else plans
+    count = _Bytes(metadata, problems)
     rank_loads = []
     shard_bytes: list[dict[Any, int]] = []
-    for rank, (plan, plan_once) in enumerate(zip(all_plans, read_once_plans)):
-        load = RankLoad(rank, spec.coordinate(rank), bytes_needed=_needed(plan, metadata, itemsize))
-        load.bytes_read, load.files = _account(plan, rank, metadata, itemsize, chunk_sizes, problems)
-        load.read_once_bytes_read, load.read_once_files = _account(plan_once, rank, metadata, itemsize, chunk_sizes,
-                                                                   problems)
+    for rank, (plan, once) in enumerate(zip(plans, once_plans)):
+        load = RankLoad(rank, spec.coordinate(rank), bytes_needed=sum(count.item_needed(it) for it in plan.items))
+        load.bytes_read, load.files = count.read_by(plan, rank)
+        load.read_once_bytes_read, load.read_once_files = count.read_by(once, rank)
         per_dest: dict[Any, int] = {}
         for item in plan.items:
             if item.type is LoadItemType.TENSOR:
-                per_dest[item.dest_index] = (per_dest.get(item.dest_index, 0)
-                                             + math.prod(item.lengths) * itemsize[item.dest_index.fqn])
+                per_dest[item.dest_index] = per_dest.get(item.dest_index, 0) + count.item_needed(item)
         shard_bytes.append(per_dest)
         rank_loads.append(load)
-
     groups: dict[tuple[Any, tuple[int, ...]], int] = {}
-    for rank, plan_once in enumerate(read_once_plans):
-        assignment = plan_once.planner_data
+    for rank, once in enumerate(once_plans):
+        assignment = once.planner_data
         for group in assignment.groups if isinstance(assignment, ReaderAssignment) else ():
-            dest, members, source = group.dest_index, group.ranks, group.source
-            nbytes = shard_bytes[source][dest]
-            if rank == source:
+            nbytes = shard_bytes[group.source][group.dest_index]
+            if rank == group.source:
                 rank_loads[rank].broadcast_sent += nbytes
             else:
                 rank_loads[rank].broadcast_received += nbytes
-            groups[(dest, tuple(members))] = nbytes
+            groups[(group.dest_index, tuple(group.ranks))] = nbytes
     return LoadExplanation(
-        target=spec,
-        tensors=len(tensors),
-        objects=len(objects),
-        stored_bytes=_stored_bytes(metadata, tensors, objects),
-        ranks=rank_loads,
-        keys=keys,
-        broadcast_groups=len(groups),
-        broadcast_bytes=sum(groups.values()),
+        target=spec, tensors=len(tensors), objects=len(objects), stored_bytes=_stored_bytes(metadata, tensors, objects),
+        ranks=rank_loads, keys=keys, broadcast_groups=len(groups), broadcast_bytes=sum(groups.values()),
         broadcast_delivered_bytes=sum(b * (len(members) - 1) for (_, members), b in groups.items()),
-        problems=problems.all(),
-    )
+        problems=problems.all())
 
 
 def _print_human(path: Any, exp: LoadExplanation, complete: bool, show_keys: bool) -> None:
-    from ._common import format_bytes, print_table
-
     print(f"checkpoint  {path}{'' if complete else '  (NOT complete)'}")
     print(f"target      {exp.target.describe()}")
     print(f"loads       {exp.tensors} tensors and {exp.objects} objects, {format_bytes(exp.stored_bytes)} stored")
     if show_keys:
         print()
-        print_table(["FQN", "placements", "rule"], [[k.fqn, k.placements, k.rule or ("-" if k.placements.startswith("object") else "default")]
-                                                 for k in exp.keys])
+        print_table(["FQN", "placements", "rule"],
+                    [[k.fqn, k.placements, k.rule or ("-" if k.placements.startswith("object") else "default")]
+                     for k in exp.keys])
     print()
+    r = exp.ranks
     print_table(
         ["rank", "coord", "needed", "read", "files", "read-once", "files", "bcast sent", "bcast recv"],
-        [[r.rank, "(" + ",".join(map(str, r.coordinate)) + ")", format_bytes(r.bytes_needed),
-          format_bytes(r.bytes_read), len(r.files), format_bytes(r.read_once_bytes_read), len(r.read_once_files),
-          format_bytes(r.broadcast_sent), format_bytes(r.broadcast_received)] for r in exp.ranks]
-        + [["total", "", format_bytes(sum(r.bytes_needed for r in exp.ranks)), format_bytes(exp.total_bytes_read),
-            len({f for r in exp.ranks for f in r.files}), format_bytes(exp.read_once_total_bytes_read),
-            len({f for r in exp.ranks for f in r.read_once_files}),
-            format_bytes(sum(r.broadcast_sent for r in exp.ranks)),
-            format_bytes(sum(r.broadcast_received for r in exp.ranks))]],
-        right=(2, 3, 4, 5, 6, 7, 8),
-    )
-    print()
+        [[x.rank, "(" + ",".join(map(str, x.coordinate)) + ")", format_bytes(x.bytes_needed),
+          format_bytes(x.bytes_read), len(x.files), format_bytes(x.read_once_bytes_read), len(x.read_once_files),
+          format_bytes(x.broadcast_sent), format_bytes(x.broadcast_received)] for x in r]
+        + [["total", "", format_bytes(sum(x.bytes_needed for x in r)), format_bytes(exp.total_bytes_read),
+            len({f for x in r for f in x.files}), format_bytes(exp.read_once_total_bytes_read),
+            len({f for x in r for f in x.read_once_files}), format_bytes(sum(x.broadcast_sent for x in r)),
+            format_bytes(sum(x.broadcast_received for x in r))]],
+        right=(2, 3, 4, 5, 6, 7, 8))
 
     def factor(x: Optional[float]) -> str:
         return "-" if x is None else f"{x:.2f}x"
 
-    print(f"over-read   {factor(exp.over_read_factor)} of the stored bytes when every rank reads for itself "
+    print(f"\nover-read   {factor(exp.over_read_factor)} of the stored bytes when every rank reads for itself "
           f"(broadcast_replicated_tensors=False)")
     print(f"            {factor(exp.read_once_over_read_factor)} with read-once + broadcast (the default)")
     print(f"broadcast   {exp.broadcast_groups} replica groups; {format_bytes(exp.broadcast_bytes)} read once and "
           f"broadcast, {format_bytes(exp.broadcast_delivered_bytes)} delivered to the other members")
-    if exp.problems:
-        print(f"\nproblems ({len(exp.problems)}): the load would fail")
-        for p in exp.problems:
-            ranks = f" [ranks {format_ranks(p.ranks)}]" if p.ranks else ""
-            print(f"  {p.kind:<15} {p.message}{ranks}")
-    else:
+    if not exp.problems:
         print("\nno problems: every key loads")
+        return
+    print(f"\nproblems ({len(exp.problems)}): the load would fail")
+    for p in exp.problems:
+        print(f"  {p.kind:<15} {p.message}" + (f" [ranks {format_ranks(p.ranks)}]" if p.ranks else ""))
 
 
 def run(args: Any) -> int:
     """Explain the load; exit 1 when a key cannot be loaded or the checkpoint is incomplete."""
-    from hyper_parallel_dcp.storage_fs.integrity import check_complete
-
-    from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, print_json, progress
-    from .target_spec import load_target_spec
-
     path = existing_dir(args.checkpoint)
     spec = load_target_spec(args.target)
     report = check_complete(path)
     if report.metadata is None:
-        import sys
-
         print(f"cannot explain: {path} has no readable metadata", file=sys.stderr)
         for problem in report.problems:
             print(f"  - {problem}", file=sys.stderr)
         return EXIT_PROBLEM
-
-    def bar(ranks: Any) -> Any:
-        return progress(ranks, total=spec.world_size, desc="planning", unit="rank", enabled=not args.json)
-
-    exp = explain_load(report.metadata, spec, progress=bar)
+    exp = explain_load(report.metadata, spec, progress=lambda ranks: progress(
+        ranks, total=spec.world_size, desc="planning", unit="rank", enabled=not args.json))
     if args.json:
-        doc = {"checkpoint": str(path), "complete": report.complete, "checkpoint_problems": report.problems}
-        doc.update(exp.to_json())
-        print_json(doc)
+        print_json({"checkpoint": str(path), "complete": report.complete, "checkpoint_problems": report.problems,
+                    **exp.to_json()})
     else:
         _print_human(path, exp, report.complete, args.keys)
         for problem in report.problems:

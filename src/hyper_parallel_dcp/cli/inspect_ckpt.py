@@ -1,4 +1,7 @@
-"""``hp-dcp inspect``: what a checkpoint holds, where, and whether it is complete."""
+"""``hp-dcp inspect``: what a checkpoint holds, where, and whether it is complete.
+
+Exports :func:`describe_checkpoint` (the ``--json`` document) and ``run``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ._common import EXIT_OK, EXIT_PROBLEM, format_bytes, print_json, print_table
+from hyper_parallel_dcp.core.metadata import MetadataIndex, TensorStorageMetadata, dtype_name
+from hyper_parallel_dcp.storage_fs.integrity import check_complete
+
+from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, format_bytes, print_json, print_table
 
 __all__ = ["describe_checkpoint", "run"]
 
@@ -23,9 +29,6 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
     tensor's ``chunk_list`` (offsets, sizes, file, byte offset, checksum).  Reads metadata
     and ``stat`` only, never tensor data; never raises for a bad checkpoint.
     """
-    from hyper_parallel_dcp.core.metadata import MetadataIndex, TensorStorageMetadata, dtype_name
-    from hyper_parallel_dcp.storage_fs.integrity import check_complete
-
     report = check_complete(path)
     doc: dict[str, Any] = {
         "complete": report.complete,
@@ -57,17 +60,11 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
             "bytes": sum(math.prod(c.sizes) for c in entry.chunks) * itemsize,
         }
         if with_chunks:
-            chunk_list = []
-            for c in entry.chunks:
-                info = storage.get(MetadataIndex(fqn, c.offsets))
-                chunk_list.append({
-                    "offsets": list(c.offsets),
-                    "sizes": list(c.sizes),
-                    "file": info.relative_path if info else None,
-                    "byte_offset": info.offset if info else None,
-                    "checksum": info.checksum if info else None,
-                })
-            tensor["chunk_list"] = chunk_list
+            infos = [(c, storage.get(MetadataIndex(fqn, c.offsets))) for c in entry.chunks]
+            tensor["chunk_list"] = [{"offsets": list(c.offsets), "sizes": list(c.sizes),
+                                     "file": info.relative_path if info else None,
+                                     "byte_offset": info.offset if info else None,
+                                     "checksum": info.checksum if info else None} for c, info in infos]
         doc["tensors"][fqn] = tensor
     per_rank: dict[int, dict[str, Any]] = {}
     for name in sorted(md.files):
@@ -93,7 +90,8 @@ def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
     print(f"complete        {'yes' if doc['complete'] else 'NO'}")
     for problem in doc["problems"]:
         print(f"  - {problem}")
-    print(f"tensors         {len(tensors)} ({format_bytes(stored)} in {sum(t['chunks'] for t in tensors.values())} chunks)")
+    chunks = sum(t["chunks"] for t in tensors.values())
+    print(f"tensors         {len(tensors)} ({format_bytes(stored)} in {chunks} chunks)")
     print(f"objects         {len(doc['objects'])}")
     total_files = sum(f["bytes"] for f in doc["files"].values())
     print(f"files           {len(doc['files'])} ({format_bytes(total_files)})")
@@ -127,8 +125,6 @@ def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
 
 def run(args: Any) -> int:
     """Print the description; exit 1 when the checkpoint is not complete."""
-    from ._common import existing_dir
-
     path = existing_dir(args.checkpoint)
     doc = describe_checkpoint(path, with_chunks=args.chunks)
     if args.json:

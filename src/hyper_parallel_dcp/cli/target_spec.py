@@ -19,8 +19,8 @@ Example (JSON; the same keys in YAML)::
 * ``world_size``: defaults to the product of the mesh sizes; when both are given they
   must agree.  Rank ``r`` sits at the row-major mesh coordinate of ``r`` (as
   ``init_device_mesh`` places ranks).
-* placements: one per mesh dimension, as a list of strings — ``"Replicate"``,
-  ``"Shard(d)"``, ``"_StridedShard(d, split_factor=k)"`` — or an object
+* placements: one per mesh dimension, as a list of strings (``"Replicate"``,
+  ``"Shard(d)"``, ``"_StridedShard(d, split_factor=k)"``) or an object
   ``{mesh_dim_name: placement}`` where dimensions left out are ``Replicate``.
 * ``rules``: FQN patterns (``fnmatch`` syntax, ``*`` also matches dots), first match wins;
   ``"skip": true`` leaves the matching keys out of the load.  A rule's placements must fit
@@ -32,6 +32,9 @@ Example (JSON; the same keys in YAML)::
   every key, objects included).
 * ``expect``: keys the target model has, with optional ``shape``/``dtype``; a key the
   checkpoint lacks is reported missing, a different shape or dtype as a mismatch.
+
+Exports :func:`load_target_spec`, :func:`parse_target_spec`, :class:`TargetSpec`,
+:func:`format_help` and the placement helpers.  Errors are :class:`UsageError` naming the file and the entry.
 """
 
 from __future__ import annotations
@@ -46,33 +49,47 @@ from typing import Any, Optional
 
 from ._common import UsageError
 
-__all__ = ["PlacementRule", "TargetSpec", "load_target_spec", "parse_placement", "parse_target_spec", "placement_fits"]
+__all__ = [
+    "PlacementRule", "TargetSpec", "format_help", "load_target_spec", "parse_placement", "parse_target_spec",
+    "placement_fits",
+]
 
 _SHARD = re.compile(r"^\s*(?:Shard|S)\s*\(\s*(-?\d+)\s*\)\s*$")
 _STRIDED = re.compile(r"^\s*_?StridedShard\s*\(\s*(?:dim\s*=\s*)?(-?\d+)\s*,\s*(?:split_factor\s*=\s*)?(\d+)\s*\)\s*$")
 _REPLICATE = re.compile(r"^\s*(?:Replicate|R)\s*(?:\(\s*\))?\s*$")
 _PARTIAL = re.compile(r"^\s*(?:Partial|P)\b")
+_KEYS = {"world_size", "mesh", "mesh_dim_names", "default", "rules", "load", "expect"}
+
+
+def format_help() -> str:
+    """The file format as this module's docstring states it, for ``hp-dcp explain --help``."""
+    body = (__doc__ or "").split("\n", 1)[-1].split("\nExports", 1)[0]
+    body = body.replace("``", "").replace("::", ":").strip()
+    intro = "The target spec (--target) is a JSON or YAML (with PyYAML) file describing the layout to load into."
+    return f"{intro}\n\n{body}\n\n"
+
+
+def _replicate() -> Any:
+    from torch.distributed.tensor.placement_types import Replicate
+
+    return Replicate()
 
 
 def parse_placement(text: Any) -> Any:
-    """A torch placement object from its written form (``"Shard(0)"``, ``"Replicate"``, ...).
+    """A torch placement from its written form (``"Shard(0)"``, ``"Replicate"``, ...).
 
     Raises :class:`UsageError` for anything else, ``Partial`` included (a partial sum
     cannot be loaded from a checkpoint).
     """
-    from torch.distributed.tensor.placement_types import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
     if not isinstance(text, str):
         raise UsageError(f"a placement must be a string such as 'Shard(0)' or 'Replicate', got {text!r}")
     if _REPLICATE.match(text):
-        return Replicate()
-    m = _SHARD.match(text)
-    if m:
+        return _replicate()
+    if m := _SHARD.match(text):
         return Shard(int(m.group(1)))
-    m = _STRIDED.match(text)
-    if m:
-        from torch.distributed.tensor.placement_types import _StridedShard
-
+    if m := _STRIDED.match(text):
         return _StridedShard(int(m.group(1)), split_factor=int(m.group(2)))
     if _PARTIAL.match(text):
         raise UsageError(f"placement {text!r}: Partial tensors cannot be loaded from a checkpoint")
@@ -114,18 +131,13 @@ class TargetSpec:
             rank //= size
         return tuple(reversed(coord))
 
+    def rule_for(self, fqn: str) -> Optional[PlacementRule]:
+        return next((rule for rule in self.rules if fnmatch.fnmatchcase(fqn, rule.pattern)), None)
+
     def wants(self, fqn: str) -> bool:
         """Whether the target state dict holds ``fqn`` (``load`` patterns, ``skip`` rules)."""
-        if not any(fnmatch.fnmatchcase(fqn, p) for p in self.load):
-            return False
         rule = self.rule_for(fqn)
-        return rule is None or not rule.skip
-
-    def rule_for(self, fqn: str) -> Optional[PlacementRule]:
-        for rule in self.rules:
-            if fnmatch.fnmatchcase(fqn, rule.pattern):
-                return rule
-        return None
+        return any(fnmatch.fnmatchcase(fqn, p) for p in self.load) and (rule is None or not rule.skip)
 
     def placements_for(self, fqn: str, ndim: int) -> tuple[tuple[Any, ...], Optional[str]]:
         """The placements of ``fqn`` (a tensor with ``ndim`` dims) and the rule pattern used.
@@ -133,31 +145,20 @@ class TargetSpec:
         A default ``Shard(d)`` that does not fit the tensor becomes ``Replicate``; a rule's
         placements are returned as written (the caller reports a misfit).
         """
-        from torch.distributed.tensor.placement_types import Replicate
-
         rule = self.rule_for(fqn)
         if rule is not None and rule.placements is not None:
             return rule.placements, rule.pattern
-        out = []
-        for p in self.default:
-            if not placement_fits(p, ndim):
-                out.append(Replicate())
-            else:
-                out.append(p)
-        return tuple(out), None
+        return tuple(p if placement_fits(p, ndim) else _replicate() for p in self.default), None
 
     def describe(self) -> str:
         """``world size 4, mesh dp=2 x tp=2``."""
-        if self.mesh_dim_names:
-            mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
-        else:
-            mesh = " x ".join(str(s) for s in self.mesh_shape)
+        names = self.mesh_dim_names
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(names, self.mesh_shape)) if names else " x ".join(
+            str(s) for s in self.mesh_shape)
         return f"world size {self.world_size}, mesh {mesh}"
 
 
-def _placements(value: Any, spec_mesh: tuple[int, ...], names: Optional[tuple[str, ...]], where: str) -> tuple[Any, ...]:
-    from torch.distributed.tensor.placement_types import Replicate
-
+def _placements(value: Any, mesh: tuple[int, ...], names: Optional[tuple[str, ...]], where: str) -> tuple[Any, ...]:
     if isinstance(value, dict):
         if names is None:
             raise UsageError(f"{where}: placements by mesh dimension name need named mesh dimensions "
@@ -165,13 +166,12 @@ def _placements(value: Any, spec_mesh: tuple[int, ...], names: Optional[tuple[st
         unknown = sorted(set(value) - set(names))
         if unknown:
             raise UsageError(f"{where}: unknown mesh dimension(s) {unknown}; the mesh has {list(names)}")
-        return tuple(parse_placement(value[n]) if n in value else Replicate() for n in names)
-    if isinstance(value, str):
-        value = [value]
+        return tuple(parse_placement(value[n]) if n in value else _replicate() for n in names)
+    value = [value] if isinstance(value, str) else value
     if not isinstance(value, list):
         raise UsageError(f"{where}: placements must be a list or an object, got {value!r}")
-    if len(value) != len(spec_mesh):
-        raise UsageError(f"{where}: {len(value)} placement(s) for a mesh of {len(spec_mesh)} dimension(s)")
+    if len(value) != len(mesh):
+        raise UsageError(f"{where}: {len(value)} placement(s) for a mesh of {len(mesh)} dimension(s)")
     return tuple(parse_placement(v) for v in value)
 
 
@@ -181,16 +181,9 @@ def _positive_int(value: Any, where: str) -> int:
     return value
 
 
-def parse_target_spec(doc: Any, *, source: str = "target spec") -> TargetSpec:
-    """Validate a decoded spec document; raises :class:`UsageError` naming ``source``."""
-    if not isinstance(doc, dict):
-        raise UsageError(f"{source}: the target spec must be an object, got {type(doc).__name__}")
-    known = {"world_size", "mesh", "mesh_dim_names", "default", "rules", "load", "expect"}
-    unknown = sorted(set(doc) - known)
-    if unknown:
-        raise UsageError(f"{source}: unknown key(s) {unknown}; known keys are {sorted(known)}")
-    names: Optional[tuple[str, ...]] = None
-    mesh_doc = doc.get("mesh")
+def _mesh(doc: dict[str, Any], source: str) -> tuple[tuple[int, ...], Optional[tuple[str, ...]]]:
+    """The mesh sizes and dimension names of a spec document."""
+    mesh_doc, names = doc.get("mesh"), None
     if isinstance(mesh_doc, dict):
         names = tuple(str(k) for k in mesh_doc)
         mesh = tuple(_positive_int(v, f"{source}: mesh size of {k!r}") for k, v in mesh_doc.items())
@@ -204,19 +197,16 @@ def parse_target_spec(doc: Any, *, source: str = "target spec") -> TargetSpec:
         raise UsageError(f"{source}: 'mesh' must be a list of sizes or an object {{name: size}}")
     if not mesh:
         raise UsageError(f"{source}: the mesh needs at least one dimension")
-    if doc.get("mesh_dim_names") is not None:
-        dim_names = doc["mesh_dim_names"]
+    dim_names = doc.get("mesh_dim_names")
+    if dim_names is not None:
         if not isinstance(dim_names, list) or len(dim_names) != len(mesh) or len(set(map(str, dim_names))) != len(mesh):
             raise UsageError(f"{source}: mesh_dim_names must be {len(mesh)} distinct names, got {dim_names!r}")
         names = tuple(str(n) for n in dim_names)
-    world_size = math.prod(mesh)
-    if "world_size" in doc and _positive_int(doc["world_size"], f"{source}: world_size") != world_size:
-        raise UsageError(f"{source}: world_size {doc['world_size']} differs from the mesh size {world_size} "
-                         f"({' x '.join(map(str, mesh))})")
-    from torch.distributed.tensor.placement_types import Replicate
+    return mesh, names
 
-    default = (_placements(doc["default"], mesh, names, f"{source}: default") if "default" in doc
-               else tuple(Replicate() for _ in mesh))
+
+def _rules(doc: dict[str, Any], mesh: tuple[int, ...], names: Optional[tuple[str, ...]],
+           source: str) -> list[PlacementRule]:
     rules = []
     for i, rule in enumerate(doc.get("rules") or []):
         where = f"{source}: rules[{i}]"
@@ -231,11 +221,13 @@ def parse_target_spec(doc: Any, *, source: str = "target spec") -> TargetSpec:
             rules.append(PlacementRule(rule["match"], _placements(rule["placements"], mesh, names, where)))
         else:
             raise UsageError(f"{where} needs 'placements' or 'skip': true")
-    load = doc.get("load", ["*"])
-    if isinstance(load, str):
-        load = [load]
-    if not isinstance(load, list) or not all(isinstance(p, str) for p in load):
-        raise UsageError(f"{source}: 'load' must be a list of FQN patterns")
+    return rules
+
+
+def _expect(doc: dict[str, Any], source: str) -> dict[str, dict[str, Any]]:
+    from hyper_parallel_dcp.core.errors import CheckpointFormatError
+    from hyper_parallel_dcp.core.metadata import dtype_from_name
+
     expect = doc.get("expect") or {}
     if not isinstance(expect, dict) or not all(isinstance(v, dict) for v in expect.values()):
         raise UsageError(f"{source}: 'expect' must map FQNs to {{'shape': [...], 'dtype': '...'}}")
@@ -245,14 +237,33 @@ def parse_target_spec(doc: Any, *, source: str = "target spec") -> TargetSpec:
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
             raise UsageError(f"{source}: expect[{fqn!r}].shape must be a list of non-negative integers")
         if entry.get("dtype") is not None:
-            from hyper_parallel_dcp.core.errors import CheckpointFormatError
-            from hyper_parallel_dcp.core.metadata import dtype_from_name
-
             try:
                 dtype_from_name(str(entry["dtype"]))
             except CheckpointFormatError:
                 raise UsageError(f"{source}: expect[{fqn!r}].dtype {entry['dtype']!r} is not a torch dtype") from None
-    return TargetSpec(world_size, mesh, names, default, rules, tuple(load), dict(expect))
+    return dict(expect)
+
+
+def parse_target_spec(doc: Any, *, source: str = "target spec") -> TargetSpec:
+    """Validate a decoded spec document; raises :class:`UsageError` naming ``source``."""
+    if not isinstance(doc, dict):
+        raise UsageError(f"{source}: the target spec must be an object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - _KEYS)
+    if unknown:
+        raise UsageError(f"{source}: unknown key(s) {unknown}; known keys are {sorted(_KEYS)}")
+    mesh, names = _mesh(doc, source)
+    world_size = math.prod(mesh)
+    if "world_size" in doc and _positive_int(doc["world_size"], f"{source}: world_size") != world_size:
+        raise UsageError(f"{source}: world_size {doc['world_size']} differs from the mesh size {world_size} "
+                         f"({' x '.join(map(str, mesh))})")
+    default = (_placements(doc["default"], mesh, names, f"{source}: default") if "default" in doc
+               else tuple(_replicate() for _ in mesh))
+    load = doc.get("load", ["*"])
+    load = [load] if isinstance(load, str) else load
+    if not isinstance(load, list) or not all(isinstance(p, str) for p in load):
+        raise UsageError(f"{source}: 'load' must be a list of FQN patterns")
+    return TargetSpec(world_size, mesh, names, default, _rules(doc, mesh, names, source), tuple(load),
+                      _expect(doc, source))
 
 
 def load_target_spec(path: str | Path) -> TargetSpec:
@@ -265,18 +276,18 @@ def load_target_spec(path: str | Path) -> TargetSpec:
         text = p.read_text()
     except OSError as exc:
         raise UsageError(f"cannot read target spec {p}: {exc.strerror or exc}") from None
-    if p.suffix.lower() in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise UsageError(f"{p}: reading YAML needs PyYAML (pip install pyyaml); or write the spec as JSON") from None
-        try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise UsageError(f"{p} is not valid YAML: {exc}") from None
-    else:
+    if p.suffix.lower() not in (".yaml", ".yml"):
         try:
             doc = json.loads(text)
         except ValueError as exc:
             raise UsageError(f"{p} is not valid JSON: {exc}") from None
+        return parse_target_spec(doc, source=str(p))
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError(f"{p}: reading YAML needs PyYAML (pip install pyyaml); or write the spec as JSON") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{p} is not valid YAML: {exc}") from None
     return parse_target_spec(doc, source=str(p))

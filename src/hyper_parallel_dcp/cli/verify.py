@@ -1,37 +1,12 @@
-"""``hp-dcp verify``: completeness and every recorded checksum (the integrity API)."""
+"""``hp-dcp verify``: completeness and every recorded checksum (``storage_fs.integrity``)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, format_bytes, print_json
+from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, format_bytes, print_json, progress_bar
 
 __all__ = ["run"]
-
-
-class _ByteBar:
-    """A tqdm bar fed by ``verify_checkpoint``'s ``progress(done, total)`` callback."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self.bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="verify",
-                            file=sys.stderr, leave=False, dynamic_ncols=True)
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is not None:
-            self.bar.total = total
-            self.bar.n = done
-            self.bar.refresh()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def run(args: Any) -> int:
@@ -39,11 +14,18 @@ def run(args: Any) -> int:
     from hyper_parallel_dcp.storage_fs.integrity import verify_checkpoint
 
     path = existing_dir(args.checkpoint)
-    bar = _ByteBar(not args.json)
+    bar = progress_bar(not args.json, total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="verify")
+
+    def advance(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total, bar.n = total, done
+            bar.refresh()
+
     try:
-        report = verify_checkpoint(path, progress=bar)
+        report = verify_checkpoint(path, progress=advance)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     if args.json:
         print_json({"path": str(report.path), "ok": report.ok, "chunks_checked": report.chunks_checked,
                     "bytes_checked": report.bytes_checked, "problems": report.problems})

@@ -1,20 +1,14 @@
 """Read-once + broadcast loading of replicated shards (``hyper_parallel_dcp.broadcast``).
 
-``make_read_executor(groups=..., batch_bytes=...)`` builds the read executor that
-``load(..., broadcast_replicated_tensors=True)`` hands to the load pipeline: one member of
-each replica group reads a shard, the others receive it by broadcast, pipelined and
-batched.  The pure scheduling lives in :mod:`.schedule`, group lifetime in
-:mod:`.groups`, the read-ahead thread in :mod:`.prefetch`.
+:func:`make_read_executor` builds the read executor that ``load(...,
+broadcast_replicated_tensors=True)`` hands to the load pipeline (:mod:`.executor`).  The
+pure scheduling is in :mod:`.schedule` (``plan_broadcasts``, ``rank_schedule``,
+``required_groups``), group lifetime in :mod:`.groups`, the read-ahead thread
+(``ReadAhead``) in :mod:`.prefetch`; those are exported for tests and tools.
 """
 
 from .__about__ import __version__
-from .executor import (
-    DEFAULT_BATCH_BYTES,
-    MAX_IN_FLIGHT,
-    BroadcastReadExecutor,
-    BroadcastStats,
-    make_read_executor,
-)
+from .executor import DEFAULT_BATCH_BYTES, MAX_IN_FLIGHT, BroadcastReadExecutor, BroadcastStats, make_read_executor
 from .groups import broadcast_groups_for_load
 from .prefetch import ReadAhead
 from .schedule import plan_broadcasts, rank_schedule, required_groups

@@ -1,12 +1,10 @@
-"""A background read-ahead over a storage reader's reads.
+"""A read-ahead thread over a storage reader's reads: :class:`ReadAhead`.
 
-The thread runs the read step of the normal read path (``StorageReader.read_stream``:
-``reader.read_into`` straight into the destination views, ``read_object`` for objects) a
-couple of items ahead of the main thread, which drives the broadcasts.
-Results come back strictly in the order given: the read order is the broadcast order,
-and splitting the two was measured slower (see the user guide), so this is a FIFO, not a
-completion table.  The thread touches only the reader and the destinations (resolved
-beforehand), never the planner.
+The thread runs the read step of the normal read path (``StorageReader.read_stream``)
+a few items ahead of the main thread, which drives the broadcasts.  Results come back
+strictly in the order given: the read order is the broadcast order (splitting the two
+was measured slower, see the user guide), so this is a FIFO, not a completion table.
+The thread touches only the reader and the destinations (resolved beforehand).
 """
 
 from __future__ import annotations
@@ -21,10 +19,6 @@ from hyper_parallel_dcp.core.settings import READ_AHEAD
 __all__ = ["ReadAhead"]
 
 _DONE = object()
-# Kept small: a couple of reads ahead keep the reader busy while the main thread
-# launches broadcasts, and the reads stay close to the broadcast order (measured best).
-# The executor passes HP_DCP_READ_AHEAD; this is its default.
-DEFAULT_DEPTH = READ_AHEAD.default
 
 
 class _Failed:
@@ -33,18 +27,17 @@ class _Failed:
 
 
 class ReadAhead:
-    """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead.
+    """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead
+    (default ``HP_DCP_READ_AHEAD``'s default, 2: reads stay close to the broadcast order).
 
-    ``read_items`` is any function returning an iterator over ``items`` (the broadcast
-    executor passes its reader's ``read_stream``).  Yields
-    exactly what it yields, in its order; an exception raised by the reader is re-raised
-    in the consuming thread at the position where it happened.
-    ``close()`` (also on ``with`` exit) stops the thread; the generator is closed on the
-    thread that ran it.
+    Yields exactly what ``read_items`` yields, in its order; an exception it raises is
+    re-raised in the consuming thread at the position where it happened.  ``close()``
+    (also on ``with`` exit) stops the thread and closes the generator on it.  Raises
+    ``ValueError`` for a depth below 1.
     """
 
     def __init__(self, read_items: Callable[[Sequence[Any]], Iterator[tuple[ReadItem, Any]]],
-                 items: Sequence[Any], depth: int = DEFAULT_DEPTH) -> None:
+                 items: Sequence[Any], depth: int = READ_AHEAD.default) -> None:
         if depth < 1:
             raise ValueError(f"read-ahead depth must be at least 1, got {depth}")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -84,12 +77,12 @@ class ReadAhead:
         if self._finished:
             raise StopIteration
         value = self._queue.get()
-        if value is _DONE:
-            self._finished = True
-            raise StopIteration
         if isinstance(value, _Failed):
             self._finished = True
             raise value.exc
+        if value is _DONE:
+            self._finished = True
+            raise StopIteration
         return value
 
     def close(self) -> None:

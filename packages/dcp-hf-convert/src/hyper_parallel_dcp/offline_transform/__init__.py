@@ -18,8 +18,8 @@ from .from_dcp import convert_dcp_to_huggingface, dcp_to_full_state_dict, save_s
 from .hf_source import parse_checkpoint_from_huggingface, scan_huggingface_checkpoint
 from .hf_writer import plan_huggingface_shards
 from .keymap import prefix_rules, strip_prefixes
+from .options import parse_size
 from .progress import ConversionReport
-from .sizes import parse_size
 from .to_dcp import convert_full_checkpoint_to_dcp, full_state_dict_to_dcp_format
 
 __all__ = [

@@ -24,35 +24,37 @@ __all__ = ["build_parser", "main"]
 
 PROG = "hp-dcp-convert"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_TORCH_DCP = ("torch-dcp-to-dcp", "dcp-to-torch-dcp")
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The argument parser of ``hp-dcp-convert`` (the four sub-commands above)."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Convert between Hugging Face safetensors, torch.distributed.checkpoint and "
                     "hyper-parallel-dcp checkpoints, streaming (memory holds about one tensor or one batch, "
-                    "not the model).",
-    )
-    sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{hf-to-dcp,dcp-to-hf,torch-dcp-to-dcp,dcp-to-torch-dcp}")
+                    "not the model).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(
+        ("hf-to-dcp", "dcp-to-hf", *_TORCH_DCP)) + "}")
 
-    def common(p: argparse.ArgumentParser) -> None:
+    def command(name: str, help_text: str, renames: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
         p.add_argument("src", metavar="SRC")
         p.add_argument("dst", metavar="DST")
-        p.add_argument("--overwrite", action="store_true", help="replace what DST holds (default: refuse a non-empty DST)")
-        p.add_argument("--strip-prefix", action="append", default=[], metavar="PREFIX",
-                       help="remove PREFIX from tensor names that start with it (repeatable, applied in order), "
-                            "e.g. --strip-prefix _orig_mod.")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace what DST holds (default: refuse a non-empty DST)")
+        if renames:
+            p.add_argument("--strip-prefix", action="append", default=[], metavar="PREFIX",
+                           help="remove PREFIX from tensor names that start with it (repeatable, applied in order), "
+                                "e.g. --strip-prefix _orig_mod.")
         p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
+        return p
 
-    to_dcp = sub.add_parser("hf-to-dcp", help="Hugging Face safetensors (or a torch.save file) -> checkpoint directory")
-    common(to_dcp)
-    to_dcp.add_argument("--src-platform", choices=("huggingface", "torch"), default="huggingface",
-                        help="huggingface: a directory with model.safetensors(.index.json) or a .safetensors file; "
-                             "torch: a full PyTorch checkpoint file (torch.save, loaded with weights_only=True)")
-
-    to_hf = sub.add_parser("dcp-to-hf", help="checkpoint directory -> Hugging Face safetensors (weights and index only)")
-    common(to_hf)
+    command("hf-to-dcp", "Hugging Face safetensors (or a torch.save file) -> checkpoint directory").add_argument(
+        "--src-platform", choices=("huggingface", "torch"), default="huggingface",
+        help="huggingface: a directory with model.safetensors(.index.json) or a .safetensors file; "
+             "torch: a full PyTorch checkpoint file (torch.save, loaded with weights_only=True)")
+    to_hf = command("dcp-to-hf", "checkpoint directory -> Hugging Face safetensors (weights and index only)")
     to_hf.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                        help="largest output file, as bytes or e.g. 500MB, 5GB, 2GiB (default 5GB)")
     to_hf.add_argument("--dtype", default=None, metavar="DTYPE",
@@ -60,106 +62,88 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     to_hf.add_argument("--only", action="append", default=[], metavar="PREFIX",
                        help="export only tensors whose name starts with PREFIX (repeatable; applied before "
                             "--strip-prefix), e.g. --only model. to leave out optimizer state")
-
-    def torch_dcp(name: str, help_text: str) -> None:
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("src", metavar="SRC")
-        p.add_argument("dst", metavar="DST")
-        p.add_argument("--overwrite", action="store_true",
-                       help="replace what DST holds (default: refuse a non-empty DST)")
-        p.add_argument("--batch-size", default="256MB", metavar="SIZE",
-                       help="largest block read and written at once, as bytes or e.g. 64MB, 1GiB (default 256MB); "
-                            "memory holds one block")
-        p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
-
-    torch_dcp("torch-dcp-to-dcp", "torch.distributed.checkpoint directory -> checkpoint directory")
-    torch_dcp("dcp-to-torch-dcp", "checkpoint directory -> torch.distributed.checkpoint directory")
+    for name, help_text in zip(_TORCH_DCP, ("torch.distributed.checkpoint directory -> checkpoint directory",
+                                            "checkpoint directory -> torch.distributed.checkpoint directory")):
+        command(name, help_text, renames=False).add_argument(
+            "--batch-size", default="256MB", metavar="SIZE",
+            help="largest block read and written at once, as bytes or e.g. 64MB, 1GiB (default 256MB); "
+                 "memory holds one block")
     return parser
 
 
 def _destination_problem(src: Any, dst: Any, overwrite: bool) -> Optional[str]:
     from hyper_parallel_dcp.core.backends import url_scheme
 
+    not_empty = f"DST {dst} is not empty; pass --overwrite to replace it (nothing was written)"
     if url_scheme(str(dst)) != "file":
         from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
 
-        if not overwrite and as_checkpoint_files(str(dst)).exists():
-            return f"DST {dst} is not empty; pass --overwrite to replace it (nothing was written)"
-        return None
+        return not_empty if not overwrite and as_checkpoint_files(str(dst)).exists() else None
     if dst.exists() and not dst.is_dir():
         return f"DST {dst} exists and is not a directory"
     if isinstance(src, Path) and src.exists() and dst.exists() and os.path.samefile(src, dst):
         return f"SRC and DST are the same path ({dst})"
-    if not overwrite and dst.is_dir() and any(dst.iterdir()):
-        return f"DST {dst} is not empty; pass --overwrite to replace it (nothing was written)"
-    return None
+    return not_empty if not overwrite and dst.is_dir() and any(dst.iterdir()) else None
+
+
+def _convert(args: argparse.Namespace, src: Any, dst: Any, show: bool) -> Any:
+    """Run the conversion ``args`` asks for; returns its :class:`ConversionReport`."""
+    from .options import parse_size
+
+    if args.command in _TORCH_DCP:
+        from .torch_dcp import convert_dcp_to_torch_dcp, convert_torch_dcp_to_dcp
+
+        convert = convert_torch_dcp_to_dcp if args.command == _TORCH_DCP[0] else convert_dcp_to_torch_dcp
+        return convert(src, dst, batch_bytes=parse_size(args.batch_size), progress=show)
+    from .keymap import KeyMapping, only_prefixes, strip_prefixes
+
+    mapping: KeyMapping = strip_prefixes(*args.strip_prefix) if args.strip_prefix else None
+    if args.command == "hf-to-dcp":
+        from .to_dcp import convert_full_checkpoint_to_dcp
+
+        return convert_full_checkpoint_to_dcp(src, dst, args.src_platform, key_mapping=mapping, progress=show)
+    from .from_dcp import convert_dcp_to_huggingface
+
+    if args.only:
+        mapping = only_prefixes(args.only, mapping)
+    return convert_dcp_to_huggingface(src, dst, args.max_shard_size, dtype=args.dtype, key_mapping=mapping,
+                                      progress=show)
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     """Run the tool with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    from hyper_parallel_dcp.core.backends import url_scheme
-
-    parser = build_parser(prog)
     try:
-        args = parser.parse_args(argv)
+        args = build_parser(prog).parse_args(argv)
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Imported after parsing: --help and usage errors answer without loading torch.
+    from hyper_parallel_dcp.core.backends import url_scheme
+    from hyper_parallel_dcp.core.errors import CheckpointError
+
+    from .options import parse_dtype, parse_size
 
     # a URL (s3://bucket/x) stays a string: Path() would fold its '//'
     src, dst = (a if url_scheme(a) != "file" else Path(a) for a in (args.src, args.dst))
-    problem = _destination_problem(src, dst, args.overwrite)
-    if problem is not None:
-        print(f"{prog}: error: {problem}", file=sys.stderr)
+    try:  # the values argparse cannot check are usage errors too
+        problem = _destination_problem(src, dst, args.overwrite)
+        if problem is not None:
+            raise ValueError(problem)
+        if args.command in _TORCH_DCP:
+            parse_size(args.batch_size)
+        elif args.command == "dcp-to-hf":
+            parse_size(args.max_shard_size)
+            parse_dtype(args.dtype)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-
-    # Imported here so that --help and usage errors answer without loading torch.
-    from hyper_parallel_dcp.core.errors import CheckpointError
-
-    from .dtypes import parse_dtype
-    from .from_dcp import convert_dcp_to_huggingface
-    from .keymap import KeyMapping, only_prefixes, strip_prefixes
-    from .sizes import parse_size
-    from .to_dcp import convert_full_checkpoint_to_dcp
-
-    show = not args.quiet
-    if args.command in ("torch-dcp-to-dcp", "dcp-to-torch-dcp"):
-        from .torch_dcp import convert_dcp_to_torch_dcp, convert_torch_dcp_to_dcp
-
-        try:
-            batch = parse_size(args.batch_size)
-        except ValueError as exc:
-            print(f"{prog}: error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        convert = convert_torch_dcp_to_dcp if args.command == "torch-dcp-to-dcp" else convert_dcp_to_torch_dcp
-        try:
-            report = convert(src, dst, batch_bytes=batch, progress=show)
-        except (CheckpointError, OSError, ValueError, TypeError) as exc:
-            print(f"{prog}: error: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        if show:
-            print(f"{prog}: {args.command}: {report.summary()}")
-        return EXIT_OK
-    mapping: KeyMapping = strip_prefixes(*args.strip_prefix) if args.strip_prefix else None
-    if getattr(args, "only", None):
-        mapping = only_prefixes(args.only, mapping)
     try:
-        if args.command == "hf-to-dcp":
-            report = convert_full_checkpoint_to_dcp(src, dst, args.src_platform, key_mapping=mapping, progress=show)
-        else:
-            try:
-                parse_size(args.max_shard_size)
-                parse_dtype(args.dtype)
-            except ValueError as exc:
-                print(f"{prog}: error: {exc}", file=sys.stderr)
-                return EXIT_USAGE
-            report = convert_dcp_to_huggingface(src, dst, args.max_shard_size, dtype=args.dtype,
-                                                key_mapping=mapping, progress=show)
+        report = _convert(args, src, dst, show=not args.quiet)
     except (CheckpointError, OSError, ValueError, TypeError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if show:
+    if not args.quiet:
         print(f"{prog}: {args.command}: {report.summary()}")
     return EXIT_OK
 

@@ -3,9 +3,8 @@
 A checkpoint is a single ``.safetensors`` file, or a directory holding
 ``model.safetensors.index.json`` (``{"metadata": ..., "weight_map": {name: shard file}}``)
 and its shards, or a directory holding one ``.safetensors`` file.  Only the headers are
-parsed up front; each tensor is then read with plain file reads into a fresh buffer, so
-the process never maps the source files and its memory holds one tensor at a time, not
-the touched pages of a multi-GB mapping.
+parsed up front; each tensor is then read with plain file reads (never a mapping, whose
+touched pages would stay resident), so memory holds one tensor at a time.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -25,6 +24,8 @@ from hyper_parallel_dcp.storage_fs.safetensors_stream import (
     read_header,
     tensor_bytes,
 )
+
+from .keymap import KeyMapping, map_keys
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -54,11 +55,10 @@ class SafetensorsEntry:
 
 
 def read_safetensors_header(file: Union[str, os.PathLike]) -> list[SafetensorsEntry]:
-    """The tensors of one safetensors file, in file order (by data offset).
+    """The tensors of one safetensors file, in file order (by data offset), parsed by the
+    checkpoint reader's own header parser (both accept the same files).
 
-    Parsed by the checkpoint reader's own header parser
-    (``hyper_parallel_dcp.storage_fs.safetensors_stream.read_header``), so both accept
-    the same files.  Raises ``CheckpointNotFoundError`` when the file is missing,
+    Raises ``CheckpointNotFoundError`` when the file is missing,
     ``CorruptCheckpointError`` naming the file when the header is malformed or points
     outside the file, and ``CheckpointFormatError`` naming the tensor when its dtype
     has no torch equivalent.
@@ -75,7 +75,8 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> list[SafetensorsEn
     for name, entry in header.items():
         dtype = _DTYPES.get(entry.dtype)
         if dtype is None:
-            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {entry.dtype}, which this tool cannot convert")
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has dtype {entry.dtype}, "
+                                        "which this tool cannot convert")
         entries.append(SafetensorsEntry(name, path, dtype, entry.shape, entry.begin, entry.end - entry.begin))
     entries.sort(key=lambda e: e.start)
     return entries
@@ -118,7 +119,8 @@ def _scan_index(index: Path) -> dict[str, SafetensorsEntry]:
         entries = {e.name: e for e in read_safetensors_header(file)}
         for name in shards[shard]:
             if name not in entries:
-                raise CheckpointFormatError(f"{index.name} maps tensor {name!r} to {shard}, but {file} does not hold it")
+                raise CheckpointFormatError(f"{index.name} maps tensor {name!r} to {shard}, "
+                                            f"but {file} does not hold it")
         for name, entry in entries.items():
             mapped = weight_map.get(name)
             if mapped != shard:
@@ -173,12 +175,11 @@ def read_entry(entry: SafetensorsEntry, out: Optional[torch.Tensor] = None) -> t
     Raises :class:`CorruptCheckpointError` naming the file and tensor when the file ends
     early, ``ValueError`` when ``out`` does not fit.
     """
-    if out is None:
-        tensor = torch.empty(entry.shape, dtype=entry.dtype)
-    elif tuple(out.shape) != entry.shape or out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(f"{entry.name!r}: cannot read {entry.dtype} {list(entry.shape)} into {out.dtype} {list(out.shape)}")
-    else:
-        tensor = out
+    tensor = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
+    if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype or not tensor.is_contiguous() or (
+            tensor.device.type != "cpu"):
+        raise ValueError(f"{entry.name!r}: cannot read {entry.dtype} {list(entry.shape)} "
+                         f"into {tensor.dtype} {list(tensor.shape)}")
     view = tensor_bytes(tensor)
     done = 0
     with open(entry.file, "rb", buffering=0) as f:
@@ -193,7 +194,8 @@ def read_entry(entry: SafetensorsEntry, out: Optional[torch.Tensor] = None) -> t
     return tensor
 
 
-def parse_checkpoint_from_huggingface(path: Union[str, os.PathLike], *, key_mapping: Any = None) -> dict[str, torch.Tensor]:
+def parse_checkpoint_from_huggingface(path: Union[str, os.PathLike], *,
+                                      key_mapping: KeyMapping = None) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face safetensors checkpoint, loaded into memory.
 
     ``path`` is as for :func:`scan_huggingface_checkpoint`; ``key_mapping`` renames or drops
@@ -201,7 +203,5 @@ def parse_checkpoint_from_huggingface(path: Union[str, os.PathLike], *, key_mapp
     their memory (nothing stays mapped).  Raises what :func:`scan_huggingface_checkpoint`
     and :func:`read_entry` raise.
     """
-    from .keymap import map_keys
-
     entries = scan_huggingface_checkpoint(path)
     return {new: read_entry(entries[old]) for old, new in map_keys(entries, key_mapping).items()}

@@ -31,8 +31,8 @@ from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
 from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, write_safetensors
 
 from .hf_source import INDEX_SUFFIX, SINGLE_FILE
+from .options import parse_size
 from .progress import ConversionReport, Progress
-from .sizes import parse_size
 
 __all__ = ["HFShardPlan", "TensorSpec", "plan_huggingface_shards", "write_huggingface_checkpoint"]
 
@@ -116,16 +116,10 @@ def _remove_stale(dst: Path, plan: HFShardPlan) -> None:
             logger.info("removed %s from an earlier export", entry.path)
 
 
-def write_huggingface_checkpoint(
-    dst: Union[str, os.PathLike],
-    specs: Sequence[TensorSpec],
-    fetch: Callable[[str], torch.Tensor],
-    max_shard_size: Union[int, str] = "5GB",
-    *,
-    report: Optional[ConversionReport] = None,
-    progress: bool = False,
-    sync_files: bool = True,
-) -> ConversionReport:
+def write_huggingface_checkpoint(dst: Union[str, os.PathLike], specs: Sequence[TensorSpec],
+                                 fetch: Callable[[str], torch.Tensor], max_shard_size: Union[int, str] = "5GB", *,
+                                 report: Optional[ConversionReport] = None, progress: bool = False,
+                                 sync_files: bool = True) -> ConversionReport:
     """Write the tensors named by ``specs`` as a Hugging Face checkpoint in ``dst``.
 
     ``fetch(name)`` is called once per tensor, just before it is written, and must return
@@ -147,18 +141,13 @@ def write_huggingface_checkpoint(
                 bar.advance(by_name[name].nbytes)
                 return tensor
 
-            entries = [
-                TensorEntry(name, by_name[name].dtype, by_name[name].shape, (lambda n=name: produce(n)),
-                            label=f"tensor {name!r} of {file}")
-                for name in names
-            ]
+            entries = [TensorEntry(name, by_name[name].dtype, by_name[name].shape, (lambda n=name: produce(n)),
+                                   label=f"tensor {name!r} of {file}") for name in names]
             write_file_atomic(root / file, functools.partial(write_safetensors, entries=entries), sync_files)
             report.files.append(file)
         if plan.is_sharded:
-            index = {
-                "metadata": {"total_parameters": plan.total_parameters, "total_size": plan.total_size},
-                "weight_map": plan.weight_map(),
-            }
+            index = {"metadata": {"total_parameters": plan.total_parameters, "total_size": plan.total_size},
+                     "weight_map": plan.weight_map()}
             text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
             write_file_atomic(root / INDEX_FILE, lambda f: f.write(text), sync_files)
             report.files.append(INDEX_FILE)

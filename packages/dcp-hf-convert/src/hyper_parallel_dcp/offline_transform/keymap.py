@@ -21,8 +21,7 @@ def prefix_rules(rules: Mapping[str, str]) -> Callable[[str], str]:
 
     def apply(key: str) -> str:
         for old, new in ordered:
-            if key.startswith(old):
-                key = new + key[len(old):]
+            key = new + key[len(old):] if key.startswith(old) else key
         return key
 
     return apply

@@ -11,6 +11,7 @@ __all__ = ["ConversionReport", "Progress", "format_bytes"]
 
 
 def format_bytes(n: float) -> str:
+    """``512 B``, ``1.50 KiB``, ... (binary units)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -37,6 +38,7 @@ class ConversionReport:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
     def summary(self) -> str:
+        """One line: tensors, objects, bytes, seconds, throughput, destination and files."""
         extra = f", {self.objects} non-tensor entries" if self.objects else ""
         return (
             f"{self.tensors} tensors{extra}, {format_bytes(self.bytes)} in {self.seconds:.2f} s "

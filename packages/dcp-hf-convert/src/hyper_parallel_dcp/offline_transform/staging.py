@@ -1,11 +1,10 @@
-"""One reusable host buffer for streaming conversions.
+"""One reusable host buffer for streaming conversions: :class:`StagingBuffer`.
 
 A streaming conversion produces one tensor, writes it, and only then produces the next,
-so a single buffer sized for the largest tensor can hold every one of them in turn.
-Measured on the dev machine: allocating a fresh 16 MiB tensor per tensor left the glibc
-heap holding 7–8 freed tensors (RSS grew by 128 MiB for a 256 MiB checkpoint, and did
-not come back); with this buffer the growth is the buffer itself.  It also saves the
-page faults of touching new memory for every tensor.
+so one buffer sized for the largest tensor holds each of them in turn.  perf: the HF
+conversion rows; a fresh 16 MiB tensor per tensor left the glibc heap holding 7–8 freed
+tensors (RSS +128 MiB for a 256 MiB checkpoint, never returned), and cost the page
+faults of touching new memory each time.
 """
 
 from __future__ import annotations
@@ -14,20 +13,20 @@ import math
 
 import torch
 
+from hyper_parallel_dcp.storage_fs.safetensors_stream import tensor_bytes
+
 __all__ = ["StagingBuffer"]
 
 
 class StagingBuffer:
-    """``view(shape, dtype)`` → a tensor over the start of one shared byte buffer.
-
-    The view is valid until the next ``view`` call (the caller must be done with it by
-    then).  The buffer grows when a larger view is asked for.
-    """
+    """Tensors over the start of one shared byte buffer, each valid until the next call
+    (the caller must be done with it by then); the buffer grows when a larger one is asked for."""
 
     def __init__(self, nbytes: int = 0) -> None:
         self._buffer = torch.empty(max(nbytes, 0), dtype=torch.uint8)
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` viewing the buffer."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self._buffer.numel():
             self._buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
@@ -37,10 +36,7 @@ class StagingBuffer:
     def exact(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Like :meth:`view`, but the tensor's storage is exactly its own bytes, so
         ``torch.save`` of it writes those and not the whole buffer."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes == 0:
+        if math.prod(shape) == 0:
             return torch.empty(shape, dtype=dtype)
-        self.view(shape, dtype)  # grow if needed
-        from hyper_parallel_dcp.storage_fs.safetensors_stream import tensor_bytes
-
-        return torch.frombuffer(tensor_bytes(self._buffer)[:nbytes], dtype=dtype).view(shape)
+        view = self.view(shape, dtype)
+        return torch.frombuffer(tensor_bytes(self._buffer)[:view.nbytes], dtype=dtype).view(shape)

@@ -1,11 +1,10 @@
 """Full checkpoints (Hugging Face safetensors, ``torch.save`` files, in-memory dicts) → DCP.
 
-One path: the ordinary single-process save (``save_state_dict`` with a
-``FileSystemWriter``, ``no_dist=True``), which writes ``.metadata`` atomically.  For a
-file source the state dict handed to the planner holds only *meta* tensors (shape and
-dtype); :class:`StreamingSavePlanner` reads each tensor from the source when the storage
-writer asks for it, and the writer writes it before asking for the next, so one reused
-buffer sized for the largest tensor holds every tensor in turn — not the model.
+One path: the ordinary single-process save (``save_state_dict``, ``no_dist=True``), which
+writes ``.metadata`` atomically.  For a file source the planned state dict holds only
+*meta* tensors; :class:`StreamingSavePlanner` reads each tensor from the source when the
+storage writer asks for it, and the writer writes it before asking for the next, so one
+reused buffer sized for the largest tensor holds every tensor in turn, not the model.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from hyper_parallel_dcp.core.pipeline import save_state_dict
 from hyper_parallel_dcp.core.planner import WriteItem, WriteItemType
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 
-from .hf_source import read_entry, read_safetensors_header, scan_huggingface_checkpoint
+from .hf_source import read_entry, scan_huggingface_checkpoint
 from .keymap import KeyMapping, map_keys
 from .progress import ConversionReport, Progress
 from .staging import StagingBuffer
@@ -53,24 +52,21 @@ class StreamingSavePlanner(StandardSavePlanner):
         self._on_tensor = on_tensor
 
     def resolve_data(self, write_item: WriteItem) -> Any:
-        if write_item.type is not WriteItemType.TENSOR:
-            return super().resolve_data(write_item)
-        if self._fetch is None:
-            tensor = super().resolve_data(write_item)
-            if self._on_tensor is not None:
-                self._on_tensor(write_item.nbytes)
-            return tensor
-        fqn = write_item.index.fqn
-        tensor = self._fetch(fqn)
-        if write_item.sizes is not None and tuple(tensor.shape) != write_item.sizes:
-            raise ValueError(f"{fqn!r}: the source gave shape {list(tensor.shape)}, planned {list(write_item.sizes)}")
-        if self._on_tensor is not None:
+        if write_item.type is not WriteItemType.TENSOR or self._fetch is None:
+            data = super().resolve_data(write_item)
+        else:
+            fqn = write_item.index.fqn
+            data = self._fetch(fqn)
+            if write_item.sizes is not None and tuple(data.shape) != write_item.sizes:
+                raise ValueError(f"{fqn!r}: the source gave shape {list(data.shape)}, planned {list(write_item.sizes)}")
+        if write_item.type is WriteItemType.TENSOR and self._on_tensor is not None:
             self._on_tensor(write_item.nbytes)
-        return tensor
+        return data
 
 
-def _save(plan_sd: dict[str, Any], dst: PathLike, fetch: Optional[Callable[[str], torch.Tensor]],
-          report: ConversionReport, progress: bool, desc: str) -> ConversionReport:
+def _save(plan_sd: dict[str, Any], src: Any, dst: PathLike, fetch: Optional[Callable[[str], torch.Tensor]],
+          progress: bool, desc: str) -> ConversionReport:
+    report = ConversionReport(str(src), str(dst))
     total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
     report.objects = sum(1 for t in plan_sd.values() if not is_tensor_leaf(t))
     with Progress(report, total, desc, progress) as bar:
@@ -93,19 +89,15 @@ def full_state_dict_to_dcp_format(state_dict: Mapping[str, Any], dst: PathLike, 
     flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
     names = map_keys(flat, key_mapping)
     plan_sd = {new: flat[old] for old, new in names.items()}
-    report = ConversionReport("<state_dict>", str(dst))
-    return _save(plan_sd, dst, None, report, progress, "state_dict -> DCP")
+    return _save(plan_sd, "<state_dict>", dst, None, progress, "state_dict -> DCP")
 
 
-def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool,
-                      single_file: bool) -> ConversionReport:
-    if single_file:
-        entries = {e.name: e for e in read_safetensors_header(src)}
-    else:
-        entries = scan_huggingface_checkpoint(src)
+def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool) -> ConversionReport:
+    entries = scan_huggingface_checkpoint(src)
     names = map_keys(entries, key_mapping)
     source_of = {new: old for old, new in names.items()}
-    plan_sd = {new: torch.empty(entries[old].shape, dtype=entries[old].dtype, device="meta") for old, new in names.items()}
+    plan_sd = {new: torch.empty(entries[old].shape, dtype=entries[old].dtype, device="meta")
+               for old, new in names.items()}
     # The writer writes each tensor before it asks for the next: one buffer serves all.
     buffer = StagingBuffer(max((e.nbytes for e in entries.values()), default=0))
 
@@ -113,8 +105,7 @@ def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, pro
         entry = entries[source_of[fqn]]
         return read_entry(entry, out=buffer.view(entry.shape, entry.dtype))
 
-    report = ConversionReport(str(src), str(dst))
-    return _save(plan_sd, dst, fetch, report, progress, "HF -> DCP")
+    return _save(plan_sd, src, dst, fetch, progress, "HF -> DCP")
 
 
 def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool) -> ConversionReport:
@@ -138,9 +129,8 @@ def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, prog
         previous.append(tensor)
         return tensor
 
-    report = ConversionReport(str(src), str(dst))
     try:
-        return _save(plan_sd, dst, fetch, report, progress, "torch -> DCP")
+        return _save(plan_sd, src, dst, fetch, progress, "torch -> DCP")
     finally:
         if releaser is not None and previous:
             releaser.release(previous.pop())
@@ -163,9 +153,9 @@ def convert_full_checkpoint_to_dcp(src: PathLike, dst: PathLike, src_platform: s
     """
     platform = src_platform.lower()
     if platform in ("huggingface", "hf"):
-        return _from_safetensors(src, dst, key_mapping, progress, single_file=False)
+        return _from_safetensors(src, dst, key_mapping, progress)
     if platform in ("torch", "pytorch", "pt"):
         if Path(src).suffix == ".safetensors":
-            return _from_safetensors(src, dst, key_mapping, progress, single_file=True)
+            return _from_safetensors(src, dst, key_mapping, progress)
         return _from_torch_file(src, dst, key_mapping, progress)
     raise ValueError(f"src_platform must be 'huggingface' or 'torch', got {src_platform!r}")

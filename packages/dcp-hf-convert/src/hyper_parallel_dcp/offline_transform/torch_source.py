@@ -38,7 +38,8 @@ def load_torch_checkpoint(path: Union[str, os.PathLike]) -> tuple[Any, bool]:
     """
     file = Path(path)
     if not file.is_file():
-        raise CheckpointNotFoundError(f"PyTorch checkpoint file {file} does not exist (src_platform='torch' wants a file)")
+        raise CheckpointNotFoundError(f"PyTorch checkpoint file {file} does not exist "
+                                      "(src_platform='torch' wants a file)")
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True), True
     except RuntimeError as exc:

@@ -1,0 +1,126 @@
+"""The ``hp-dcp`` commands over a root of step directories: ``latest``, ``ls`` and ``clean``.
+
+Storage access goes through :mod:`hyper_parallel_dcp.step_storage` (``ls``, ``clean``) and
+``storage_fs.integrity.find_latest_checkpoint`` (``latest``).  Exports the three
+``run_*`` functions and :func:`format_age`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from hyper_parallel_dcp.step_storage import step_storage_for
+
+from ._common import EXIT_OK, EXIT_PROBLEM, UsageError, existing_dir, format_bytes, print_json, print_table
+
+__all__ = ["format_age", "run_clean", "run_latest", "run_ls"]
+
+
+def format_age(seconds: float) -> str:
+    """A short age: ``42s``, ``3m12s``, ``2h05m``, ``4d03h``."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _leftover_json(item: Any, with_bytes: bool = True) -> dict[str, Any]:
+    doc = {"step": item.step, "kind": item.kind, "path": item.location}
+    return {**doc, "bytes": item.bytes} if with_bytes else doc
+
+
+def run_latest(args: Any) -> int:
+    """Print the newest complete checkpoint's path (exit 0), or say that none is (exit 1)."""
+    from hyper_parallel_dcp.storage_fs.integrity import find_latest_checkpoint
+
+    root = existing_dir(args.root, "checkpoint root")
+    latest = find_latest_checkpoint(root)
+    if args.json:
+        print_json({"root": str(root), "latest": str(latest) if latest is not None else None})
+    elif latest is not None:
+        print(latest)
+    else:
+        print(f"no complete checkpoint under {root} (looked for subdirectories whose names end in a step number)",
+              file=sys.stderr)
+    return EXIT_OK if latest is not None else EXIT_PROBLEM
+
+
+def _metrics_text(metrics: Any) -> str:
+    if not isinstance(metrics, dict):
+        return ""
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items()))
+
+
+def run_ls(args: Any) -> int:
+    """List the steps and the leftovers of interrupted saves (exit 0); changes nothing."""
+    root = existing_dir(args.root, "checkpoint root")
+    steps = step_storage_for(root)
+    now = time.time()
+    rows: list[dict[str, Any]] = []
+    for entry in steps.list_steps():
+        info = steps.read_info(entry.step) or {}
+        saved_at = steps.saved_at(entry.step)
+        rows.append({
+            "step": entry.step,
+            "path": entry.location,
+            "complete": entry.complete,
+            "bytes": steps.size_bytes(entry.step),
+            "saved_at": saved_at,
+            "age_s": None if saved_at is None else round(now - saved_at, 3),
+            "metrics": info.get("metrics") if isinstance(info.get("metrics"), dict) else {},
+        })
+    complete = [r["step"] for r in rows if r["complete"]]
+    latest = complete[-1] if complete else None
+    # Listed without probing the save locks (ls changes nothing): a running save shows here too.
+    leftovers = steps.find_leftovers(older_than=latest, check_running=False)
+    if args.json:
+        print_json({"root": str(root), "latest": latest, "steps": rows,
+                    "leftovers": [_leftover_json(x) for x in leftovers]})
+        return EXIT_OK
+    if not rows:
+        print(f"{root}: no step_N directories")
+    else:
+        print_table(["step", "complete", "size", "age", "metrics"],
+                    [(r["step"], "yes" if r["complete"] else "NO", format_bytes(r["bytes"]),
+                      "" if r["age_s"] is None else format_age(r["age_s"]), _metrics_text(r["metrics"]))
+                     for r in rows], right=(0, 2, 3))
+        print(f"\n{len(complete)} complete of {len(rows)}; latest complete: "
+              f"{'none' if latest is None else f'step {latest}'}")
+    if leftovers:
+        print(f"{len(leftovers)} leftover(s) of interrupted saves ({format_bytes(sum(x.bytes for x in leftovers))}), "
+              f"unless a save is running now: 'hp-dcp clean {root}' removes those of dead saves")
+    return EXIT_OK
+
+
+def run_clean(args: Any) -> int:
+    """Remove (with ``--dry-run``: list) the leftovers of dead saves; exit 1 when one is in use."""
+    root = existing_dir(args.root, "checkpoint root")
+    if args.grace < 0:
+        raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
+    steps = step_storage_for(root)
+    complete = [e.step for e in steps.list_steps() if e.complete]
+    newest = complete[-1] if complete else None
+    removed: list[Any] = []
+    kept: list[Any] = []
+    for item in steps.find_leftovers(older_than=newest, grace=args.grace):
+        (removed if args.dry_run or steps.remove_leftover(item) else kept).append(item)
+    total = sum(x.bytes for x in removed)
+    if args.json:
+        print_json({"root": str(root), "dry_run": bool(args.dry_run), "removed": [_leftover_json(x) for x in removed],
+                    "in_use": [_leftover_json(x, with_bytes=False) for x in kept], "bytes": total})
+        return EXIT_PROBLEM if kept else EXIT_OK
+    verb = "would remove" if args.dry_run else "removed"
+    for x in removed:
+        what = f"{len(x.paths)} file(s) in " if x.kind == "mailbox" else ""
+        print(f"{verb} {x.kind:<10} {format_bytes(x.bytes):>10}  {what}{x.location}")
+    for x in kept:
+        print(f"in use, left {x.kind:<10} {x.location}")
+    print(f"{verb} {len(removed)} leftover(s), {format_bytes(total)}"
+          + ("" if newest is not None else "; no complete step, so incomplete step directories were kept"))
+    return EXIT_PROBLEM if kept else EXIT_OK
