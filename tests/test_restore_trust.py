@@ -5,7 +5,6 @@ says so when there is nothing to resume, and takes ``load``'s options."""
 from __future__ import annotations
 
 import logging
-import os
 import struct
 from pathlib import Path
 
