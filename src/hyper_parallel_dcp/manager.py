@@ -91,6 +91,10 @@ def _check_metrics(metrics: Any) -> dict[str, Any]:
     return out
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB ({nbytes} bytes)"
+
+
 def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
     """``None`` for a load that worked, else (whether the step is damaged, what failed).
 
@@ -242,12 +246,18 @@ class CheckpointManager:
 
         self._land(dw, f"checkpoint manager: land the previous save, prepare step {step}", write_info, expand)
         location = self._steps.location(step)
+        started = time.perf_counter()
         if self.async_save:
             self._used_async = True
             staging_error: Optional[BaseException] = None
             try:
-                self._inflight = (step, async_persist.async_save(state_dict, checkpoint_id=location,
-                                                                 use_gloo=self._async_needs_gloo(location)))
+                response = async_persist.async_save(state_dict, checkpoint_id=location,
+                                                    use_gloo=self._async_needs_gloo(location))
+                self._inflight = (step, response)
+                if dw.is_coordinator:
+                    logger.info("checkpoint manager: step %d staged for %s: %s (rank %d) in %.3f s; it lands in "
+                                "the background", step, location, _mib(response.staging.staged_bytes), dw.rank,
+                                time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
                 staging_error = exc
             # One collective: a staging error on any rank is raised on all of them (none is left
@@ -261,7 +271,10 @@ class CheckpointManager:
                 self._settle_failed_step()
                 raise
         else:
-            api.save(expanded[0], checkpoint_id=location)
+            metadata = api.save(expanded[0], checkpoint_id=location)
+            if dw.is_coordinator:
+                logger.info("checkpoint manager: step %d landed in %s: %s in %.3f s", step, location,
+                            _mib(sum(metadata.files.values())), time.perf_counter() - started)
             self._retention_due = True
             self._landed_step = step
             self._retain(dw, protected=frozenset())
