@@ -42,7 +42,6 @@ from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSa
 from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, StepStorage, parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.backend import local_path
 from hyper_parallel_dcp.storage_fs.commit import SaveLock
-from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
 __all__ = ["FileSystemSteps", "step_storage_for"]
 
@@ -147,6 +146,9 @@ class FileSystemSteps:
 
     def completeness_problems(self, step: int) -> list[str]:
         """Why ``step`` would not load (metadata and file sizes, no data read); empty when fine."""
+        # imported here: parsing metadata needs torch, which hp-dcp ls and clean never import
+        from hyper_parallel_dcp.storage_fs.integrity import check_complete
+
         report = check_complete(self.location(step))
         if report.complete and report.metadata is not None and self.is_complete(step):
             return []
