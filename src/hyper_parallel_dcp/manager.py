@@ -91,17 +91,11 @@ def _check_metrics(metrics: Any) -> dict[str, Any]:
     return out
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB ({nbytes} bytes)"
-
-
 def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
     """``None`` for a load that worked, else (whether the step is damaged, what failed).
 
-    Damage is what ``hp-dcp verify`` finds: a checksum or header that does not match
-    (:class:`CorruptCheckpointError`), metadata that does not parse
-    (:class:`CheckpointFormatError`), a file missing, short or unreadable (``OSError``).
-    A key the step lacks or a shape that differs is the caller's to fix, not damage.
+    Damage is what ``hp-dcp verify`` finds: a checksum or header that does not match, metadata
+    that does not parse, a file missing, short or unreadable; a missing key is not.
     """
     if error is None:
         return None
@@ -255,8 +249,9 @@ class CheckpointManager:
                                                     use_gloo=self._async_needs_gloo(location))
                 self._inflight = (step, response)
                 if dw.is_coordinator:
-                    logger.info("checkpoint manager: step %d staged for %s: %s (rank %d) in %.3f s; it lands in "
-                                "the background", step, location, _mib(response.staging.staged_bytes), dw.rank,
+                    staged = response.staging.staged_bytes
+                    logger.info("checkpoint manager: step %d staged for %s: %.1f MiB (%d bytes) (rank %d) in %.3f s; "
+                                "it lands in the background", step, location, staged / 2**20, staged, dw.rank,
                                 time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
                 staging_error = exc
@@ -273,8 +268,9 @@ class CheckpointManager:
         else:
             metadata = api.save(expanded[0], checkpoint_id=location)
             if dw.is_coordinator:
-                logger.info("checkpoint manager: step %d landed in %s: %s in %.3f s", step, location,
-                            _mib(sum(metadata.files.values())), time.perf_counter() - started)
+                written = sum(metadata.files.values())
+                logger.info("checkpoint manager: step %d landed in %s: %.1f MiB (%d bytes) in %.3f s", step, location,
+                            written / 2**20, written, time.perf_counter() - started)
             self._retention_due = True
             self._landed_step = step
             self._retain(dw, protected=frozenset())
@@ -400,30 +396,25 @@ class CheckpointManager:
         return values
 
     def location(self, step: int) -> str:
-        """The ``checkpoint_id`` of ``step`` (``root/step_N``), for ``save``/``load`` and ``hp-dcp``.
-
-        Raises ``ValueError`` for a negative or non-integer step.
-        """
+        """The ``checkpoint_id`` of ``step`` (``root/step_N``); ``ValueError`` for a bad step."""
         return self._steps.location(_check_step(step))
 
     def restore(self, state_dict: dict[str, Any], step: Optional[int] = None, *, verify: bool = True,
                 required: bool = False, **load_kwargs: Any) -> Optional[int]:
         """Load the newest complete, intact step (or ``step``) into ``state_dict`` in place; returns it.
 
-        Candidates are the steps with a committed ``.metadata``, newest first.  One whose
-        metadata or file sizes are wrong is skipped before any data is read; the chosen one
-        is loaded with ``verify`` (checksums checked as the bytes are read).  A step that
-        fails to load because it is damaged (a checksum, a header, a missing or short file:
-        :class:`CorruptCheckpointError`, :class:`CheckpointFormatError`, ``OSError``) on any
-        rank is skipped on every rank with a warning naming the step, the file and the
-        failure, and the next older step is loaded in its place.  The state dict may then
-        hold values of the damaged step, but every key the loaded step holds is
-        overwritten; with ``allow_partial_load=True`` a key the loaded step lacks keeps
-        what it held, which may be the damaged step's value.  ``load_kwargs`` go to
-        :func:`hyper_parallel_dcp.load` (``allow_partial_load``, ``planner``, broadcast
+        Candidates are the steps with a committed ``.metadata``, newest first; one whose
+        metadata or file sizes are wrong is skipped before any data is read, the chosen one
+        is loaded with ``verify`` (checksums checked as the bytes are read).  A step damaged
+        on any rank (:class:`CorruptCheckpointError`, :class:`CheckpointFormatError`,
+        ``OSError``: a checksum, a header, a missing or short file) is skipped on every rank
+        with a warning naming the step, the file and the failure, and the next older step
+        is loaded instead.  The state dict may then hold values of the damaged step; every
+        key the loaded step holds is overwritten, and with ``allow_partial_load=True`` a key
+        it lacks keeps what it held, possibly the damaged step's value.  ``load_kwargs`` go
+        to :func:`hyper_parallel_dcp.load` (``allow_partial_load``, ``planner``, broadcast
         settings).  The step is held against deletion while it loads; a save in flight is
-        waited for first.  Collective, like ``load``; the target layout may differ from the
-        saved one.
+        waited for first.  Collective, like ``load``; any target layout.
 
         Returns ``None`` when there is nothing to resume (a missing root, no complete step,
         every step damaged), after logging one line naming the root; with ``required=True``
@@ -466,9 +457,9 @@ class CheckpointManager:
             if wanted is not None or not all(damaged for damaged, _ in failed.values()):
                 if error is not None:
                     raise error
-                raise CheckpointException(f"restore step {chosen}", {r: text for r, (_, text) in failed.items()})
+                raise CheckpointException(f"restore step {chosen}", {r: t for r, (_, t) in failed.items()})
+            texts = {r: text for r, (_, text) in failed.items()}
             if dw.is_coordinator:
-                texts = {r: text for r, (_, text) in failed.items()}
                 logger.warning("checkpoint manager: step %d under %s is damaged, loading the next older step "
                                "instead: %s", chosen, self.root, next(iter(texts.values()))
                                if len(set(texts.values())) == 1 else describe_failures(texts))
@@ -476,9 +467,8 @@ class CheckpointManager:
 
     def _choose_step(self, held: ExitStack, wanted: Optional[int], skipped: list[int],
                      _gathered: Any = None) -> tuple[Optional[int], list[int]]:
-        """On the coordinator: ``wanted``, or the newest complete step not in ``skipped`` whose
-        metadata and file sizes are whole, held against deletion in ``held`` (``None``: no
-        such step); and ``skipped`` with the steps skipped here added."""
+        """On the coordinator: ``wanted`` or the newest whole complete step not ``skipped`` (held
+        in ``held``; ``None``: none), and ``skipped`` with the steps skipped here added."""
         skipped = list(skipped)
         if wanted is not None:
             problems = self._steps.completeness_problems(wanted)
