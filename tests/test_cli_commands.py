@@ -269,7 +269,8 @@ def test_convert_delegates_to_the_converter(ckpts: Path, tmp_path: Path) -> None
     from safetensors.torch import load_file
 
     out_dir = tmp_path / "hf"
-    out = hp_dcp("convert", "dcp-to-hf", str(ckpts / "step_10"), str(out_dir), "--quiet")
+    # --all: every tensor (the default for this trainer-shaped checkpoint is the model's weights only)
+    out = hp_dcp("convert", "dcp-to-hf", str(ckpts / "step_10"), str(out_dir), "--all", "--quiet")
     assert out.returncode == 0, out.stdout + out.stderr
     exported: dict[str, torch.Tensor] = {}
     for f in out_dir.glob("*.safetensors"):

@@ -168,7 +168,7 @@ def test_step_dir_without_metadata_among_complete_ones(tmp_path: Path) -> None:
     with CheckpointManager(root, keep_last=3) as mgr:
         mgr.save(1, _state(1))
         mgr.save(3, _state(3))
-        # an interrupted save of step 2 (only checkpoint files) and a user's step_4 with notes
+        # an interrupted save of step 2 (only checkpoint files) and a hand-made step_4 with notes
         (root / "step_2").mkdir()
         (root / "step_2" / "_rank0_.safetensors.hp-dcp-tmp").write_bytes(b"\0" * 100)
         (root / "step_2" / "LOCAL_PLAN_1.pkl").write_bytes(b"x")
@@ -184,10 +184,10 @@ def test_step_dir_without_metadata_among_complete_ones(tmp_path: Path) -> None:
         _check_state(sd, 3)
         with pytest.raises(CheckpointNotFoundError, match="step 2"):
             mgr.restore(sd, step=2)
-        mgr.save(5, _state(5))  # a newer complete step: the interrupted save of 2 is cleaned
+        mgr.save(5, _state(5))  # a newer complete step: the step directories without .metadata go
         assert mgr.all_steps() == [1, 3, 5]
     assert not (root / "step_2").exists()
-    assert (root / "step_4" / "notes.txt").read_text() == "mine"  # not ours: kept
+    assert not (root / "step_4").exists()  # step_N is the manager's name, whatever it holds (SPEC §10)
     assert (root / "step_0" / "0.metadata").is_file()
 
 

@@ -81,7 +81,7 @@ def test_manager_loop_retention_leftovers_restore_and_tools_on_s3(s3_test_env, m
     # hp-dcp ls: every step, complete or not, with metrics; an incomplete older step is a leftover
     store.put("loop/step_2/_rank0_.safetensors", b"partial")
     capsys.readouterr()
-    assert hp_dcp(["ls", root, "--json"]) == 0
+    assert hp_dcp(["ls", root, "--json", "--grace", "0"]) == 0  # as clean --dry-run --grace 0 below
     doc = json.loads(capsys.readouterr().out)
     assert [(s["step"], s["complete"]) for s in doc["steps"]] == [(2, False), (4, True), (5, True), (6, True)]
     assert doc["latest"] == 6 and doc["steps"][2]["metrics"] == {"loss": 0.2}

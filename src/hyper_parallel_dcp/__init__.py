@@ -57,4 +57,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    """The API only (what tab completion shows), not this module's own imports."""
+    return list(__all__)

@@ -3,9 +3,13 @@
 A tiny language model is sharded tensor-parallel over 4 gloo processes whose training
 loop checkpoints through :class:`CheckpointManager` (every 250 steps, keeping the last 2),
 once with synchronous and once with asynchronous saves; 2 processes with a different
-layout ``restore`` the newest step of both runs and check every value; that checkpoint is
-exported to Hugging Face safetensors in one process and checked again.  Each phase
-prints its wall time.
+layout ``restore`` the newest step of both runs and check every value; the model's weights
+of that checkpoint are exported to Hugging Face safetensors in one process and checked
+again.  Each phase prints its wall time; a save's row is what ``save`` blocks training for
+(the sync save's whole write, the async save's host copy), and the async saves also say
+when their checkpoint had landed.  ``--keep DIR`` writes the checkpoints under ``DIR`` and
+keeps them (the last lines say where); without it they go to a temporary directory that is
+removed at the end.
 """
 
 from __future__ import annotations
@@ -87,7 +91,13 @@ TRAIN_STEPS, SAVE_EVERY, KEEP = 1000, 250, 2
 
 
 def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -> dict[str, float]:
-    """Two training loops that checkpoint through a CheckpointManager (sync, then async)."""
+    """Two training loops that checkpoint through a CheckpointManager (sync, then async).
+
+    Each row is the slowest save of its kind: what ``save`` blocks training for and, for the
+    async loop, how long after the call the checkpoint has landed.  A real loop trains
+    while an async save lands; this one has no compute, so it waits for the landing right
+    after the save (timed as "landed after"), and the next save does not wait for it.
+    """
     import hyper_parallel_dcp as dcp
 
     reference = reference_state_dict()
@@ -102,31 +112,34 @@ def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -
             saves = 0
             for step in range(1, TRAIN_STEPS + 1):
                 # (forward, backward and optimizer step would be here; the weights stay the reference's)
-                for name, shard in shards.items():
-                    if use_async and step % SAVE_EVERY == 0:
+                if use_async and step % SAVE_EVERY == 0:
+                    for name, shard in shards.items():
                         shard.copy_(trained[name])
                 sd["train"]["step"] = step
                 start = time.perf_counter()
-                if mgr.save(step, sd, metrics={"loss": 1.0 / step}):
-                    seconds = time.perf_counter() - start
-                    saves += 1
-                    if saves == 1:
-                        name = f"{label} save #1 (plans{', starts the writer' if use_async else ''})"
-                    else:
-                        waits = ", waits for the previous to land" if use_async else ""
-                        name = f"{label} save, later (plan cache{waits})"
-                    timings[name] = max(timings.get(name, 0.0), seconds)
-                    if use_async:
-                        # training goes on at once: the staged copy is independent of these tensors
-                        # (the checkpoint of the last step lands while they are zero)
-                        for shard in shards.values():
-                            shard.zero_()
-            _timed(timings, f"{label} wait (landed, retention done)", mgr.wait)
+                if not mgr.save(step, sd, metrics={"loss": 1.0 / step}):
+                    continue
+                blocked = time.perf_counter() - start
+                saves += 1
+                kind = (f"save #1 (plans{', starts the writer' if use_async else ''})" if saves == 1
+                        else "save, later (plan cache)")
+                _slowest(timings, f"{label} {kind}: blocks training", blocked)
+                if use_async:
+                    # training goes on at once: the staged copy is independent of these tensors
+                    # (the checkpoint lands while they are zero)
+                    for shard in shards.values():
+                        shard.zero_()
+                    mgr.wait()
+                    _slowest(timings, f"{label} {kind}: landed after", time.perf_counter() - start)
             kept = mgr.all_steps()
         expected = list(range(SAVE_EVERY, TRAIN_STEPS + 1, SAVE_EVERY))[-KEEP:]
         if kept != expected:
             raise AssertionError(f"{label} run kept steps {kept}, expected {expected}")
     return timings
+
+
+def _slowest(timings: dict[str, float], name: str, seconds: float) -> None:
+    timings[name] = max(timings.get(name, 0.0), seconds)
 
 
 def _load_worker(rank: int, world_size: int, sync_root: str, async_root: str) -> dict[str, float]:
@@ -158,13 +171,12 @@ def _load_worker(rank: int, world_size: int, sync_root: str, async_root: str) ->
 def _hf_export(sync_dir: str, hf_dir: str) -> dict[str, float]:
     from safetensors.torch import load_file
 
-    from hyper_parallel_dcp.offline_transform import dcp_to_full_state_dict, save_state_dict_as_huggingface_format
+    from hyper_parallel_dcp.offline_transform import convert_dcp_to_huggingface
 
     timings: dict[str, float] = {}
-    full = _timed(timings, "DCP -> full state dict", dcp_to_full_state_dict, sync_dir)
-    weights = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
-    _timed(timings, "HF export (safetensors shards)", save_state_dict_as_huggingface_format, hf_dir, weights,
-           max_shard_size="64KB")
+    # what `hp-dcp-convert dcp-to-hf` does with a trainer checkpoint: the model's weights, 'model.' stripped
+    _timed(timings, "HF export of the model (streaming, shards)", convert_dcp_to_huggingface, sync_dir, hf_dir,
+           "64KB", model_only=True)
     exported: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(hf_dir)):
         if name.endswith(".safetensors"):
@@ -174,6 +186,26 @@ def _hf_export(sync_dir: str, hf_dir: str) -> dict[str, float]:
         raise AssertionError("the Hugging Face export differs from the model")
     timings["HF files written"] = float(len([n for n in os.listdir(hf_dir) if n.endswith(".safetensors")]))
     return timings
+
+
+#: Marks a ``--keep`` directory as the demo's, so that a second run may replace what it holds.
+_MARKER = ".hp-dcp-demo"
+
+
+def _prepare_keep_dir(root: str) -> bool:
+    """Make ``root`` an empty directory of the demo's; False (said why) when it holds files
+    that are not a previous demo run's."""
+    if os.path.isdir(root) and os.listdir(root):
+        if not os.path.isfile(os.path.join(root, _MARKER)):
+            print(f"--keep {root}: the directory is not empty and holds no earlier demo run; pass a new or empty "
+                  "directory", file=sys.stderr)
+            return False
+        print(f"replacing the checkpoints of an earlier demo run in {root}")
+        shutil.rmtree(root)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, _MARKER), "w") as f:
+        f.write("checkpoints written by python -m hyper_parallel_dcp --keep\n")
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     from hyper_parallel_dcp.core.testing import run_distributed
 
     root = args.keep or tempfile.mkdtemp(prefix="hp-dcp-demo-")
-    os.makedirs(root, exist_ok=True)
+    if args.keep and not _prepare_keep_dir(root):
+        return 2
     # The sync run's steps live in root itself (root/step_1000); the async run and the HF export
     # are directories of the user's in that root, which retention leaves alone.
     sync_root, async_root, hf_dir = root, os.path.join(root, "async_run"), os.path.join(root, "hf_export")
@@ -215,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
           f"verified equal after the resharded restores and the HF export ({files} shard files). "
           f"Total {total:.1f} s including process start-up.")
     if args.keep:
-        print(f"Look at them:  hp-dcp ls {root}   hp-dcp latest {root}   hp-dcp inspect {sync_dir}")
+        print(f"The checkpoints are kept in {root}: the sync run's steps in {root}/step_N, the async run's in "
+              f"{async_root}/step_N, the Hugging Face export in {hf_dir}.\n"
+              f"Look at them:  hp-dcp ls {root}   hp-dcp latest {root}   hp-dcp inspect {sync_dir}")
+    else:
+        print(f"The checkpoints under {root} were removed; to keep them: python -m hyper_parallel_dcp --keep DIR")
     print("Per-phase logs of the library itself: HP_LOG_CONFIG=DCP:INFO python -m hyper_parallel_dcp")
     return 0
 

@@ -14,6 +14,8 @@ crash-safe at every moment:
   then runs the retention that landing triggers, while the next save is in flight; so
   ``keep_last + 1`` complete steps can be on disk between a ``save`` and the next call.
 - A save that fails on one rank is raised by that call on every rank, once; the next works.
+- ``restore`` loads with checksums checked; a damaged step (on any rank) is skipped on every
+  rank, with a warning, for the next older one: the ranks agree after each attempt.
 
 All storage access goes through :mod:`hyper_parallel_dcp.step_storage`.  Exports
 :class:`CheckpointManager`.
@@ -21,6 +23,7 @@ All storage access goes through :mod:`hyper_parallel_dcp.step_storage`.  Exports
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -36,7 +39,14 @@ import torch.distributed as dist
 from hyper_parallel_dcp import api, async_persist
 from hyper_parallel_dcp.core.backends import url_scheme
 from hyper_parallel_dcp.core.collectives import DistWrapper
-from hyper_parallel_dcp.core.errors import CheckpointNotFoundError
+from hyper_parallel_dcp.core.errors import (
+    CheckpointException,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CorruptCheckpointError,
+    describe_failures,
+)
 from hyper_parallel_dcp.core.stateful import expand_stateful
 
 from .retention import best_steps, steps_to_delete
@@ -79,6 +89,24 @@ def _check_metrics(metrics: Any) -> dict[str, Any]:
             raise ValueError(f"metric {key!r} must be a number, string, bool or None, got {type(value).__name__}")
         out[key] = value
     return out
+
+
+def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
+    """``None`` for a load that worked, else (whether the step is damaged, what failed).
+
+    Damage is what ``hp-dcp verify`` finds: a checksum or header that does not match, metadata
+    that does not parse, a file missing, short or unreadable; a missing key is not.
+    """
+    if error is None:
+        return None
+    damaged = isinstance(error, (CorruptCheckpointError, CheckpointFormatError, OSError)) and not isinstance(
+        error, TimeoutError)
+    if isinstance(error, CheckpointException):  # raised on every rank alike: say what failed where
+        text = describe_failures({r: e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+                                  for r, e in error.failures.items()})
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return damaged, text
 
 
 class CheckpointManager:
@@ -212,12 +240,19 @@ class CheckpointManager:
 
         self._land(dw, f"checkpoint manager: land the previous save, prepare step {step}", write_info, expand)
         location = self._steps.location(step)
+        started = time.perf_counter()
         if self.async_save:
             self._used_async = True
             staging_error: Optional[BaseException] = None
             try:
-                self._inflight = (step, async_persist.async_save(state_dict, checkpoint_id=location,
-                                                                 use_gloo=self._async_needs_gloo(location)))
+                response = async_persist.async_save(state_dict, checkpoint_id=location,
+                                                    use_gloo=self._async_needs_gloo(location))
+                self._inflight = (step, response)
+                if dw.is_coordinator:
+                    staged = response.staging.staged_bytes
+                    logger.info("checkpoint manager: step %d staged for %s: %.1f MiB (%d bytes) (rank %d) in %.3f s; "
+                                "it lands in the background", step, location, staged / 2**20, staged, dw.rank,
+                                time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
                 staging_error = exc
             # One collective: a staging error on any rank is raised on all of them (none is left
@@ -231,7 +266,11 @@ class CheckpointManager:
                 self._settle_failed_step()
                 raise
         else:
-            api.save(expanded[0], checkpoint_id=location)
+            metadata = api.save(expanded[0], checkpoint_id=location)
+            if dw.is_coordinator:
+                written = sum(metadata.files.values())
+                logger.info("checkpoint manager: step %d landed in %s: %.1f MiB (%d bytes) in %.3f s", step, location,
+                            written / 2**20, written, time.perf_counter() - started)
             self._retention_due = True
             self._landed_step = step
             self._retain(dw, protected=frozenset())
@@ -356,54 +395,118 @@ class CheckpointManager:
                 values[step] = float(value)
         return values
 
-    def restore(self, state_dict: dict[str, Any], step: Optional[int] = None) -> Optional[int]:
-        """Load the newest complete step (or ``step``) into ``state_dict`` in place; returns it.
+    def location(self, step: int) -> str:
+        """The ``checkpoint_id`` of ``step`` (``root/step_N``); ``ValueError`` for a bad step."""
+        return self._steps.location(_check_step(step))
 
-        The coordinator picks the newest step whose ``.metadata`` and files are whole
-        (metadata and sizes checked, no data read; a broken one is skipped with a warning)
-        and every rank loads that one; ``None`` (nothing loaded) when there is none.  The
-        step is held against deletion while it loads.  Waits for a save in flight first.
-        Collective, like ``load``; the target layout may differ from the saved one.
+    def restore(self, state_dict: dict[str, Any], step: Optional[int] = None, *, verify: bool = True,
+                required: bool = False, **load_kwargs: Any) -> Optional[int]:
+        """Load the newest complete, intact step (or ``step``) into ``state_dict`` in place; returns it.
 
-        Raises :class:`CheckpointNotFoundError` when ``step`` is given and not complete,
-        ``ValueError`` for a bad ``step``, and what ``load`` raises.
+        Candidates are the steps with a committed ``.metadata``, newest first; one whose
+        metadata or file sizes are wrong is skipped before any data is read, the chosen one
+        is loaded with ``verify`` (checksums checked as the bytes are read).  A step damaged
+        on any rank (:class:`CorruptCheckpointError`, :class:`CheckpointFormatError`,
+        ``OSError``: a checksum, a header, a missing or short file) is skipped on every rank
+        with a warning naming the step, the file and the failure, and the next older step
+        is loaded instead.  The state dict may then hold values of the damaged step; every
+        key the loaded step holds is overwritten, and with ``allow_partial_load=True`` a key
+        it lacks keeps what it held, possibly the damaged step's value.  ``load_kwargs`` go
+        to :func:`hyper_parallel_dcp.load` (``allow_partial_load``, ``planner``, broadcast
+        settings).  The step is held against deletion while it loads; a save in flight is
+        waited for first.  Collective, like ``load``; any target layout.
+
+        Returns ``None`` when there is nothing to resume (a missing root, no complete step,
+        every step damaged), after logging one line naming the root; with ``required=True``
+        raises :class:`CheckpointNotFoundError` naming it instead.  ``step=K`` loads that
+        step or raises: :class:`CheckpointNotFoundError` when it is not complete, the
+        load's error (naming the file) when it is damaged.  A failure that is not damage
+        (a key the step lacks, a shape that differs) is raised as ``load`` raises it, on
+        every rank.  ``ValueError`` for a bad ``step``.
         """
         self._check_open()
         wanted = None if step is None else _check_step(step)
         self.wait()
         dw = DistWrapper(None, use_dist=True)
-        with ExitStack() as held:
+        skipped: list[int] = []
+        while True:
+            with ExitStack() as held:
+                chosen, skipped = dw.all_reduce(
+                    "checkpoint manager: choose the step to restore", lambda: None,
+                    functools.partial(self._choose_step, held, wanted, skipped))
+                if chosen is None:
+                    self._nothing_to_resume(dw, skipped, required)
+                    return None
+                error: Optional[BaseException] = None
+                try:
+                    api.load(state_dict, checkpoint_id=self._steps.location(chosen), verify=verify, **load_kwargs)
+                except CheckpointTimeoutError:
+                    raise  # a rank is gone: the step below would only wait for it
+                except Exception as exc:  # noqa: BLE001 - every rank decides alike below
+                    error = exc
+                # with collectives load raised the same error on every rank, without them only
+                # where it happened: this step makes every rank take the same decision, and
+                # the coordinator holds the step until every rank has read it
+                outcomes = dw.all_gather(f"checkpoint manager: restore step {chosen}",
+                                         functools.partial(_load_outcome, error))
+            failed = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
+            if not failed:
+                if dw.is_coordinator:
+                    logger.info("checkpoint manager: restored step %d from %s", chosen, self._steps.location(chosen))
+                return chosen
+            if wanted is not None or not all(damaged for damaged, _ in failed.values()):
+                if error is not None:
+                    raise error
+                raise CheckpointException(f"restore step {chosen}", {r: t for r, (_, t) in failed.items()})
+            texts = {r: text for r, (_, text) in failed.items()}
+            if dw.is_coordinator:
+                logger.warning("checkpoint manager: step %d under %s is damaged, loading the next older step "
+                               "instead: %s", chosen, self.root, next(iter(texts.values()))
+                               if len(set(texts.values())) == 1 else describe_failures(texts))
+            skipped.append(chosen)
 
-            def choose(_: list[None]) -> Optional[int]:
-                if wanted is not None:
-                    problems = self._steps.completeness_problems(wanted)
-                    if problems:
-                        raise CheckpointNotFoundError(
-                            f"step {wanted} under {self.root} cannot be restored: {'; '.join(problems[:3])}")
-                    held.enter_context(self._steps.reading(wanted))
-                    return wanted
-                for entry in reversed(self._steps.list_steps()):
-                    if not entry.complete:
-                        continue
-                    problems = self._steps.completeness_problems(entry.step)
-                    if problems:
-                        logger.warning("checkpoint manager: skipping step %d, not loadable: %s", entry.step,
-                                       "; ".join(problems[:3]))
-                        continue
-                    try:
-                        held.enter_context(self._steps.reading(entry.step))
-                    except CheckpointNotFoundError:
-                        continue
-                    return entry.step
-                return None
+    def _choose_step(self, held: ExitStack, wanted: Optional[int], skipped: list[int],
+                     _gathered: Any = None) -> tuple[Optional[int], list[int]]:
+        """On the coordinator: ``wanted`` or the newest whole complete step not ``skipped`` (held
+        in ``held``; ``None``: none), and ``skipped`` with the steps skipped here added."""
+        skipped = list(skipped)
+        if wanted is not None:
+            problems = self._steps.completeness_problems(wanted)
+            if problems:
+                raise CheckpointNotFoundError(
+                    f"step {wanted} under {self.root} cannot be restored: {'; '.join(problems[:3])}")
+            held.enter_context(self._steps.reading(wanted))
+            return wanted, skipped
+        for entry in reversed(self._steps.list_steps()):
+            if not entry.complete or entry.step in skipped:
+                continue
+            problems = self._steps.completeness_problems(entry.step)
+            if problems:
+                logger.warning("checkpoint manager: step %d under %s is damaged, trying the next older step: %s",
+                               entry.step, self.root, "; ".join(problems[:3]))
+                skipped.append(entry.step)
+                continue
+            try:
+                held.enter_context(self._steps.reading(entry.step))
+            except CheckpointNotFoundError:
+                continue  # removed meanwhile
+            return entry.step, skipped
+        return None, skipped
 
-            chosen: Optional[int] = dw.all_reduce("checkpoint manager: choose the step to restore",
-                                                  lambda: None, choose)
-            if chosen is None:
-                return None
-            api.load(state_dict, checkpoint_id=self._steps.location(chosen))
-            dw.barrier()  # the coordinator holds the step until every rank has read it
-        return chosen
+    def _nothing_to_resume(self, dw: DistWrapper, skipped: list[int], required: bool) -> None:
+        """One line naming the root (the coordinator's), or, ``required``, the error on every rank."""
+        if skipped:
+            why = f"every complete step is damaged (skipped {', '.join(map(str, skipped))})"
+        elif self._steps.list_steps():
+            why = "no step there is complete"
+        elif url_scheme(os.fspath(self.root)) == "file" and not os.path.exists(self.root):
+            why = "it does not exist"
+        else:
+            why = "it holds no step_N directory"
+        if required:
+            raise CheckpointNotFoundError(f"nothing to resume under {self.root}: {why} (restore(required=True))")
+        if dw.is_coordinator:
+            logger.warning("checkpoint manager: nothing to resume under %s: %s; starting from scratch", self.root, why)
 
     def wait(self) -> None:
         """Return once every save in flight has landed and its retention is done.

@@ -41,8 +41,7 @@ from hyper_parallel_dcp.core.backends import backend_for, url_scheme
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
 from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, StepStorage, parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.backend import local_path
-from hyper_parallel_dcp.storage_fs.commit import SaveLock, is_checkpoint_artifact
-from hyper_parallel_dcp.storage_fs.integrity import check_complete
+from hyper_parallel_dcp.storage_fs.commit import SaveLock
 
 __all__ = ["FileSystemSteps", "step_storage_for"]
 
@@ -147,6 +146,9 @@ class FileSystemSteps:
 
     def completeness_problems(self, step: int) -> list[str]:
         """Why ``step`` would not load (metadata and file sizes, no data read); empty when fine."""
+        # imported here: parsing metadata needs torch, which hp-dcp ls and clean never import
+        from hyper_parallel_dcp.storage_fs.integrity import check_complete
+
         report = check_complete(self.location(step))
         if report.complete and report.metadata is not None and self.is_complete(step):
             return []
@@ -270,9 +272,10 @@ class FileSystemSteps:
 
         Hidden staging/old directories, lock files nobody holds and mailbox/temp files in
         complete step directories are always candidates; a step directory without
-        ``.metadata`` only when its step is below ``older_than`` (the newest complete step)
-        and it holds nothing but checkpoint files (one with a file of the user's is left
-        alone and logged).  A step whose save lock is held and entries modified in the
+        ``.metadata`` only when its step is below ``older_than`` (the newest complete step),
+        whatever files it holds (``step_N`` names are the manager's), unless it holds
+        ``{rank}.metadata`` files: a checkpoint saved without collectives loads, and is
+        left alone (logged).  A step whose save lock is held and entries modified in the
         last ``grace`` seconds are skipped, and with ``max_step`` everything of a higher
         step.  ``check_running=False`` probes no lock (changes nothing, lists no lock
         files) and so also lists the files of a running save.
@@ -324,11 +327,10 @@ class FileSystemSteps:
                 continue
             if older_than is None or step >= older_than or busy(step, entry.path):
                 continue
-            foreign = [n for n in names
-                       if (n != INFO_FILE and not is_checkpoint_artifact(n)) or _RANK_METADATA.match(n)]
-            if foreign:
-                logger.warning("%s has no %s but holds files that are not a checkpoint's (%s); left alone",
-                               entry.path, _METADATA, ", ".join(sorted(foreign)[:5]))
+            rank_local = [n for n in names if _RANK_METADATA.match(n)]
+            if rank_local:
+                logger.warning("%s has no %s but holds a checkpoint saved without collectives (%s); left alone",
+                               entry.path, _METADATA, ", ".join(sorted(rank_local)[:5]))
                 continue
             out.append(Leftover(step, "incomplete", entry.path, _tree_bytes(entry.path)))
         return sorted(out, key=lambda x: (x.step, x.kind, x.location))

@@ -1,4 +1,5 @@
-"""``dcp-to-hf --only PREFIX --strip-prefix PREFIX``: export a trainer checkpoint's model only."""
+"""What ``dcp-to-hf`` exports: a trainer checkpoint's model by default, ``--only PREFIX``
+``--strip-prefix PREFIX``, ``--all``."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ def test_only_and_strip_prefix_select_the_model_from_both_formats(tmp_path):
     assert main(["dcp-to-hf", str(tmp_path / "ours"), str(out), "--only", "model.0.", "--only", "model.1.bias",
                  "-q"]) == 0
     assert set(_exported(out)) == {"model.0.weight", "model.0.bias", "model.1.bias"}
-    # without --only, optimizer state is exported too (the old behaviour)
+    # --all: optimizer state is exported too
     out = tmp_path / "all"
-    assert main(["dcp-to-hf", str(tmp_path / "ours"), str(out), "-q"]) == 0
+    assert main(["dcp-to-hf", str(tmp_path / "ours"), str(out), "--all", "-q"]) == 0
     assert "optim.state.0.exp_avg" in _exported(out)
 
 
@@ -71,6 +72,39 @@ def test_the_skipped_objects_warning_names_only_the_entries_the_selection_keeps(
     # the model holds no objects: `--only model.` leaves nothing out that it asked for
     assert warned("--only", "model.") == []
     # the whole checkpoint: the step and the optimizer's param_groups are named
-    (message,) = warned()
+    (message,) = warned("--all")
     assert "2 non-tensor entries are not exported" in message
     assert "'step'" in message and "'optim.param_groups'" in message
+
+
+def test_a_trainer_checkpoint_exports_the_models_weights_by_default_and_says_so(tmp_path, caplog):
+    from hyper_parallel_dcp.core.pipeline import save_state_dict
+    from hyper_parallel_dcp.storage_fs import FileSystemWriter
+
+    state = _trainer_state()
+    save_state_dict(state, FileSystemWriter(tmp_path / "ours"), no_dist=True)
+    with caplog.at_level("WARNING", logger="hyper_parallel_dcp.offline_transform"):
+        assert main(["dcp-to-hf", str(tmp_path / "ours"), str(tmp_path / "hf"), "-q"]) == 0
+    got = _exported(tmp_path / "hf")
+    assert set(got) == set(state["model"])  # no optimizer moments, no step: the model, 'model.' stripped
+    for key, value in state["model"].items():
+        assert torch.equal(got[key], value), key
+    said = [r.getMessage() for r in caplog.records if "trainer checkpoint" in r.getMessage()]
+    assert len(said) == 1 and "'model.'" in said[0] and "--all" in said[0], said
+    # --all: everything, under the checkpoint's own names
+    assert main(["dcp-to-hf", str(tmp_path / "ours"), str(tmp_path / "every"), "--all", "-q"]) == 0
+    assert {"model.0.weight", "optim.state.0.exp_avg", "optim.state.0.exp_avg_sq"} <= set(_exported(tmp_path / "every"))
+    assert main(["dcp-to-hf", str(tmp_path / "ours"), str(tmp_path / "x"), "--all", "--only", "model."]) == 2
+
+
+def test_a_models_own_state_dict_keeps_its_model_prefix(tmp_path):
+    from hyper_parallel_dcp.core.pipeline import save_state_dict
+    from hyper_parallel_dcp.storage_fs import FileSystemWriter
+
+    # a Hugging Face model's state dict: 'model.layers...' beside 'lm_head.weight', all tensors
+    weights = {"model.embed.weight": torch.ones(4, 2), "model.norm.weight": torch.ones(2),
+               "lm_head.weight": torch.full((4, 2), 2.0)}
+    save_state_dict(weights, FileSystemWriter(tmp_path / "plain"), no_dist=True)
+    assert main(["dcp-to-hf", str(tmp_path / "plain"), str(tmp_path / "hf"), "-q"]) == 0
+    got = _exported(tmp_path / "hf")
+    assert set(got) == set(weights) and all(torch.equal(got[k], v) for k, v in weights.items())

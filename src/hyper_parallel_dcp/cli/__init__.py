@@ -18,7 +18,7 @@ from importlib import import_module
 from typing import Any, Optional, Sequence
 
 from . import target_spec
-from ._common import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, UsageError
+from ._common import CLEAN_GRACE_S, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, UsageError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -28,6 +28,9 @@ Argument = tuple[tuple[str, ...], dict[str, Any]]
 _CKPT: Argument = (("checkpoint",), {"metavar": "CKPT", "help": "checkpoint directory or s3:// URL"})
 _ROOT: Argument = (("root",), {"metavar": "ROOT", "help": "directory or s3:// prefix holding step_N subdirectories"})
 _JSON: Argument = (("--json",), {"action": "store_true", "help": "print one JSON object"})
+_GRACE: Argument = (("--grace",), {"type": float, "default": CLEAN_GRACE_S, "metavar": "SECONDS",
+                                   "help": f"leave anything modified in the last SECONDS alone (default "
+                                           f"{CLEAN_GRACE_S:g}; 0 once the job is gone)"})
 
 
 @dataclass(frozen=True)
@@ -103,24 +106,23 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "ls", "roots:run_ls", "list the steps of a CheckpointManager root: complete or not, size, age, metrics",
         "List every step_N directory under ROOT (as written by CheckpointManager), complete (.metadata "
-        "committed) or not, with its size on disk, its age and the metrics saved with it; then what interrupted "
-        "saves left behind (see 'hp-dcp clean').  Reads only; changes nothing.",
-        "hp-dcp ls /ckpt --json", "", (_ROOT, _JSON)),
+        "committed) or not, with its size on disk, its age and the metrics saved with it; then what dead saves "
+        "left behind: exactly what 'hp-dcp clean --dry-run' lists with the same --grace.  Reads only; changes "
+        "nothing.",
+        "hp-dcp ls /ckpt --json", "", (_ROOT, _GRACE, _JSON)),
     Command(
         "clean", "roots:run_clean", "remove what dead saves left under a CheckpointManager root",
         "Remove what saves that died left under ROOT: hidden staging and old directories "
         "(.step_N.hp-dcp-staging-*, .step_N.hp-dcp-old-*), lock files nobody holds, async-save mailbox files, "
-        "and step directories without .metadata older than the newest complete step.  A save that is still "
-        "running (it holds its lock) is never touched, nor anything modified in the last --grace seconds, nor "
-        "any file or directory that is not a checkpoint's.  On an s3:// root: step_N/ prefixes without .metadata "
+        "and step_N directories without .metadata older than the newest complete step (whatever they hold, "
+        "except {rank}.metadata files: a save without collectives, which loads).  A save that is still running "
+        "(it holds its lock) is never touched, nor anything modified in the last --grace seconds, nor anything "
+        "in ROOT that is not a step_N directory or one of those hidden names.  On an s3:// root: step_N/ prefixes without .metadata "
         "older than the newest complete step, and lock objects not renewed for HP_DCP_OBJECT_LOCK_STALE_AFTER "
         "seconds (or whose holder ran here and is gone).",
         "hp-dcp clean /ckpt --dry-run", " (1: something was in use and kept)",
         (_ROOT, (("--dry-run", "-n"), {"action": "store_true", "help": "only list what would be removed"}),
-         (("--grace",), {"type": float, "default": 60.0, "metavar": "SECONDS",
-                         "help": "leave anything modified in the last SECONDS alone (default 60; 0 once the job "
-                                 "is gone)"}),
-         _JSON)),
+         _GRACE, _JSON)),
 )
 
 

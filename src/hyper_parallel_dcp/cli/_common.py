@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence, TypeVar
 
 __all__ = [
+    "CLEAN_GRACE_S",
     "EXIT_OK",
     "EXIT_PROBLEM",
     "EXIT_USAGE",
@@ -26,6 +27,9 @@ EXIT_OK = 0
 EXIT_PROBLEM = 1
 #: The command line or an input file given on it is wrong (argparse uses 2 as well).
 EXIT_USAGE = 2
+
+#: ``hp-dcp ls`` and ``clean`` leave alone what was modified this recently (a save may be writing it).
+CLEAN_GRACE_S = 60.0
 
 T = TypeVar("T")
 

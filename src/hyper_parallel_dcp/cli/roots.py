@@ -1,8 +1,9 @@
 """The ``hp-dcp`` commands over a root of step directories: ``latest``, ``ls`` and ``clean``.
 
 Storage access goes through :mod:`hyper_parallel_dcp.step_storage` (``ls``, ``clean``) and
-``storage_fs.integrity.find_latest_checkpoint`` (``latest``).  Exports the three
-``run_*`` functions and :func:`format_age`.
+``storage_fs.integrity.find_latest_checkpoint`` (``latest``).  ``ls`` lists exactly the
+leftovers ``clean --dry-run`` lists with the same ``--grace``.  Exports the three ``run_*``
+functions and :func:`format_age`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ from typing import Any
 
 from hyper_parallel_dcp.step_storage import step_storage_for
 
-from ._common import EXIT_OK, EXIT_PROBLEM, UsageError, existing_dir, format_bytes, print_json, print_table
+from ._common import (
+    CLEAN_GRACE_S,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    UsageError,
+    existing_dir,
+    format_bytes,
+    print_json,
+    print_table,
+)
 
 __all__ = ["format_age", "run_clean", "run_latest", "run_ls"]
 
@@ -57,9 +67,17 @@ def _metrics_text(metrics: Any) -> str:
     return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items()))
 
 
+def _leftovers(steps: Any, newest: Any, grace: float) -> list[Any]:
+    """What ``clean`` removes (and ``ls`` lists): leftovers of dead saves, not touched for
+    ``grace`` seconds, of steps whose save lock nobody holds (probing a lock changes nothing)."""
+    return steps.find_leftovers(older_than=newest, grace=grace)
+
+
 def run_ls(args: Any) -> int:
-    """List the steps and the leftovers of interrupted saves (exit 0); changes nothing."""
+    """List the steps and the leftovers that ``clean`` would remove (exit 0); changes nothing."""
     root = existing_dir(args.root, "checkpoint root")
+    if args.grace < 0:
+        raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
     steps = step_storage_for(root)
     now = time.time()
     rows: list[dict[str, Any]] = []
@@ -77,8 +95,7 @@ def run_ls(args: Any) -> int:
         })
     complete = [r["step"] for r in rows if r["complete"]]
     latest = complete[-1] if complete else None
-    # Listed without probing the save locks (ls changes nothing): a running save shows here too.
-    leftovers = steps.find_leftovers(older_than=latest, check_running=False)
+    leftovers = _leftovers(steps, latest, args.grace)
     if args.json:
         print_json({"root": str(root), "latest": latest, "steps": rows,
                     "leftovers": [_leftover_json(x) for x in leftovers]})
@@ -93,9 +110,13 @@ def run_ls(args: Any) -> int:
         print(f"\n{len(complete)} complete of {len(rows)}; latest complete: "
               f"{'none' if latest is None else f'step {latest}'}")
     if leftovers:
-        print(f"{len(leftovers)} leftover(s) of interrupted saves ({format_bytes(sum(x.bytes for x in leftovers))}), "
-              f"unless a save is running now: 'hp-dcp clean {root}' removes those of dead saves")
+        print(f"{len(leftovers)} leftover(s) of dead saves ({format_bytes(sum(x.bytes for x in leftovers))}): "
+              f"'hp-dcp clean {root}{_grace_flag(args.grace)}' removes them")
     return EXIT_OK
+
+
+def _grace_flag(grace: float) -> str:
+    return "" if grace == CLEAN_GRACE_S else f" --grace {grace:g}"
 
 
 def run_clean(args: Any) -> int:
@@ -108,7 +129,7 @@ def run_clean(args: Any) -> int:
     newest = complete[-1] if complete else None
     removed: list[Any] = []
     kept: list[Any] = []
-    for item in steps.find_leftovers(older_than=newest, grace=args.grace):
+    for item in _leftovers(steps, newest, args.grace):
         (removed if args.dry_run or steps.remove_leftover(item) else kept).append(item)
     total = sum(x.bytes for x in removed)
     if args.json:

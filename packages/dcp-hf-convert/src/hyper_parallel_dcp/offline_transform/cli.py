@@ -1,11 +1,13 @@
 """``hp-dcp-convert``: offline Hugging Face ⇄ checkpoint conversion from the shell.
 
     hp-dcp-convert hf-to-dcp SRC DST [--src-platform huggingface|torch] [--overwrite]
-    hp-dcp-convert dcp-to-hf SRC DST [--max-shard-size 5GB] [--dtype bf16] [--only PREFIX]
+    hp-dcp-convert dcp-to-hf SRC DST [--max-shard-size 5GB] [--dtype bf16] [--only PREFIX | --all]
                                      [--strip-prefix PREFIX] [--overwrite]
     hp-dcp-convert torch-dcp-to-dcp SRC DST [--batch-size 256MB] [--overwrite]
     hp-dcp-convert dcp-to-torch-dcp SRC DST [--batch-size 256MB] [--overwrite]
 
+``dcp-to-hf`` of a trainer checkpoint (``{"model": ..., "optim": ..., "step": ...}``) exports
+the model's weights, ``model.`` stripped, and says so; ``--all`` exports every tensor.
 Exit codes: 0 done, 1 the conversion failed (missing or inconsistent source, ...),
 2 usage error (bad arguments, or a non-empty DST without ``--overwrite``, which is left
 untouched).  ``main(argv)`` is also what the umbrella's ``hp-dcp convert`` calls.
@@ -59,9 +61,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                        help="largest output file, as bytes or e.g. 500MB, 5GB, 2GiB (default 5GB)")
     to_hf.add_argument("--dtype", default=None, metavar="DTYPE",
                        help="cast floating-point tensors to bf16, fp16 or fp32 on export")
-    to_hf.add_argument("--only", action="append", default=[], metavar="PREFIX",
-                       help="export only tensors whose name starts with PREFIX (repeatable; applied before "
-                            "--strip-prefix), e.g. --only model. to leave out optimizer state")
+    selection = to_hf.add_mutually_exclusive_group()
+    selection.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                           help="export only tensors whose name starts with PREFIX (repeatable; applied before "
+                                "--strip-prefix), e.g. --only model.embed")
+    selection.add_argument("--all", action="store_true",
+                           help="export every tensor of the checkpoint (default for a trainer checkpoint, a "
+                                "'model.' subtree beside optimizer state and other objects: the model's weights "
+                                "only, with 'model.' stripped)")
     for name, help_text in zip(_TORCH_DCP, ("torch.distributed.checkpoint directory -> checkpoint directory",
                                             "checkpoint directory -> torch.distributed.checkpoint directory")):
         command(name, help_text, renames=False).add_argument(
@@ -107,7 +114,7 @@ def _convert(args: argparse.Namespace, src: Any, dst: Any, show: bool) -> Any:
     if args.only:
         mapping = only_prefixes(args.only, mapping)
     return convert_dcp_to_huggingface(src, dst, args.max_shard_size, dtype=args.dtype, key_mapping=mapping,
-                                      progress=show)
+                                      model_only=False if args.all or args.only else None, progress=show)
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
@@ -117,7 +124,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        # the user guide's format, so that HP_LOG_CONFIG=DCP:INFO prints its per-phase lines as it shows them
+        logging.basicConfig(level=logging.WARNING, format="[%(levelname)s] [HP-DCP]: %(message)s")
     # Imported after parsing: --help and usage errors answer without loading torch.
     from hyper_parallel_dcp.core.backends import url_scheme
     from hyper_parallel_dcp.core.errors import CheckpointError

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -22,16 +22,19 @@ from hyper_parallel_dcp.core.metadata import TensorStorageMetadata
 
 from .blocks import CheckpointBlocks
 from .hf_writer import TensorSpec, write_huggingface_checkpoint
-from .keymap import KeyMapping, map_keys, resolve_key_mapping
+from .keymap import KeyMapping, map_keys, only_prefixes, resolve_key_mapping, strip_prefixes
 from .options import cast_floating, output_dtype, parse_dtype
 from .progress import ConversionReport
 from .staging import StagingBuffer
 
-__all__ = ["convert_dcp_to_huggingface", "dcp_to_full_state_dict", "save_state_dict_as_huggingface_format"]
+__all__ = ["MODEL_PREFIX", "convert_dcp_to_huggingface", "dcp_to_full_state_dict", "is_trainer_checkpoint",
+           "save_state_dict_as_huggingface_format"]
 
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
+#: The subtree of a trainer checkpoint that holds the model (``{"model": model.state_dict(), ...}``).
+MODEL_PREFIX = "model."
 
 
 def dcp_to_full_state_dict(path: PathLike, *, key_mapping: KeyMapping = None) -> dict[str, Any]:
@@ -51,21 +54,55 @@ def dcp_to_full_state_dict(path: PathLike, *, key_mapping: KeyMapping = None) ->
     return {new: objects[old] if targets[old] is None else targets[old] for old, new in names.items()}
 
 
+def is_trainer_checkpoint(sd_md: Mapping[str, Any]) -> bool:
+    """Whether the entries ``sd_md`` (FQN → stored metadata) are a trainer's checkpoint: a
+    :data:`MODEL_PREFIX` subtree of tensors beside non-tensor state (an optimizer's
+    ``param_groups``, a step, a data-loader position).  A model's own state dict (all
+    tensors, ``model.layers.0...`` beside ``lm_head.weight``) is not."""
+    has_model = any(fqn.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata) for fqn, md in sd_md.items())
+    return has_model and any(not fqn.startswith(MODEL_PREFIX) and not isinstance(md, TensorStorageMetadata)
+                             for fqn, md in sd_md.items())
+
+
+def _model_weights(src: PathLike, sd_md: Mapping[str, Any], key_mapping: KeyMapping, said: bool) -> KeyMapping:
+    """The mapping that keeps the :data:`MODEL_PREFIX` subtree, stripped, then ``key_mapping``;
+    ``said``: log what is exported and what is left out."""
+    inside = sum(1 for fqn, md in sd_md.items() if fqn.startswith(MODEL_PREFIX)
+                 and isinstance(md, TensorStorageMetadata))
+    if not inside:
+        raise ValueError(f"{src} holds no tensor under {MODEL_PREFIX!r}: nothing to export as the model's weights")
+    if said:
+        logger.warning("%s is a trainer checkpoint: exporting the model's weights, the %d tensors under %r with "
+                       "the prefix stripped, and leaving out its %d other entries (optimizer state, step, ...); "
+                       "--all (model_only=False) exports everything", src, inside, MODEL_PREFIX,
+                       sum(1 for fqn in sd_md if not fqn.startswith(MODEL_PREFIX)))
+    strip, rest = strip_prefixes(MODEL_PREFIX), resolve_key_mapping(key_mapping)
+    return only_prefixes([MODEL_PREFIX], lambda key: rest(strip(key)))
+
+
 def convert_dcp_to_huggingface(src: PathLike, dst: PathLike, max_shard_size: Union[int, str] = "5GB", *,
                                dtype: Union[None, str, torch.dtype] = None, key_mapping: KeyMapping = None,
-                               progress: bool = False, sync_files: bool = True) -> ConversionReport:
+                               model_only: Optional[bool] = False, progress: bool = False,
+                               sync_files: bool = True) -> ConversionReport:
     """Export the checkpoint at ``src`` as Hugging Face safetensors in ``dst``, streaming.
 
     Tensors keep the checkpoint's order and names (renamed by ``key_mapping``); floating
     tensors are cast to ``dtype`` when given (``"bf16"``, ``torch.float16``, ...);
-    non-tensor entries are skipped (logged).  Files as :func:`write_huggingface_checkpoint`
-    writes them (weights and index only, no config.json).  Memory holds about the largest
-    tensor (twice, when it is cast).  Raises :class:`CheckpointNotFoundError` when ``src``
-    holds no checkpoint, ``ValueError`` for a bad size or dtype.
+    non-tensor entries are skipped (logged).  ``model_only=True`` exports only the tensors
+    under ``model.``, with that prefix stripped before ``key_mapping`` applies; ``None``
+    does so when :func:`is_trainer_checkpoint` says it is one (and logs it), as
+    ``hp-dcp-convert dcp-to-hf`` does; ``False`` exports every tensor.  Files as
+    :func:`write_huggingface_checkpoint` writes them (weights and index only, no
+    config.json).  Memory holds about the largest tensor (twice, when it is cast).
+    Raises :class:`CheckpointNotFoundError` when ``src`` holds no checkpoint,
+    ``ValueError`` for a bad size or dtype, or for ``model_only=True`` without a
+    ``model.`` tensor.
     """
     cast = parse_dtype(dtype)
     source = CheckpointBlocks(src)
     sd_md = source.metadata.state_dict_metadata
+    if model_only or (model_only is None and is_trainer_checkpoint(sd_md)):
+        key_mapping = _model_weights(src, sd_md, key_mapping, said=model_only is None)
     tensors = {fqn: md for fqn, md in sd_md.items() if isinstance(md, TensorStorageMetadata)}
     names = map_keys(tensors, key_mapping)
     keep = resolve_key_mapping(key_mapping)  # `--only model.` leaves the optimizer's objects out anyway

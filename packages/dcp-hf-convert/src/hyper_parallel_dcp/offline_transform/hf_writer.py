@@ -151,6 +151,7 @@ def write_huggingface_checkpoint(dst: Union[str, os.PathLike], specs: Sequence[T
             text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
             write_file_atomic(root / INDEX_FILE, lambda f: f.write(text), sync_files)
             report.files.append(INDEX_FILE)
+        report.tensors = len(specs)
         _remove_stale(root, plan)
         if sync_files:
             fsync_dir(root)

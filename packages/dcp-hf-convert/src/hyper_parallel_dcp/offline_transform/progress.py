@@ -48,7 +48,8 @@ class ConversionReport:
 
 class Progress:
     """A byte-counting tqdm bar (only when ``enabled`` and stderr is a terminal) plus the
-    counters of the report."""
+    report's byte count and time; the converter sets ``report.tensors`` (a tensor may be
+    written in several blocks)."""
 
     def __init__(self, report: ConversionReport, total_bytes: int, desc: str, enabled: bool) -> None:
         self.report = report
@@ -61,7 +62,6 @@ class Progress:
         self._start = time.perf_counter()
 
     def advance(self, nbytes: int) -> None:
-        self.report.tensors += 1
         self.report.bytes += nbytes
         if self._bar is not None:
             self._bar.update(nbytes)

@@ -69,6 +69,7 @@ def _save(plan_sd: dict[str, Any], src: Any, dst: PathLike, fetch: Optional[Call
     report = ConversionReport(str(src), str(dst))
     total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
     report.objects = sum(1 for t in plan_sd.values() if not is_tensor_leaf(t))
+    report.tensors = len(plan_sd) - report.objects
     with Progress(report, total, desc, progress) as bar:
         planner = StreamingSavePlanner(fetch, bar.advance)
         metadata = save_state_dict(plan_sd, storage_writer_for(dst, None), planner, no_dist=True)

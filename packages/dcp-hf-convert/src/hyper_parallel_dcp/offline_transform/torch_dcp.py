@@ -117,6 +117,7 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
             report.objects += 1
     with Progress(report, source.tensor_bytes(), "torch DCP -> DCP", progress) as bar:
         metadata = save_state_dict(plan_sd, FileSystemWriter(dst), _BlockSavePlanner(source, bar), no_dist=True)
+    report.tensors = len(plan_sd) - report.objects
     report.files = sorted(metadata.files) + [".metadata"]
     logger.info("converted %s -> %s: %s", src, dst, report.summary())
     return report
@@ -190,6 +191,8 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
         if sync_files:
             os.fsync(f.fileno())
     os.replace(tmp, meta_file)
+    report.tensors = sum(1 for md in source.metadata.state_dict_metadata.values()
+                         if isinstance(md, TensorStorageMetadata))
     report.files = [data_name, ".metadata"]
     logger.info("converted %s -> %s (torch DCP, %d bytes of data): %s", src, dst, size, report.summary())
     return report
