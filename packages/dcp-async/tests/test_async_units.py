@@ -16,7 +16,8 @@ import torch
 
 from hyper_parallel_dcp.async_persist import DataCopier, safe_pickle
 from hyper_parallel_dcp.async_persist.mailbox import FileMailbox
-from hyper_parallel_dcp.async_persist.staging import StagingArena, materialize
+from hyper_parallel_dcp.async_persist.arena import StagingArena
+from hyper_parallel_dcp.async_persist.staged import materialize
 from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType
 from hyper_parallel_dcp.storage_fs import FileSystemWriter
@@ -246,7 +247,7 @@ def test_later_saves_of_one_layout_send_the_writer_their_object_leaves_only(tmp_
     from multiprocessing.connection import Connection
 
     from hyper_parallel_dcp.async_persist import shutdown_writer
-    from hyper_parallel_dcp.async_persist.writer import SaveRequest
+    from hyper_parallel_dcp.async_persist.protocol import SaveRequest
 
     sent: list[bool] = []
     send = Connection.send
@@ -291,7 +292,7 @@ def test_later_saves_of_one_layout_send_the_writer_their_object_leaves_only(tmp_
 def test_populate_read_maps_a_slab_without_changing_it() -> None:
     import sys
 
-    from hyper_parallel_dcp.async_persist.writer import populate_read
+    from hyper_parallel_dcp.async_persist._posix import populate_read
 
     storage = torch.UntypedStorage._new_shared(3 << 20)
     slab = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -306,7 +307,7 @@ def test_populate_read_maps_a_slab_without_changing_it() -> None:
 def test_reply_is_unpickled_with_the_collector_paused_and_resumed_after() -> None:
     import gc
 
-    from hyper_parallel_dcp.async_persist.persist import _recv_reply
+    from hyper_parallel_dcp.async_persist.writer_process import recv_reply
 
     class Conn:
         def recv(self):
@@ -315,6 +316,6 @@ def test_reply_is_unpickled_with_the_collector_paused_and_resumed_after() -> Non
 
     conn = Conn()
     assert gc.isenabled()
-    assert _recv_reply(conn) == "reply"
+    assert recv_reply(conn) == "reply"
     assert conn.enabled_during is False
     assert gc.isenabled()

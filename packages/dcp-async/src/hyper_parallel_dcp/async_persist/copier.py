@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 import threading
 from typing import Any, Callable, TypeVar
 
 import torch
+
+from ._torch_compat import dtensor_class
 
 __all__ = ["DataCopier", "host_copy"]
 
@@ -38,8 +39,8 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     For a DTensor, the local shard is copied (the device mesh cannot travel to the
     writer process).  Leaves ``tensor`` untouched.
     """
-    dtensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
-    if dtensor_module is not None and isinstance(tensor, dtensor_module.DTensor):
+    dtensor_cls = dtensor_class()
+    if dtensor_cls is not None and isinstance(tensor, dtensor_cls):
         tensor = tensor.to_local()
     tensor = tensor.detach()
     pin = tensor.device.type != "cpu" and _accelerator_present()
