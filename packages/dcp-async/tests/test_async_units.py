@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hyper_parallel_dcp.async_persist import DataCopier, safe_pickle
-from hyper_parallel_dcp.async_persist.mailbox import FileMailbox
 from hyper_parallel_dcp.async_persist.arena import StagingArena
+from hyper_parallel_dcp.async_persist.mailbox import FileMailbox
 from hyper_parallel_dcp.async_persist.staged import materialize
 from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -17,36 +17,36 @@ __all__ = ["cuda_host_register", "cuda_host_unregister", "default_store", "dtens
            "dtensor_spec", "foreach_copy", "new_shared_storage"]
 
 
-def dtensor_class() -> Optional[type]:
-    """``DTensor``, or ``None`` while ``torch.distributed.tensor`` is not imported (then no
-    DTensor exists, and importing it would cost seconds)."""
+def dtensor_class() -> Any:
+    """``DTensor``; ``None`` while ``torch.distributed.tensor`` (seconds to import) is not
+    imported, when no DTensor can exist."""
     module = sys.modules.get("torch.distributed.tensor")
     return module.DTensor if module is not None else None
 
 
 def dtensor_spec(leaf: Any) -> Any:
-    """A DTensor's sharding spec (compares by value, hash cached): its geometry's identity."""
+    """A DTensor's sharding spec: the identity of its geometry (compares by value, hash cached)."""
     return leaf._spec
 
 
 def dtensor_local(leaf: Any) -> torch.Tensor:
-    """A DTensor's local tensor without ``to_local()``'s autograd call (microseconds a leaf)."""
+    """A DTensor's local tensor, without ``to_local()``'s autograd call (microseconds a leaf)."""
     return leaf._local_tensor
 
 
 def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False) -> None:
-    """``dst.copy_(src)`` for every pair, in one C++ loop (optimizer states have thousands)."""
+    """``dst.copy_(src)`` for every pair, in one C++ loop."""
     torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
     """Fresh shared memory of ``nbytes`` bytes, its pages allocated, as a storage that pickles
-    to another process as its file descriptor (or name), never as a copy of its bytes.
+    to another process as its file descriptor (or name), not as its bytes.
 
     A memfd allocated by ``os.posix_fallocate``, which releases the GIL (``_new_shared``
-    allocates holding it: 58 ms for 505 MiB, a wait for the training thread), mapped by
-    the call torch uses for a received descriptor.  Without memfd, or with the
-    ``file_system`` sharing strategy, ``UntypedStorage._new_shared``.
+    holds it: 58 ms for 505 MiB that the training thread waited), mapped as torch maps a
+    received descriptor.  Without memfd, or with the ``file_system`` sharing strategy,
+    ``UntypedStorage._new_shared``.
     """
     import torch.multiprocessing as torch_mp
 
@@ -64,23 +64,18 @@ def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
 
 
 def cuda_host_register(buffer: torch.Tensor) -> None:
-    """Page-lock ``buffer`` for CUDA DMA (``cudaHostRegister``); raises what CUDA raises,
-    ``RuntimeError`` for a failing return code."""
+    """Page-lock ``buffer`` for CUDA DMA; raises what CUDA raises, or ``RuntimeError``."""
     rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     if int(rc) != 0:
         raise RuntimeError(f"cudaHostRegister returned {rc}")
 
 
 def cuda_host_unregister(buffer: torch.Tensor) -> None:
-    """Undo :func:`cuda_host_register`."""
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
 def default_store() -> Any:
-    """The key-value store of the default process group (torchrun's, or a test's file store).
-
-    Raises when no default process group is initialised.
-    """
+    """The key-value store of the default process group; raises without one."""
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()

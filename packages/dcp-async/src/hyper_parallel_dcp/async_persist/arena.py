@@ -1,18 +1,16 @@
 """The staging arena: one device → host copy of every tensor piece into reusable slots.
 
-Every tensor leaf becomes :class:`TensorShards`; each non-empty piece gets a slot in a
-slab, keyed by ``(fqn, offsets, sizes, dtype)``.  The next save with the same pieces
-copies into the same slots (no allocation, no page faults); pieces never seen before get
-a new slab, and slabs no piece of the current save uses are released.  A save with the
-same layout as the last takes :class:`RepeatedLayout`'s path.
+Each non-empty piece of a tensor leaf gets a slot in a slab, keyed by ``(fqn, offsets,
+sizes, dtype)``: the next save with the same pieces copies into the same slots (no
+allocation, no page faults), pieces never seen before get a new slab, and slabs the save
+does not use are released.  A save with the last one's layout takes :class:`RepeatedLayout`.
 
 A new slab for host pieces is filled off the caller's path: staging clones those pieces
 into private memory, and :meth:`StagingArena.complete` (on the joining thread) allocates
 the slab and moves them there.  This serves "async blocking, first save ≤ 1.3× a fresh
-host copy": fresh shared pages fault on first write (A/B on 2 cores, 1000 × 64 KiB
-bf16: 0.064 s deferred against 0.190 s direct, a clone 0.123 s).  Device pieces go
-straight into a new page-locked slab (H200, 32 × 32 MiB + 2000 × 4 KiB: 582 ms, against
-951 ms into private pageable memory).
+host copy", as fresh shared pages fault on first write (1000 × 64 KiB bf16 on 2 cores:
+0.064 s deferred, 0.190 s direct, a clone 0.123 s).  Device pieces go straight into a new
+page-locked slab (H200: 582 ms, against 951 ms into private pageable memory).
 
 Exports :data:`BufferKey`, :class:`StagingStats` and :class:`StagingArena`.
 """
@@ -49,7 +47,7 @@ _FILL_BATCH_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class StagingStats:
-    """What one staging did: bytes copied, of which in reused slots, and bytes newly allocated."""
+    """What one staging did: bytes copied, of which into reused slots, and bytes allocated."""
 
     staged_bytes: int
     reused_bytes: int
@@ -59,19 +57,17 @@ class StagingStats:
 
 @dataclass
 class _PendingSlab:
-    """A new slab that :meth:`StagingArena.complete` allocates and fills."""
-
     slab_id: int
     nbytes: int
-    slots: list[_Slot]  # every piece's slot, in copy order
+    slots: list[_Slot]  # every piece's slot, in staging order
     private: dict[int, torch.Tensor]  # position in ``slots`` -> the private copy of that piece
 
 
 class StagingArena:
     """Reusable staging slots for the pieces of the state dicts one process saves.
 
-    Stages one save at a time, and only after the previous one was written (the writer
-    reads the slots until then); :meth:`complete` may run on another thread.
+    Stages one save at a time, and only once the writer has written the previous one;
+    :meth:`complete` may run on another thread.
     """
 
     def __init__(self) -> None:
@@ -99,10 +95,9 @@ class StagingArena:
         """Copy every tensor piece of ``state_dict`` into its slot and every other leaf with
         :class:`DataCopier`; returns the description for the writer and what was done.
 
-        Afterwards the staged data no longer depends on ``state_dict`` (not modified),
-        though a new host slab is only filled by :meth:`complete`.  Raises what
-        :func:`to_tensor_shards` raises (e.g. for a ``Partial`` DTensor) and whatever a
-        registered :class:`DataCopier` handler raises.
+        The staged data no longer depends on ``state_dict`` (which is not modified); a new
+        host slab is filled by :meth:`complete`.  Raises what :func:`to_tensor_shards`
+        raises (e.g. for a ``Partial`` DTensor) and what a :class:`DataCopier` handler raises.
         """
         self.complete()
         flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
@@ -124,8 +119,7 @@ class StagingArena:
 
     def _stage_new_layout(self, flat: dict[str, Any]) -> tuple[StagedStateDict, StagingStats]:
         dtensor_cls = dtensor_class()
-        # per flat leaf: (fqn, None) for an object, or (fqn, (shards, each piece's key or None if empty))
-        entries: list[tuple[str, Optional[tuple[TensorShards, list[Optional[BufferKey]]]]]] = []
+        shards_of: dict[str, tuple[TensorShards, list[Optional[BufferKey]]]] = {}  # keys: None for an empty piece
         wanted: list[tuple[BufferKey, int, torch.Tensor]] = []  # (key, bytes, source) per non-empty piece
         checks: list[LeafCheck] = []
         device_type: Optional[str] = None
@@ -133,7 +127,6 @@ class StagingArena:
         for fqn, leaf in flat.items():
             if not is_tensor_leaf(leaf):
                 checks.append(None)
-                entries.append((fqn, None))
                 continue
             shards, check = self._geometry.shards(leaf, fqn, dtensor_cls)
             checks.append(check)
@@ -141,55 +134,50 @@ class StagingArena:
             keys: list[Optional[BufferKey]] = []
             for box, view in shards.pieces:
                 n = view.numel()  # cheaper than the box's volume, in a loop over thousands
-                if not n:
-                    keys.append(None)
-                    continue
-                if not view.is_cpu:
-                    device_type = view.device.type
-                key = (fqn, box.offsets, box.sizes, shards.dtype)
+                key = (fqn, box.offsets, box.sizes, shards.dtype) if n else None
                 keys.append(key)
-                wanted.append((key, n * shards.dtype.itemsize, view))
-            entries.append((fqn, (shards, keys)))
+                if key is not None:
+                    wanted.append((key, n * shards.dtype.itemsize, view))
+                    device_type = device_type if view.is_cpu else view.device.type
+            shards_of[fqn] = (shards, keys)
 
         defer = device_type is None
         reused, allocated, new_slab_id = self._assign_slots(wanted, device_type, defer)
-        slots = self._slots
-        piece_slots: list[_Slot] = []
+        slot_list: list[_Slot] = []
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         private: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for key, _, view in wanted:
-                slab_id, offset = slots[key]
+                slab_id, offset = self._slots[key]
                 if slab_id == new_slab_id and defer:
-                    private[len(piece_slots)] = view.clone()
+                    private[len(slot_list)] = view.clone()
                 else:
                     dsts.append(self._slabs[slab_id].view(offset, key[2], key[3]))
                     srcs.append(view)
-                piece_slots.append((slab_id, offset, key[2], key[3]))
+                slot_list.append((slab_id, offset, key[2], key[3]))
         copy_into_slots(dsts, srcs, device_type)
         if private:
-            self._pending = _PendingSlab(new_slab_id, allocated, piece_slots, private)
+            self._pending = _PendingSlab(new_slab_id, allocated, slot_list, private)
 
         leaves: dict[str, tuple[str, Any]] = {}
         tensor_leaves: dict[str, tuple[str, Any]] = {}
-        for fqn, info in entries:
-            if info is None:
-                leaves[fqn] = ("object", DataCopier.copy(flat[fqn]))
+        for fqn, leaf in flat.items():
+            if fqn not in shards_of:
+                leaves[fqn] = ("object", DataCopier.copy(leaf))
                 continue
-            shards, keys = info
-            refs: list[PieceRef] = [
-                (box.offsets, box.sizes, -1, 0) if key is None else (box.offsets, box.sizes, *slots[key])
-                for (box, _), key in zip(shards.pieces, keys)
-            ]
-            leaves[fqn] = tensor_leaves[fqn] = ("tensor", (tuple(shards.global_shape), shards.dtype, shards.ragged, refs))
+            shards, keys = shards_of[fqn]
+            refs: list[PieceRef] = [(box.offsets, box.sizes, *(self._slots[key] if key else (-1, 0)))
+                                    for (box, _), key in zip(shards.pieces, keys)]
+            leaves[fqn] = tensor_leaves[fqn] = ("tensor", (tuple(shards.global_shape), shards.dtype, shards.ragged,
+                                                           refs))
         staged_bytes = sum(n for _, n, _ in wanted)
         staged = StagedStateDict(leaves, frozenset([*self._slabs, *([new_slab_id] if private else [])]))
         self._layout = None
         if reusable:
             self._layouts_made += 1
             staged.layout_id = self._layouts_made
-            object_fqns = tuple(fqn for fqn, info in entries if info is None)
+            object_fqns = tuple(fqn for fqn in flat if fqn not in shards_of)
             # a pending slab's views are made by complete(), once it exists
             self._layout = RepeatedLayout(tuple(flat), checks, [] if private else dsts, tensor_leaves, object_fqns,
                                           device_type, staged_bytes, self._layouts_made)
@@ -200,20 +188,14 @@ class StagingArena:
     def _assign_slots(self, wanted: list[tuple[BufferKey, int, torch.Tensor]], device_type: Optional[str],
                       defer: bool) -> tuple[int, int, int]:
         """Give every wanted piece without a slot one in a new slab (allocated now unless
-        ``defer``), release the slabs no wanted piece uses; returns (reused bytes,
-        allocated bytes, the new slab's id or -1)."""
-        reused = allocated = 0
+        ``defer``) and release the slabs no wanted piece uses; returns the bytes reused, the
+        bytes allocated and the new slab's id (-1: none)."""
+        missing = [(key, n) for key, n, _ in wanted if key not in self._slots]
+        reused = sum(n for _, n, _ in wanted) - sum(n for _, n in missing)
+        allocated = sum(align(n) for _, n in missing)
         new_slab_id = -1
-        missing: list[tuple[BufferKey, int]] = []
-        for key, n, _ in wanted:
-            if key in self._slots:
-                reused += n
-            else:
-                missing.append((key, n))
         if missing:
-            allocated = sum(align(n) for _, n in missing)
-            new_slab_id = self._next_id
-            self._next_id += 1
+            new_slab_id, self._next_id = self._next_id, self._next_id + 1
             if not defer:
                 self._slabs[new_slab_id] = Slab(new_slab_id, allocated, device_type)
             offset = 0
@@ -240,18 +222,15 @@ class StagingArena:
             self._slabs[pending.slab_id] = Slab(pending.slab_id, pending.nbytes, None)
             dsts = [self._slabs[sid].view(offset, sizes, dtype) for sid, offset, sizes, dtype in pending.slots]
             private = pending.private
-            batch_dsts: list[torch.Tensor] = []
-            batch_srcs: list[torch.Tensor] = []
+            positions = list(private)
+            batch: list[int] = []
             batch_bytes = 0
-            for position in list(private):
-                src = private.pop(position)
-                batch_dsts.append(dsts[position])
-                batch_srcs.append(src)
-                batch_bytes += src.nbytes
-                if batch_bytes >= _FILL_BATCH_BYTES or not private:
-                    foreach_copy(batch_dsts, batch_srcs)
-                    del src
-                    batch_dsts, batch_srcs, batch_bytes = [], [], 0  # frees this batch's private copies
+            for i, position in enumerate(positions):
+                batch.append(position)
+                batch_bytes += private[position].nbytes
+                if batch_bytes >= _FILL_BATCH_BYTES or i == len(positions) - 1:
+                    foreach_copy([dsts[p] for p in batch], [private.pop(p) for p in batch])
+                    batch, batch_bytes = [], 0  # this batch's private copies are gone
                     release_free_heap()
             if self._layout is not None:
                 self._layout.dsts = dsts

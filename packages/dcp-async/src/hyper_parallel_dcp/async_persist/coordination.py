@@ -1,16 +1,14 @@
 """How the writer processes of one save coordinate, and how every rank learns every rank's
 outcome of it.
 
-:func:`choose_mode` picks the :class:`Mode` of a save.  The writers of a coordinated save
-wait for each other, and a writer that dies cannot tell its peers; its training process
-can (it sees the death at once) and publishes the failure on an :class:`Outcomes` board
-in the training job's key-value store (the default process group's store).  The other
-training processes poll that board while their writer works, stop their writer and fail
-their response naming the rank, so a writer's death surfaces on every rank within a
-fraction of a second.  Keys, under ``hp-dcp/async/<session>/<group>/<seq>/`` (``seq``
-counts ``async_save`` calls, equal on all ranks): ``fail`` (a counter) and
-``fail/<rank>`` (the error text), ``ok/<rank>``, and ``retired/<rank>`` (that rank's
-writer of this save is gone, so a new set of writers may start).
+The writers of a coordinated save wait for each other, and a writer that dies cannot
+tell its peers; its training process sees the death at once and publishes it on an
+:class:`Outcomes` board in the job's key-value store.  The other training processes poll
+the board while their writer works, stop that writer and fail their response naming the
+rank: a writer's death surfaces on every rank within a fraction of a second.  Keys, under
+``hp-dcp/async/<session>/<group>/<seq>/`` (``seq`` counts ``async_save`` calls, equal on
+all ranks): ``fail`` (a counter), ``fail/<rank>`` (the error text), ``ok/<rank>``, and
+``retired/<rank>`` (that rank's writer of the save is gone: new writers may start).
 
 Exports :func:`choose_mode`, :func:`gloo_init_method`, :func:`mailbox_session`,
 :func:`outcome_board`, :class:`Outcomes`, :func:`others_failed`, :func:`remote_failure`
@@ -47,12 +45,9 @@ _SESSION_KEY = "hp_dcp_async_mailbox_session"
 
 
 def gloo_init_method() -> str:
-    """The init method of the writers' own gloo group: ``MASTER_ADDR`` and ``MASTER_PORT + 1``
-    (or ``HP_DCP_ASYNC_GLOO_PORT``).
-
-    Raises ``AssertionError`` (as the user guide documents; explicit, so ``python -O``
-    keeps it) without ``MASTER_ADDR``/``MASTER_PORT``, ``SettingError`` for a bad port.
-    """
+    """The init method of the writers' gloo group: ``MASTER_ADDR``, ``MASTER_PORT + 1`` (or
+    ``HP_DCP_ASYNC_GLOO_PORT``).  Raises ``AssertionError`` (documented; explicit, so that
+    ``python -O`` keeps it) without them, ``SettingError`` for a bad port."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not (addr and port):
         raise AssertionError(
@@ -72,11 +67,8 @@ def gloo_init_method() -> str:
 
 def choose_mode(*, no_dist: bool, world_size: int, use_collectives: bool, use_gloo: bool,
                 target: Any) -> tuple[Mode, Optional[str]]:
-    """The :class:`Mode` of a save and its mailbox directory (``FILES`` only).
-
-    ``target``: the checkpoint directory (``checkpoint_id`` or the storage writer's path).
-    Raises ``ValueError`` when the file mailbox has no local directory to use.
-    """
+    """The :class:`Mode` of a save and, for ``FILES``, its mailbox directory ``target`` (the
+    checkpoint directory); ``ValueError`` when that is not a local directory."""
     if no_dist or world_size == 1:
         return Mode.LOCAL, None
     if not use_collectives:
@@ -93,12 +85,11 @@ def choose_mode(*, no_dist: bool, world_size: int, use_collectives: bool, use_gl
 
 
 def mailbox_session() -> str:
-    """A token equal on all ranks and new for each training job, through the job's store.
+    """A token equal on all ranks and new for each training job (and elastic restart).
 
-    Every rank proposes one and the store keeps the first (``compare_set``, one round
-    trip): no rank waits for another, and the first ranks of two sub-groups saving at
-    once cannot set two.  Keyed by the elastic restart count: a restarted job gets a new
-    one.  Without a store, the launcher's run id.
+    Every rank proposes one and the job's store keeps the first (``compare_set``): no rank
+    waits for another, and two sub-groups saving at once cannot set two.  Without a
+    store, the launcher's run id.
     """
     token = ""
     try:
@@ -114,8 +105,8 @@ def mailbox_session() -> str:
 
 
 def outcome_board(session: str, rank: int, world_size: int, process_group: Any = None) -> Optional[Outcomes]:
-    """The outcome board of a coordinated save of ``process_group``'s ranks (``None``
-    without a job store); sub-groups saving at once (pipeline stages) get one each."""
+    """The outcome board of a save of ``process_group`` (``None`` without a job store); each
+    sub-group saving at once (pipeline stages) gets its own."""
     try:
         import torch.distributed as dist
 

@@ -1,15 +1,14 @@
 """``async_save``: stage now in the training process, persist in the writer process.
 
 One :class:`_Persister` per training process owns the staging arena, the writer process
-(started on first use, reused, replaced after it died) and the save in flight.  A save
-is: wait for the previous one → stage (the only blocking part) → a joining thread sends
-the request, waits for the writer's reply (or its death, or a failure on another rank),
-installs the plan cache, runs the callback and resolves the future.  Neither the writer
-process nor the joining thread is a daemon; at interpreter exit the save in flight
-completes before the writer is told to stop.
+(started on first use, reused, replaced after it died) and the save in flight.  A save:
+wait for the previous one → stage (the only blocking part) → a joining thread sends the
+request, awaits the writer's reply (or its death, or a failure on another rank), installs
+the plan cache, runs the callback and resolves the future.  Neither the writer process
+nor the joining thread is a daemon: at exit the save in flight lands first.
 
-Exports :func:`async_save`, :class:`AsyncSaveResponse`, :func:`start_writer` and
-:func:`shutdown_writer` (and the errors of :mod:`.errors`).
+Exports :func:`async_save`, :class:`AsyncSaveResponse`, :func:`start_writer`,
+:func:`shutdown_writer`, and the errors of :mod:`.errors`.
 """
 
 from __future__ import annotations
@@ -85,8 +84,9 @@ class AsyncSaveResponse:
     """
 
     def __init__(self, checkpoint_id: Optional[str], staging: StagingStats, writer_pid: int):
-        self.persist_completion: concurrent.futures.Future[Metadata] = _Future()
-        self.persist_completion.set_running_or_notify_cancel()  # a landing save cannot be cancelled
+        self._future = _Future()
+        self._future.set_running_or_notify_cancel()  # a landing save cannot be cancelled
+        self.persist_completion: concurrent.futures.Future[Metadata] = self._future
         self.checkpoint_id = checkpoint_id
         self.staging = staging
         self.writer_pid = writer_pid
@@ -104,12 +104,8 @@ class AsyncSaveResponse:
     def done(self) -> bool:
         return self.persist_completion.done()
 
-    def _failure(self) -> Optional[BaseException]:
-        future = self.persist_completion
-        return future.peek_exception() if isinstance(future, _Future) else None
-
     def __repr__(self) -> str:
-        state = "in flight" if not self.done() else "landed" if self._failure() is None else "failed"
+        state = "in flight" if not self.done() else "landed" if self._future.peek_exception() is None else "failed"
         return f"AsyncSaveResponse({self.checkpoint_id!r}, {state})"
 
 
@@ -128,8 +124,7 @@ class _Persister:
         self._exit_hook: Any = None
 
     def _session(self) -> str:
-        if self.session is None:
-            self.session = mailbox_session()
+        self.session = self.session or mailbox_session()
         return self.session
 
     def _live_writer(self) -> WriterProcess:
@@ -157,10 +152,9 @@ class _Persister:
     def _surface_dropped(self) -> None:
         """Warn about the previous save's failure if nobody looked at its response."""
         last, self.last = self.last, None
-        exc = last._failure() if last is not None else None
-        if last is not None and exc is not None and isinstance(last.persist_completion, _Future) \
-                and not last.persist_completion.observed:
-            last.persist_completion.observed = True
+        exc = last._future.peek_exception() if last is not None else None
+        if last is not None and exc is not None and not last._future.observed:
+            last._future.observed = True
             warnings.warn(AsyncSaveFailureWarning(
                 f"the previous async_save{' into ' + last.checkpoint_id if last.checkpoint_id else ''} failed and "
                 f"its response was never checked: {type(exc).__name__}: {exc}"), stacklevel=4)
@@ -218,7 +212,7 @@ class _Persister:
                 # collections they set off re-traverse the training process's heap (100+ ms
                 # at 2000 tensors); the sync save pauses the collector for the same reason.
                 with gc_paused():
-                    state_dict, _ = expand_stateful(state_dict)
+                    state_dict, _ = expand_stateful(state_dict)  # a Stateful leaf: its state_dict()
                     gloo_init = gloo_init_method() if use_gloo and use_collectives else None
                     writer = storage_writer_for(checkpoint_id, storage_writer, caller="async_save")
                     mode, mailbox_dir = choose_mode(
@@ -303,14 +297,14 @@ class _Persister:
                 # that missed a request holds other slabs than we think: start afresh
                 self._retire(writer, seq, board)
             writer.mirror.forget_layout()
-            response.persist_completion.set_exception(exc)
+            response._future.set_exception(exc)
             return
         if callback is not None:
             try:
                 callback()
             except Exception:  # noqa: BLE001 - the checkpoint has landed; a callback bug must not hide that
                 logger.exception("async_save callback raised (the checkpoint %s has landed)", response.checkpoint_id)
-        response.persist_completion.set_result(metadata)
+        response._future.set_result(metadata)
 
     @staticmethod
     def _landed(reply: SaveReply, writer: WriterProcess, board: Optional[Outcomes],
@@ -319,8 +313,8 @@ class _Persister:
         writer's error, or the failure of the rank that caused it."""
         seq = reply.seq
         if reply.metadata is None:
-            exc = reply.error if reply.error is not None else AsyncSaveError(reply.error_text)
-            if reply.error is not None and hasattr(exc, "add_note"):  # Python 3.11+
+            exc = reply.error if reply.error is not None else AsyncSaveError(reply.error_text or "no metadata")
+            if reply.error is not None and hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(f"raised in the async writer process (pid {writer.pid}):\n{reply.error_text}")
             if board is not None:
                 # Our writer's error may only echo a peer's death ("connection closed by

@@ -1,12 +1,12 @@
-"""Slabs: large shared-memory byte buffers that hold many staging slots.
+"""Slabs: large shared-memory byte buffers holding many staging slots, and the copies into them.
 
-The writer process maps a slab once (it is pickled as its file descriptor) and reads the
-pieces in place, so the bytes of a save are copied exactly once.  A few large slabs
-instead of a buffer per tensor keep the number of shared descriptors and mappings small.
-Pinning is CUDA's ``cudaHostRegister``: other accelerators stage into unpinned slabs.
+The writer process maps a slab once (it pickles as its file descriptor) and reads the
+pieces in place, so a save's bytes are copied exactly once; a few large slabs rather than
+a buffer per tensor keep the number of descriptors and mappings small.  Pinning is CUDA's
+``cudaHostRegister``: pieces on another accelerator go to unpinned slabs.
 
-Exports :data:`ALIGN`, :func:`align`, :func:`slab_view`, :class:`Slab`, and
-:func:`copy_into_slots` / :func:`wait_for_copies` (how the bytes get there).
+Exports :data:`ALIGN`, :func:`align`, :func:`slab_view`, :class:`Slab`,
+:func:`copy_into_slots` and :func:`wait_for_copies`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ ALIGN = 64
 
 
 def align(nbytes: int) -> int:
-    """``nbytes`` rounded up to :data:`ALIGN`."""
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -39,8 +38,7 @@ def slab_view(buffer: torch.Tensor, offset: int, sizes: tuple[int, ...], dtype: 
 
 
 class Slab:
-    """One shared-memory byte buffer of ``nbytes`` bytes, page-locked when the pieces it
-    receives live on a CUDA device (``device_type``); ``buffer`` is its uint8 tensor."""
+    """One shared uint8 ``buffer`` of ``nbytes`` bytes, page-locked for pieces on CUDA."""
 
     def __init__(self, slab_id: int, nbytes: int, device_type: Optional[str]):
         self.slab_id = slab_id
@@ -54,26 +52,22 @@ class Slab:
                 logger.warning("async_save: cannot pin a %d-byte staging buffer: %s", self.buffer.numel(), exc)
 
     def view(self, offset: int, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The slot at byte ``offset`` as a ``sizes``-shaped ``dtype`` tensor."""
         return slab_view(self.buffer, offset, sizes, dtype)
 
     def release(self) -> None:
-        """Unpin; the memory itself goes once neither process references it."""
+        """Unpin; the memory goes once neither process references it."""
         if self.pinned:
+            self.pinned = False
             try:
                 cuda_host_unregister(self.buffer)
             except Exception:  # noqa: BLE001 - the buffer goes anyway
                 pass
-            self.pinned = False
 
 
 def copy_into_slots(dsts: list[torch.Tensor], srcs: list[torch.Tensor], device_type: Optional[str]) -> None:
-    """Copy every source into its slot and return once the copies are done.
-
-    Host sources: one fused copy.  Device sources: every copy queued on the current
-    stream at once (into page-locked memory the copy engine works asynchronously), then
-    a wait for that stream only.
-    """
+    """Copy every source into its slot; returns once the copies are done.  Device sources:
+    every copy queued on the current stream at once (into page-locked memory the copy
+    engine works asynchronously), then a wait for that stream only."""
     if not dsts:
         return
     with torch.no_grad():

@@ -1,11 +1,13 @@
-"""The persistent writer process: receives staged saves and runs the one save pipeline.
+"""The writer process: receives staged saves and runs the one save pipeline on them.
 
-Started with the ``spawn`` method, so it inherits no CUDA/NCCL/HCCL state and never
-touches an accelerator: it only maps the staging slabs (shared memory) of the training
-process.  It runs :func:`hyper_parallel_dcp.core.pipeline.save_state_dict` unchanged, with
-its own CPU gloo group, the file mailbox, or no coordination, and answers with the
-metadata and the plan-cache entry.  It exits on ``None``, when the training process's
-end of the pipe closes, or as soon as the training process is gone (:func:`watch_parent`).
+Started with ``spawn``, so it inherits no CUDA/NCCL state and never touches an
+accelerator: it maps the training process's slabs and runs
+:func:`hyper_parallel_dcp.core.pipeline.save_state_dict` unchanged (its own CPU gloo group,
+the file mailbox, or no coordination), then answers with the metadata and the plan-cache
+entry.  It exits on ``None``, when its pipe closes, or as soon as the training process is
+gone (:func:`watch_parent`).
+
+Exports :func:`writer_main`, :func:`watch_parent` and :func:`wait_for_parent_exit`.
 """
 
 from __future__ import annotations
@@ -93,29 +95,27 @@ class _Writer:
 
 
 def _error_reply(seq: int, exc: BaseException) -> SaveReply:
+    """The reply for a failed save; the exception itself travels only if it pickles."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        pickle.loads(pickle.dumps(exc))  # the original class travels only if it round-trips
+        pickle.loads(pickle.dumps(exc))
         portable: Optional[BaseException] = exc
     except Exception:  # noqa: BLE001
         portable = None
     return SaveReply(seq, error=portable, error_text=f"{type(exc).__qualname__}: {exc}\n\n{text}")
 
 
-#: Seconds between two looks at the parent where no pidfd can be polled (and the longest a
-#: pidfd wait lasts before the parent pid is looked at again).
+#: Seconds between two looks at the parent (without a pidfd: how often it is polled).
 PARENT_POLL_S = 0.25
 
 
 def wait_for_parent_exit(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
     """Return once the process ``parent_pid`` (this process's parent) is gone.
 
-    Linux: waits on a pidfd of the parent, woken the moment it exits.  Elsewhere, or where
-    ``pidfd_open`` is refused: looks every ``poll_s`` seconds whether this process was
-    re-parented (``getppid()`` changed), which is how POSIX shows a dead parent.  Returns at
-    once if the parent is already gone.  (A pipe that closes with the parent is not enough:
-    a process the trainer forks afterwards, e.g. a DataLoader worker, inherits its end.
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that started the writer exits.)
+    Waits on a pidfd of the parent where there is one, else looks every ``poll_s`` seconds
+    whether this process was re-parented.  (A pipe closing with the parent is not enough:
+    a process the trainer forks later inherits its end; ``PR_SET_PDEATHSIG`` fires when the
+    *thread* that started the writer exits.)
     """
     pidfd = None
     if hasattr(os, "pidfd_open"):
@@ -145,14 +145,9 @@ def watch_parent(parent_pid: int, in_flight: _InFlight,
                  exit_now: Callable[[int], None] = os._exit) -> threading.Thread:
     """Start a daemon thread that ends this process soon after ``parent_pid`` is gone.
 
-    An orphaned writer abandons the save it runs: it exits at once, as a crash would, and
-    the commit protocol (the coordinator commits last, after every rank's write results
-    arrived; ``.metadata`` and the directory swap are atomic) never shows a half-written
-    checkpoint.  Finishing the save instead could commit it while a restarted job already
-    saves or loads in that directory, and a writer of another rank may wait for one of
-    ours that died.  Before this, an orphan waited in a collective for up to
-    ``HP_DCP_ASYNC_TIMEOUT`` (1800 s).  The thread needs the GIL only once, after the
-    parent is gone; gloo waits and file writes release it.
+    An orphan abandons the save it runs, as a crash would: the commit protocol never shows
+    a half-written checkpoint, while finishing could commit it under a restarted job, and a
+    peer's writer may wait for one of ours that died (until ``HP_DCP_ASYNC_TIMEOUT``).
     """
 
     def run() -> None:
@@ -172,27 +167,19 @@ def watch_parent(parent_pid: int, in_flight: _InFlight,
 
 
 def _leave(parent_pid: Optional[int]) -> None:
-    """Return from the writer's loop; with the training process gone, exit right away.
-
-    An orphan skips the interpreter's shutdown (tearing down torch took 1-3 s on a loaded
-    host, measured under torchrun): nothing is left to flush, and a replaced checkpoint
-    still being deleted in the background is removed by the next save instead.
-    """
+    """Return from the writer's loop; with the training process gone, exit at once (an
+    orphan has nothing to flush, and tearing torch down took 1-3 s on a loaded host)."""
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(0)
 
 
 def writer_main(conn: Any, parent_pid: Optional[int] = None) -> None:
-    """Entry point of the writer process: serve :class:`SaveRequest` until told to stop.
-
-    ``parent_pid``: the training process; the writer exits soon after it is gone, even
-    in the middle of a save (see :func:`watch_parent`).
-    """
+    """Entry point of the writer process: serve requests on ``conn`` until told to stop, or
+    soon after the training process ``parent_pid`` is gone (see :func:`watch_parent`)."""
     import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor reductions
 
-    # Under torchrun the training process's environment says "join the agent's store"
-    # (TORCHELASTIC_USE_AGENT_STORE=True): then no writer would host the store of the
-    # writers' own gloo group on MASTER_PORT + 1 and every use_gloo save would time out.
+    # Under torchrun the environment says "join the agent's store": then no writer would
+    # host the store of the writers' gloo group, and every use_gloo save would time out.
     for name in _LAUNCHER_ENV:
         os.environ.pop(name, None)
     torch.set_num_threads(1)  # the writer hashes and writes; it must not compete with training
@@ -214,16 +201,13 @@ def writer_main(conn: Any, parent_pid: Optional[int] = None) -> None:
             except (BrokenPipeError, OSError):
                 return _leave(parent_pid)
             continue
-        in_flight.seq = getattr(req, "seq", -1)
+        in_flight.seq = req.seq
         try:
             reply = writer.save(req)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the future
-            reply = _error_reply(getattr(req, "seq", -1), exc)
-            reply.metadata = None
+            reply = _error_reply(req.seq, exc)
         finally:
             in_flight.seq = None
-        if reply.error is None and reply.error_text == "" and reply.metadata is None:
-            reply.error_text = "writer returned no metadata"
         try:
             conn.send(reply)
         except (BrokenPipeError, OSError):

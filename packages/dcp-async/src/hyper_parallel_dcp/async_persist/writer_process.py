@@ -47,6 +47,7 @@ class WriterProcess:
                                 daemon=False)
         self.proc.start()
         child_end.close()
+        assert self.proc.pid is not None  # started
         self.pid: int = self.proc.pid
         try:
             # Lowered at once: its start (importing torch, 1-2 s of CPU) overlaps the first
