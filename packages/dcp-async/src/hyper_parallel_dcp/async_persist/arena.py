@@ -75,7 +75,6 @@ class StagingArena:
         self._slots: dict[BufferKey, tuple[int, int]] = {}
         self._next_id = 0
         self._layout: Optional[RepeatedLayout] = None
-        self._layouts_made = 0
         self._geometry = GeometryMemo()
         self._pending: Optional[_PendingSlab] = None
         self._pending_lock = threading.Lock()
@@ -111,7 +110,7 @@ class StagingArena:
             leaves[fqn] = ("object", DataCopier.copy(flat[fqn]))
         if layout.object_fqns:
             leaves = {fqn: leaves[fqn] for fqn in layout.keys}
-        staged = StagedStateDict(leaves, frozenset(self._slabs), layout.layout_id)
+        staged = StagedStateDict(leaves, frozenset(self._slabs))
         return staged, StagingStats(layout.staged_bytes, layout.staged_bytes, 0, self._pinned())
 
     def _pinned(self) -> bool:
@@ -175,12 +174,10 @@ class StagingArena:
         staged = StagedStateDict(leaves, frozenset([*self._slabs, *([new_slab_id] if private else [])]))
         self._layout = None
         if reusable:
-            self._layouts_made += 1
-            staged.layout_id = self._layouts_made
             object_fqns = tuple(fqn for fqn in flat if fqn not in shards_of)
             # a pending slab's views are made by complete(), once it exists
             self._layout = RepeatedLayout(tuple(flat), checks, [] if private else dsts, tensor_leaves, object_fqns,
-                                          device_type, staged_bytes, self._layouts_made)
+                                          device_type, staged_bytes)
             if device_type is not None:  # made with the first save's copy, not by the next save
                 self._layout.pack = DevicePack(dsts, srcs)
         return staged, StagingStats(staged_bytes, reused, allocated, self._pinned())

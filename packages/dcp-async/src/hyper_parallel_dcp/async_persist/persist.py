@@ -296,7 +296,6 @@ class _Persister:
                 # a writer of a failed coordinated save may wait for a dead peer, and one
                 # that missed a request holds other slabs than we think: start afresh
                 self._retire(writer, seq, board)
-            writer.mirror.forget_layout()
             response._future.set_exception(exc)
             return
         if callback is not None:

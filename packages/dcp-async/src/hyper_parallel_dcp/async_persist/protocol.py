@@ -1,12 +1,10 @@
 """What the training process and its writer process send each other, and what the writer
 holds from earlier requests.
 
-A request leaves out what the writer holds already: the slabs it mapped, the tensor
-leaves of the last whole staged description of a layout (2000 tensors: the request 111
--> 44 KB, its send 1.5-6 -> 0.4-0.8 ms of a later save's blocking time), and the
-plan-cache entry (a 2000-tensor plan and metadata: ~0.1 s to pickle).
-:meth:`WriterMirror.send` (training process) computes that delta; :meth:`WriterHoldings.receive`
-(writer process) undoes it.  A new field of :class:`SaveRequest` that the writer should
+A request leaves out what the writer holds already: the slabs it mapped, and the
+plan-cache entry (a 2000-tensor plan and metadata take ~0.1 s to pickle).
+:meth:`WriterMirror.send` (training process) makes that delta and
+:meth:`WriterHoldings.receive` (writer process) undoes it: a new field the writer should
 hold between saves changes these two methods only.
 
 Exports :data:`PING`, :class:`Mode`, :class:`SaveRequest`, :class:`SaveReply`,
@@ -89,23 +87,18 @@ class WriterMirror:
 
     def __init__(self) -> None:
         self.slabs: set[int] = set()
-        self.layout: Optional[int] = None
         self.cache: dict[Any, Any] = {}  # plan-cache key -> the entry object of this process's cache
 
     def send(self, conn: Any, request: SaveRequest, slabs: dict[int, torch.Tensor]) -> None:
-        """Send ``request`` over ``conn`` without what the writer holds, with the slabs of
-        ``slabs`` it lacks; then note what it holds.  Raises what ``conn.send`` raises (a
-        request that was not sent changes nothing)."""
-        staged = request.staged
-        if staged.layout_id is not None and staged.layout_id == self.layout:
-            staged = staged.without_tensors()
+        """Send ``request`` over ``conn`` with the slabs of ``slabs`` the writer lacks and
+        without the plan-cache entry it holds; then note what it holds.  Raises what
+        ``conn.send`` raises (a request that was not sent changes nothing)."""
         cache, held = request.cache, False
         if cache is not None and cache[1] is not None and self.cache.get(cache[0]) is cache[1]:
             cache, held = (cache[0], None), True
-        conn.send(replace(request, staged=staged, new_slabs={i: t for i, t in slabs.items() if i not in self.slabs},
-                          cache=cache, cache_held=held))
+        conn.send(replace(request, new_slabs={i: t for i, t in slabs.items() if i not in self.slabs}, cache=cache,
+                          cache_held=held))
         self.slabs = set(request.staged.slab_ids)
-        self.layout = request.staged.layout_id
         self.note_cache(request.cache)
 
     def note_cache(self, entry: Optional[PlanCacheEntry]) -> None:
@@ -113,33 +106,22 @@ class WriterMirror:
         if entry is not None and entry[1] is not None:
             self.cache[entry[0]] = entry[1]
 
-    def forget_layout(self) -> None:
-        """After a failed save: the next request carries its whole staged description."""
-        self.layout = None
-
 
 class WriterHoldings:
     """The writer's side of :class:`WriterMirror`: what it keeps from the requests it got."""
 
     def __init__(self) -> None:
         self.slabs: dict[int, torch.Tensor] = {}
-        self.staged: Optional[StagedStateDict] = None  # the last whole description of a layout
         self.cache: dict[Any, Any] = {}
 
-    def receive(self, req: SaveRequest) -> tuple[StagedStateDict, dict[int, torch.Tensor], Optional[PlanCacheEntry]]:
-        """The whole staged description, the live slabs and the plan-cache entry of ``req``.
-
-        Updates what this writer holds first, as its training process assumes whatever the
-        save does next.  Raises ``RuntimeError`` for a description of a layout it lacks.
-        """
-        staged = req.staged.with_tensors_of(self.staged)
-        if staged.layout_id is not None:
-            self.staged = staged
+    def receive(self, req: SaveRequest) -> tuple[dict[int, torch.Tensor], Optional[PlanCacheEntry]]:
+        """The live slabs and the plan-cache entry of ``req``, what this writer holds updated
+        first (its training process assumes so, whatever the save does next)."""
         self.slabs.update(req.new_slabs)
-        for slab_id in [i for i in self.slabs if i not in staged.slab_ids]:
+        for slab_id in [i for i in self.slabs if i not in req.staged.slab_ids]:
             del self.slabs[slab_id]
         if req.cache is None:
-            return staged, self.slabs, None
+            return self.slabs, None
         key, value = req.cache
         if req.cache_held:
             value = self.cache.get(key)  # missing: this save plans afresh (on every rank)
@@ -147,7 +129,7 @@ class WriterHoldings:
             self.cache[key] = value
         else:
             self.cache.pop(key, None)
-        return staged, self.slabs, (key, value)
+        return self.slabs, (key, value)
 
     def note_cache(self, entry: PlanCacheEntry) -> None:
         """The writer sent ``entry`` back: its training process installs and then holds it."""

@@ -81,7 +81,6 @@ class RepeatedLayout:
     object_fqns: tuple[str, ...]
     device_type: Optional[str]
     staged_bytes: int
-    layout_id: int  # unique in its arena
     pack: Optional[DevicePack] = None
 
     def sources(self, flat: dict[str, Any]) -> Optional[list[torch.Tensor]]:

@@ -7,7 +7,7 @@ Exports :data:`PieceRef`, :class:`StagedStateDict` and :func:`materialize`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -27,36 +27,11 @@ class StagedStateDict:
 
     ``leaves`` keeps the flat order of the caller's state dict; each entry is
     ``("tensor", (global_shape, dtype, ragged, [PieceRef, ...]))`` or ``("object", copy)``.
-    ``layout_id`` names the arena's layout these leaves were staged with (``None``: not
-    reusable); with ``tensors_held``, ``leaves`` holds the object leaves only and the
-    tensor leaves are those of the last whole description of that layout.
+    ``slab_ids``: the slabs the pieces lie in (the writer drops the others).
     """
 
     leaves: dict[str, tuple[str, Any]] = field(default_factory=dict)
     slab_ids: frozenset[int] = frozenset()
-    layout_id: Optional[int] = None
-    tensors_held: bool = False
-
-    def without_tensors(self) -> StagedStateDict:
-        """This description with its object leaves only, for a writer that holds the tensor
-        leaves of ``layout_id``.  Raises ``ValueError`` without a layout id."""
-        if self.layout_id is None:
-            raise ValueError("a description without a layout id has no tensor leaves to hold")
-        objects = {fqn: leaf for fqn, leaf in self.leaves.items() if leaf[0] == "object"}
-        return StagedStateDict(objects, self.slab_ids, self.layout_id, tensors_held=True)
-
-    def with_tensors_of(self, held: Optional[StagedStateDict]) -> StagedStateDict:
-        """The whole description from one :meth:`without_tensors` made and the last whole
-        description ``held``; itself when it is whole.  Raises ``RuntimeError`` when ``held``
-        is not a whole description of the same layout."""
-        if not self.tensors_held:
-            return self
-        if held is None or held.tensors_held or held.layout_id != self.layout_id:
-            raise RuntimeError(f"async writer: a save refers to staged layout {self.layout_id}, which this writer "
-                               f"does not hold ({None if held is None else held.layout_id})")
-        leaves = dict(held.leaves)  # the state dict's flat order; object leaves replaced in place
-        leaves.update(self.leaves)
-        return StagedStateDict(leaves, self.slab_ids, self.layout_id)
 
 
 def materialize(staged: StagedStateDict, slabs: dict[int, torch.Tensor]) -> dict[str, Any]:

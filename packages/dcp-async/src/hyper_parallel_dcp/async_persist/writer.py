@@ -58,8 +58,8 @@ class _Writer:
     def save(self, req: SaveRequest) -> SaveReply:
         for buffer in req.new_slabs.values():
             populate_read(buffer)
-        staged, slabs, cache = self.holdings.receive(req)
-        state_dict = materialize(staged, slabs)
+        slabs, cache = self.holdings.receive(req)
+        state_dict = materialize(req.staged, slabs)
         if cache is not None:
             key, value = cache
             if value is not None:
