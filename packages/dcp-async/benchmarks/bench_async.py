@@ -89,7 +89,11 @@ def run_benchmark(root: str | os.PathLike, total_mib: int = 512, n_tensors: int 
     steady-state runs; the first async save (writer start, buffer allocation) separately.
     """
     import hyper_parallel_dcp as dcp
-    from hyper_parallel_dcp.async_persist import persist
+    from hyper_parallel_dcp.async_persist.persist import _get_persister
+
+    def writer_pid() -> int:
+        writer = _get_persister().writer
+        return writer.pid if writer is not None and writer.alive() else 0
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -123,10 +127,10 @@ def run_benchmark(root: str | os.PathLike, total_mib: int = 512, n_tensors: int 
     out["first_async_landed_s"] = first_landed
     blocking, landed, peaks = [], [], []
     for i in range(repeats):
-        writer = persist.writer_pid()
+        writer = writer_pid()
         idle = [_mem_kib(p) for p in (me, writer) if p]
         path = fresh(f"async{i + 1}")
-        with _MemSampler(lambda: [p for p in (me, persist.writer_pid()) if p]) as mem:
+        with _MemSampler(lambda: [p for p in (me, writer_pid()) if p]) as mem:
             start = time.perf_counter()
             resp = dcp.async_save(sd, checkpoint_id=path)
             blocking.append(time.perf_counter() - start)
@@ -135,9 +139,9 @@ def run_benchmark(root: str | os.PathLike, total_mib: int = 512, n_tensors: int 
         peaks.append((mem.peak_rss - sum(r for r, _ in idle), mem.peak_pss - sum(p for _, p in idle)))
     out["async_blocking_s"] = median(blocking)
     out["async_landed_s"] = median(landed)
-    writer_rss, writer_pss = _mem_kib(persist.writer_pid() or 0)
+    writer_rss, writer_pss = _mem_kib(writer_pid())
     me_rss, me_pss = _mem_kib(me)
-    out["staging_buffers_bytes"] = sum(t.numel() for t in persist._get_persister().arena.slabs.values())
+    out["staging_buffers_bytes"] = sum(t.numel() for t in _get_persister().arena.slabs.values())
     out["trainer_rss_growth_bytes"] = (me_rss - base_rss) * 1024
     out["trainer_pss_growth_bytes"] = (me_pss - base_pss) * 1024
     out["writer_rss_bytes"] = writer_rss * 1024

@@ -100,7 +100,7 @@ def modes_worker(rank: int, world_size: int, root: str, mode: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hyper_parallel_dcp.async_persist import AsyncSaveError
-    from hyper_parallel_dcp.async_persist.persist import staging_buffer_ptrs
+    from hyper_parallel_dcp.async_persist.persist import _get_persister
 
     kwargs = _MODES[mode]
     mesh = init_device_mesh("cpu", (world_size,))
@@ -118,7 +118,7 @@ def modes_worker(rank: int, world_size: int, root: str, mode: str) -> dict:
         out["cache_hit"].append(resp.cache_hit)
         out["reused"].append((resp.staging.reused_bytes, resp.staging.staged_bytes))
         out["allocated"].append(resp.staging.allocated_bytes)
-        ptrs = staging_buffer_ptrs()
+        ptrs = _get_persister().arena.buffer_ptrs()
         first_ptrs = first_ptrs or ptrs
         out["ptrs_same"].append(ptrs == first_ptrs)
         dist.barrier()  # every rank's writer has answered before we look for its files
@@ -283,17 +283,17 @@ def test_async_save_files_mode_of_a_state_dict_with_nothing_replicated(tmp_path:
 def session_worker(rank: int, world_size: int) -> tuple[str, str]:
     import torch.distributed as dist
 
-    from hyper_parallel_dcp.async_persist import persist
+    from hyper_parallel_dcp.async_persist.coordination import mailbox_session
 
     os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)
     # rank 0 asks last, after every other rank has its token: no rank may wait for rank 0
     # (the first ranks of two sub-groups used to set it, and the others to wait for them)
-    token = "" if rank == 0 else persist._Persister()._mailbox_session()
+    token = "" if rank == 0 else mailbox_session()
     dist.barrier()
     if rank == 0:
-        token = persist._Persister()._mailbox_session()
+        token = mailbox_session()
     os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # torchrun restarted the workers
-    restarted = persist._Persister()._mailbox_session()
+    restarted = mailbox_session()
     return token, restarted
 
 

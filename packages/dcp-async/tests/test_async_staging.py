@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_parallel_dcp.async_persist.staging import StagingArena, materialize
+from hyper_parallel_dcp.async_persist.arena import StagingArena
+from hyper_parallel_dcp.async_persist.staged import materialize
 from hyper_parallel_dcp.core.testing import run_distributed
 
 
@@ -96,7 +97,7 @@ def test_deferred_first_save_keeps_the_values_of_staging_time() -> None:
     arena = StagingArena()
     sd = _plain_state(1)
     expected = _expect_plain(sd)
-    staged, stats = arena.stage(sd, defer_new_slab=True)
+    staged, stats = arena.stage(sd)
     assert stats.allocated_bytes > 0 and stats.reused_bytes == 0
     # training goes on before the slab is filled: staging already owns its copy
     sd["w"].mul_(-1)
@@ -117,14 +118,14 @@ def test_deferred_slab_fills_in_batches_and_frees_each_batch_first(monkeypatch) 
     writer's page cache reuse their memory instead of memory never touched before)."""
     import weakref
 
-    from hyper_parallel_dcp.async_persist import staging
+    from hyper_parallel_dcp.async_persist import arena as staging
 
     sd = {f"t{i}": torch.arange(256, dtype=torch.float32) * (i + 1) for i in range(10)}  # 1 KiB each
     expected = {fqn: {(0,): t.clone()} for fqn, t in sd.items()}
     monkeypatch.setattr(staging, "_FILL_BATCH_BYTES", 3 * 1024)  # batches of 3, 3, 3, 1 pieces
     arena = StagingArena()
-    staged, _ = arena.stage(sd, defer_new_slab=True)
-    private = arena._pending[3]  # noqa: SLF001 - the private copies, by position
+    staged, _ = arena.stage(sd)
+    private = arena._pending.private  # noqa: SLF001 - the private copies, by position
     copies = [weakref.ref(t) for t in private.values()]
     alive_at_trim: list[int] = []
     monkeypatch.setattr(staging, "release_free_heap", lambda: alive_at_trim.append(sum(r() is not None for r in copies)))
@@ -141,11 +142,11 @@ def test_small_pieces_gathered_then_copied_in_one_run(monkeypatch) -> None:
     slots (driven here with host tensors): adjacent slots make one run, a large piece, a
     lone small one and pieces past the memory budget are copied one by one, and every
     staged value is the source's, a strided source and mixed dtypes included."""
-    from hyper_parallel_dcp.async_persist import staging
+    from hyper_parallel_dcp.async_persist import repeat
     from hyper_parallel_dcp.core.flatten import flatten_state_dict
     from hyper_parallel_dcp.core.layout import is_tensor_leaf
 
-    monkeypatch.setattr(staging, "_PACK_PIECE_BYTES", 1024)
+    monkeypatch.setattr(repeat, "_PACK_PIECE_BYTES", 1024)
 
     def state(step: int) -> dict:
         wide = torch.arange(40.0).reshape(5, 8) + step
@@ -160,12 +161,13 @@ def test_small_pieces_gathered_then_copied_in_one_run(monkeypatch) -> None:
 
     def sources(sd: dict) -> list[torch.Tensor]:
         flat, _ = flatten_state_dict(sd, is_tensor_leaf)
-        return arena._sources(arena._layout, flat)  # noqa: SLF001
+        return arena._layout.sources(flat)  # noqa: SLF001
 
     arena = StagingArena()
     staged, _ = arena.stage(state(1))  # its slots are the ones a repeated save fills
+    arena.complete()  # the new slab exists, and with it the layout's slot views
     sd = state(2)
-    pack = staging._DevicePack(arena._layout.dsts, sources(sd), host_sources=True)  # noqa: SLF001
+    pack = repeat.DevicePack(arena._layout.dsts, sources(sd), host_sources=True)  # noqa: SLF001
     # slots in state-dict order: a b c big d x; a, b, c adjacent, then d and x
     assert [scratch.numel() for _, scratch in pack.runs] == [64 * 3, 64 * 2]
     assert pack.packed == 5 and pack.rest == [3]
@@ -173,9 +175,9 @@ def test_small_pieces_gathered_then_copied_in_one_run(monkeypatch) -> None:
     _assert_same(_staged_values(arena, staged), _expect_plain(sd))
 
     # a budget of two slots: a and b gathered, the rest one by one
-    monkeypatch.setattr(staging, "_PACK_TOTAL_BYTES", 128)
+    monkeypatch.setattr(repeat, "_PACK_TOTAL_BYTES", 128)
     sd = state(3)
-    pack = staging._DevicePack(arena._layout.dsts, sources(sd), host_sources=True)  # noqa: SLF001
+    pack = repeat.DevicePack(arena._layout.dsts, sources(sd), host_sources=True)  # noqa: SLF001
     assert [scratch.numel() for _, scratch in pack.runs] == [128] and pack.rest == [2, 3, 4, 5]
     pack.copy(sources(sd))
     _assert_same(_staged_values(arena, staged), _expect_plain(sd))
@@ -185,7 +187,7 @@ def test_small_pieces_gathered_then_copied_in_one_run(monkeypatch) -> None:
 def test_release_free_heap_on_glibc() -> None:
     import sys
 
-    from hyper_parallel_dcp.async_persist.staging import release_free_heap
+    from hyper_parallel_dcp.async_persist._posix import release_free_heap
 
     before = torch.arange(1 << 20, dtype=torch.float64)  # 8 MiB freed below, then trimmed
     del before
@@ -219,7 +221,7 @@ def _dtensor_worker(rank: int, world_size: int) -> list[str]:
 
     arena = StagingArena()
     for step in (1, 2, 3):  # first: slow path (deferred on step 1), then the fast path
-        staged, stats = arena.stage(state(step, layouts), defer_new_slab=step == 1)
+        staged, stats = arena.stage(state(step, layouts))
         if step > 1 and stats.reused_bytes != stats.staged_bytes:
             problems.append(f"rank {rank} step {step}: not reused {stats}")
         check(staged, step, f"step {step}")
@@ -244,14 +246,14 @@ def test_start_writer_ahead_then_first_save_lands_with_its_values(tmp_path) -> N
     import async_test_api as dcp
 
     from hyper_parallel_dcp.async_persist import shutdown_writer, start_writer
-    from hyper_parallel_dcp.async_persist.persist import writer_pid
+    from hyper_parallel_dcp.async_persist.persist import _get_persister
 
     shutdown_writer()
     start_writer()
-    pid = writer_pid()
+    pid = _get_persister().writer.pid
     assert pid is not None
     start_writer()  # a no-op while it runs
-    assert writer_pid() == pid
+    assert _get_persister().writer.pid == pid
     try:
         sd = _plain_state(3)
         expected = _expect_plain(sd)
@@ -294,14 +296,14 @@ def test_ready_writer_new_layout_fills_its_new_slab_off_the_caller_path(tmp_path
     import async_test_api as dcp
 
     from hyper_parallel_dcp.async_persist import shutdown_writer, start_writer
-    from hyper_parallel_dcp.async_persist.persist import _get_persister, writer_pid
+    from hyper_parallel_dcp.async_persist.persist import _get_persister
 
     shutdown_writer()
     start_writer(wait=True, timeout=300)
-    pid = writer_pid()
-    assert pid is not None and not _get_persister().writer_fresh  # it answered: ready
+    pid = _get_persister().writer.pid
+    assert pid is not None and not _get_persister().writer.fresh  # it answered: ready
     start_writer(wait=True)  # a no-op while it runs
-    assert writer_pid() == pid
+    assert _get_persister().writer.pid == pid
     try:
         first = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.full((5,), 2, dtype=torch.bfloat16)}
         want_first = {k: v.clone() for k, v in first.items()}
@@ -340,12 +342,12 @@ def test_a_slab_is_shared_with_the_writer_process_without_a_copy(strategy: str) 
 
     import torch.multiprocessing as torch_mp
 
-    from hyper_parallel_dcp.async_persist.staging import _new_shared_storage
+    from hyper_parallel_dcp.async_persist._torch_compat import new_shared_storage
 
     before = torch_mp.get_sharing_strategy()
     torch_mp.set_sharing_strategy(strategy)
     try:
-        buffer = torch.empty(0, dtype=torch.uint8).set_(_new_shared_storage(3 << 20))
+        buffer = torch.empty(0, dtype=torch.uint8).set_(new_shared_storage(3 << 20))
         assert buffer.numel() == 3 << 20 and buffer.untyped_storage().is_shared()
         address = buffer.data_ptr()
         ctx = multiprocessing.get_context("spawn")

@@ -31,7 +31,7 @@ _SCRIPT = textwrap.dedent('''
             # first save comes: that save says so itself, before staging anything
             from hyper_parallel_dcp.async_persist.persist import _get_persister
             start_writer()
-            proc = _get_persister().proc
+            proc = _get_persister().writer.proc
             proc.join(timeout=300)
             try:
                 response = async_save({"w": torch.arange(6.0)}, checkpoint_id=ckpt)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from hyper_parallel_dcp.async_persist import DataCopier, safe_pickle
+from hyper_parallel_dcp.async_persist.arena import StagingArena
 from hyper_parallel_dcp.async_persist.mailbox import FileMailbox
-from hyper_parallel_dcp.async_persist.staging import StagingArena, materialize
+from hyper_parallel_dcp.async_persist.staged import materialize
 from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType
 from hyper_parallel_dcp.storage_fs import FileSystemWriter
@@ -178,32 +179,22 @@ def test_staging_arena_reuses_slots_and_releases_unused_slabs() -> None:
     assert len(arena.slabs) == 1 and all(t.is_shared() for t in arena.slabs.values())
 
 
-def test_a_later_description_without_its_tensor_leaves_is_made_whole_again() -> None:
+def test_a_later_description_of_one_layout_is_whole_with_this_saves_objects() -> None:
+    """A repeated save's description: every leaf in the state dict's order, the tensor
+    leaves staged where the first save staged them, the object leaves of this save."""
     arena = StagingArena()
     sd = {"a": torch.ones(3), "meta": {"epoch": 1}, "b": torch.zeros(2, 2), "c": {"d": torch.ones(1)}}
     first, _ = arena.stage(sd)
-    assert first.layout_id is not None and not first.tensors_held
     sd["meta"]["epoch"] = 2
     later, _ = arena.stage(sd)
-    assert later.layout_id == first.layout_id
-    thin = later.without_tensors()
-    # only the object leaf travels, and it is this save's value
-    assert thin.tensors_held and thin.leaves == {"meta.epoch": ("object", 2)}
-    whole = thin.with_tensors_of(first)
-    assert list(whole.leaves) == ["a", "meta.epoch", "b", "c.d"]  # the state dict's order
-    assert whole.leaves == later.leaves and whole.slab_ids == later.slab_ids and not whole.tensors_held
-    assert later.with_tensors_of(None) is later  # a whole description needs nothing held
-    flat = materialize(whole, arena.slabs)
+    assert list(later.leaves) == ["a", "meta.epoch", "b", "c.d"]  # the state dict's order
+    assert later.leaves["meta.epoch"] == ("object", 2)
+    assert {k: v for k, v in later.leaves.items() if k != "meta.epoch"} == {
+        k: v for k, v in first.leaves.items() if k != "meta.epoch"}
+    assert later.slab_ids == first.slab_ids
+    flat = materialize(later, arena.slabs)
     assert flat["meta.epoch"] == 2 and torch.equal(flat["b"].pieces[0][1], torch.zeros(2, 2))
-    # a writer holding nothing, or another layout, refuses instead of guessing
-    other, _ = arena.stage({"x": torch.ones(4)})
-    assert other.layout_id != first.layout_id
-    for held in (None, other, thin):
-        with pytest.raises(RuntimeError, match=f"staged layout {first.layout_id}"):
-            thin.with_tensors_of(held)
-    unreusable = type(first)(dict(first.leaves), first.slab_ids)  # no layout id
-    with pytest.raises(ValueError, match="no tensor leaves"):
-        unreusable.without_tensors()
+    assert torch.equal(flat["c.d"].pieces[0][1], torch.ones(1))
 
 
 # ----------------------------------------------------------------------------- one-process saves
@@ -242,18 +233,18 @@ def test_single_process_async_save_errors_callback_and_assertion(tmp_path: Path,
     assert not (tmp_path / "gloo").exists()
 
 
-def test_later_saves_of_one_layout_send_the_writer_their_object_leaves_only(tmp_path: Path, monkeypatch) -> None:
+def test_later_saves_of_one_layout_send_the_writer_every_leaf_and_land_their_values(tmp_path: Path, monkeypatch) -> None:
     from multiprocessing.connection import Connection
 
     from hyper_parallel_dcp.async_persist import shutdown_writer
-    from hyper_parallel_dcp.async_persist.writer import SaveRequest
+    from hyper_parallel_dcp.async_persist.protocol import SaveRequest
 
-    sent: list[bool] = []
+    sent: list[list[str]] = []
     send = Connection.send
 
     def spy(self, obj):
         if isinstance(obj, SaveRequest):
-            sent.append(obj.staged.tensors_held)
+            sent.append(list(obj.staged.leaves))
         return send(self, obj)
 
     monkeypatch.setattr(Connection, "send", spy)
@@ -269,20 +260,19 @@ def test_later_saves_of_one_layout_send_the_writer_their_object_leaves_only(tmp_
             steps.append(step)
         except ValueError:
             pass  # the failing writer's save
-    # the first request is whole, later ones of the layout are not; after a failed save
-    # the next one is whole again
-    assert sent == [False, True, True, False, True]
+    # every request describes every leaf, in the state dict's order, a failed save's too
+    assert sent == [["w", "meta.epoch", "b"]] * 5
     assert steps == [0, 1, 3, 4]
     for step in steps:
         target = {"w": torch.zeros(3, 4), "meta": {"epoch": None}, "b": torch.zeros(2)}
         dcp.load(target, checkpoint_id=tmp_path / f"s{step}")
         assert torch.equal(target["w"], torch.full((3, 4), float(step))) and target["meta"] == {"epoch": step}
         assert torch.equal(target["b"], torch.ones(2))
-    # a new writer process holds nothing: its first request is whole
+    # a new writer process holds nothing: it gets every leaf and the slabs again
     shutdown_writer()
     sd["meta"]["epoch"] = 9
     dcp.async_save(sd, checkpoint_id=tmp_path / "s9").get_result(timeout=120)
-    assert sent[-1] is False
+    assert sent[-1] == ["w", "meta.epoch", "b"]
     target = {"w": torch.zeros(3, 4), "meta": {"epoch": None}, "b": torch.zeros(2)}
     dcp.load(target, checkpoint_id=tmp_path / "s9")
     assert target["meta"] == {"epoch": 9}
@@ -291,7 +281,7 @@ def test_later_saves_of_one_layout_send_the_writer_their_object_leaves_only(tmp_
 def test_populate_read_maps_a_slab_without_changing_it() -> None:
     import sys
 
-    from hyper_parallel_dcp.async_persist.writer import populate_read
+    from hyper_parallel_dcp.async_persist._posix import populate_read
 
     storage = torch.UntypedStorage._new_shared(3 << 20)
     slab = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -306,7 +296,7 @@ def test_populate_read_maps_a_slab_without_changing_it() -> None:
 def test_reply_is_unpickled_with_the_collector_paused_and_resumed_after() -> None:
     import gc
 
-    from hyper_parallel_dcp.async_persist.persist import _recv_reply
+    from hyper_parallel_dcp.async_persist.writer_process import recv_reply
 
     class Conn:
         def recv(self):
@@ -315,6 +305,6 @@ def test_reply_is_unpickled_with_the_collector_paused_and_resumed_after() -> Non
 
     conn = Conn()
     assert gc.isenabled()
-    assert _recv_reply(conn) == "reply"
+    assert recv_reply(conn) == "reply"
     assert conn.enabled_during is False
     assert gc.isenabled()

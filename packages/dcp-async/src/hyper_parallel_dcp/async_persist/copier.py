@@ -1,20 +1,19 @@
 """``DataCopier``: how a non-tensor leaf is snapshotted while staging an async save.
 
-Staging must leave nothing that aliases the caller's state, because training mutates it
-as soon as ``async_save`` returns.  Dispatch is by type: the exact type first, then the
-most derived registered base class (in MRO order), then ``copy.deepcopy`` with a
-warning (once per type).
+Staging must leave nothing that aliases the caller's state, which training mutates as
+soon as ``async_save`` returns.  Exports :class:`DataCopier` and :func:`host_copy`.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import sys
 import threading
 from typing import Any, Callable, TypeVar
 
 import torch
+
+from ._torch_compat import dtensor_class
 
 __all__ = ["DataCopier", "host_copy"]
 
@@ -25,21 +24,17 @@ CopyFn = Callable[[Any], Any]
 
 
 def _accelerator_present() -> bool:
-    accelerator = getattr(torch, "accelerator", None)
     try:
-        return accelerator is not None and accelerator.is_available()
+        return torch.accelerator.is_available()
     except Exception:  # noqa: BLE001 - a broken accelerator runtime means: none
         return False
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached host-memory copy of ``tensor`` (pinned where an accelerator exists).
-
-    For a DTensor, the local shard is copied (the device mesh cannot travel to the
-    writer process).  Leaves ``tensor`` untouched.
-    """
-    dtensor_module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
-    if dtensor_module is not None and isinstance(tensor, dtensor_module.DTensor):
+    """A detached host-memory copy of ``tensor`` (pinned where an accelerator exists); of
+    a DTensor, its local shard (the device mesh cannot travel to the writer process)."""
+    dtensor_cls = dtensor_class()
+    if dtensor_cls is not None and isinstance(tensor, dtensor_cls):
         tensor = tensor.to_local()
     tensor = tensor.detach()
     pin = tensor.device.type != "cpu" and _accelerator_present()
@@ -53,8 +48,8 @@ class DataCopier:
 
     ``@DataCopier.register(MyState)`` registers ``fn(obj) -> host copy``.
     ``DataCopier.copy(obj)`` picks the handler of ``type(obj)``, else that of the most
-    derived registered base class, else ``copy.deepcopy`` (with a warning naming the
-    type, logged once).  Tensors (DTensor included) are registered: host copies.
+    derived registered base class (in MRO order), else ``copy.deepcopy`` (with a warning
+    naming the type, logged once).  Tensors (DTensor included) are registered: host copies.
     """
 
     _handlers: dict[type, CopyFn] = {}
@@ -81,12 +76,8 @@ class DataCopier:
     @classmethod
     def handler_for(cls, obj_type: type) -> CopyFn | None:
         """The registered handler ``copy`` would use for ``obj_type`` (``None``: deepcopy)."""
-        handlers = cls._handlers
-        fn = handlers.get(obj_type)
-        if fn is not None:
-            return fn
-        for base in obj_type.__mro__[1:]:  # most derived first
-            fn = handlers.get(base)
+        for base in obj_type.__mro__:  # the type itself, then the most derived base first
+            fn = cls._handlers.get(base)
             if fn is not None:
                 return fn
         return None
@@ -127,11 +118,10 @@ def _copy_dict(obj: dict) -> dict:
 
 @DataCopier.register(list)
 def _copy_list(obj: list) -> list:
-    return type(obj)(DataCopier.copy(v) for v in obj) if type(obj) is list else copy.deepcopy(obj)
+    return [DataCopier.copy(v) for v in obj] if type(obj) is list else copy.deepcopy(obj)
 
 
 @DataCopier.register(tuple)
 def _copy_tuple(obj: tuple) -> tuple:
-    if type(obj) is tuple:
-        return tuple(DataCopier.copy(v) for v in obj)
-    return copy.deepcopy(obj)  # a namedtuple or other tuple subclass: let its own copy logic run
+    # a namedtuple or another tuple subclass: its own copy logic runs
+    return tuple(DataCopier.copy(v) for v in obj) if type(obj) is tuple else copy.deepcopy(obj)

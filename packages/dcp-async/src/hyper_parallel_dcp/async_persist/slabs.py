@@ -1,0 +1,84 @@
+"""Slabs: large shared-memory byte buffers holding many staging slots, and the copies into them.
+
+The writer process maps a slab once (it pickles as its file descriptor) and reads the
+pieces in place, so a save's bytes are copied exactly once; a few large slabs rather than
+a buffer per tensor keep the number of descriptors and mappings small.  Pinning is CUDA's
+``cudaHostRegister``: pieces on another accelerator go to unpinned slabs.
+
+Exports :data:`ALIGN`, :func:`align`, :func:`slab_view`, :class:`Slab`,
+:func:`copy_into_slots` and :func:`wait_for_copies`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from ._torch_compat import cuda_host_register, cuda_host_unregister, foreach_copy, new_shared_storage
+
+__all__ = ["ALIGN", "Slab", "align", "copy_into_slots", "slab_view", "wait_for_copies"]
+
+logger = logging.getLogger(__name__)
+
+#: Slot alignment in bytes: a cache line, and a multiple of every dtype's item size.
+ALIGN = 64
+
+
+def align(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slab_view(buffer: torch.Tensor, offset: int, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The ``sizes``-shaped ``dtype`` tensor at byte ``offset`` of a uint8 ``buffer`` (a view)."""
+    nbytes = math.prod(sizes) * dtype.itemsize
+    return buffer[offset : offset + nbytes].view(dtype).view(sizes)
+
+
+class Slab:
+    """One shared uint8 ``buffer`` of ``nbytes`` bytes, page-locked for pieces on CUDA."""
+
+    def __init__(self, slab_id: int, nbytes: int, device_type: Optional[str]):
+        self.slab_id = slab_id
+        self.buffer = torch.empty(0, dtype=torch.uint8).set_(new_shared_storage(max(nbytes, 1)))
+        self.pinned = False
+        if device_type == "cuda":
+            try:
+                cuda_host_register(self.buffer)
+                self.pinned = True
+            except Exception as exc:  # noqa: BLE001 - unpinned still works, only slower
+                logger.warning("async_save: cannot pin a %d-byte staging buffer: %s", self.buffer.numel(), exc)
+
+    def view(self, offset: int, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return slab_view(self.buffer, offset, sizes, dtype)
+
+    def release(self) -> None:
+        """Unpin; the memory goes once neither process references it."""
+        if self.pinned:
+            self.pinned = False
+            try:
+                cuda_host_unregister(self.buffer)
+            except Exception:  # noqa: BLE001 - the buffer goes anyway
+                pass
+
+
+def copy_into_slots(dsts: list[torch.Tensor], srcs: list[torch.Tensor], device_type: Optional[str]) -> None:
+    """Copy every source into its slot; returns once the copies are done.  Device sources:
+    every copy queued on the current stream at once (into page-locked memory the copy
+    engine works asynchronously), then a wait for that stream only."""
+    if not dsts:
+        return
+    with torch.no_grad():
+        foreach_copy(dsts, srcs, non_blocking=device_type is not None)
+    if device_type is not None:
+        wait_for_copies({src.device for src in srcs if not src.is_cpu})
+
+
+def wait_for_copies(devices: set[torch.device]) -> None:
+    """Wait for the copies queued on the current stream of each of ``devices``."""
+    for device in devices:
+        event = torch.Event(device=device)
+        event.record(torch.accelerator.current_stream(device))
+        event.synchronize()
