@@ -21,6 +21,7 @@ from hyper_parallel_dcp.core.metadata import (
     METADATA_DIGEST,
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    ChunkTable,
     Metadata,
     MetadataIndex,
     StorageInfo,
@@ -101,12 +102,12 @@ def test_keys_that_are_not_derivable_and_stray_entries_round_trip():
     assert back == md and dict(back.storage_data) == md.storage_data
 
 
-def test_storage_view_lookups_and_lazy_chunks():
+def test_storage_table_lookups_and_chunk_tables():
     back = metadata_from_json(metadata_to_json(_sample()))
     w = back.state_dict_metadata["w"]
-    assert "chunks" not in vars(w)  # not built until used
+    assert isinstance(w.chunks, ChunkTable)  # columns: no chunk object until one is read
     assert w.chunks == [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6))]
-    assert isinstance(w, TensorStorageMetadata) and type(w.chunks) is list
+    assert isinstance(w, TensorStorageMetadata) and w.chunks[1] == ChunkStorageMetadata((2, 0), (2, 6))
     storage = back.storage_data
     assert len(storage) == 4 and MetadataIndex("w", (2, 0)) in storage and MetadataIndex("w", (1, 0)) not in storage
     assert storage[MetadataIndex("w", (2, 0), index=0)].checksum == "0123456789abcdef"  # a wrong hint is checked
@@ -290,7 +291,9 @@ def test_any_metadata_round_trips_exactly(md):
     for index, info in md.storage_data.items():
         assert back.storage_data[index] == info
     for fqn, entry in md.state_dict_metadata.items():
-        assert type(back.state_dict_metadata[fqn].chunks if isinstance(entry, TensorStorageMetadata) else []) is list
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = back.state_dict_metadata[fqn].chunks
+            assert isinstance(chunks, ChunkTable) and list(chunks) == list(entry.chunks)
     assert metadata_from_json(metadata_to_json(back)) == md  # writing what was read changes nothing
 
 

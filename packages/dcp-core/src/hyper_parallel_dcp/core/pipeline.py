@@ -23,7 +23,7 @@ from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .gc_pause import gc_paused
 from .layout import is_tensor_leaf
 from .load_planning import StandardLoadPlanner
-from .metadata import Metadata, MetadataIndex, StorageInfo, lazily_unpacked, pack_metadata
+from .metadata import Metadata, MetadataIndex, StorageInfo, pack_metadata, storage_table, unpack_metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .reader_assignment import apply_reader_assignment, assign_readers_from_layouts, target_layout
 from .save_planning import StandardSavePlanner
@@ -78,6 +78,8 @@ def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Met
     # a file whose writer recorded no digest (objects, another backend's writer) has none
     md.header_digests = {name: digest for name, digest in md.header_digests.items() if digest is not None}
     md.storage_data = storage_data
+    # as columns once: the storage writer's JSON and the packing for the other ranks read them
+    md.storage_data = storage_table(md)
     return md
 
 
@@ -225,7 +227,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         gathered_results.append(all_results)
         final_metadata.append(metadata)
         # The other ranks get it as columns (pickled objects cost ~4x as much to send and
-        # build again), unpacked only if the caller looks at it (lazily_unpacked).
+        # build again).
         return pack_metadata(metadata) if dw.use_dist else None
 
     def sync_step() -> None:
@@ -239,8 +241,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
     with phase("_save_impl", rank):
         packed = dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step)
-    if not final_metadata:  # not the coordinator: the metadata unpacks when first looked at
-        final_metadata.append(lazily_unpacked(packed))
+    if not final_metadata:  # not the coordinator
+        final_metadata.append(unpack_metadata(packed))
     if cached is None:  # a plan that made a checkpoint
         planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
     return final_metadata[0]
