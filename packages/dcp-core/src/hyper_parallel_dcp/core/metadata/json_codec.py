@@ -317,7 +317,8 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
         offsets_doc = entry.get("offsets")
         if not isinstance(entry["fqn"], str):  # str() would turn null into the key 'None'
             raise CheckpointFormatError(f"{source}: other_storage entry with a non-string fqn {entry['fqn']!r}")
-        index = MetadataIndex(entry["fqn"], None if offsets_doc is None else int_tuple(offsets_doc, f"{source}: offsets"))
+        offsets = None if offsets_doc is None else int_tuple(offsets_doc, f"{source}: offsets")
+        index = MetadataIndex(entry["fqn"], offsets)
         other[index] = storage_info(entry, f"storage entry of {index.fqn!r}")
     header_digests: dict[str, str] = {}
     digests_doc = doc.get("header_digests")

@@ -34,8 +34,9 @@ def int_tuple(value: Any, what: str) -> tuple[int, ...]:
 def flat_ints(value: Any, what: str, length: int, *, low: int = 0) -> list[int]:
     """A JSON list of ``length`` integers, each ``>= low`` (the list itself, not a copy)."""
     if type(value) is not list or len(value) != length:
+        found = len(value) if isinstance(value, list) else "-"
         raise CheckpointFormatError(f"{what} must be a list of {length} integers, got "
-                                    f"{type(value).__name__} of length {len(value) if isinstance(value, list) else '-'}")
+                                    f"{type(value).__name__} of length {found}")
     if value and (set(map(type, value)) != {int} or min(value) < low):
         bad = next((v for v in value if type(v) is not int or v < low), None)
         raise CheckpointFormatError(f"{what} must hold integers >= {low}, found {bad!r}")

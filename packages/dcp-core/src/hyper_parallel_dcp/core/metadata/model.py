@@ -173,7 +173,8 @@ class ChunkTable(Sequence[ChunkStorageMetadata]):
     def find(self, offsets: tuple[int, ...], hint: Optional[int] = None) -> Optional[int]:
         """Position of the first chunk at ``offsets`` (``hint``, a position, is tried first)."""
         ndim = self.ndim
-        if hint is not None and 0 <= hint < self.chunk_count and tuple(self.offsets[hint * ndim:(hint + 1) * ndim]) == offsets:
+        if hint is not None and 0 <= hint < self.chunk_count and \
+                tuple(self.offsets[hint * ndim:(hint + 1) * ndim]) == offsets:
             return hint
         if self._positions is None:
             count = self.chunk_count

@@ -84,7 +84,8 @@ class StorageTable(Mapping[MetadataIndex, StorageInfo]):
     def _info(self, fqn: str, stored: TensorStorage, pos: int) -> StorageInfo:
         chunks = stored.chunks
         ndim = chunks.ndim
-        key = stored.keys[pos] if pos in stored.keys else chunk_key(fqn, tuple(chunks.offsets[pos * ndim:(pos + 1) * ndim]))
+        offsets = tuple(chunks.offsets[pos * ndim:(pos + 1) * ndim])
+        key = stored.keys[pos] if pos in stored.keys else chunk_key(fqn, offsets)
         if stored.length is not None:
             length = stored.length[pos]
         else:
@@ -115,7 +116,8 @@ class StorageTable(Mapping[MetadataIndex, StorageInfo]):
         # find() with its hint check inlined: a resharded load locates ~4000 chunks a rank
         chunks, pos = stored.chunks, index.index
         ndim = chunks.ndim
-        if pos is None or not 0 <= pos < chunks.chunk_count or tuple(chunks.offsets[pos * ndim:(pos + 1) * ndim]) != offsets:
+        if pos is None or not 0 <= pos < chunks.chunk_count or \
+                tuple(chunks.offsets[pos * ndim:(pos + 1) * ndim]) != offsets:
             pos = chunks.find(offsets)
             if pos is None:
                 return None

@@ -51,7 +51,8 @@ def pack_metadata(metadata: Metadata) -> tuple[Any, ...]:
     storage = None if table is None else (
         table.files, [(fqn, *_INFO(info)) for fqn, info in table.objects.items()],
         [(index.fqn, index.offset, *_INFO(info)) for index, info in table.other.items()])
-    rank_objects = {fqn: {r: _INFO(info) for r, info in copies.items()} for fqn, copies in metadata.rank_objects.items()}
+    rank_objects = {fqn: {r: _INFO(info) for r, info in copies.items()}
+                    for fqn, copies in metadata.rank_objects.items()}
     return (_LAYOUT, tensors, storage, dict(metadata.files), metadata.planner_data, metadata.format_version,
             rank_objects, dict(metadata.header_digests))
 
