@@ -31,26 +31,9 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
     metadata_to_json,
 )
+from hyper_parallel_dcp.core.testing import sample_metadata
 
-
-def _sample() -> Metadata:
-    sd = {
-        "w": TensorStorageMetadata(TensorProperties(torch.bfloat16), torch.Size([4, 6]),
-                                   [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6))]),
-        "optim.state.w.step": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([]),
-                                                    [ChunkStorageMetadata((), ())]),
-        "e": TensorStorageMetadata(TensorProperties(torch.int64), torch.Size([0, 3]), []),
-        "optim.param_groups": BytesStorageMetadata(),
-    }
-    storage = {
-        MetadataIndex("w", (0, 0)): StorageInfo("_rank0_.safetensors", 128, 24, "00ff00ff00ff00ff", chunk_key("w", (0, 0))),
-        MetadataIndex("w", (2, 0)): StorageInfo("_rank1_.safetensors", 128, 24, "0123456789abcdef", chunk_key("w", (2, 0))),
-        MetadataIndex("optim.state.w.step", ()): StorageInfo("_rank0_.safetensors", 152, 4, None,
-                                                             chunk_key("optim.state.w.step", ())),
-        MetadataIndex("optim.param_groups"): StorageInfo("_rank0_.bytes", 0, 345, "abcdefabcdefabcd"),
-    }
-    return Metadata(sd, planner_data={"note": [1, 2]}, storage_data=storage,
-                    files={"_rank0_.safetensors": 156, "_rank1_.safetensors": 152, "_rank0_.bytes": 345})
+_sample = sample_metadata
 
 
 def test_json_round_trip_is_exact():

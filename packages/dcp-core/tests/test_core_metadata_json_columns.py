@@ -15,25 +15,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hyper_parallel_dcp.core.metadata import (
-    Metadata,
-    MetadataIndex,
-    StorageInfo,
-    TensorProperties,
-    TensorStorageMetadata,
-    chunk_key,
-    metadata_from_json,
-    metadata_to_json,
-    pack_metadata,
-    tensor_metadata_from_columns,
-    unpack_metadata,
-)
+from hyper_parallel_dcp.core import metadata as M
 
 
-def _plain(md: Metadata) -> Metadata:
+def _plain(md: M.Metadata) -> M.Metadata:
     """``md`` with every tensor's chunks as a list and the storage entries as a dict."""
-    sd = {fqn: TensorStorageMetadata(t.properties, t.size, list(t.chunks)) if isinstance(t, TensorStorageMetadata)
-          else t for fqn, t in md.state_dict_metadata.items()}
+    sd = {fqn: M.TensorStorageMetadata(t.properties, t.size, list(t.chunks))
+          if isinstance(t, M.TensorStorageMetadata) else t for fqn, t in md.state_dict_metadata.items()}
     return replace(md, state_dict_metadata=sd, storage_data=dict(md.storage_data or {}))
 
 
@@ -41,19 +29,19 @@ def _digest(text: str) -> str:
     return json.loads(text)["metadata_digest"]
 
 
-def _columnar(fqn: str, count: int, dtype: torch.dtype = torch.bfloat16, stored_as=None) -> Metadata:
-    md = tensor_metadata_from_columns(fqn, TensorProperties(dtype, stored_as), torch.Size([2 * count, 3]), count, 2,
-                                      [v for i in range(count) for v in (2 * i, 0)], [2, 3] * count, ascending=True)
+def _columnar(fqn: str, count: int, dtype: torch.dtype = torch.bfloat16, stored_as=None) -> M.Metadata:
+    md = M.tensor_metadata_from_columns(fqn, M.TensorProperties(dtype, stored_as), torch.Size([2 * count, 3]), count,
+                                        2, [v for i in range(count) for v in (2 * i, 0)], [2, 3] * count,
+                                        ascending=True)
     itemsize = (stored_as or dtype).itemsize
-    storage = {MetadataIndex(fqn, (2 * i, 0)): StorageInfo(f"_rank{i % 2}_.safetensors", 64 + 6 * itemsize * i,
-                                                           6 * itemsize, f"{i:016x}", chunk_key(fqn, (2 * i, 0)))
+    storage = {M.MetadataIndex(fqn, (2 * i, 0)): M.StorageInfo(f"_rank{i % 2}_.safetensors", 64 + 6 * itemsize * i,
+                                                               6 * itemsize, f"{i:016x}", M.chunk_key(fqn, (2 * i, 0)))
                for i in range(count)}
-    return Metadata({fqn: md}, storage_data=storage,
-                    files={"_rank0_.safetensors": 1000, "_rank1_.safetensors": 900})
+    return M.Metadata({fqn: md}, storage_data=storage, files={"_rank0_.safetensors": 1000, "_rank1_.safetensors": 900})
 
 
-def _merge(*parts: Metadata) -> Metadata:
-    out = Metadata({}, storage_data={}, files={})
+def _merge(*parts: M.Metadata) -> M.Metadata:
+    out = M.Metadata({}, storage_data={}, files={})
     for p in parts:
         out.state_dict_metadata.update(p.state_dict_metadata)
         out.storage_data.update(p.storage_data)  # type: ignore[union-attr]
@@ -61,29 +49,31 @@ def _merge(*parts: Metadata) -> Metadata:
     return out
 
 
-def _changed(md: Metadata, fqn: str, **change) -> Metadata:
+def _changed(md: M.Metadata, fqn: str, **change) -> M.Metadata:
     storage = dict(md.storage_data or {})
     first = next(k for k in storage if k.fqn == fqn)
     storage[first] = replace(storage[first], **change)
-    return Metadata(dict(md.state_dict_metadata), storage_data=storage, files=dict(md.files))
+    return M.Metadata(dict(md.state_dict_metadata), storage_data=storage, files=dict(md.files))
 
 
-def _case(case: str) -> Metadata:
+def _case(case: str) -> M.Metadata:
     # "lr%s%%": the derived keys are %-formatted, the name's own "%" must stay text;
     # "one", "sp ace" and "f8one": one chunk each; "a b", "f8" and "lr%s%%": a few chunks;
     # "many a" and "f8 many": more
-    md = _merge(_columnar("a b", 3), _columnar("one", 1), _columnar("f8", 2, torch.float8_e8m0fnu, torch.uint8),
-                _columnar("lr%s%%", 2), _columnar("sp ace", 1), _columnar("f8one", 1, torch.float8_e8m0fnu, torch.uint8),
-                _columnar("many a", 5), _columnar("f8 many", 6, torch.float8_e8m0fnu, torch.uint8))
+    f8 = (torch.float8_e8m0fnu, torch.uint8)
+    md = _merge(_columnar("a b", 3), _columnar("one", 1), _columnar("f8", 2, *f8), _columnar("lr%s%%", 2),
+                _columnar("sp ace", 1), _columnar("f8one", 1, *f8), _columnar("many a", 5),
+                _columnar("f8 many", 6, *f8))
     if case.startswith("many_"):
         fqn = "f8 many" if case in ("many_length", "many_file") else "many a"
         md = _changed(md, fqn, **{"key": {"key": "many a custom"}, "length": {"length": 7},
                                   "no_checksum": {"checksum": None}, "not_hex": {"checksum": "XYZXYZXYZXYZXYZX"},
                                   "file": {"relative_path": "elsewhere.safetensors"}, "unstored": {}}[case[5:]])
         if case == "many_unstored":
-            md.storage_data = {k: v for k, v in md.storage_data.items() if k != MetadataIndex("many a", (4, 0))}
-    changes = {"few_key": ("lr%s%%", {"key": chunk_key("lr%s%%", (9, 0))}),  # the derived key's prefix, another offset
-               "few_not_hex": ("a b", {"checksum": "000000000000000G"}), "few_short_checksum": ("f8", {"checksum": "0" * 15}),
+            md.storage_data = {k: v for k, v in md.storage_data.items() if k != M.MetadataIndex("many a", (4, 0))}
+    changes = {"few_key": ("lr%s%%", {"key": M.chunk_key("lr%s%%", (9, 0))}),  # the derived prefix, another offset
+               "few_not_hex": ("a b", {"checksum": "000000000000000G"}),
+               "few_short_checksum": ("f8", {"checksum": "0" * 15}),
                "one_length": ("f8one", {"length": 7}), "one_no_checksum": ("one", {"checksum": None}),
                "one_short_checksum": ("one", {"checksum": "abc"}),
                "one_file": ("sp ace", {"relative_path": "elsewhere.safetensors"}),
@@ -98,11 +88,11 @@ def _case(case: str) -> Metadata:
     elif case == "one_unstored":
         md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != "one"}
     elif case == "unstored":
-        md.storage_data = {k: v for k, v in md.storage_data.items() if k != MetadataIndex("a b", (2, 0))}
+        md.storage_data = {k: v for k, v in md.storage_data.items() if k != M.MetadataIndex("a b", (2, 0))}
     elif case == "stray":
-        md.storage_data[MetadataIndex("gone", (0,))] = StorageInfo("_rank0_.safetensors", 0, 4, "0" * 16)
+        md.storage_data[M.MetadataIndex("gone", (0,))] = M.StorageInfo("_rank0_.safetensors", 0, 4, "0" * 16)
     elif case == "stray_same_fqn":  # an entry of a stored tensor that is none of its chunks stays "other"
-        md.storage_data[MetadataIndex("one", (7, 0))] = StorageInfo("_rank0_.safetensors", 0, 4, "0" * 16)
+        md.storage_data[M.MetadataIndex("one", (7, 0))] = M.StorageInfo("_rank0_.safetensors", 0, 4, "0" * 16)
     return md
 
 
@@ -148,33 +138,33 @@ CASES = ["common", "key", "length", "no_checksum", "not_hex", "file", "unstored"
 @pytest.mark.parametrize("case", CASES)
 def test_every_form_of_the_metadata_writes_the_same_text(case):
     md = _case(case)
-    text = metadata_to_json(md)
-    assert text == metadata_to_json(_plain(md))
+    text = M.metadata_to_json(md)
+    assert text == M.metadata_to_json(_plain(md))
     assert _digest(text) == GOLDEN[case]
     assert ("other_storage" in text) == case.startswith("stray")
-    assert metadata_from_json(text) == md
-    again = metadata_from_json(text)  # parsed: storage as a table
-    assert metadata_to_json(again) == text == metadata_to_json(unpack_metadata(pack_metadata(md)))
+    assert M.metadata_from_json(text) == md
+    again = M.metadata_from_json(text)  # parsed: storage as a table
+    assert M.metadata_to_json(again) == text == M.metadata_to_json(M.unpack_metadata(M.pack_metadata(md)))
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 9])
 def test_a_tensor_of_any_chunk_count_writes_the_reference_text(count):
     md = _columnar("w", count)
-    text = metadata_to_json(md)
-    assert text == metadata_to_json(_plain(md))
+    text = M.metadata_to_json(md)
+    assert text == M.metadata_to_json(_plain(md))
     assert _digest(text) == GOLDEN[f"count_{count}"]
 
 
-def _saved_again(md: Metadata, checksum_base: int, **change) -> Metadata:
+def _saved_again(md: M.Metadata, checksum_base: int, **change) -> M.Metadata:
     """The metadata of a later save with the same plan: the same tensor metadata objects,
     new storage entries (new checksums; ``change`` applied to the first chunk of "a b")."""
     storage = {}
     for i, (index, info) in enumerate((md.storage_data or {}).items()):
         info = replace(info, checksum=f"{checksum_base + i:016x}")
-        if change and index == MetadataIndex("a b", (0, 0)):
+        if change and index == M.MetadataIndex("a b", (0, 0)):
             info = replace(info, **change)
         storage[index] = info
-    return Metadata(md.state_dict_metadata, storage_data=storage, files=dict(md.files))
+    return M.Metadata(md.state_dict_metadata, storage_data=storage, files=dict(md.files))
 
 
 @pytest.mark.parametrize("change", [{}, {"offset": 4096}, {"length": 5}, {"key": "a b custom"},
@@ -182,13 +172,13 @@ def _saved_again(md: Metadata, checksum_base: int, **change) -> Metadata:
                                     {"checksum": None}])
 def test_a_later_save_writes_its_own_entries(change):
     md = _merge(_columnar("a b", 3), _columnar("one", 1), _columnar("lr%s%%", 2))
-    assert metadata_to_json(md) == metadata_to_json(_plain(md))
+    assert M.metadata_to_json(md) == M.metadata_to_json(_plain(md))
     second = _saved_again(md, 1 << 30)
-    assert metadata_to_json(second) == metadata_to_json(_plain(second))
+    assert M.metadata_to_json(second) == M.metadata_to_json(_plain(second))
     later = _saved_again(md, 1 << 40, **change)
-    text = metadata_to_json(later)
-    assert text == metadata_to_json(_plain(later))
-    assert metadata_from_json(text) == later
+    text = M.metadata_to_json(later)
+    assert text == M.metadata_to_json(_plain(later))
+    assert M.metadata_from_json(text) == later
     if not change:
         assert f"{(1 << 40) + 5:016x}" in text  # the new checksums are written
 
@@ -198,21 +188,21 @@ def test_a_moved_file_table_moves_every_chunks_file():
     # a file listed first moves every chunk's file index
     later = _saved_again(md, 7)
     later.files = {"_extra_.bin": 5, **later.files}
-    assert metadata_to_json(later) == metadata_to_json(_plain(later))
+    assert M.metadata_to_json(later) == M.metadata_to_json(_plain(later))
     # a file named only by an entry outside the tensors' chunks, grouped with theirs
     stray = _saved_again(md, 9)
-    stray.storage_data[MetadataIndex("gone", (0,))] = StorageInfo("_rank2_.safetensors", 0, 4, "0" * 16)
-    assert metadata_to_json(stray) == metadata_to_json(_plain(stray))
-    assert metadata_from_json(metadata_to_json(stray)) == stray
+    stray.storage_data[M.MetadataIndex("gone", (0,))] = M.StorageInfo("_rank2_.safetensors", 0, 4, "0" * 16)
+    assert M.metadata_to_json(stray) == M.metadata_to_json(_plain(stray))
+    assert M.metadata_from_json(M.metadata_to_json(stray)) == stray
     # ... and one that groups with a file listed before the chunks' files: those move
     moved = _saved_again(md, 11)
     moved.files = {"_a1.bin": 5, **moved.files}
-    moved.storage_data[MetadataIndex("gone", (0,))] = StorageInfo("_a2.bin", 0, 4, "0" * 16)
-    text = metadata_to_json(moved)
-    assert text == metadata_to_json(_plain(moved))
+    moved.storage_data[M.MetadataIndex("gone", (0,))] = M.StorageInfo("_a2.bin", 0, 4, "0" * 16)
+    text = M.metadata_to_json(moved)
+    assert text == M.metadata_to_json(_plain(moved))
     assert _digest(text) == GOLDEN["moved"]
-    assert metadata_from_json(text) == moved
+    assert M.metadata_from_json(text) == moved
     # parsed, then given a file listed first: the table's file indices are written anew
-    parsed = metadata_from_json(text)
+    parsed = M.metadata_from_json(text)
     parsed.files = {"_first_.bin": 1, **parsed.files}
-    assert metadata_to_json(parsed) == metadata_to_json(_plain(parsed))
+    assert M.metadata_to_json(parsed) == M.metadata_to_json(_plain(parsed))

@@ -15,43 +15,29 @@ from hyper_parallel_dcp.core.metadata import (
     ChunkStorageMetadata,
     ChunkTable,
     Metadata,
-    MetadataIndex,
     StorageInfo,
     StorageTable,
     TensorProperties,
     TensorStorageMetadata,
-    chunk_key,
     metadata_from_json,
     metadata_to_json,
     pack_metadata,
     tensor_metadata_from_columns,
     unpack_metadata,
 )
+from hyper_parallel_dcp.core.testing import sample_metadata
 
 
 def _sample() -> Metadata:
-    sd = {
-        "w": TensorStorageMetadata(TensorProperties(torch.bfloat16), torch.Size([4, 6]),
-                                   [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6))]),
-        "cols": tensor_metadata_from_columns("cols", TensorProperties(torch.float32), torch.Size([2, 8]), 2, 2,
-                                             [0, 0, 0, 4], [2, 4, 2, 4], ascending=True),
-        "f8": TensorStorageMetadata(TensorProperties(torch.float8_e8m0fnu, stored_as=torch.uint8), torch.Size([3]),
-                                    [ChunkStorageMetadata((0,), (3,))]),
-        "step": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([]), [ChunkStorageMetadata((), ())]),
-        "e": TensorStorageMetadata(TensorProperties(torch.int64), torch.Size([0, 3]), []),
-        "groups": BytesStorageMetadata(),
-    }
-    storage = {
-        MetadataIndex("w", (0, 0), 0): StorageInfo("_rank0_.safetensors", 128, 24, "00ff00ff00ff00ff",
-                                                   chunk_key("w", (0, 0))),
-        MetadataIndex("w", (2, 0)): StorageInfo("_rank1_.safetensors", 128, 24, "0123456789abcdef",
-                                                chunk_key("w", (2, 0))),
-        MetadataIndex("step", ()): StorageInfo("_rank0_.safetensors", 152, 4, None, chunk_key("step", ())),
-        MetadataIndex("groups"): StorageInfo("_rank0_.bytes", 0, 345, "abcdefabcdefabcd"),
-    }
-    return Metadata(sd, planner_data={"note": [1, 2]}, storage_data=storage,
-                    files={"_rank0_.safetensors": 156, "_rank1_.safetensors": 152, "_rank0_.bytes": 345},
-                    rank_objects={"rng": {1: StorageInfo("_rank1_.bytes", 0, 9, None)}})
+    """The shared sample plus a planned (columnar) tensor, one stored as another dtype, and
+    a rank's own copy of an object."""
+    md = sample_metadata()
+    md.state_dict_metadata["cols"] = tensor_metadata_from_columns(
+        "cols", TensorProperties(torch.float32), torch.Size([2, 8]), 2, 2, [0, 0, 0, 4], [2, 4, 2, 4], ascending=True)
+    md.state_dict_metadata["f8"] = TensorStorageMetadata(TensorProperties(torch.float8_e8m0fnu, stored_as=torch.uint8),
+                                                         torch.Size([3]), [ChunkStorageMetadata((0,), (3,))])
+    md.rank_objects = {"rng": {1: StorageInfo("_rank1_.bytes", 0, 9, None)}}
+    return md
 
 
 def _same(a: Metadata, b: Metadata) -> None:

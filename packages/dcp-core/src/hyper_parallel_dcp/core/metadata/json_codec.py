@@ -27,6 +27,7 @@ import xxhash
 from ..errors import CheckpointFormatError, CorruptCheckpointError
 from .json_v1 import parse_v1
 from .json_values import HEX16, flat_ints, int_tuple, is_file_name
+from .locations import FileNames, StorageTable, TensorStorage, checked_chunks, storage_table
 from .model import (
     FORMAT_VERSION,
     BytesStorageMetadata,
@@ -40,7 +41,6 @@ from .model import (
     dtype_from_name,
     dtype_name,
 )
-from .storage_table import FileNames, StorageTable, TensorStorage, checked_chunks, storage_table
 
 __all__ = ["METADATA_DIGEST", "metadata_from_json", "metadata_to_json"]
 
@@ -59,7 +59,7 @@ def metadata_to_json(metadata: Metadata) -> str:
     """``metadata`` as format-2 JSON; always writes :data:`~.model.FORMAT_VERSION`.
 
     Per tensor, the chunk geometry and where each chunk is stored go into flat columns
-    (:func:`~.storage_table.storage_table`); a chunk's key and length only where they are
+    (:func:`~.locations.storage_table`); a chunk's key and length only where they are
     not the derived ones.  Storage entries that name no chunk or object of
     ``state_dict_metadata`` are kept in ``other_storage``, so any ``Metadata`` round-trips
     (``storage_data=None`` is written as empty).  The last member is ``metadata_digest``.
