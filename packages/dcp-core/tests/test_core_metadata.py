@@ -314,3 +314,25 @@ def test_a_mutated_document_is_refused_or_fully_usable(data):
     assert len(dict(md.storage_data)) == len(md.storage_data)
     for info in md.storage_data.values():
         assert isinstance(info.relative_path, str) and info.offset >= 0 and info.length >= 0
+
+
+def test_a_chunk_table_is_an_immutable_sequence_equal_to_its_list():
+    chunks = [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6)),
+              ChunkStorageMetadata((0, 0), (1, 1))]
+    table = ChunkTable(2, 3, [0, 0, 2, 0, 0, 0], [2, 6, 2, 6, 1, 1])
+    assert table == chunks and chunks == table and table == tuple(chunks) and table != chunks[:2]
+    assert len(table) == 3 and table[-1] == chunks[2] and table[1:] == chunks[1:] and list(table) == chunks
+    assert table == ChunkTable.of(chunks, 2) and ChunkTable.of(table, 2) is table
+    assert table.index(chunks[1]) == 1 and chunks[0] in table and table.count(chunks[0]) == 1
+    assert not table.ascending and ChunkTable(2, 2, [0, 0, 2, 0], [2, 6, 2, 6]).ascending
+    assert table.find((0, 0)) == 0 and table.find((0, 0), hint=2) == 2 and table.find((2, 0), hint=0) == 1
+    assert table.find((9, 9)) is None
+    assert pickle.loads(pickle.dumps(table)) == table and repr(table) == f"ChunkTable({chunks!r})"
+    with pytest.raises(IndexError):
+        table[3]  # noqa: B018
+    with pytest.raises(TypeError):
+        hash(table)
+    with pytest.raises(ValueError, match="3 chunks of 2 dims"):
+        ChunkTable(2, 3, [0, 0], [2, 6])
+    empty = ChunkTable(0, 2, [], [])  # a 0-d tensor's chunks
+    assert list(empty) == [ChunkStorageMetadata((), ())] * 2 and ChunkTable(3, 0, [], []) == []

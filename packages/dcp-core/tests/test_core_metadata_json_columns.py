@@ -206,3 +206,22 @@ def test_a_moved_file_table_moves_every_chunks_file():
     parsed = M.metadata_from_json(text)
     parsed.files = {"_first_.bin": 1, **parsed.files}
     assert M.metadata_to_json(parsed) == M.metadata_to_json(_plain(parsed))
+
+
+def test_a_parsed_table_changed_under_its_metadata_is_written_from_its_entries():
+    md = _merge(_columnar("a b", 3), _columnar("one", 1))
+    md.state_dict_metadata["obj"] = M.BytesStorageMetadata()
+    md.storage_data[M.MetadataIndex("obj")] = M.StorageInfo("_rank0_.bytes", 0, 9, None)
+    # chunks replaced by an equal list, a tensor's chunks reordered, an object dropped
+    for change in ("relist", "reorder", "drop"):
+        parsed = M.metadata_from_json(M.metadata_to_json(md))
+        tensor = parsed.state_dict_metadata["a b"]
+        if change == "relist":
+            tensor.chunks = list(tensor.chunks)
+        elif change == "reorder":
+            tensor.chunks = list(reversed(tensor.chunks))
+        else:
+            del parsed.state_dict_metadata["obj"]
+        text = M.metadata_to_json(parsed)
+        assert text == M.metadata_to_json(_plain(parsed)), change
+        assert ("other_storage" in text) == (change == "drop")

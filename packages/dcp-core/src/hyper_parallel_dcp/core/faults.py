@@ -19,10 +19,8 @@ import time
 
 from .settings import FAULT, FAULT_ONCE
 
-__all__ = ["FAULT_ENV", "FAULT_ONCE_ENV", "PHASES", "fault_point"]
+__all__ = ["PHASES", "fault_point"]
 
-FAULT_ENV = FAULT.name
-FAULT_ONCE_ENV = FAULT_ONCE.name
 PHASES = ("save.setup", "save.plan", "save.write", "save.commit",
           "load.setup", "load.plan", "load.read", "load.broadcast")
 

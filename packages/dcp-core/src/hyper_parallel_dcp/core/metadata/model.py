@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from operator import le
-from typing import Any, Optional, Union, overload
+from typing import Any, Optional, Union
 
 import torch
 
@@ -153,14 +153,11 @@ class ChunkTable(Sequence[ChunkStorageMetadata]):
 
     def offset_tuples(self) -> list[tuple[int, ...]]:
         """Every chunk's offsets, in order."""
-        return self._tuples(self.offsets)
+        return list(zip(*[iter(self.offsets)] * self.ndim)) if self.ndim else [()] * self.chunk_count
 
     def size_tuples(self) -> list[tuple[int, ...]]:
         """Every chunk's sizes, in order."""
-        return self._tuples(self.sizes)
-
-    def _tuples(self, flat: list[int]) -> list[tuple[int, ...]]:
-        return list(zip(*[iter(flat)] * self.ndim)) if self.ndim else [()] * self.chunk_count
+        return list(zip(*[iter(self.sizes)] * self.ndim)) if self.ndim else [()] * self.chunk_count
 
     @property
     def ascending(self) -> bool:
@@ -185,15 +182,9 @@ class ChunkTable(Sequence[ChunkStorageMetadata]):
     def __len__(self) -> int:
         return self.chunk_count
 
-    @overload
-    def __getitem__(self, pos: int) -> ChunkStorageMetadata: ...
-
-    @overload
-    def __getitem__(self, pos: slice) -> list[ChunkStorageMetadata]: ...
-
-    def __getitem__(self, pos: Union[int, slice]) -> Union[ChunkStorageMetadata, list[ChunkStorageMetadata]]:
+    def __getitem__(self, pos: Any) -> Any:  # a chunk, or a list of them for a slice
         if isinstance(pos, slice):
-            return [self[i] for i in range(*pos.indices(self.chunk_count))]
+            return list(self)[pos]
         if pos < 0:
             pos += self.chunk_count
         if not 0 <= pos < self.chunk_count:
