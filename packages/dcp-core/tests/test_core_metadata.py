@@ -21,6 +21,7 @@ from hyper_parallel_dcp.core.metadata import (
     METADATA_DIGEST,
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    ChunkTable,
     Metadata,
     MetadataIndex,
     StorageInfo,
@@ -30,26 +31,9 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
     metadata_to_json,
 )
+from hyper_parallel_dcp.core.testing import sample_metadata
 
-
-def _sample() -> Metadata:
-    sd = {
-        "w": TensorStorageMetadata(TensorProperties(torch.bfloat16), torch.Size([4, 6]),
-                                   [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6))]),
-        "optim.state.w.step": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([]),
-                                                    [ChunkStorageMetadata((), ())]),
-        "e": TensorStorageMetadata(TensorProperties(torch.int64), torch.Size([0, 3]), []),
-        "optim.param_groups": BytesStorageMetadata(),
-    }
-    storage = {
-        MetadataIndex("w", (0, 0)): StorageInfo("_rank0_.safetensors", 128, 24, "00ff00ff00ff00ff", chunk_key("w", (0, 0))),
-        MetadataIndex("w", (2, 0)): StorageInfo("_rank1_.safetensors", 128, 24, "0123456789abcdef", chunk_key("w", (2, 0))),
-        MetadataIndex("optim.state.w.step", ()): StorageInfo("_rank0_.safetensors", 152, 4, None,
-                                                             chunk_key("optim.state.w.step", ())),
-        MetadataIndex("optim.param_groups"): StorageInfo("_rank0_.bytes", 0, 345, "abcdefabcdefabcd"),
-    }
-    return Metadata(sd, planner_data={"note": [1, 2]}, storage_data=storage,
-                    files={"_rank0_.safetensors": 156, "_rank1_.safetensors": 152, "_rank0_.bytes": 345})
+_sample = sample_metadata
 
 
 def test_json_round_trip_is_exact():
@@ -101,12 +85,12 @@ def test_keys_that_are_not_derivable_and_stray_entries_round_trip():
     assert back == md and dict(back.storage_data) == md.storage_data
 
 
-def test_storage_view_lookups_and_lazy_chunks():
+def test_storage_table_lookups_and_chunk_tables():
     back = metadata_from_json(metadata_to_json(_sample()))
     w = back.state_dict_metadata["w"]
-    assert "chunks" not in vars(w)  # not built until used
+    assert isinstance(w.chunks, ChunkTable)  # columns: no chunk object until one is read
     assert w.chunks == [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6))]
-    assert isinstance(w, TensorStorageMetadata) and type(w.chunks) is list
+    assert isinstance(w, TensorStorageMetadata) and w.chunks[1] == ChunkStorageMetadata((2, 0), (2, 6))
     storage = back.storage_data
     assert len(storage) == 4 and MetadataIndex("w", (2, 0)) in storage and MetadataIndex("w", (1, 0)) not in storage
     assert storage[MetadataIndex("w", (2, 0), index=0)].checksum == "0123456789abcdef"  # a wrong hint is checked
@@ -290,7 +274,9 @@ def test_any_metadata_round_trips_exactly(md):
     for index, info in md.storage_data.items():
         assert back.storage_data[index] == info
     for fqn, entry in md.state_dict_metadata.items():
-        assert type(back.state_dict_metadata[fqn].chunks if isinstance(entry, TensorStorageMetadata) else []) is list
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = back.state_dict_metadata[fqn].chunks
+            assert isinstance(chunks, ChunkTable) and list(chunks) == list(entry.chunks)
     assert metadata_from_json(metadata_to_json(back)) == md  # writing what was read changes nothing
 
 
@@ -328,3 +314,25 @@ def test_a_mutated_document_is_refused_or_fully_usable(data):
     assert len(dict(md.storage_data)) == len(md.storage_data)
     for info in md.storage_data.values():
         assert isinstance(info.relative_path, str) and info.offset >= 0 and info.length >= 0
+
+
+def test_a_chunk_table_is_an_immutable_sequence_equal_to_its_list():
+    chunks = [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6)),
+              ChunkStorageMetadata((0, 0), (1, 1))]
+    table = ChunkTable(2, 3, [0, 0, 2, 0, 0, 0], [2, 6, 2, 6, 1, 1])
+    assert table == chunks and chunks == table and table == tuple(chunks) and table != chunks[:2]
+    assert len(table) == 3 and table[-1] == chunks[2] and table[1:] == chunks[1:] and list(table) == chunks
+    assert table == ChunkTable.of(chunks, 2) and ChunkTable.of(table, 2) is table
+    assert table.index(chunks[1]) == 1 and chunks[0] in table and table.count(chunks[0]) == 1
+    assert not table.ascending and ChunkTable(2, 2, [0, 0, 2, 0], [2, 6, 2, 6]).ascending
+    assert table.find((0, 0)) == 0 and table.find((0, 0), hint=2) == 2 and table.find((2, 0), hint=0) == 1
+    assert table.find((9, 9)) is None
+    assert pickle.loads(pickle.dumps(table)) == table and repr(table) == f"ChunkTable({chunks!r})"
+    with pytest.raises(IndexError):
+        table[3]  # noqa: B018
+    with pytest.raises(TypeError):
+        hash(table)
+    with pytest.raises(ValueError, match="3 chunks of 2 dims"):
+        ChunkTable(2, 3, [0, 0], [2, 6])
+    empty = ChunkTable(0, 2, [], [])  # a 0-d tensor's chunks
+    assert list(empty) == [ChunkStorageMetadata((), ())] * 2 and ChunkTable(3, 0, [], []) == []

@@ -8,46 +8,25 @@ import json
 import re
 
 import pytest
-import torch
 import xxhash
 
 from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointFormatError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import (
     METADATA_DIGEST,
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageInfo,
-    TensorProperties,
-    TensorStorageMetadata,
-    chunk_key,
     metadata_from_json,
     metadata_to_json,
 )
+from hyper_parallel_dcp.core.testing import sample_metadata
 
 
 def _sample() -> Metadata:
-    """``w`` in two row chunks on two ranks, ``b`` whole on rank 0, an object; header digests."""
-    sd = {
-        "w": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([4, 3]),
-                                   [ChunkStorageMetadata((0, 0), (2, 3)), ChunkStorageMetadata((2, 0), (2, 3))]),
-        "b": TensorStorageMetadata(TensorProperties(torch.bfloat16), torch.Size([5]),
-                                   [ChunkStorageMetadata((0,), (5,))]),
-        "step": BytesStorageMetadata(),
-    }
-    storage = {
-        MetadataIndex("b", (0,)): StorageInfo("_rank0_.safetensors", 200, 10, "1111222233334444", chunk_key("b", (0,))),
-        MetadataIndex("w", (0, 0)): StorageInfo("_rank0_.safetensors", 210, 24, "0123456789abcdef",
-                                                chunk_key("w", (0, 0))),
-        MetadataIndex("w", (2, 0)): StorageInfo("_rank1_.safetensors", 96, 24, "fedcba9876543210",
-                                                chunk_key("w", (2, 0))),
-        MetadataIndex("step"): StorageInfo("_rank0_.bytes", 0, 30, "abcdefabcdefabcd"),
-    }
-    files = {"_rank0_.safetensors": 234, "_rank1_.safetensors": 120, "_rank0_.bytes": 30}
-    digests = {"_rank0_.safetensors": "00000000000000aa", "_rank1_.safetensors": "00000000000000bb"}
-    return Metadata(sd, planner_data={"note": "café", "lr": 0.1}, storage_data=storage, files=files,
-                    header_digests=digests)
+    """The shared sample with header digests and a non-ASCII planner note."""
+    md = sample_metadata()
+    md.planner_data = {"note": "café", "lr": 0.1}
+    md.header_digests = {"_rank0_.safetensors": "00000000000000aa", "_rank1_.safetensors": "00000000000000bb"}
+    return md
 
 
 def test_the_digest_is_the_last_member_and_hashes_the_rest():
@@ -84,7 +63,7 @@ def test_a_reformatted_document_with_the_same_content_is_accepted(reformat):
 
 def test_a_hand_edited_chunk_offset_is_refused_naming_the_file():
     doc = json.loads(metadata_to_json(_sample()))
-    assert doc["tensors"]["w"]["offset"] == [210, 96]
+    assert doc["tensors"]["w"]["offset"] == [128, 128]
     doc["tensors"]["w"]["offset"][1] = 100  # valid JSON, still inside the file
     with pytest.raises(CorruptCheckpointError, match=r"ck/\.metadata was changed after the save") as raised:
         metadata_from_json(json.dumps(doc, separators=(",", ":")), source="ck/.metadata")
@@ -93,10 +72,10 @@ def test_a_hand_edited_chunk_offset_is_refused_naming_the_file():
 
 @pytest.mark.parametrize("edit", [
     lambda doc: doc["tensors"]["w"]["sizes"].__setitem__(0, 1),  # chunk shape
-    lambda doc: doc["tensors"]["b"].__setitem__("dtype", "float16"),  # dtype of the same size
+    lambda doc: doc["tensors"]["w"].__setitem__("dtype", "float16"),  # dtype of the same size
     lambda doc: doc["tensors"]["w"]["file"].__setitem__(1, 0),  # chunk's file
     lambda doc: doc["header_digests"].__setitem__(0, "00000000000000cc"),  # a header digest
-    lambda doc: doc["files"][0]["sizes"].__setitem__(1, 121),  # a file's size
+    lambda doc: doc["files"][0]["sizes"].__setitem__(1, 153),  # a file's size
     lambda doc: doc["tensors"]["w"].__setitem__("length", [24, 20]),  # a length column added
     lambda doc: doc.__setitem__("planner_data", None),  # outside the locations: still the save's content
 ])

@@ -1,6 +1,6 @@
 """``pack_metadata`` / ``unpack_metadata``: the form in which a save's coordinator sends the
 global metadata to the other ranks.  It must give back metadata equal to the original
-(every field, columnar or plain tensors, lazy storage views) and hold only plain data.
+(every field, columnar or plain tensors, storage tables) and hold only plain data.
 """
 
 from __future__ import annotations
@@ -13,44 +13,31 @@ import torch
 from hyper_parallel_dcp.core.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    ChunkTable,
     Metadata,
-    MetadataIndex,
     StorageInfo,
+    StorageTable,
     TensorProperties,
     TensorStorageMetadata,
-    chunk_key,
-    lazily_unpacked,
     metadata_from_json,
     metadata_to_json,
     pack_metadata,
     tensor_metadata_from_columns,
     unpack_metadata,
 )
+from hyper_parallel_dcp.core.testing import sample_metadata
 
 
 def _sample() -> Metadata:
-    sd = {
-        "w": TensorStorageMetadata(TensorProperties(torch.bfloat16), torch.Size([4, 6]),
-                                   [ChunkStorageMetadata((0, 0), (2, 6)), ChunkStorageMetadata((2, 0), (2, 6))]),
-        "cols": tensor_metadata_from_columns("cols", TensorProperties(torch.float32), torch.Size([2, 8]), 2, 2,
-                                             [0, 0, 0, 4], [2, 4, 2, 4], ascending=True),
-        "f8": TensorStorageMetadata(TensorProperties(torch.float8_e8m0fnu, stored_as=torch.uint8), torch.Size([3]),
-                                    [ChunkStorageMetadata((0,), (3,))]),
-        "step": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([]), [ChunkStorageMetadata((), ())]),
-        "e": TensorStorageMetadata(TensorProperties(torch.int64), torch.Size([0, 3]), []),
-        "groups": BytesStorageMetadata(),
-    }
-    storage = {
-        MetadataIndex("w", (0, 0), 0): StorageInfo("_rank0_.safetensors", 128, 24, "00ff00ff00ff00ff",
-                                                   chunk_key("w", (0, 0))),
-        MetadataIndex("w", (2, 0)): StorageInfo("_rank1_.safetensors", 128, 24, "0123456789abcdef",
-                                                chunk_key("w", (2, 0))),
-        MetadataIndex("step", ()): StorageInfo("_rank0_.safetensors", 152, 4, None, chunk_key("step", ())),
-        MetadataIndex("groups"): StorageInfo("_rank0_.bytes", 0, 345, "abcdefabcdefabcd"),
-    }
-    return Metadata(sd, planner_data={"note": [1, 2]}, storage_data=storage,
-                    files={"_rank0_.safetensors": 156, "_rank1_.safetensors": 152, "_rank0_.bytes": 345},
-                    rank_objects={"rng": {1: StorageInfo("_rank1_.bytes", 0, 9, None)}})
+    """The shared sample plus a planned (columnar) tensor, one stored as another dtype, and
+    a rank's own copy of an object."""
+    md = sample_metadata()
+    md.state_dict_metadata["cols"] = tensor_metadata_from_columns(
+        "cols", TensorProperties(torch.float32), torch.Size([2, 8]), 2, 2, [0, 0, 0, 4], [2, 4, 2, 4], ascending=True)
+    md.state_dict_metadata["f8"] = TensorStorageMetadata(TensorProperties(torch.float8_e8m0fnu, stored_as=torch.uint8),
+                                                         torch.Size([3]), [ChunkStorageMetadata((0,), (3,))])
+    md.rank_objects = {"rng": {1: StorageInfo("_rank1_.bytes", 0, 9, None)}}
+    return md
 
 
 def _same(a: Metadata, b: Metadata) -> None:
@@ -63,8 +50,11 @@ def _same(a: Metadata, b: Metadata) -> None:
             assert other.properties == md.properties and other.size == md.size
             assert [(c.offsets, c.sizes) for c in other.chunks] == [(c.offsets, c.sizes) for c in md.chunks]
     assert dict(b.storage_data or {}) == dict(a.storage_data or {})
-    # the lookup hint travels with the key (it takes no part in equality)
-    assert {k: k.index for k in b.storage_data or {}} == {k: k.index for k in a.storage_data or {}}
+    # the lookup hint of a chunk's key is the chunk's position (it takes no part in equality)
+    for key in b.storage_data or {}:
+        if key.offset is not None:
+            chunks = b.state_dict_metadata[key.fqn].chunks
+            assert chunks[key.index].offsets == key.offset
 
 
 def test_round_trip_through_pickle_is_equal_and_plain():
@@ -92,31 +82,30 @@ def test_unknown_layout_is_refused():
         unpack_metadata((99,) + packed[1:])
 
 
-def test_lazily_unpacked_is_the_metadata_once_looked_at():
-    md = _sample()
-    lazy = lazily_unpacked(pickle.loads(pickle.dumps(pack_metadata(md))))
-    assert isinstance(lazy, Metadata) and "_packed" in vars(lazy)  # nothing unpacked yet
-    assert lazy.files == md.files  # the first look unpacks it ...
-    assert type(lazy) is Metadata and "_packed" not in vars(lazy)  # ... into a plain Metadata
-    _same(md, lazy)
-
-
-def test_lazily_unpacked_compares_copies_and_pickles_as_the_metadata():
+def test_unpacked_metadata_compares_copies_and_pickles_as_the_metadata():
     import copy
     import dataclasses
 
     md = _sample()
-    assert lazily_unpacked(pack_metadata(md)) == md
-    assert md == lazily_unpacked(pack_metadata(md))  # from either side
-    assert lazily_unpacked(pack_metadata(md)) != dataclasses.replace(md, planner_data=None)
-    assert repr(lazily_unpacked(pack_metadata(md))) == repr(unpack_metadata(pack_metadata(md)))
-    assert dataclasses.replace(lazily_unpacked(pack_metadata(md)), planner_data=7).planner_data == 7
-    _same(md, pickle.loads(pickle.dumps(lazily_unpacked(pack_metadata(md)))))
-    _same(md, copy.deepcopy(lazily_unpacked(pack_metadata(md))))
-    # an attribute set on a copy before anything was unpacked stays set
-    changed = copy.copy(lazily_unpacked(pack_metadata(md)))
+    assert unpack_metadata(pack_metadata(md)) == md
+    assert md == unpack_metadata(pack_metadata(md))  # from either side
+    assert unpack_metadata(pack_metadata(md)) != dataclasses.replace(md, planner_data=None)
+    assert repr(unpack_metadata(pack_metadata(md))) == repr(unpack_metadata(pack_metadata(md)))
+    assert dataclasses.replace(unpack_metadata(pack_metadata(md)), planner_data=7).planner_data == 7
+    _same(md, pickle.loads(pickle.dumps(unpack_metadata(pack_metadata(md)))))
+    _same(md, copy.deepcopy(unpack_metadata(pack_metadata(md))))
+    changed = copy.copy(unpack_metadata(pack_metadata(md)))
     changed.files = {}
     assert changed.files == {} and changed.state_dict_metadata.keys() == md.state_dict_metadata.keys()
     assert changed.storage_data == md.storage_data
     with pytest.raises(AttributeError):
-        lazily_unpacked(pack_metadata(md)).no_such_field  # noqa: B018
+        unpack_metadata(pack_metadata(md)).no_such_field  # noqa: B018
+
+
+def test_unpacking_builds_no_object_per_chunk():
+    md = _sample()
+    back = unpack_metadata(pickle.loads(pickle.dumps(pack_metadata(md))))
+    assert type(back) is Metadata and isinstance(back.storage_data, StorageTable)
+    for fqn, entry in back.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            assert isinstance(entry.chunks, ChunkTable), fqn

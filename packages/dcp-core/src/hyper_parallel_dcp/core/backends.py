@@ -37,8 +37,7 @@ _PROVIDERS = {
     "file": "hyper-parallel-dcp-storage-fs",
     "s3": "hyper-parallel-dcp-storage-object (pip install 'hyper-parallel-dcp[s3]')",
 }
-#: Schemes no package provides, and what to do instead (nothing here is claimed to work
-#: that was not tested: GCS's S3-compatible XML API was not tried).
+#: Schemes no package provides, and what to do instead.
 _NOT_PROVIDED = {
     "gs": "Google Cloud Storage has no native backend; its S3-compatible XML API may serve through the "
           "s3:// backend (AWS_ENDPOINT_URL=https://storage.googleapis.com, HMAC keys in AWS_ACCESS_KEY_ID / "
@@ -77,13 +76,10 @@ class StorageBackend:
 
 
 _registry: dict[str, StorageBackend] = {}
-# the group's entry points by lower-case name, listed once; each is imported only when its
-# scheme is first asked for
+# the group's entry points by lower-case name, listed once, each imported when first asked for
 _entry_points: Optional[dict[str, list[Any]]] = None
-# Local paths go to this project's filesystem backend (a dependency of the umbrella
-# package) without listing every installed distribution's entry points first: that walk
-# was 4-5 ms of a process's first save or first async_save on the dev machine.  Other
-# packages' ``file`` entry points are not consulted while it is installed.
+# local paths go to the filesystem backend without listing every distribution's entry
+# points first (4-5 ms of a process's first save); other ``file`` entry points are not asked
 _BUNDLED = {"file": ("hyper_parallel_dcp.storage_fs.backend", "BACKEND")}
 # scheme -> why its installed backend could not be imported (for the error message)
 _failures: dict[str, str] = {}
@@ -104,13 +100,8 @@ def register_backend(backend: StorageBackend) -> None:
 
 def _load_backend(scheme: str) -> Optional[StorageBackend]:
     """The backend an installed package registered for ``scheme``, imported now; ``None``
-    when there is none or it fails to import (why is kept in ``_failures``).
-
-    ``_BUNDLED`` schemes first import their module directly.  Otherwise only that scheme's
-    entry point is imported: a save to a local path does not import the object-store
-    package (~4 ms of a process's first save on the dev machine), and a backend that breaks
-    at import (a dependency of the wrong version) breaks only its own scheme.
-    """
+    when there is none or it fails to import (why is kept in ``_failures``).  Only that
+    scheme's module is imported: a backend that breaks at import breaks only its scheme."""
     global _entry_points
     bundled = _BUNDLED.get(scheme)
     if bundled is not None:

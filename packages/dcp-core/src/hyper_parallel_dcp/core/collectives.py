@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import exit_drain
-from .errors import CheckpointException, CheckpointTimeoutError, format_ranks
+from .errors import CheckpointException, CheckpointTimeoutError, format_ranks, remote_error_class
 from .settings import COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT_S
 from .timing import phase
 
@@ -69,10 +69,8 @@ def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"keys not set within {timeout} s")
         time.sleep(delay)
-        # At most 1 ms between looks: doubling from 50 us up to a 10 ms cap, a rank
-        # arriving 7 ms late was seen 5.75 ms after it arrived, at each of a save's or a
-        # load's ~5 checks (a whole save of 1000 small tensors takes ~0.1 s); a look at a
-        # FileStore costs ~5 us of CPU (measured, 200 keys).
+        # at most 1 ms between looks (a 10 ms cap saw a rank 5.75 ms late, at each of a
+        # save's ~5 checks); a look costs ~5 us of CPU
         delay = min(delay * 2, 0.001)
 
 
@@ -81,6 +79,7 @@ def _default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - private API; without it there is no arrival check
         return None
+
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -115,12 +114,13 @@ class _Failure:
         return cls if isinstance(cls, type) and issubclass(cls, Exception) else None
 
 
-def _raise_failures(step: str, failures: dict[int, _Failure]) -> None:
-    """Raise one exception for all failed ranks, of the first failure's class if possible.
+def _failures(results: list[Any]) -> dict[int, _Failure]:
+    return {r: v for r, v in enumerate(results) if isinstance(v, _Failure)}
 
-    The raised exception is a :class:`CheckpointException` and, where the class allows,
-    also an instance of the original exception class (so ``except KeyError`` still works).
-    """
+
+def _raise_failures(step: str, failures: dict[int, _Failure]) -> None:
+    """Raise one :class:`CheckpointException` for all failed ranks; where the class
+    allows, also an instance of the first failure's class (``except KeyError`` works)."""
     if not failures:
         return
     described: dict[int, BaseException | str] = {r: f"{f.qualname}: {f.message}" for r, f in failures.items()}
@@ -129,10 +129,8 @@ def _raise_failures(step: str, failures: dict[int, _Failure]) -> None:
     exc: CheckpointException
     if cls is not None and not issubclass(cls, CheckpointException):
         try:
-            combined = type(cls.__name__, (CheckpointException, cls), {"__module__": cls.__module__,
-                                                                        "__str__": CheckpointException.__str__})
-            exc = combined(step, described)
-        except TypeError:  # layout conflict with a builtin base
+            exc = remote_error_class(cls)(step, described)
+        except TypeError:
             exc = CheckpointException(step, described)
     else:
         exc = CheckpointException(step, described)
@@ -148,13 +146,12 @@ class DistWrapper:
                  timeout: Optional[float] = None) -> None:
         """Collectives over ``group`` (``None``: the default group) when ``use_dist``.
 
-        ``rank`` and ``world_size`` make a wrapper for a process that belongs to a job
-        without being in its process group (the async writer): ``group`` must then be
-        ``None``; with ``use_dist=False`` every collective is the single-process no-op, and
-        a subclass that exchanges objects another way (files) passes ``use_dist=True`` and
-        overrides the raw object collectives.  Such a wrapper runs no arrival check (that
-        needs a group's store).  ``timeout`` defaults to ``HP_DCP_COLLECTIVE_TIMEOUT``.
-        Raises ``ValueError`` for a ``rank`` outside ``world_size``.
+        ``rank`` and ``world_size`` (``group`` then ``None``) make a wrapper for a process
+        of a job outside its process group (the async writer): with ``use_dist=False``
+        every collective is a no-op; a subclass that exchanges objects another way (files)
+        passes ``use_dist=True`` and overrides the raw object collectives; neither runs the
+        arrival check.  ``timeout`` defaults to ``HP_DCP_COLLECTIVE_TIMEOUT``.  Raises
+        ``ValueError`` for a ``rank`` outside ``world_size``.
         """
         self.group = group
         self.coordinator_rank = coordinator_rank
@@ -192,11 +189,8 @@ class DistWrapper:
 
     # -- arrival check ---------------------------------------------------------------
     def _arrive(self, collective: str) -> None:
-        """Check in at the store and wait for every rank of the group; raise naming the absent.
-
-        One ``set`` and one ``wait`` on the store per collective; the previous check's key
-        is deleted once everybody has passed the current one.
-        """
+        """Check in at the store and wait for every rank of the group; raise naming the
+        absent.  The previous check's key is deleted once everybody passed this one."""
         if self._store is None:
             return
         store = self._store
@@ -223,9 +217,9 @@ class DistWrapper:
             if not missing:
                 raise
             raise CheckpointTimeoutError(
-                f"checkpoint phase '{self._step}' ({collective}): rank(s) [{format_ranks(missing)}] did not arrive within "
-                f"{self.timeout:g} s (waiting on rank {self._global_rank()}); they died, hang, or are still "
-                f"working. Set {TIMEOUT_ENV} to wait longer.",
+                f"checkpoint phase '{self._step}' ({collective}): rank(s) [{format_ranks(missing)}] did not "
+                f"arrive within {self.timeout:g} s (waiting on rank {self._global_rank()}); they died, hang, or "
+                f"are still working. Set {TIMEOUT_ENV} to wait longer.",
                 self._step,
                 tuple(missing),
             ) from None
@@ -236,27 +230,22 @@ class DistWrapper:
                 pass
 
     def exchange_name(self) -> str:
-        """The name of the exchange under way: its step, suffixed for a step's second
-        exchange of one kind.  Errors name the step; a wrapper that exchanges through
-        named files names them by this."""
+        """The exchange under way: its step, suffixed for a step's second exchange of one
+        kind (a wrapper that exchanges through files names them by it)."""
         return f"{self._step}-{self._round}" if self._round else self._step
 
     def arrive(self, step: str) -> None:
-        """Wait (at most the collective timeout) until every rank of the group got here.
-
-        For callers that run their own collectives (the broadcast load): raises
-        :class:`CheckpointTimeoutError` naming ``step`` and the ranks that never arrived.
-        Every member must call it at the same point.
-        """
+        """Wait (at most the collective timeout) until every rank of the group got here,
+        for callers that run their own collectives (the broadcast load); every member calls
+        it at the same point.  Raises :class:`CheckpointTimeoutError` naming ``step`` and
+        the ranks that never arrived."""
         if self.use_dist:
             self._step = step
             self._arrive("arrival")
 
     def _flags_on_cpu(self) -> bool:
         """Whether ``check`` may agree through an ``all_reduce`` of a CPU tensor: the raw
-        collectives are this class's own (a subclass may exchange objects as files) and the
-        group's backend includes gloo (``gloo``, ``cpu:gloo,cuda:nccl``).  The same on every
-        rank of the group."""
+        collectives are this class's own and the group's backend includes gloo."""
         ok = self._cpu_flags
         if ok is None:
             ok = type(self).all_gather_object is DistWrapper.all_gather_object
@@ -329,7 +318,7 @@ class DistWrapper:
         self._step = step
         local = self._run(map_fun)
         results = self.all_gather_object(local)
-        _raise_failures(step, {r: v for r, v in enumerate(results) if isinstance(v, _Failure)})
+        _raise_failures(step, _failures(results))
         return results  # type: ignore[return-value]
 
     def broadcast_step(self, step: str, fun: Callable[[], T]) -> T:
@@ -346,6 +335,16 @@ class DistWrapper:
             _raise_failures(step, value)
         return value
 
+    def _reduce(self, gathered: Optional[list[Any]], reduce_fun: Callable[[list[Any]], Any]) -> tuple[str, Any]:
+        """On the coordinator: ``("ok", reduce_fun(gathered))``, or ``("fail", failures)``
+        when a rank's map or the reduce failed."""
+        assert gathered is not None
+        failures = _failures(gathered)
+        if failures:
+            return "fail", failures
+        reduced = self._run(lambda: reduce_fun(gathered))
+        return ("fail", {self.rank: reduced}) if isinstance(reduced, _Failure) else ("ok", reduced)
+
     def reduce_scatter(self, step: str, map_fun: Callable[[], T],
                        reduce_fun: Callable[[list[T]], list[R]]) -> R:
         """Map on every rank, reduce on the coordinator, scatter one result per rank."""
@@ -356,16 +355,8 @@ class DistWrapper:
         gathered = self.gather_object(local)
         payload: Optional[list[Any]] = None
         if self.is_coordinator:
-            assert gathered is not None
-            failures = {r: v for r, v in enumerate(gathered) if isinstance(v, _Failure)}
-            if failures:
-                payload = [("fail", failures)] * self.world_size
-            else:
-                reduced = self._run(lambda: reduce_fun(gathered))  # type: ignore[arg-type]
-                if isinstance(reduced, _Failure):
-                    payload = [("fail", {self.rank: reduced})] * self.world_size
-                else:
-                    payload = [("ok", r) for r in reduced]
+            tag, value = self._reduce(gathered, reduce_fun)
+            payload = [(tag, value)] * self.world_size if tag == "fail" else [("ok", r) for r in value]
         tag, value = self.scatter_object(payload)
         if tag == "fail":
             _raise_failures(step, value)
@@ -378,16 +369,7 @@ class DistWrapper:
         if not self.use_dist:
             return reduce_fun([local])  # type: ignore[list-item]
         gathered = self.gather_object(local)
-        payload: Any = None
-        if self.is_coordinator:
-            assert gathered is not None
-            failures = {r: v for r, v in enumerate(gathered) if isinstance(v, _Failure)}
-            if failures:
-                payload = ("fail", failures)
-            else:
-                reduced = self._run(lambda: reduce_fun(gathered))  # type: ignore[arg-type]
-                payload = ("fail", {self.rank: reduced}) if isinstance(reduced, _Failure) else ("ok", reduced)
-        tag, value = self.broadcast_object(payload)
+        tag, value = self.broadcast_object(self._reduce(gathered, reduce_fun) if self.is_coordinator else None)
         if tag == "fail":
             _raise_failures(step, value)
         return value
@@ -396,15 +378,13 @@ class DistWrapper:
                              confirm_fun: Callable[[], None], commit_fun: Callable[[P], None]) -> P:
         """Gather, prepare and share on the coordinator, confirm everywhere, then commit.
 
-        Every rank runs ``map_fun`` and sends the result to the coordinator, which runs
-        ``prepare_fun(results)`` and sends what it returns to every rank; each rank then
-        runs ``confirm_fun``; once every rank confirmed, the coordinator runs
-        ``commit_fun(prepared)``, and every rank returns ``prepared``.  A save sends its write
-        results before its files are durable and confirms once they are: the coordinator
-        builds the metadata and every rank receives it while the data is flushed, and the
-        commit follows every confirmation.  A failure of any function on any rank is raised
-        on every rank, after the confirmations.  Without a process group: map, prepare,
-        confirm, commit, exceptions unchanged.
+        Every rank runs ``map_fun``; the coordinator runs ``prepare_fun(results)`` and sends
+        what it returns to every rank; each rank runs ``confirm_fun``; once every rank
+        confirmed, the coordinator runs ``commit_fun(prepared)``; every rank returns
+        ``prepared``.  (A save shares its metadata while the data is flushed and commits
+        after every rank's flush.)  A failure anywhere is raised on every rank, after the
+        confirmations.  Without a process group: map, prepare, confirm, commit, exceptions
+        unchanged.
         """
         self._step = step
         if not self.use_dist:
@@ -412,36 +392,21 @@ class DistWrapper:
             confirm_fun()
             commit_fun(value)
             return value
-        local = self._run(map_fun)
-        gathered = self.gather_object(local)
+        gathered = self.gather_object(self._run(map_fun))
         failures: dict[int, _Failure] = {}
         prepared: Any = None
         if self.is_coordinator:
-            assert gathered is not None
-            failures = {r: v for r, v in enumerate(gathered) if isinstance(v, _Failure)}
-            if not failures:
-                prepared = self._run(lambda: prepare_fun(gathered))  # type: ignore[arg-type]
-                if isinstance(prepared, _Failure):
-                    failures[self.rank] = prepared
-                    prepared = None
-        # Each exchange of the step past the first of its kind gets a name of its own.
-        self._round = "share"
-        try:
-            shared = self.broadcast_object(prepared)
-        finally:
-            self._round = ""
+            tag, prepared = self._reduce(gathered, prepare_fun)
+            if tag == "fail":
+                failures, prepared = prepared, None
+        shared = self._second_exchange("share", lambda: self.broadcast_object(prepared))
         confirmed = self._run(confirm_fun)
-        self._round = "confirm"
-        try:
-            confirmations = self.gather_object(confirmed)
-        finally:
-            self._round = ""
+        confirmations = self._second_exchange("confirm", lambda: self.gather_object(confirmed))
         payload: Any = None
         if self.is_coordinator:
             assert confirmations is not None
-            for r, v in enumerate(confirmations):
-                if isinstance(v, _Failure):
-                    failures.setdefault(r, v)
+            for r, failure in _failures(confirmations).items():
+                failures.setdefault(r, failure)
             if not failures:
                 committed = self._run(lambda: commit_fun(prepared))
                 if isinstance(committed, _Failure):
@@ -452,13 +417,20 @@ class DistWrapper:
             _raise_failures(step, value)
         return shared
 
+    def _second_exchange(self, name: str, exchange: Callable[[], T]) -> T:
+        """``exchange()`` under a name of its own: a step's second exchange of one kind."""
+        self._round = name
+        try:
+            return exchange()
+        finally:
+            self._round = ""
+
     def check(self, step: str, local_error: Optional[BaseException]) -> None:
         """Collective error check: raise on every rank if any rank reports an error.
 
         Where the group takes CPU tensors, one ``all_reduce`` of a flag says whether any
-        rank failed, and the failures are gathered only then: on gloo (2 ranks) the
-        ``all_gather_object`` of ``None`` took 0.8 ms median and 4 ms at the 90th
-        percentile, its two collectives and pickles against 0.2 / 0.3 ms for the flag.
+        rank failed and the failures are gathered only then (gloo, 2 ranks: 0.2 ms against
+        0.8 ms for an ``all_gather_object`` of ``None``).
         """
         self._step = step
         if not self.use_dist:
@@ -473,5 +445,4 @@ class DistWrapper:
             if not flag.item():
                 return
         mine = _Failure.capture(local_error) if local_error is not None else None
-        results = self.all_gather_object(mine)
-        _raise_failures(step, {r: v for r, v in enumerate(results) if isinstance(v, _Failure)})
+        _raise_failures(step, _failures(self.all_gather_object(mine)))

@@ -24,6 +24,9 @@ __all__ = [
     "UnsafeObjectError",
     "UnsupportedPlacementError",
     "UnsupportedTensorError",
+    "describe_failures",
+    "format_ranks",
+    "remote_error_class",
 ]
 
 
@@ -96,7 +99,8 @@ class CheckpointException(CheckpointError):
     def __init__(self, phase: str, failures: dict[int, BaseException | str]):
         self.phase = phase
         self.failures = failures
-        texts = {rank: err if isinstance(err, str) else f"{type(err).__name__}: {err}" for rank, err in failures.items()}
+        texts = {rank: err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+                 for rank, err in failures.items()}
         super().__init__(f"checkpoint phase '{phase}' failed on rank(s) {format_ranks(failures)}:\n"
                          + describe_failures(texts))
 
@@ -112,12 +116,16 @@ class CheckpointException(CheckpointError):
         return (_rebuild_checkpoint_exception, (original, self.phase, failures), state)
 
 
+def remote_error_class(original: type) -> type[CheckpointException]:
+    """A :class:`CheckpointException` class that is also ``original`` (the class of a
+    failure on another rank), so ``except KeyError`` keeps working; raises ``TypeError``
+    where the two cannot be combined (a layout conflict with a builtin base)."""
+    return type(original.__name__, (CheckpointException, original),
+                {"__module__": original.__module__, "__str__": CheckpointException.__str__})
+
+
 def _rebuild_checkpoint_exception(original: type | None, phase: str, failures: dict) -> CheckpointException:
-    if original is None:
-        return CheckpointException(phase, failures)
-    combined = type(original.__name__, (CheckpointException, original),
-                    {"__module__": original.__module__, "__str__": CheckpointException.__str__})
-    return combined(phase, failures)
+    return CheckpointException(phase, failures) if original is None else remote_error_class(original)(phase, failures)
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

@@ -1,27 +1,17 @@
 """Let torch's collective worker threads finish before the interpreter shuts down.
 
-Why: a gloo rank could die of ``SIGABRT`` (``terminate called without an active
-exception``) at interpreter exit after a run that ends with a synchronous save, in about
-one launch in ten on two busy cores (``tools/exit_abort_repro.py``).  The core dumps show
-the chain:
+A gloo rank could die of ``SIGABRT`` (``terminate called without an active exception``)
+at exit after a run ending with a synchronous save, about one launch in ten on two busy
+cores (``tools/exit_abort_repro.py``): a gloo worker thread that drops finished work after
+the caller let go holds the last reference to tensors with Python objects and needs the
+GIL to release them; the main thread runs on to interpreter exit holding it, and a
+thread that takes the GIL during finalization is made to exit, unwinding through a
+``noexcept`` destructor (``std::terminate``).
 
-- each collective hands its tensors to a gloo worker thread; when that thread drops the
-  finished work after the caller's ``wait()`` has returned and the caller has dropped its
-  handle, it holds the last C++ reference to tensors that have Python objects, and it
-  needs the GIL to release them (``TensorImpl::decref_pyobject``);
-- the main thread returns from the save (whose last step is a ``broadcast_object_list``)
-  and runs straight to interpreter exit, holding the GIL;
-- once finalization has begun, a thread that takes the GIL is made to exit
-  (``pthread_exit``); unwinding through the work's ``noexcept`` destructor calls
-  ``std::terminate``.
-
-So before finalization begins (``atexit``), :func:`drain_collective_threads` hands the
-GIL over and waits until no other thread of the process is running or runnable: a worker
-that waits for the GIL gets it during the first pause and finishes its release; a worker
-that was preempted runs when the scheduler gets to it.  The wait is bounded
-(:data:`DRAIN_LIMIT_S`): a thread of the user's that keeps computing only delays exit by
-that much; a quiet process pays about 3.5 ms.  It is installed by the first checkpoint
-collective of a process (:func:`install`).
+So at ``atexit`` :func:`drain_collective_threads` hands the GIL over until no other
+thread of the process is running or runnable, at most :data:`DRAIN_LIMIT_S` (a quiet
+process pays ~3.5 ms).  The first checkpoint collective of a process installs it
+(:func:`install`).
 """
 
 from __future__ import annotations
@@ -36,8 +26,8 @@ __all__ = ["DRAIN_LIMIT_S", "drain_collective_threads", "install", "runnable_thr
 
 #: At most this long at interpreter exit (seconds).
 DRAIN_LIMIT_S = 0.2
-# Each pause releases the GIL: one waiting thread takes it per hand-over, so a few quiet
-# looks in a row also cover gloo's two workers plus a transport thread waking at once.
+# one waiting thread takes the GIL per pause: a few quiet looks in a row also cover
+# gloo's two workers and a transport thread waking at once
 _PAUSE_S = 0.001
 _QUIET_LOOKS = 3
 
@@ -87,10 +77,7 @@ def drain_collective_threads(limit: float = DRAIN_LIMIT_S) -> bool:
 
 def _at_exit() -> None:
     try:
-        # Also after destroy_process_group(): it forgets the groups, but a group that a
-        # device mesh or an FSDP2 module still references keeps its gloo workers (the
-        # torch DCP tutorial's rank aborted that way, in ~AsyncAllreduceWork releasing
-        # autograd's stored contextvars context).
+        # also after destroy_process_group(): a group a device mesh still references keeps its workers
         drain_collective_threads()
     except Exception:  # noqa: BLE001 - never turn a clean exit into a failed one
         pass

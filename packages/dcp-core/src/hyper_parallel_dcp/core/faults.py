@@ -7,10 +7,8 @@ Used by the fault-injection tests and the soak benchmark; inert unless
 first process to get there dies (it creates the file and writes the time it fired into
 it), so a restarted writer or the next save go through.
 
-Phases: ``save.setup``, ``save.plan``, ``save.write``, ``save.commit`` (on the
-coordinator just before ``.metadata`` is written, elsewhere after its own files are
-written), ``load.setup``, ``load.plan``, ``load.read``, ``load.broadcast``.  An async save
-runs the save pipeline in its writer process, so there the writer dies.
+Phases: :data:`PHASES` (``save.commit``: on the coordinator just before ``.metadata`` is
+written, elsewhere after its own files are); an async save's writer process dies there.
 """
 
 from __future__ import annotations
@@ -21,10 +19,8 @@ import time
 
 from .settings import FAULT, FAULT_ONCE
 
-__all__ = ["FAULT_ENV", "FAULT_ONCE_ENV", "PHASES", "fault_point"]
+__all__ = ["PHASES", "fault_point"]
 
-FAULT_ENV = FAULT.name
-FAULT_ONCE_ENV = FAULT_ONCE.name
 PHASES = ("save.setup", "save.plan", "save.write", "save.commit",
           "load.setup", "load.plan", "load.read", "load.broadcast")
 

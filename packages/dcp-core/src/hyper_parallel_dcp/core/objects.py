@@ -2,18 +2,11 @@
 
 Restoring uses ``torch.load(weights_only=True)``: plain containers, numbers, strings,
 bytes, tensors, dtypes and sizes load as is; any other class must be allow-listed with
-``torch.serialization.add_safe_globals`` (or its ``safe_globals`` context), exactly as for
-``torch.load``.  Anything else raises :class:`UnsafeObjectError` naming the class.
-
-``torch.save`` writes a zip archive whose members carry a CRC-32, which ``torch.load``
-does not check: a damaged pickle may still decode, to a wrong value (a flipped bit of a
-stored float or step count) or to something else (a pickle cut short before a tensor's
-rebuild returns its storage).  So the CRCs of the pickle and of the tensor data are
-checked first, without ``verify`` (which hashes every stored byte): ~60 us a small
-object, whose ``torch.load`` takes ~200.  Of 40,000 copies of a small object with 1-4
-random bytes replaced, 646 decoded to a different value before; none do now.  An
-archive saved with CRCs turned off (``torch.utils.serialization.config.save.
-compute_crc32 = False``) has none to check.
+``torch.serialization.add_safe_globals``, as for ``torch.load``, else
+:class:`UnsafeObjectError` names it.  ``torch.load`` does not check the CRC-32s of
+``torch.save``'s zip members, and a damaged pickle may decode to a wrong value (646 of
+40,000 copies of a small object with 1-4 random bytes replaced did): they are checked
+first (~60 us a small object; an archive saved without CRCs has none to check).
 """
 
 from __future__ import annotations
@@ -89,12 +82,9 @@ def _check_crcs(data: bytes, fqn: str, file: str) -> None:
                 if not (name.endswith("data.pkl") or "/data/" in name):
                     continue
                 if info.external_attr & _DOS_DIRECTORY:
-                    # torch's reader takes it for a directory and leaves the tensor's
-                    # memory as it was allocated, uninitialised (zipfile reads it)
+                    # torch's reader would leave the tensor's memory uninitialised
                     raise zipfile.BadZipFile(f"{name!r} is marked as a directory")
-                # a CRC of 0: not computed (``torch.utils.serialization.config.save.
-                # compute_crc32 = False`` writes 0 for every member)
-                if info.CRC:
+                if info.CRC:  # 0: saved with compute_crc32 = False
                     archive.read(info)
     except Exception as exc:  # noqa: BLE001 - zipfile raises several types on damaged bytes
         raise CorruptCheckpointError(

@@ -23,7 +23,7 @@ from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .gc_pause import gc_paused
 from .layout import is_tensor_leaf
 from .load_planning import StandardLoadPlanner
-from .metadata import Metadata, MetadataIndex, StorageInfo, lazily_unpacked, pack_metadata
+from .metadata import Metadata, MetadataIndex, StorageInfo, pack_metadata, storage_table, unpack_metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .reader_assignment import apply_reader_assignment, assign_readers_from_layouts, target_layout
 from .save_planning import StandardSavePlanner
@@ -78,6 +78,8 @@ def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Met
     # a file whose writer recorded no digest (objects, another backend's writer) has none
     md.header_digests = {name: digest for name, digest in md.header_digests.items() if digest is not None}
     md.storage_data = storage_data
+    # as columns once: the storage writer's JSON and the packing for the other ranks read them
+    md.storage_data = storage_table(md)
     return md
 
 
@@ -92,14 +94,11 @@ def save_state_dict(
     use_collectives: bool = True,
     dist_wrapper: Optional[DistWrapper] = None,
 ) -> Metadata:
-    """Save ``state_dict`` through ``storage_writer``; returns the metadata.
-
-    With collectives the returned metadata is the global one on every rank; without, the
-    rank's own.  On any failure every rank raises and ``storage_writer.abort`` runs.
-    ``dist_wrapper`` (ignored with ``no_dist``) replaces the process-group collectives and
-    gives rank and world size: the async writer process has no process group and
-    exchanges through files, or not at all (``use_dist=False``, rank identity only).
-    """
+    """Save ``state_dict`` through ``storage_writer``; returns the metadata: with
+    collectives the global one on every rank, without, the rank's own.  On any failure
+    every rank raises and ``storage_writer.abort`` runs.  ``dist_wrapper`` (ignored with
+    ``no_dist``) replaces the process-group collectives and gives rank and world size (the
+    async writer exchanges through files, or not at all)."""
     use_collectives = use_collectives and not no_dist
     if dist_wrapper is not None and not no_dist:
         dw = dist_wrapper
@@ -111,9 +110,8 @@ def save_state_dict(
     is_coordinator = rank == coordinator_rank if use_collectives or world_size == 1 else True
     planner = planner if planner is not None else StandardSavePlanner()
 
-    # A save or load allocates many small objects (plan items, metadata) while the
-    # caller's large heap is alive: full collections re-traversing it cost more than the
-    # planning itself (2000 tensors: ~0.2 s of a 0.3 s load), so the collector pauses.
+    # many small objects while the caller's large heap is alive: full collections would
+    # cost more than the planning (2000 tensors: ~0.2 s of a 0.3 s load)
     with phase("save", rank), gc_paused():
         try:
             return _save(state_dict, storage_writer, planner, dw, rank, world_size, is_coordinator, use_collectives)
@@ -130,9 +128,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
     def set_up_step() -> bool:
         fault_point("save.setup", rank)
-        # torch's Stateful leaves give their state_dict() here, inside the first collective
-        # step: one raising on one rank is then raised on every rank (called before it, a
-        # trainer that caught the error and went on left the other ranks waiting forever)
+        # Stateful leaves give their state_dict() inside the first collective step: one
+        # raising on one rank is raised on every rank instead of leaving them waiting
         expanded, _ = expand_stateful(state_dict)
         flat, _ = flatten_state_dict(expanded, is_tensor_leaf)
         storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
@@ -143,11 +140,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         return looked_up[0] is not None
 
     if dw.use_dist:
-        # One collective step before anything else, so that every rank takes the same
-        # path: a failure in the set-up on one rank (the coordinator finding another save
-        # holding the directory, a Partial DTensor, colliding FQNs) is raised on every
-        # rank, and a plan-cache miss on one rank (other keys or another layout there)
-        # sends all ranks through planning; otherwise the others would wait forever.
+        # one step first, so every rank takes the same path: a set-up failure on one rank
+        # is raised everywhere, a plan-cache miss on one rank sends all through planning
         hits = dw.all_gather("plan_cache", set_up_step)
         cached = looked_up[0] if all(hits) else None
     else:
@@ -176,9 +170,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
                 plans = storage_writer.prepare_global_plan(plans)
                 save_id = uuid.uuid4().hex[:16]
                 build_metadata.append(build)
-                # A plan the global step left as it was (no item dropped, nothing added:
-                # every sharded tensor) goes back as its save id alone: pickling every
-                # item back to its rank was a third of the plan step (2000 items).
+                # a plan left as it was goes back as its save id alone (pickling every item
+                # back was a third of the plan step, 2000 items)
                 return [_SameAsSent(save_id) if p is mine else replace(p, save_id=save_id)
                         for p, mine in zip(plans, all_plans)]
 
@@ -197,12 +190,10 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             fault_point("save.commit", rank)
         elif dw.use_dist:
             if global_metadata[0] is None:
-                # Built now, while the other ranks still write (it needs none of their
-                # results), not after the gather: 1000 tensors, 2.5 ms off the commit path.
+                # built while the other ranks still write: 1000 tensors, 2.5 ms off the commit path
                 with phase("build_metadata", rank):
                     global_metadata[0] = build_metadata[0]()
-            # The gather would pickle the coordinator's own results and unpickle them
-            # again (a result per chunk): they stay here, None goes in their place.
+            # the coordinator's own results stay here (the gather would pickle them)
             own_results.append(results)
             return None
         return results
@@ -212,8 +203,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     final_metadata: list[Metadata] = []
 
     def prepare_step(gathered: list[Optional[list[WriteResult]]]) -> Any:
-        # Runs while the ranks' data is still being flushed (sync_written): building,
-        # serialising and sending the metadata costs ~10 us a chunk, off the commit path.
+        # runs while the data is still flushed (sync_written): ~10 us a chunk off the commit path
         all_results = [own_results[0] if r is None else r for r in gathered] if own_results else \
             [r for r in gathered if r is not None]
         with phase("prepare_metadata", rank):
@@ -224,8 +214,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             storage_writer.prepare_finalize(metadata, all_results)
         gathered_results.append(all_results)
         final_metadata.append(metadata)
-        # The other ranks get it as columns (pickled objects cost ~4x as much to send and
-        # build again), unpacked only if the caller looks at it (lazily_unpacked).
+        # the other ranks get it as columns (pickled objects: ~4x as much to send and build)
         return pack_metadata(metadata) if dw.use_dist else None
 
     def sync_step() -> None:
@@ -239,8 +228,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
     with phase("_save_impl", rank):
         packed = dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step)
-    if not final_metadata:  # not the coordinator: the metadata unpacks when first looked at
-        final_metadata.append(lazily_unpacked(packed))
+    if not final_metadata:  # not the coordinator
+        final_metadata.append(unpack_metadata(packed))
     if cached is None:  # a plan that made a checkpoint
         planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
     return final_metadata[0]
@@ -250,13 +239,11 @@ def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
                     rank: int) -> tuple[Callable[[], Metadata], bool]:
     """The checkpoint's metadata for every rank, read from storage once per job.
 
-    Returns ``(metadata_of, collectives_required)``: ``metadata_of()`` gives the parsed
-    metadata (call it inside a failure-propagating step: it parses there), and whether the
-    checkpoint allows collectives (not for merged ``{rank}.metadata`` files).  With
-    collectives the coordinator alone reads (``read_metadata_payload``) and broadcasts:
-    8192 ranks each reading a 35 MB file from a shared filesystem is 290 GB of reads before
-    the first tensor moves; a broadcast sends it once over the network.  A failure to read
-    is raised on every rank, naming the file.  Without collectives each rank reads itself.
+    Returns ``(metadata_of, collectives_required)``: ``metadata_of()`` parses (call it in
+    a failure-propagating step), and whether the checkpoint allows collectives (not for
+    merged ``{rank}.metadata`` files).  With collectives the coordinator alone reads
+    (``read_metadata_payload``) and broadcasts (8192 ranks reading a 35 MB file would read
+    290 GB); a failure to read is raised on every rank.  Without, each rank reads itself.
     """
     fault_point("load.setup", rank)
     if not dw.use_dist:
@@ -267,9 +254,8 @@ def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
     def read_step() -> tuple[Any, bool]:
         return storage_reader.read_metadata_payload(), storage_reader.collectives_required
 
-    # Every rank agrees whether collectives follow: one rank falling back to
-    # {rank}.metadata alone would leave the others waiting.  The phase is the read and
-    # broadcast on the coordinator, the wait for the bytes on the others.
+    # every rank agrees whether collectives follow (one rank falling back to
+    # {rank}.metadata alone would leave the others waiting)
     with phase("read_metadata", rank):
         payload, collectives_required = dw.broadcast_step("read_metadata", read_step)
     parsed: list[Metadata] = []
@@ -294,14 +280,11 @@ def load_state_dict(
     use_collectives: bool = True,
     read_executor: Optional[ReadExecutor] = None,
 ) -> None:
-    """Load into ``state_dict`` in place (tensors copied into, objects replaced).
-
-    Only keys present in ``state_dict`` are loaded.  ``read_executor`` (e.g. read-once +
-    broadcast) is used when this load exchanges plans (collectives on, more than one
-    rank, a checkpoint with a global ``.metadata``) over every rank of the default group:
-    then the coordinator chooses one reader per replicated shard and the executor runs
-    the reads instead of ``storage_reader.execute_read``.  Otherwise it is not called.
-    """
+    """Load into ``state_dict`` in place (tensors copied into, objects replaced); only
+    its keys are loaded.  ``read_executor`` (read-once + broadcast) runs the reads instead
+    of ``storage_reader.execute_read`` when this load exchanges plans over every rank of
+    the default group (collectives, more than one rank, a global ``.metadata``): the
+    coordinator then chooses one reader per replicated shard."""
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
     planner = planner if planner is not None else StandardLoadPlanner()
@@ -314,10 +297,8 @@ def load_state_dict(
         metadata_of, collectives_required = _share_metadata(storage_reader, first, rank)
         use_collectives = use_collectives and collectives_required and world_size > 1
         dw = DistWrapper(process_group, use_dist=use_collectives, coordinator_rank=coordinator_rank)
-        # Whether read-once + broadcast runs is decided here, once, for the planner and
-        # for the read: only this step knows whether the plans are exchanged.  Replica
-        # groups are made with dist.new_group, which every rank of the default group must
-        # enter: a load on a sub-group reads each shard on each rank instead.
+        # decided once, for the planner and the read; replica groups come from
+        # dist.new_group, which every rank of the default group must enter
         broadcast = read_executor is not None and dw.use_dist and _is_whole_world(process_group)
         paths: dict[str, Any] = {}
         plan = _plan_load(state_dict, metadata_of, storage_reader, planner, dw, rank, world_size, broadcast, paths)
@@ -331,18 +312,15 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
                paths: dict[str, Any]) -> LoadPlan:
     """This rank's final load plan; fills ``paths`` (FQN → path in ``state_dict``).
 
-    Without reader assignment each rank plans alone, then one small collective check
-    raises a planning failure of any rank on every rank.  With it, each rank sends the
-    coordinator a compact description of its targets and receives its replica groups and
-    readers: no rank but the coordinator sees another rank's plan.
+    Without reader assignment each rank plans alone and one collective check raises any
+    rank's failure everywhere; with it, each rank sends the coordinator a description of
+    its targets and receives its replica groups and readers (no rank sees another's plan).
     """
     is_coordinator = rank == dw.coordinator_rank
     local: list[LoadPlan] = []
 
     def local_step() -> LoadPlan:
-        # The set-up runs inside the checked step: a failure on one rank (e.g. two paths
-        # flattening to one FQN, metadata that does not parse) is raised on every rank
-        # instead of hanging them.
+        # the set-up runs inside the checked step: a failure on one rank is raised on all
         fault_point("load.plan", rank)
         metadata = metadata_of()
         flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
@@ -354,8 +332,7 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
             try:
                 plan = storage_reader.prepare_local_plan(planner.create_local_plan())
             except (MissingKeyError, MismatchError, MissingRegionError) as exc:
-                # the planner knows the key, the reader where the checkpoint is: a job
-                # loading several checkpoints (model, EMA, data loader) learns which one
+                # the planner knows the key, the reader which checkpoint it is
                 where = storage_reader.location()
                 if where is not None and exc.args and isinstance(exc.args[0], str):
                     exc.args = (f"{exc.args[0]} (checkpoint {where})", *exc.args[1:])

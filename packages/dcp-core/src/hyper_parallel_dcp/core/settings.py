@@ -1,20 +1,15 @@
 """Every environment variable hyper-parallel-dcp reads, in one place, validated.
 
-Each setting is one :class:`Setting`: its variable, its default, what it accepts and
-what it is for (``docs/tuning.md`` lists the same table).  Nothing else in the library
-reads ``os.environ`` for its own configuration (``MASTER_ADDR``/``MASTER_PORT`` and
+Each setting is one :class:`Setting`: its variable, its default, what it accepts and what
+it is for (``docs/tuning.md`` lists the same table).  Nothing else in the library reads
+``os.environ`` for its own configuration (``MASTER_ADDR``/``MASTER_PORT`` and
 torchelastic's run id belong to torch's launcher and are read where they are used).
 
-When a value is read: at the moment it is needed — when a save, load or ``async_save``
-starts (the collective timeout when its wrapper is built, the async values when the
-save hands its request to the writer, the reader and broadcast knobs when the reader or
-executor is made).  So a variable set before a call applies to that call, which is what
-a training script (and a test) expects; nothing is read at import time.  Parsing is
-cached per raw value, so reading a setting in a hot loop costs a dict lookup.
-
-A value that does not parse, or is out of range, raises :class:`SettingError` (a
-``ValueError``) naming the variable, the value and what it accepts — before anything is
-written or read.
+A value is read when it is needed (when a save, load or ``async_save`` starts, when a
+reader or wrapper is made), never at import time, so a variable set before a call applies
+to that call; parsing is cached per raw value.  A value that does not parse or is out of
+range raises :class:`SettingError` (a ``ValueError``) naming the variable, the value and
+what it accepts, before anything is written or read.
 """
 
 from __future__ import annotations
@@ -54,52 +49,38 @@ class SettingError(ValueError):
     """An environment variable of hyper-parallel-dcp holds a value it does not accept."""
 
 
-def _seconds(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingError(f"{name}={raw!r} is not a number of seconds") from None
-    if value != value or value < 0:  # NaN or negative
-        raise SettingError(f"{name}={raw!r}: seconds must be a number >= 0")
-    return value
+def _number(convert: Callable[[str], T], noun: str, accepts: Callable[[T], bool],
+            rule: str) -> Callable[[str, str], T]:
+    """A parser: ``convert`` the raw text (else "is not ``noun``"), then check ``accepts``
+    (else ``rule``)."""
+
+    def parse(name: str, raw: str) -> T:
+        try:
+            value = convert(raw)
+        except ValueError:
+            raise SettingError(f"{name}={raw!r} is not {noun}") from None
+        if not accepts(value):
+            raise SettingError(f"{name}={raw!r}: {rule}")
+        return value
+
+    return parse
 
 
-def _positive_int(name: str, raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingError(f"{name}={raw!r} is not a whole number") from None
-    if value < 1:
-        raise SettingError(f"{name}={raw!r}: must be at least 1")
-    return value
+# NaN is not >= 0
+_seconds = _number(float, "a number of seconds", lambda v: v >= 0, "seconds must be a number >= 0")
+_positive_int = _number(int, "a whole number", lambda v: v >= 1, "must be at least 1")
+_port = _number(int, "a port number", lambda v: 1 <= v <= 65535, "a port is between 1 and 65535")
 
 
-def _port(name: str, raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingError(f"{name}={raw!r} is not a port number") from None
-    if not 1 <= value <= 65535:
-        raise SettingError(f"{name}={raw!r}: a port is between 1 and 65535")
-    return value
-
-
-def _flag(name: str, raw: str) -> bool:
+def _flag_or_auto(name: str, raw: str) -> bool | None:
     value = raw.lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise SettingError(f"{name}={raw!r}: use 1 or 0")
-
-
-def _flag_or_auto(name: str, raw: str) -> bool | None:
-    if raw.lower() == "auto":
+    if value == "auto":
         return None
-    try:
-        return _flag(name, raw)
-    except SettingError:
-        raise SettingError(f"{name}={raw!r}: use 1, 0 or auto") from None
+    raise SettingError(f"{name}={raw!r}: use 1, 0 or auto")
 
 
 def _text(name: str, raw: str) -> str:
@@ -108,11 +89,8 @@ def _text(name: str, raw: str) -> str:
 
 @dataclass(frozen=True)
 class Setting(Generic[T]):
-    """One environment variable: ``get()`` returns its parsed value, or ``default`` when unset.
-
-    An unset or blank variable means the default (``0`` for the async gloo port, whose
-    real default depends on ``MASTER_PORT``).
-    """
+    """One environment variable: ``get()`` returns its parsed value, or ``default`` when
+    unset or blank (``0`` for the async gloo port: its real default is ``MASTER_PORT + 1``)."""
 
     name: str
     default: T

@@ -1,10 +1,8 @@
 """torch's ``Stateful`` leaves: objects with ``state_dict()`` and ``load_state_dict()``.
 
-As ``torch.distributed.checkpoint`` does, a save stores such an object's ``state_dict()``
-in its place, and a load fills that state dict and hands it to ``load_state_dict``.  So
-``save({"app": AppState(model, optimizer)})`` stores the model's and optimizer's tensors,
-never a pickle of the object.  Stateful objects are found under dict values at any depth
-(torch looks at the top level only; a deeper one is the same idea).
+As in ``torch.distributed.checkpoint``, a save stores such an object's ``state_dict()`` in
+its place and a load fills that state dict and hands it to ``load_state_dict`` (never a
+pickle of the object); they are found under dict values at any depth.
 """
 
 from __future__ import annotations

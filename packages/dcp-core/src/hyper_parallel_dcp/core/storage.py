@@ -1,13 +1,11 @@
 """Storage interfaces: how a plan becomes bytes somewhere and back, and the one read loop.
 
-A custom backend subclasses :class:`StorageWriter` / :class:`StorageReader` and overrides
-the abstract methods; the optional hooks have working defaults.
-
-Every load reads through one loop, ``read_items``: resolve each item's destination
-(planner), read it (``StorageReader.read_stream``: ``read_into`` / ``read_object``),
-hand it back (planner).  ``execute_read`` of the filesystem reader is that loop; the
-broadcast executor runs the same three steps with the middle one on its read-ahead
-thread (``resolve_destinations``, ``StorageReader.read_stream``, ``commit_read``).
+A backend subclasses :class:`StorageWriter` / :class:`StorageReader` and overrides the
+abstract methods; the optional hooks have working defaults.  Every load reads through
+:func:`read_items`: resolve each item's destination (planner), read it
+(``StorageReader.read_stream``), hand it back (planner); the broadcast executor runs the
+same three steps (:func:`resolve_destinations`, ``read_stream``, :func:`commit_read`)
+with the read on its read-ahead thread.
 """
 
 from __future__ import annotations
@@ -62,25 +60,18 @@ class StorageWriter(abc.ABC):
 
     @abc.abstractmethod
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        """Write every item of ``plan`` (data from ``planner.resolve_data``).
-
-        It may return before the data is durable when :meth:`sync_written` waits for it.
-        """
+        """Write every item of ``plan`` (data from ``planner.resolve_data``); may return
+        before the data is durable when :meth:`sync_written` waits for it."""
 
     def sync_written(self) -> None:
-        """Make what ``execute_write`` wrote durable before returning (the save calls it on
-        every rank after ``execute_write``, and commits only after it returned everywhere).
-
-        The default does nothing: ``execute_write`` returned with its data durable.  A
-        writer that lets its flushes run on meanwhile (the filesystem writer's fsyncs
-        overlap the coordinator's metadata work) waits for them here and raises their error.
-        """
+        """Make what ``execute_write`` wrote durable, raising the flush's error (called on
+        every rank; the commit follows its return everywhere).  Default: nothing, the
+        data was durable when ``execute_write`` returned."""
 
     def prepare_finalize(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator (or each rank without collectives), before ``finalize_checkpoint``
-        with the same arguments and possibly before every rank's data is durable: may do
-        the commit's work that makes nothing visible (serialise the metadata).  Default:
-        nothing."""
+        with the same arguments, possibly before the data is durable: the commit's work
+        that makes nothing visible (serialise the metadata).  Default: nothing."""
 
     @abc.abstractmethod
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -93,13 +84,11 @@ class StorageWriter(abc.ABC):
 class StorageReader(abc.ABC):
     """Reads a checkpoint.
 
-    Abstract: ``reset``, ``load_metadata`` and ``execute_read``.  A reader that can read
-    one item at a time should also override ``read_into`` and ``read_object``
-    and implement ``execute_read`` as ``read_items(self, planner, self.sort_items(...))``
-    (what the filesystem reader does): then a plain
-    load and a read-once + broadcast load read through the same code.  The defaults of
-    ``read_into`` / ``read_object`` run ``execute_read`` on a one-item plan, so a reader
-    that only has ``execute_read`` still works with broadcast loading.
+    Abstract: ``reset``, ``load_metadata`` and ``execute_read``.  A reader that reads one
+    item at a time also overrides ``read_into`` and ``read_object`` and implements
+    ``execute_read`` as ``read_items(self, planner, self.sort_items(...))``: a plain load
+    and a broadcast load then read through the same code.  The defaults of ``read_into``
+    / ``read_object`` run ``execute_read`` on a one-item plan.
     """
 
     @abc.abstractmethod
@@ -112,43 +101,34 @@ class StorageReader(abc.ABC):
     _known_metadata: Optional[Metadata] = None
 
     def location(self) -> Optional[str]:
-        """Where the checkpoint is (a path or URL), for error messages; ``None`` when the
-        reader does not know.  A load that fails on a key or a shape names it."""
+        """Where the checkpoint is (a path or URL) for error messages; ``None``: unknown."""
         return None
 
     def use_metadata(self, metadata: Metadata) -> None:
-        """Serve ``metadata`` instead of reading it again on every load through this reader
-        (a tool that loads one checkpoint in many small loads, e.g. tensor by tensor)."""
+        """Serve ``metadata`` instead of reading it again on every load through this reader."""
         self._known_metadata = metadata
 
     def read_metadata(self) -> Metadata:
-        """What the load pipeline calls: the metadata given to ``use_metadata``, else
-        ``load_metadata``."""
-        if self._known_metadata is not None:
-            return self._known_metadata
-        return self.load_metadata()
+        """The metadata given to ``use_metadata``, else ``load_metadata()``."""
+        return self._known_metadata if self._known_metadata is not None else self.load_metadata()
 
     def read_metadata_payload(self) -> Any:
-        """Read the metadata for the whole job: with collectives, only the coordinator calls
-        this, and the load broadcasts the result to every rank, which passes it to
-        :meth:`metadata_from_payload`.  Return something picklable and cheap to send — a
-        file backend returns the stored bytes, so the metadata is read from storage once
-        per job and parsed on every rank in parallel.  The default sends the parsed
-        :class:`Metadata`.  Raise as :meth:`read_metadata` does; after the call,
-        :attr:`collectives_required` must be known.
+        """The metadata for the whole job, something picklable and cheap to send (a file
+        backend returns the stored bytes): with collectives only the coordinator calls
+        this and every rank passes the broadcast result to :meth:`metadata_from_payload`.
+        Default: the parsed :class:`Metadata`.  Raises as :meth:`read_metadata`; after
+        it, :attr:`collectives_required` must be known.
         """
         return self.read_metadata()
 
     def metadata_from_payload(self, payload: Any) -> Metadata:
-        """On every rank: the :class:`Metadata` from what :meth:`read_metadata_payload`
-        returned on the coordinator (raise :class:`CheckpointFormatError` naming the source
-        when it cannot be parsed).  The default returns ``payload`` as is."""
+        """On every rank, the :class:`Metadata` of :meth:`read_metadata_payload`'s result
+        (raise :class:`CheckpointFormatError` naming the source).  Default: ``payload``."""
         return payload
 
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
-        """Called on every rank once the metadata is known.  With collectives only the
-        coordinator reads the metadata from storage: a reader keeps what its reads need
-        from here, not from :meth:`load_metadata`."""
+        """Called on every rank once the metadata is known: a reader keeps what its reads
+        need from here (with collectives only the coordinator called ``load_metadata``)."""
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -158,39 +138,24 @@ class StorageReader(abc.ABC):
         """Read every item of ``plan`` whose ``source`` is this rank (or ``None``)."""
 
     def sort_items(self, items: Iterable[ReadItem]) -> list[ReadItem]:
-        """The order in which this reader reads ``items`` (a new list).
-
-        The default is the global order (``core.planner.sort_read_items``):
-        the file order of the filesystem layout and the order in which a broadcast load
-        ships shards.  Must be a pure function of ``items`` (every rank computes it alike).
-        """
+        """The order in which this reader reads ``items`` (a new list), a pure function of
+        ``items``.  Default: the global order (``core.planner.sort_read_items``)."""
         return sort_read_items(items)
 
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
-        """Fill ``dest`` (shape ``item.lengths``, the item's dtype) with the stored slice.
-
-        May run on a read-ahead thread: touches only the reader and ``dest``.  The default
-        runs ``execute_read`` on a one-item plan whose destination is ``dest``.
-        """
+        """Fill ``dest`` (shape ``item.lengths``, the item's dtype) with the stored slice;
+        may run on a read-ahead thread (touches only the reader and ``dest``)."""
         _execute_alone(self, item, dest)
 
     def read_object(self, item: ReadItem) -> Any:
-        """The non-tensor object ``item`` names, restored.
-
-        May run on a read-ahead thread.  The default runs ``execute_read`` on a
-        one-item plan; raises ``RuntimeError`` if that delivers nothing.
-        """
+        """The non-tensor object ``item`` names, restored; may run on a read-ahead thread.
+        The default raises ``RuntimeError`` if ``execute_read`` delivers nothing."""
         return _execute_alone(self, item, None)
 
     def read_stream(self, reads: Iterable[ReadDestination]) -> Iterator[tuple[ReadItem, Any]]:
-        """Read each ``(item, destination or None for an object)`` in the order given;
-        yields ``(item, filled destination or object)`` in that order.
-
-        The read step of every load (``read_items``, the broadcast executor's read-ahead
-        thread): touches only the reader and the destinations.  The default reads one item
-        at a time (``read_into`` / ``read_object``); a reader that keeps several reads in
-        flight (an object store) overrides it.
-        """
+        """Read each ``(item, destination or None for an object)`` in the order given,
+        yielding ``(item, filled destination or object)``; touches only the reader and the
+        destinations.  Default: one item at a time (``read_into`` / ``read_object``)."""
         for item, dest in reads:
             if dest is None:
                 yield item, self.read_object(item)
@@ -213,9 +178,7 @@ class ReadDestination(NamedTuple):
 
 
 def resolve_destinations(planner: LoadPlanner, items: Iterable[ReadItem]) -> Iterator[ReadDestination]:
-    """Each item with its destination view from ``planner`` (``None`` for objects).
-
-    Runs where the planner may be used (the calling thread), lazily."""
+    """Each item with its destination view from ``planner`` (``None`` for objects), lazily."""
     resolve, byte_io, destination = planner.resolve_tensor, LoadItemType.BYTE_IO, ReadDestination
     for item in items:
         yield destination(item, None if item.type is byte_io else resolve(item))
@@ -230,11 +193,9 @@ def commit_read(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
 
 
 def read_items(reader: StorageReader, planner: LoadPlanner, items: Iterable[ReadItem]) -> None:
-    """The read loop: every item of ``items``, in the order given, into ``planner``'s targets.
-
-    Raises what the reader or the planner raises, at the first failure.
-    """
-    # ``commit_read`` inlined: a resharded load of small tensors commits thousands of reads
+    """The read loop: every item of ``items``, in the order given, into ``planner``'s
+    targets; raises what the reader or the planner raises, at the first failure."""
+    # commit_read inlined: a resharded load of small tensors commits thousands of reads
     commit_tensor, load_bytes, byte_io = planner.commit_tensor, planner.load_bytes, LoadItemType.BYTE_IO
     for item, value in reader.read_stream(resolve_destinations(planner, items)):
         if item.type is byte_io:

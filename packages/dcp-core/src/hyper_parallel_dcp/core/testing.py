@@ -11,6 +11,7 @@ in :mod:`hyper_parallel_dcp.storage_fs.testing`):
   script is not on ``PATH``;
 - :func:`placements_from_text`: ``"Shard(0)"`` / ``"Replicate"`` test strings as DTensor
   placements, written out independently of the CLI's target-spec parser;
+- :func:`sample_metadata`: a small checkpoint description that the metadata tests share;
 - :class:`FileReads`: the bytes a process really reads from files (every ``os.preadv`` /
   ``os.pread``), to check the library's own byte accounting against.
 
@@ -37,6 +38,10 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+import torch
+
+from . import metadata
+
 __all__ = [
     "DistributedTestError",
     "FileReads",
@@ -45,6 +50,7 @@ __all__ = [
     "run_console_script",
     "run_distributed",
     "run_ranks",
+    "sample_metadata",
 ]
 
 
@@ -278,3 +284,26 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.kill()
                 p.join()
     return out
+
+
+def sample_metadata() -> metadata.Metadata:
+    """``w`` (bfloat16, two row chunks on two ranks), a 0-d ``optim.state.w.step`` without
+    a checksum, an empty ``e`` and an object ``optim.param_groups``, with their files."""
+    def tensor(dtype: torch.dtype, shape: list[int], *chunks: tuple[tuple[int, ...], tuple[int, ...]]) -> Any:
+        return metadata.TensorStorageMetadata(metadata.TensorProperties(dtype), torch.Size(shape),
+                                              [metadata.ChunkStorageMetadata(o, s) for o, s in chunks])
+
+    sd = {"w": tensor(torch.bfloat16, [4, 6], ((0, 0), (2, 6)), ((2, 0), (2, 6))),
+          "optim.state.w.step": tensor(torch.float32, [], ((), ())),
+          "e": tensor(torch.int64, [0, 3]),
+          "optim.param_groups": metadata.BytesStorageMetadata()}
+    storage = {metadata.MetadataIndex(fqn, offsets): metadata.StorageInfo(file, start, length, checksum,
+                                                                          metadata.chunk_key(fqn, offsets))
+               for fqn, offsets, file, start, length, checksum in [
+                   ("w", (0, 0), "_rank0_.safetensors", 128, 24, "00ff00ff00ff00ff"),
+                   ("w", (2, 0), "_rank1_.safetensors", 128, 24, "0123456789abcdef"),
+                   ("optim.state.w.step", (), "_rank0_.safetensors", 152, 4, None)]}
+    storage[metadata.MetadataIndex("optim.param_groups")] = metadata.StorageInfo("_rank0_.bytes", 0, 345,
+                                                                                 "abcdefabcdefabcd")
+    return metadata.Metadata(sd, planner_data={"note": [1, 2]}, storage_data=storage,
+                             files={"_rank0_.safetensors": 156, "_rank1_.safetensors": 152, "_rank0_.bytes": 345})

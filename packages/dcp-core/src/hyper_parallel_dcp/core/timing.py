@@ -4,12 +4,9 @@ One line per phase per rank, in the user guide's format::
 
     [INFO] [HP-DCP]: [rank=0] >>> func execute_write cost 0.0061 seconds
 
-The lines go through the ``hyper_parallel_dcp.timing`` logger, which has no handler of
-its own and propagates as every logger does, so an application's logging configuration
-applies to them (its handlers, its format).  ``HP_LOG_CONFIG`` sets the logger's level,
-and adds one handler in the guide's format only when nothing would print the lines
-otherwise (no handler on the logger or any of its parents when the switch is first
-seen): a plain training script gets the guide's lines, a configured application its own.
+The lines go through the ``hyper_parallel_dcp.timing`` logger, which propagates as any
+logger does; ``HP_LOG_CONFIG`` sets its level and adds a handler in the guide's format
+only where no handler would print the lines otherwise.
 """
 
 from __future__ import annotations

@@ -1,0 +1,29 @@
+"""The checkpoint's global description (``Metadata``) and its forms on disk and on the wire.
+
+- :mod:`.model`: the schema as plain data (dataclasses, :class:`ChunkTable`, chunk keys,
+  dtype names);
+- :mod:`.locations`: ``storage_data`` as columns (:class:`StorageTable`) and the
+  chunk locator a load reads locations through;
+- :mod:`.json_codec`: ``.metadata`` as format-2 JSON, and reading formats 1 and 2
+  (:mod:`.json_v1`, checked with :mod:`.json_values`);
+- :mod:`.wire`: plain columns for another process (a save's metadata to every rank).
+
+Every name in those modules' ``__all__`` is importable from here.
+"""
+
+from __future__ import annotations
+
+from . import json_codec, locations, model, wire
+from .json_codec import *  # noqa: F403
+from .locations import *  # noqa: F403
+from .model import *  # noqa: F403
+from .wire import *  # noqa: F403
+
+__all__ = [*model.__all__, *locations.__all__, *json_codec.__all__, *wire.__all__]
+
+# Pickles name these classes by this package's path, as before the module became a
+# package: the async mailbox's allow-list (dcp-async ``safe_pickle``) names them so.
+for _name in ("BytesStorageMetadata", "ChunkStorageMetadata", "ChunkTable", "Metadata", "MetadataIndex",
+              "StorageInfo", "StorageTable", "TensorProperties", "TensorStorage", "TensorStorageMetadata"):
+    globals()[_name].__module__ = __name__
+del _name
