@@ -16,7 +16,7 @@ from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import chunk_key, metadata_from_json
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import run_distributed
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, filesystem
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, reader
 from hyper_parallel_dcp.storage_fs.testing import load, save
 
 SHARD = "_rank0_.safetensors"
@@ -45,13 +45,13 @@ def _header_bytes(file: Path) -> bytes:
 def _count_parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record every header the reader parses (the full path), by file size."""
     parsed: list[str] = []
-    real = filesystem.parse_header
+    real = reader.parse_header
 
     def counting(header: bytes, file_size: int):
         parsed.append(f"{len(header)}/{file_size}")
         return real(header, file_size)
 
-    monkeypatch.setattr(filesystem, "parse_header", counting)
+    monkeypatch.setattr(reader, "parse_header", counting)
     return parsed
 
 

@@ -21,7 +21,8 @@ from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.pipeline import save_state_dict
 from hyper_parallel_dcp.core.planner import LoadItemType, ReadItem
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
-from hyper_parallel_dcp.storage_fs.direct_read import FileMapping, PendingCopies
+from hyper_parallel_dcp.storage_fs.mapping import FileMapping
+from hyper_parallel_dcp.storage_fs.sinks import PendingCopies
 
 COLS = 512  # int16 rows of 1 KiB: 1024 rows a populate block
 

@@ -19,7 +19,7 @@ from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import chunk_key, metadata_from_json
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import run_distributed
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, filesystem
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, reader
 from hyper_parallel_dcp.storage_fs.integrity import check_complete, verify_checkpoint
 from hyper_parallel_dcp.storage_fs.testing import load, save
 
@@ -54,13 +54,13 @@ def _edit(path: Path, change) -> None:
 
 def _count_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     parsed: list[int] = []
-    real = filesystem.parse_header
+    real = reader.parse_header
 
     def counting(header: bytes, file_size: int):
         parsed.append(file_size)
         return real(header, file_size)
 
-    monkeypatch.setattr(filesystem, "parse_header", counting)
+    monkeypatch.setattr(reader, "parse_header", counting)
     return parsed
 
 
