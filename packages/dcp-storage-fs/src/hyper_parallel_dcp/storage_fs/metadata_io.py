@@ -3,7 +3,7 @@
 :func:`read_stored_metadata` returns what one rank reads and the load broadcasts (the
 bytes of ``.metadata``, or the merged ``{rank}.metadata`` files); :meth:`StoredMetadata.parse`
 turns it into :class:`Metadata` on every rank; :func:`load_checkpoint_metadata` is the two
-in one call.  A ``.metadata`` changed after its save (its digest no longer matches) is
+in one call; :func:`chunk_sizes` looks up a stored chunk's shape.  A ``.metadata`` changed after its save (its digest no longer matches) is
 refused naming the first chunk whose location its file's header contradicts.
 """
 
@@ -13,15 +13,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hyper_parallel_dcp.core.errors import CorruptCheckpointError
-from hyper_parallel_dcp.core.metadata import Metadata, metadata_from_json
+from hyper_parallel_dcp.core.errors import CheckpointFormatError, CorruptCheckpointError
+from hyper_parallel_dcp.core.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+    chunk_columns,
+    metadata_from_json,
+)
 
 from .diagnose import header_disagreement
 from .files import Location, as_checkpoint_files
 from .layout import METADATA_FILE
 from .rank_metadata import load_rank_metadata, merge_rank_metadata
 
-__all__ = ["StoredMetadata", "load_checkpoint_metadata", "parse_metadata", "read_stored_metadata"]
+__all__ = ["StoredMetadata", "chunk_sizes", "load_checkpoint_metadata", "parse_metadata", "read_stored_metadata"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +88,23 @@ def load_checkpoint_metadata(location: Location) -> tuple[Metadata, bool]:
     files = as_checkpoint_files(location)
     stored = read_stored_metadata(files)
     return stored.parse(files), stored.is_global
+
+
+def chunk_sizes(metadata: Metadata, index: MetadataIndex) -> tuple[int, ...]:
+    """The shape of the stored chunk ``index`` names, from the metadata's chunk columns
+    (the index's position hint first); :class:`CheckpointFormatError` when there is none."""
+    md = metadata.state_dict_metadata[index.fqn]
+    assert isinstance(md, TensorStorageMetadata)
+    ndim, offsets, sizes, _ = chunk_columns(md)
+    want = tuple(index.offset or ())
+    if ndim == 0 or not want:
+        if not want and md.chunks:
+            return md.chunks[0].sizes
+    else:
+        count = len(offsets) // ndim
+        pos = index.index
+        if pos is None or not 0 <= pos < count or tuple(offsets[pos * ndim:(pos + 1) * ndim]) != want:
+            pos = next((p for p in range(count) if tuple(offsets[p * ndim:(p + 1) * ndim]) == want), None)
+        if pos is not None:
+            return tuple(sizes[pos * ndim:(pos + 1) * ndim])
+    raise CheckpointFormatError(f"{index.fqn!r}: no stored chunk at offsets {index.offset}")

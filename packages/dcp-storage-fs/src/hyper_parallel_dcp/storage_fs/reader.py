@@ -27,8 +27,6 @@ from hyper_parallel_dcp.core.metadata import (
     Metadata,
     MetadataIndex,
     StorageInfo,
-    TensorStorageMetadata,
-    chunk_columns,
     chunk_locator,
 )
 from hyper_parallel_dcp.core.objects import deserialize_object
@@ -39,7 +37,7 @@ from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, read
 from .files import LocalFiles
 from .layout import METADATA_FILE
 from .mapping import FileMapping, MappingArena
-from .metadata_io import StoredMetadata, load_checkpoint_metadata, read_stored_metadata
+from .metadata_io import StoredMetadata, chunk_sizes, load_checkpoint_metadata, read_stored_metadata
 from .safetensors_header import (
     HeaderEntry,
     SafetensorsHeaderError,
@@ -56,6 +54,8 @@ __all__ = ["ChunkLocator", "FileSystemReader", "StoredChunk"]
 
 #: a stored chunk's checked location: (file, first data byte, shape, row-major strides, dtype)
 StoredChunk = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+# (first element, elements spanned, contiguous, elements) of a slice of a stored chunk
+_Geometry = tuple[int, int, bool, int]
 # where a read goes: (destination, None, ()), or (tensor, storage offset, strides) of a
 # region (LoadPlanner.resolve_region); destination None for an object
 _Region = tuple[Any, Optional[int], tuple[int, ...]]
@@ -91,7 +91,7 @@ class _OpenFile:
             self.trusted = digest is not None and header_digest(self._raw_header, self.size) == digest
             self._header: Optional[dict[str, HeaderEntry]] = None
             self._map: Optional[mmap.mmap] = None
-            self._mapping: Optional[FileMapping] = None
+            self.mapped: Optional[FileMapping] = None  # once mapping() has made it
             self._mapping_tried = False
             if not self.trusted:
                 self.header()  # a malformed header fails at open
@@ -116,8 +116,8 @@ class _OpenFile:
         made on first use; ``None`` where it cannot be mapped."""
         if not self._mapping_tried:
             self._mapping_tried = True
-            self._mapping = FileMapping.open(self.fd, self.size, arena())
-        return self._mapping
+            self.mapped = FileMapping.open(self.fd, self.size, arena())
+        return self.mapped
 
     def hash_range(self, offset: int, length: int) -> str:
         """xxh3-64 of the file's bytes ``[offset, offset + length)``, hashed in place."""
@@ -132,9 +132,9 @@ class _OpenFile:
         if self._map is not None:
             self._map.close()
             self._map = None
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
         self.fobj.close()
 
 
@@ -158,32 +158,34 @@ class ChunkLocator:
         self._chunks: dict[tuple[str, Any], StoredChunk] = {}
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
         # a model repeats a few (chunk shape, slice) pairs thousands of times: checked once each
-        self._spans: dict[tuple[Any, Any, Any], tuple[int, int, bool, int]] = {}
+        self._spans: dict[tuple[Any, Any, Any], _Geometry] = {}
 
-    def chunk(self, index: MetadataIndex, open_file: Callable[[str], _OpenFile]) -> StoredChunk:
-        """The checked location of stored chunk ``index`` (``open_file(name)``: the reader's
-        open file); raises :class:`CorruptCheckpointError` or :class:`CheckpointFormatError`
-        naming file, FQN and chunk on any disagreement."""
-        found = self._chunks.get((index.fqn, index.offset))
-        return found if found is not None else self._first_read(index, open_file)
+    def locate(self, item: ReadItem, open_file: Callable[[str], _OpenFile]) -> tuple[StoredChunk, _Geometry]:
+        """The checked location of ``item``'s stored chunk (``open_file(name)``: the reader's
+        open file) and the geometry of its slice: ``(first element, elements spanned,
+        contiguous, elements)`` (``core.chunks.slice_span``).  Raises
+        :class:`CorruptCheckpointError` or :class:`CheckpointFormatError` naming file, FQN
+        and chunk on any disagreement, or a slice outside its chunk."""
+        index = item.storage_index
+        chunk = self._chunks.get((index.fqn, index.offset))
+        if chunk is None:
+            chunk = self._first_read(index, open_file)
+        geometry = self._spans.get((chunk[2], item.storage_offsets, item.lengths))
+        return chunk, self._span(item, chunk) if geometry is None else geometry
 
-    def span(self, item: ReadItem, chunk: StoredChunk) -> tuple[int, int, bool, int]:
-        """``slice_span`` of ``item``'s slice of ``chunk`` and its element count; raises
-        :class:`CheckpointFormatError` when the slice does not lie inside the chunk."""
+    def _span(self, item: ReadItem, chunk: StoredChunk) -> _Geometry:
         sizes, offsets, lengths = chunk[2], item.storage_offsets, item.lengths
-        geometry = self._spans.get((sizes, offsets, lengths))
-        if geometry is None:
-            if len(offsets) != len(sizes) or len(lengths) != len(sizes) or any(
-                    o + n > s for o, n, s in zip(offsets, lengths, sizes)):
-                raise CheckpointFormatError(
-                    f"{self._root / chunk[0]}: {item.storage_index.fqn!r} chunk at offsets "
-                    f"{list(item.storage_index.offset or ())}: requested region offsets={list(offsets)} "
-                    f"lengths={list(lengths)} exceeds the stored chunk of size {list(sizes)}")
-            first, span, contiguous = slice_span(sizes, offsets, lengths)
-            count = 1
-            for n in lengths:
-                count *= n
-            geometry = self._spans[(sizes, offsets, lengths)] = (first, span, contiguous, count)
+        if len(offsets) != len(sizes) or len(lengths) != len(sizes) or any(
+                o + n > s for o, n, s in zip(offsets, lengths, sizes)):
+            raise CheckpointFormatError(
+                f"{self._root / chunk[0]}: {item.storage_index.fqn!r} chunk at offsets "
+                f"{list(item.storage_index.offset or ())}: requested region offsets={list(offsets)} "
+                f"lengths={list(lengths)} exceeds the stored chunk of size {list(sizes)}")
+        first, span, contiguous = slice_span(sizes, offsets, lengths)
+        count = 1
+        for n in lengths:
+            count *= n
+        geometry = self._spans[(sizes, offsets, lengths)] = (first, span, contiguous, count)
         return geometry
 
     def storage_info(self, index: MetadataIndex) -> StorageInfo:
@@ -195,33 +197,24 @@ class ChunkLocator:
                                         f"the chunk at {index.offset}") from None
 
     def chunk_sizes(self, index: MetadataIndex) -> tuple[int, ...]:
-        """The shape of stored chunk ``index``, from the metadata's chunk columns (the
-        index's position hint first); :class:`CheckpointFormatError` when there is none."""
-        md = self.metadata.state_dict_metadata[index.fqn]
-        assert isinstance(md, TensorStorageMetadata)
-        ndim, offsets, sizes, _ = chunk_columns(md)
-        want = tuple(index.offset or ())
-        if ndim == 0 or not want:
-            if not want and md.chunks:
-                return md.chunks[0].sizes
-        else:
-            count = len(offsets) // ndim
-            pos = index.index
-            if pos is None or not 0 <= pos < count or tuple(offsets[pos * ndim:(pos + 1) * ndim]) != want:
-                pos = next((p for p in range(count) if tuple(offsets[p * ndim:(p + 1) * ndim]) == want), None)
-            if pos is not None:
-                return tuple(sizes[pos * ndim:(pos + 1) * ndim])
-        raise CheckpointFormatError(f"{index.fqn!r}: no stored chunk at offsets {index.offset}")
+        """``metadata_io.chunk_sizes`` of this locator's metadata."""
+        return chunk_sizes(self.metadata, index)
 
     def _first_read(self, index: MetadataIndex, open_file: Callable[[str], _OpenFile]) -> StoredChunk:
         where = None if self._columns is None else self._columns(index)
-        if where is not None and open_file(where[0]).trusted:
-            return self._remember(index, *where)
+        if where is not None and open_file(where[0]).trusted:  # the common case: no other call
+            name, data_offset, sizes = where
+            strides = self._strides.get(sizes)
+            if strides is None:
+                strides = self._strides[sizes] = tuple(row_major_strides(sizes))
+            dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype  # type: ignore[union-attr]
+            found = self._chunks[(index.fqn, index.offset)] = (name, data_offset, sizes, strides, dtype)
+            return found
         info = self.storage_info(index)
         opened = open_file(info.relative_path)
         if info.key is None:
             raise CheckpointFormatError(f"{index.fqn!r}: tensor chunk stored without a key")
-        sizes = where[2] if where is not None else self.chunk_sizes(index)
+        sizes = where[2] if where is not None else chunk_sizes(self.metadata, index)
         md = self.metadata.state_dict_metadata[index.fqn]
         dtype = md.properties.dtype  # type: ignore[union-attr]
         layout = header_layout(dtype, sizes)
@@ -411,10 +404,9 @@ class FileSystemReader(StorageReader):
         spanned = 0
         try:
             for item, (dest, offset, dest_strides) in reads:
-                chunk = locator.chunk(item.storage_index, open_file)
-                name, data_offset, sizes, strides, dtype = chunk
+                (name, data_offset, sizes, strides, dtype), (first, span, contiguous, count) = \
+                    locator.locate(item, open_file)
                 opened = open_file(name)
-                first, span, contiguous, count = locator.span(item, chunk)
                 lengths, itemsize = item.lengths, dtype.itemsize
                 if contiguous:
                     if offset is not None:
@@ -427,7 +419,7 @@ class FileSystemReader(StorageReader):
                 # a column slice, or a row slice into a strided destination: copied from the
                 # file's mapping, which reads only the cache lines it needs
                 if span and dest.is_cpu:
-                    mapping = opened.mapping(self._arena_for_files)
+                    mapping = opened.mapped if opened.mapped is not None else opened.mapping(self._arena_for_files)
                     begin = None if mapping is None else mapping.slice_start(data_offset, dtype, first, span)
                     if begin is not None:
                         assert mapping is not None

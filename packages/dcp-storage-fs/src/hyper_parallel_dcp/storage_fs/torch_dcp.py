@@ -23,6 +23,7 @@ from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import ReadItem
 
 from .layout import METADATA_FILE
+from .metadata_io import chunk_sizes as stored_chunk_sizes
 from .posix import pread_exact, tensor_bytes
 from .reader import FileSystemReader
 from .sinks import copy_into, read_slice_into
@@ -168,7 +169,8 @@ class TorchDCPReader(FileSystemReader):
         """Fill ``dest`` (shape ``item.lengths``) with the stored slice, casting to its dtype."""
         index = item.storage_index
         info = self._storage_info(index)
-        chunk_sizes = self.chunks().chunk_sizes(index)
+        assert self.metadata is not None
+        chunk_sizes = stored_chunk_sizes(self.metadata, index)
         path = str(self._root() / info.relative_path)
         where = f"{path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
         if any(o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, chunk_sizes)):
