@@ -60,9 +60,9 @@ def files(tmp_path):
 
 def _slice(mapping: FileMapping, rows: int, r0: int, nrows: int, c0: int, ncols: int) -> torch.Tensor:
     first = r0 * COLS + c0
-    start = mapping.slice_start(8, torch.int16, first, (nrows - 1) * COLS + ncols)
-    assert start is not None
-    return mapping.typed(torch.int16).as_strided((nrows, ncols), (COLS, 1), start)
+    found = mapping.slice_at(8, torch.int16, first, (nrows - 1) * COLS + ncols)
+    assert found is not None and found[0] is mapping.typed(torch.int16)
+    return found[0].as_strided((nrows, ncols), (COLS, 1), found[1])
 
 
 def test_files_share_the_arena_in_slots_that_are_freed_and_taken_again(tmp_path, files):
@@ -118,10 +118,10 @@ def test_files_share_the_arena_in_slots_that_are_freed_and_taken_again(tmp_path,
 def _add_region(pending, tensor, offset, dest_strides, mapping, dtype, data_offset, first, span, lengths, strides,
                 nbytes) -> bool:
     """Queue a copy into a region as the reader does: the slice's pages populated, then queued."""
-    start = mapping.slice_start(data_offset, dtype, first, span)
-    if start is None:
+    found = mapping.slice_at(data_offset, dtype, first, span)
+    if found is None:
         return False
-    pending.add_mapped(tensor, mapping, dtype, start, lengths, strides, nbytes, region=(offset, dest_strides))
+    pending.add_mapped(tensor, *found, lengths, strides, nbytes, region=(offset, dest_strides))
     return True
 
 

@@ -169,7 +169,7 @@ class MappingArena:
 class FileMapping:
     """A whole file mapped read-only and shared (the page cache's own pages, no copy).
 
-    :meth:`slice_start` populates a stored slice's pages and says where it starts in
+    :meth:`slice_at` populates a stored slice's pages and says where it starts in
     :meth:`typed`; :meth:`slice_view` is the strided tensor over it.  Views are used before
     the file closes; :meth:`close` unmaps (or frees the arena slot).
     """
@@ -209,16 +209,17 @@ class FileMapping:
         """The stored slice (``first``/``span`` elements from ``slice_span`` of the chunk at
         byte ``data_offset``) as a strided tensor, its pages populated; ``None`` if they
         cannot be.  ``strides``: the chunk's row-major strides, when the caller has them."""
-        start = self.slice_start(data_offset, dtype, first, span)
-        if start is None:
+        found = self.slice_at(data_offset, dtype, first, span)
+        if found is None:
             return None
-        return self.typed(dtype).as_strided(lengths, row_major_strides(chunk_sizes) if strides is None else strides,
-                                            start)
+        return found[0].as_strided(lengths, row_major_strides(chunk_sizes) if strides is None else strides, found[1])
 
-    def slice_start(self, data_offset: int, dtype: torch.dtype, first: int, span: int) -> Optional[int]:
-        """Populate the pages of a stored slice and return where it starts in
-        ``typed(dtype)``, in elements; ``None`` when they cannot be populated, the slice
-        passes the end of the file, or it is not aligned to the element size."""
+    def slice_at(self, data_offset: int, dtype: torch.dtype, first: int, span: int
+                 ) -> Optional[tuple[torch.Tensor, int]]:
+        """Populate the pages of a stored slice (``first``/``span`` elements of the chunk at
+        byte ``data_offset``) and return ``(typed(dtype), where the slice starts in it)``;
+        ``None`` when they cannot be populated, the slice passes the end of the file, or it
+        is not aligned to the element size."""
         itemsize = dtype.itemsize
         start = data_offset + first * itemsize
         end = start + span * itemsize
@@ -227,7 +228,8 @@ class FileMapping:
         if not (self._low <= start and end <= self._high):  # outside the populated run
             if end > self.size or not self._populate(start, end):
                 return None
-        return (self._origin + start) // itemsize
+        typed = self._typed.get(dtype)
+        return (self.typed(dtype) if typed is None else typed), (self._origin + start) // itemsize
 
     def typed(self, dtype: torch.dtype) -> torch.Tensor:
         """The mapping viewed as ``dtype`` (in an arena: the whole arena)."""

@@ -157,21 +157,25 @@ class ChunkLocator:
         self._columns: Optional[Callable[[MetadataIndex], ChunkLocation]] = None if verify else chunk_locator(metadata)
         self._chunks: dict[tuple[str, Any], StoredChunk] = {}
         self._strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._layouts: dict[tuple[torch.dtype, tuple[int, ...]], Any] = {}  # header_layout of each
         # a model repeats a few (chunk shape, slice) pairs thousands of times: checked once each
         self._spans: dict[tuple[Any, Any, Any], _Geometry] = {}
 
-    def locate(self, item: ReadItem, open_file: Callable[[str], _OpenFile]) -> tuple[StoredChunk, _Geometry]:
-        """The checked location of ``item``'s stored chunk (``open_file(name)``: the reader's
-        open file) and the geometry of its slice: ``(first element, elements spanned,
+    def locate(self, item: ReadItem, open_file: Callable[[str], _OpenFile]
+               ) -> tuple[StoredChunk, _OpenFile, _Geometry]:
+        """The checked location of ``item``'s stored chunk, its open file (``open_file(name)``:
+        the reader's) and the geometry of the slice: ``(first element, elements spanned,
         contiguous, elements)`` (``core.chunks.slice_span``).  Raises
         :class:`CorruptCheckpointError` or :class:`CheckpointFormatError` naming file, FQN
         and chunk on any disagreement, or a slice outside its chunk."""
         index = item.storage_index
         chunk = self._chunks.get((index.fqn, index.offset))
         if chunk is None:
-            chunk = self._first_read(index, open_file)
+            chunk, opened = self._first_read(index, open_file)
+        else:
+            opened = open_file(chunk[0])
         geometry = self._spans.get((chunk[2], item.storage_offsets, item.lengths))
-        return chunk, self._span(item, chunk) if geometry is None else geometry
+        return chunk, opened, self._span(item, chunk) if geometry is None else geometry
 
     def _span(self, item: ReadItem, chunk: StoredChunk) -> _Geometry:
         sizes, offsets, lengths = chunk[2], item.storage_offsets, item.lengths
@@ -200,51 +204,50 @@ class ChunkLocator:
         """``metadata_io.chunk_sizes`` of this locator's metadata."""
         return chunk_sizes(self.metadata, index)
 
-    def _first_read(self, index: MetadataIndex, open_file: Callable[[str], _OpenFile]) -> StoredChunk:
+    def _first_read(self, index: MetadataIndex, open_file: Callable[[str], _OpenFile]
+                    ) -> tuple[StoredChunk, _OpenFile]:
         where = None if self._columns is None else self._columns(index)
-        if where is not None and open_file(where[0]).trusted:  # the common case: no other call
-            name, data_offset, sizes = where
-            strides = self._strides.get(sizes)
-            if strides is None:
-                strides = self._strides[sizes] = tuple(row_major_strides(sizes))
-            dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype  # type: ignore[union-attr]
-            found = self._chunks[(index.fqn, index.offset)] = (name, data_offset, sizes, strides, dtype)
-            return found
-        info = self.storage_info(index)
-        opened = open_file(info.relative_path)
-        if info.key is None:
-            raise CheckpointFormatError(f"{index.fqn!r}: tensor chunk stored without a key")
-        sizes = where[2] if where is not None else chunk_sizes(self.metadata, index)
+        opened = None if where is None else open_file(where[0])
         md = self.metadata.state_dict_metadata[index.fqn]
         dtype = md.properties.dtype  # type: ignore[union-attr]
-        layout = header_layout(dtype, sizes)
-        entry = opened.header().get(info.key)
-        if layout is None or entry != (layout[0], layout[1], info.offset, info.offset + info.length):
-            why = entry_mismatch(entry, info.key, dtype, sizes, info.offset, info.length)
-            if why is not None:
-                raise CorruptCheckpointError(f"{opened.path}: {index.fqn!r} chunk at offsets "
-                                             f"{list(index.offset or ())}: {why}")
-        if self.verify and index not in self._verified:
-            if info.checksum is None:
-                raise CorruptCheckpointError(
-                    f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())} has no recorded "
-                    "checksum; load with verify=False to read it unverified")
-            digest = opened.hash_range(info.offset, info.length)
-            if digest != info.checksum:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {opened.path}: {index.fqn!r} chunk at offsets "
-                    f"{list(index.offset or ())} (key {info.key!r}) has xxh3 {digest}, metadata records "
-                    f"{info.checksum}")
-            self._verified.add(index)
-        return self._remember(index, info.relative_path, info.offset, sizes)
-
-    def _remember(self, index: MetadataIndex, name: str, data_offset: int, sizes: tuple[int, ...]) -> StoredChunk:
+        if opened is not None and opened.trusted:  # the location as the metadata's columns give it
+            name, data_offset, sizes = where  # type: ignore[misc]
+        else:  # through the storage entry, compared with the file's header
+            info = self.storage_info(index)
+            opened = open_file(info.relative_path)
+            if info.key is None:
+                raise CheckpointFormatError(f"{index.fqn!r}: tensor chunk stored without a key")
+            name, data_offset = info.relative_path, info.offset
+            sizes = where[2] if where is not None else chunk_sizes(self.metadata, index)
+            layout = self._layouts.get((dtype, sizes))
+            if layout is None:
+                layout = self._layouts[(dtype, sizes)] = header_layout(dtype, sizes)
+            entry = opened.header().get(info.key)
+            if layout is None or entry != (layout[0], layout[1], info.offset, info.offset + info.length):
+                why = entry_mismatch(entry, info.key, dtype, sizes, info.offset, info.length)
+                if why is not None:
+                    raise CorruptCheckpointError(f"{opened.path}: {index.fqn!r} chunk at offsets "
+                                                 f"{list(index.offset or ())}: {why}")
+            if self.verify and index not in self._verified:
+                self._verify(index, info, opened)
         strides = self._strides.get(sizes)
         if strides is None:
             strides = self._strides[sizes] = tuple(row_major_strides(sizes))
-        dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype  # type: ignore[union-attr]
         found = self._chunks[(index.fqn, index.offset)] = (name, data_offset, sizes, strides, dtype)
-        return found
+        return found, opened
+
+    def _verify(self, index: MetadataIndex, info: StorageInfo, opened: _OpenFile) -> None:
+        if info.checksum is None:
+            raise CorruptCheckpointError(
+                f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())} has no recorded "
+                "checksum; load with verify=False to read it unverified")
+        digest = opened.hash_range(info.offset, info.length)
+        if digest != info.checksum:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {opened.path}: {index.fqn!r} chunk at offsets "
+                f"{list(index.offset or ())} (key {info.key!r}) has xxh3 {digest}, metadata records "
+                f"{info.checksum}")
+        self._verified.add(index)
 
 
 class FileSystemReader(StorageReader):
@@ -404,9 +407,8 @@ class FileSystemReader(StorageReader):
         spanned = 0
         try:
             for item, (dest, offset, dest_strides) in reads:
-                (name, data_offset, sizes, strides, dtype), (first, span, contiguous, count) = \
+                (_, data_offset, sizes, strides, dtype), opened, (first, span, contiguous, count) = \
                     locator.locate(item, open_file)
-                opened = open_file(name)
                 lengths, itemsize = item.lengths, dtype.itemsize
                 if contiguous:
                     if offset is not None:
@@ -420,10 +422,9 @@ class FileSystemReader(StorageReader):
                 # file's mapping, which reads only the cache lines it needs
                 if span and dest.is_cpu:
                     mapping = opened.mapped if opened.mapped is not None else opened.mapping(self._arena_for_files)
-                    begin = None if mapping is None else mapping.slice_start(data_offset, dtype, first, span)
-                    if begin is not None:
-                        assert mapping is not None
-                        copies.add_mapped(dest, mapping, dtype, begin, lengths, strides, count * itemsize,
+                    found = None if mapping is None else mapping.slice_at(data_offset, dtype, first, span)
+                    if found is not None:
+                        copies.add_mapped(dest, found[0], found[1], lengths, strides, count * itemsize,
                                           None if offset is None else (offset, dest_strides))
                         spanned += span * itemsize
                         continue
@@ -522,7 +523,7 @@ class FileSystemReader(StorageReader):
         """Read this rank's items in file order; reads into part of a plain tensor go to
         the planner's region (``resolve_region``): no view per read, and the row blocks
         of a column slice become one copy."""
-        items = self.sort_items(it for it in plan.items if it.source is None or it.source == self.rank)
+        items = self.sort_items([it for it in plan.items if it.source is None or it.source == self.rank])
         region = getattr(planner, "resolve_region", None)
         if region is None or self.item_by_item:
             read_items(self, planner, items)

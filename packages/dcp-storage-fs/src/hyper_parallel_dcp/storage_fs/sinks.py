@@ -281,12 +281,11 @@ class PendingCopies:
         else:
             self.others.append((dest, source))
 
-    def add_mapped(self, dest: torch.Tensor, mapping: FileMapping, dtype: torch.dtype, start: int,
-                   lengths: tuple[int, ...], strides: tuple[int, ...], nbytes: int,
-                   region: Optional[tuple[int, tuple[int, ...]]] = None) -> None:
-        """Queue copying the slice of ``mapping`` at element ``start`` of ``typed(dtype)``
-        (shape ``lengths``, ``strides``; pages populated by ``FileMapping.slice_start``)
-        into the host tensor ``dest``, or with ``region = (offset, dest_strides)`` into
+    def add_mapped(self, dest: torch.Tensor, typed: torch.Tensor, start: int, lengths: tuple[int, ...],
+                   strides: tuple[int, ...], nbytes: int, region: Optional[tuple[int, tuple[int, ...]]] = None) -> None:
+        """Queue copying the slice at element ``start`` of ``typed``, a file mapping's view
+        (shape ``lengths``, ``strides``; as ``FileMapping.slice_at`` gives it) into the host
+        tensor ``dest``, or with ``region = (offset, dest_strides)`` into
         ``dest.as_strided(lengths, dest_strides, offset)``; no view is made now.
 
         Slices of one shape are viewed together at :meth:`flush` (the chunks of equally
@@ -295,7 +294,7 @@ class PendingCopies:
         row blocks, one from each rank's file in a ``MappingArena``) are one copy: 2000
         copies a rank instead of 4000 for 2000 small tensors resharded on 2 ranks.
         """
-        typed = mapping.typed(dtype)
+        dtype = typed.dtype
         if dest.dtype is not dtype or dtype not in _PLAIN or nbytes >= WIDE_COPY_MIN_BYTES:
             target = dest if region is None else dest.as_strided(lengths, region[1], region[0])
             self.others.append((target, typed.as_strided(lengths, strides, start)))
