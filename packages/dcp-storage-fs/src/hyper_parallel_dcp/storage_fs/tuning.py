@@ -35,28 +35,22 @@ IOV_MAX_BUFFERS = 512
 BATCH_ITEMS = 256
 BATCH_BYTES = 32 << 20
 
-#: pages of a file mapping are populated a block of ``1 << BLOCK_SHIFT`` bytes at a time
-BLOCK_SHIFT = 20
-#: a forward walk through a mapping populates up to this far ahead of the slice it reads
-AHEAD_MAX_BYTES = 32 << 20
-#: the most address space a reader reserves for its files' mappings
-ARENA_MAX_BYTES = 1 << 42
-#: arena slots start on this boundary (a huge page on x86-64, the largest folio a save makes)
-FOLIO_ALIGN = 2 << 20
-#: from this size a same-dtype host copy goes as 8-byte words, one by one
-WIDE_COPY_MIN_BYTES = 1 << 20
+# file mappings (``mapping``) and the copies out of them (``sinks``)
+BLOCK_SHIFT = 20  # pages are populated a block of 1 << BLOCK_SHIFT bytes at a time
+AHEAD_MAX_BYTES = 32 << 20  # a forward walk populates up to this far ahead of the slice it reads
+ARENA_MAX_BYTES = 1 << 42  # the most address space a reader reserves for its files' mappings
+FOLIO_ALIGN = 2 << 20  # arena slots start on this boundary (a huge page, the largest folio a save makes)
+WIDE_COPY_MIN_BYTES = 1 << 20  # from this size a same-dtype host copy goes alone, as 8-byte words
 
-#: the one page-locked host buffer that device reads and device writes go through
+# accelerator memory: the one page-locked host buffer device reads and writes go through
 PINNED_BUFFER_BYTES = 64 << 20
-#: a device read batch larger than this is filled by ``READ_THREADS`` threads
-READ_SPLIT_BYTES = 4 << 20
+READ_SPLIT_BYTES = 4 << 20  # a device read batch larger than this is filled by READ_THREADS threads
 READ_THREADS = 4
-#: a device chunk of at least this size is written through the pinned buffer
-BOUNCE_MIN_BYTES = 1 << 20
+BOUNCE_MIN_BYTES = 1 << 20  # a device chunk of at least this size is written through the buffer
 
-#: a save's file data goes out in writes that end on multiples of this ...
+# a save's file data goes out in writes that end on multiples of LARGE_FOLIO, or of
+# SMALL_FOLIO where 2 MiB folios are costly (``host_memory.large_folio_writes``)
 LARGE_FOLIO = 2 << 20
-#: ... or of this where 2 MiB folios are costly (``host_memory.large_folio_writes``)
 SMALL_FOLIO = 256 << 10
 
 #: bytes hashed per read by ``verify_checkpoint``
