@@ -76,7 +76,7 @@ def _save_then_fail(rank: int, world_size: int, path: str, fault: str) -> str:
 
     from hyper_parallel_dcp import save
     from hyper_parallel_dcp.core import collectives
-    from hyper_parallel_dcp.storage_fs import atomic, filesystem, rank_files
+    from hyper_parallel_dcp.storage_fs import atomic, rank_files, writer
 
     save(_state(OLD, rank), checkpoint_id=path)
 
@@ -103,7 +103,7 @@ def _save_then_fail(rank: int, world_size: int, path: str, fault: str) -> str:
         collectives.DistWrapper.gather_object = gather_then_die
     elif fault == "kill_metadata" and rank == 0:
         # the coordinator writes .metadata under its temp name while the ranks' fsyncs run
-        real_write = filesystem.write_file_pending
+        real_write = writer.write_file_pending
 
         def metadata_half_then_die(p, data_writer, **kwargs):
             if p.name == ".metadata":
@@ -114,7 +114,7 @@ def _save_then_fail(rank: int, world_size: int, path: str, fault: str) -> str:
                 die()
             return real_write(p, data_writer, **kwargs)
 
-        filesystem.write_file_pending = metadata_half_then_die
+        writer.write_file_pending = metadata_half_then_die
     elif fault == "enospc" and rank == 1:
         atomic.open = _full_disk_open  # every checkpoint file write now hits a full disk
     try:

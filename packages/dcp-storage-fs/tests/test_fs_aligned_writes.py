@@ -24,6 +24,7 @@ from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.planner import SavePlanner, WriteItem
 from hyper_parallel_dcp.core.save_planning import StandardSavePlanner
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, host_memory, safetensors_stream
+from hyper_parallel_dcp.storage_fs.host_memory import PinnedBuffer
 from hyper_parallel_dcp.storage_fs.safetensors_stream import SAFETENSORS_DTYPES, TensorEntry, write_safetensors
 
 MIB = 1 << 20
@@ -341,22 +342,21 @@ def test_only_the_pending_tail_of_a_copy_made_here_is_copied_again(tmp_path):
 
 
 @pytest.mark.parametrize("capacity", [3 * MIB + 5, 64 * MIB])
-def test_a_device_chunk_goes_through_the_reused_buffer_in_parts(tmp_path, monkeypatch, capacity):
-    """``_Bounce`` (how a device chunk is written, driven here with a host tensor): the
-    file holds what was pending before it, then its bytes in order, and the digest is
+def test_a_device_chunk_goes_through_the_reused_buffer_in_parts(tmp_path, capacity):
+    """A ``PinnedBuffer`` of ``capacity`` (how a device chunk is written, driven here with a
+    host tensor): the file holds what was pending before it, then its bytes in order, and the digest is
     the chunk's own, whether it takes one part or several."""
     import xxhash
 
-    monkeypatch.setattr(safetensors_stream._Bounce, "CAPACITY", capacity)
     gen = torch.Generator().manual_seed(3)
     before = torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=gen)
     chunk = torch.randn(5 * MIB // 4, generator=gen)  # 5 MiB of float32: two parts of 3 MiB
     after = torch.randint(0, 256, (77,), dtype=torch.uint8, generator=gen)
-    bounce = safetensors_stream._Bounce()
+    bounce = PinnedBuffer(capacity)
     with open(tmp_path / "f.bin", "wb") as f:
         writes = safetensors_stream._AlignedWrites(f, 0)
         writes.add(memoryview(before.numpy()), before)
-        digest = bounce.write(chunk, writes)
+        digest = safetensors_stream._write_through(chunk, bounce, writes)
         writes.add(memoryview(after.numpy()), after)
         writes.finish()
     expected = before.numpy().tobytes() + chunk.numpy().tobytes() + after.numpy().tobytes()

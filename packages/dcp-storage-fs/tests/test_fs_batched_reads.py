@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import FileReads, run_distributed
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, direct_read
-from hyper_parallel_dcp.storage_fs.direct_read import FileMapping, copy_many
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
+from hyper_parallel_dcp.storage_fs.mapping import FileMapping, wait_for_unmaps
+from hyper_parallel_dcp.storage_fs.sinks import DeviceReads, PendingCopies
 
 ROWS, COLS = 1536, 1024  # int16: 3 MiB, three populate blocks
 
@@ -52,16 +53,16 @@ def test_slices_across_populate_blocks_hold_the_stored_values(mapped_file, batch
     """Slices anywhere in a 3 MiB file (inside one 1 MiB block, across two or three, over
     blocks an earlier slice populated) copied in one batch equal indexing the tensor."""
     values, mapping, prefix = mapped_file
-    dests, sources, expected = [], [], []
+    pending, dests, expected = PendingCopies(), [], []
     for offsets, lengths in batch:
         first, span, _ = slice_span((ROWS, COLS), offsets, lengths)
         view = mapping.slice_view(prefix, (ROWS, COLS), torch.int16, first, span, lengths,
                                   row_major_strides((ROWS, COLS)))
         assert view is not None
         dests.append(torch.empty(lengths, dtype=torch.int16))
-        sources.append(view)
+        pending.add(dests[-1], view, dests[-1].nbytes)
         expected.append(values[offsets[0]:offsets[0] + lengths[0], offsets[1]:offsets[1] + lengths[1]])
-    copy_many(dests, sources)
+    pending.flush()
     for got, want in zip(dests, expected):
         assert torch.equal(got, want)
 
@@ -174,7 +175,7 @@ def test_a_dropped_reader_unmaps_its_files(tmp_path):
     assert torch.equal(column, full[:, 4:8])
     assert mapped() == 1  # the column slice was copied from a mapping of the file
     del reader  # no reset(): the mapping goes with the reader, unmapped on a thread
-    direct_read.wait_for_unmaps()
+    wait_for_unmaps()
     assert mapped() == 0
 
 
@@ -190,7 +191,7 @@ def test_device_reads_fill_their_destinations_through_one_buffer(tmp_path):
         path.write_bytes(values.numpy().tobytes())
         fds.append(os.open(path, os.O_RDONLY))
     try:
-        reads = direct_read.DeviceReads(capacity=1000, pin=False)
+        reads = DeviceReads(capacity=1000, pin=False)
         reads._SPLIT = 96  # several threads fill a buffer of 1000 bytes
         # (file, first element, elements): adjacent, a jump, the other file, one larger than the buffer
         wanted = [(0, 0, 100), (0, 100, 50), (0, 400, 7), (1, 3, 200), (0, 157, 0), (1, 1000, 2100), (0, 4990, 10)]

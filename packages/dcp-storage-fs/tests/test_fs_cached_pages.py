@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
-from hyper_parallel_dcp.storage_fs import direct_read
-from hyper_parallel_dcp.storage_fs.direct_read import FileMapping
+from hyper_parallel_dcp.storage_fs import posix
+from hyper_parallel_dcp.storage_fs.mapping import FileMapping, wait_for_unmaps
 
 ROWS, COLS = 4096, 512  # int16 rows of 1 KiB: 4 MiB, four populate blocks
 
@@ -36,13 +36,13 @@ def written(tmp_path):
 def populate_calls(monkeypatch):
     """The byte ranges the mapping asked the kernel to populate."""
     calls: list[tuple[int, int]] = []
-    mmap_fn, munmap_fn, madvise_fn = direct_read._LIBC
+    populate = posix.populate_read
 
-    def counting(addr, length, advice):
+    def counting(addr, length):
         calls.append((addr, length))
-        return madvise_fn(addr, length, advice)
+        return populate(addr, length)
 
-    monkeypatch.setattr(direct_read, "_LIBC", (mmap_fn, munmap_fn, counting))
+    monkeypatch.setattr(posix, "populate_read", counting)
     return calls
 
 
@@ -57,7 +57,7 @@ def _column_slice(mapping: FileMapping, r0: int, r1: int) -> torch.Tensor:
 def test_cached_blocks_are_not_populated_and_evicted_ones_are(written, populate_calls):
     values, fd = written
     size = os.fstat(fd).st_size
-    assert direct_read._cached(fd, 0, size), "a file just written is in the page cache"
+    assert posix.cached(fd, 0, size), "a file just written is in the page cache"
     mapping = FileMapping.open(fd, size)
     assert mapping is not None, "Linux maps files"
     try:
@@ -69,9 +69,9 @@ def test_cached_blocks_are_not_populated_and_evicted_ones_are(written, populate_
     # the second half of the file leaves the page cache: its blocks are populated (read
     # from disk by the call), the first half's still are not.  Mapped pages stay cached:
     # the mapping above is unmapped on a thread first.
-    direct_read.wait_for_unmaps()
+    wait_for_unmaps()
     os.posix_fadvise(fd, size // 2, size // 2, os.POSIX_FADV_DONTNEED)
-    if direct_read._cached(fd, size // 2, size // 2):
+    if posix.cached(fd, size // 2, size // 2):
         pytest.fail("POSIX_FADV_DONTNEED left the clean pages of the second half cached")
     mapping = FileMapping.open(fd, size)
     assert mapping is not None
@@ -90,9 +90,9 @@ def test_cached_blocks_are_not_populated_and_evicted_ones_are(written, populate_
 def test_without_cachestat_every_block_is_populated(written, populate_calls, monkeypatch):
     """An older kernel (no ``cachestat``): every block is populated, as before."""
     values, fd = written
-    monkeypatch.setattr(direct_read, "_CACHESTAT_CALL", None)
+    monkeypatch.setattr(posix, "_cachestat", None)
     size = os.fstat(fd).st_size
-    assert not direct_read._cached(fd, 0, size)
+    assert not posix.cached(fd, 0, size)
     mapping = FileMapping.open(fd, size)
     assert mapping is not None
     try:
@@ -112,13 +112,13 @@ def test_a_refused_cachestat_falls_back_to_populating(written, populate_calls, m
         asked.append(args)
         return -1
 
-    monkeypatch.setattr(direct_read, "_CACHESTAT_CALL", refused)
+    monkeypatch.setattr(posix, "_cachestat", refused)
     size = os.fstat(fd).st_size
     mapping = FileMapping.open(fd, size)
     assert mapping is not None
     try:
         assert torch.equal(_column_slice(mapping, 0, ROWS), values[:, :COLS // 2])
         assert sum(length for _, length in populate_calls) == size
-        assert len(asked) == 1 and direct_read._CACHESTAT_CALL is None
+        assert len(asked) == 1 and posix._cachestat is None
     finally:
         mapping.close()

@@ -16,9 +16,10 @@ from safetensors import safe_open
 from hyper_parallel_dcp.core.chunks import slice_span
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import FileReads
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, direct_read
-from hyper_parallel_dcp.storage_fs.direct_read import FileMapping, read_slice_into
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
+from hyper_parallel_dcp.storage_fs.mapping import FileMapping
 from hyper_parallel_dcp.storage_fs.safetensors_stream import LateDigests, TensorEntry, tensor_bytes, write_safetensors
+from hyper_parallel_dcp.storage_fs.sinks import read_slice_into
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float64]
 
@@ -76,10 +77,10 @@ def test_late_digests_hash_stable_chunks_after_the_write_and_copies_at_once(tmp_
 
 
 def test_a_save_hashes_after_its_files_are_written(tmp_path, monkeypatch):
-    from hyper_parallel_dcp.storage_fs import filesystem
+    from hyper_parallel_dcp.storage_fs import writer
 
     seen = []
-    started = filesystem._BackgroundSync.__init__
+    started = writer._BackgroundSync.__init__
 
     def record(self, files):
         # the fsync starts with every chunk written and none of the stable ones hashed yet
@@ -94,7 +95,7 @@ def test_a_save_hashes_after_its_files_are_written(tmp_path, monkeypatch):
         hashed[0] += len(data) == 16 * 4 * 4  # a tensor chunk's bytes (not the object's, not metadata)
         return real(data)
 
-    monkeypatch.setattr(filesystem._BackgroundSync, "__init__", record)
+    monkeypatch.setattr(writer._BackgroundSync, "__init__", record)
     monkeypatch.setattr("hyper_parallel_dcp.storage_fs.safetensors_stream.xxhash.xxh3_64_hexdigest", counting)
     sd = {f"w{i}": _tensor((16, 4), torch.float32, i) for i in range(5)}
     sd["step"] = 7
@@ -193,8 +194,7 @@ def test_mapped_slice_read_matches_indexing(tmp_path_factory, case, prefix_len):
     assert mapping is not None, "Linux maps files"
     try:
         # every slice goes through the mapping here, however small
-        with FileReads() as reads, pytest.MonkeyPatch.context() as mp:
-            mp.setattr(direct_read, "MAPPED_SLICE_MIN_BYTES", 0)
+        with FileReads() as reads:
             spanned = read_slice_into(fd, str(path), prefix_len, shape, dtype, offsets, lengths, dest, mapping)
     finally:
         mapping.close()
@@ -262,7 +262,7 @@ def test_reader_counts_only_the_rows_a_row_slice_needs(tmp_path):
         reader = FileSystemReader(tmp_path / "ck")
         with FileReads() as reads, pytest.MonkeyPatch.context() as mp:
             if not mapped:  # through the span buffer, whose preadv the test sees
-                mp.setattr(direct_read, "MAPPED_SLICE_MIN_BYTES", 1 << 40)
+                mp.setattr(FileMapping, "open", classmethod(lambda cls, *args, **kwargs: None))
             load_state_dict({"w": TensorShards((64, 32), torch.float32, [(ChunkBox((0, 4), (64, 4)), column)])},
                             reader, no_dist=True)
         assert torch.equal(column, full[:, 4:8])

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hyper_parallel_dcp.storage_fs import atomic
-from hyper_parallel_dcp.storage_fs.safetensors_stream import (
+from hyper_parallel_dcp.storage_fs.safetensors_header import (
     MAX_HEADER_BYTES,
     HeaderEntry,
     SafetensorsHeaderError,

@@ -11,29 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from fs_digest_checks import assert_loaded, blank, count_parses, state
 
 from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import chunk_key, metadata_from_json
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import run_distributed
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, filesystem
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
 from hyper_parallel_dcp.storage_fs.testing import load, save
 
 SHARD = "_rank0_.safetensors"
-
-
-def _state() -> dict:
-    return {
-        "a": torch.arange(32, dtype=torch.float32),
-        "b": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
-        "c": (torch.arange(24, dtype=torch.float64) / 3).reshape(2, 3, 4),
-        "step": 5,
-    }
-
-
-def _blank() -> dict:
-    return {"a": torch.zeros(32), "b": torch.zeros(3, 4, dtype=torch.bfloat16),
-            "c": torch.zeros(2, 3, 4, dtype=torch.float64), "step": 0}
 
 
 def _header_bytes(file: Path) -> bytes:
@@ -42,29 +29,9 @@ def _header_bytes(file: Path) -> bytes:
     return raw[:8 + length]
 
 
-def _count_parses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record every header the reader parses (the full path), by file size."""
-    parsed: list[str] = []
-    real = filesystem.parse_header
-
-    def counting(header: bytes, file_size: int):
-        parsed.append(f"{len(header)}/{file_size}")
-        return real(header, file_size)
-
-    monkeypatch.setattr(filesystem, "parse_header", counting)
-    return parsed
-
-
-def _assert_loaded(target: dict) -> None:
-    ref = _state()
-    for key in ("a", "b", "c"):
-        assert torch.equal(target[key], ref[key]), key
-    assert target["step"] == ref["step"]
-
-
 def test_the_save_records_each_tensor_files_header_digest(tmp_path: Path) -> None:
     path = tmp_path / "c"
-    save(_state(), checkpoint_id=path, no_dist=True)
+    save(state(), checkpoint_id=path, no_dist=True)
     md = metadata_from_json((path / ".metadata").read_bytes())
     shard = path / SHARD
     # computed here from the file's bytes and size, independently of the writer
@@ -76,16 +43,16 @@ def test_the_save_records_each_tensor_files_header_digest(tmp_path: Path) -> Non
 def test_a_matching_header_is_not_parsed_and_the_values_load(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c"
-    save(_state(), checkpoint_id=path, no_dist=True)
-    parsed = _count_parses(monkeypatch)
-    target = _blank()
+    save(state(), checkpoint_id=path, no_dist=True)
+    parsed = count_parses(monkeypatch)
+    target = blank()
     load(target, checkpoint_id=path, no_dist=True)
-    _assert_loaded(target)
+    assert_loaded(target)
     assert parsed == []
     # verify=True keeps checking every chunk against the header and its checksum
-    target = _blank()
+    target = blank()
     load(target, checkpoint_id=path, no_dist=True, verify=True)
-    _assert_loaded(target)
+    assert_loaded(target)
     assert len(parsed) == 1
 
 
@@ -94,14 +61,14 @@ def test_metadata_without_digests_loads_through_the_full_check(tmp_path: Path,
     """An older checkpoint (no ``header_digests``, no ``metadata_digest``) parses the header
     and checks each chunk."""
     path = tmp_path / "c"
-    save(_state(), checkpoint_id=path, no_dist=True)
+    save(state(), checkpoint_id=path, no_dist=True)
     doc = json.loads((path / ".metadata").read_text())
     del doc["header_digests"], doc["metadata_digest"]
     (path / ".metadata").write_text(json.dumps(doc))
-    parsed = _count_parses(monkeypatch)
-    target = _blank()
+    parsed = count_parses(monkeypatch)
+    target = blank()
     load(target, checkpoint_id=path, no_dist=True)
-    _assert_loaded(target)
+    assert_loaded(target)
     assert len(parsed) == 1
 
 
@@ -110,16 +77,16 @@ def test_a_valid_header_of_other_bytes_loads_through_the_full_check(tmp_path: Pa
     """A header rewritten by another tool (same entries, other bytes) is not trusted, and
     still loads: the per-chunk check finds every entry where the metadata says."""
     path = tmp_path / "c"
-    save(_state(), checkpoint_id=path, no_dist=True)
+    save(state(), checkpoint_id=path, no_dist=True)
     shard = path / SHARD
     raw = shard.read_bytes()
     doctored = raw.replace(b'{"format":"pt"}', b'{"format":"PT"}', 1)
     assert doctored != raw
     shard.write_bytes(doctored)
-    parsed = _count_parses(monkeypatch)
-    target = _blank()
+    parsed = count_parses(monkeypatch)
+    target = blank()
     load(target, checkpoint_id=path, no_dist=True)
-    _assert_loaded(target)
+    assert_loaded(target)
     assert len(parsed) == 1
 
 
@@ -133,13 +100,13 @@ def test_a_valid_header_of_other_bytes_loads_through_the_full_check(tmp_path: Pa
 ])
 def test_one_changed_byte_in_the_header_is_caught(tmp_path: Path, old: bytes, new: bytes, why: str) -> None:
     path = tmp_path / "c"
-    save(_state(), checkpoint_id=path, no_dist=True)
+    save(state(), checkpoint_id=path, no_dist=True)
     shard = path / SHARD
     raw = shard.read_bytes()
     assert raw.count(old) == 1 and len(old) == len(new)
     shard.write_bytes(raw.replace(old, new))
     with pytest.raises(CorruptCheckpointError) as info:
-        load(_blank(), checkpoint_id=path, no_dist=True)
+        load(blank(), checkpoint_id=path, no_dist=True)
     assert str(shard) in str(info.value) and why in str(info.value)
 
 
@@ -172,23 +139,16 @@ def test_a_file_swapped_with_another_ranks_file_of_the_same_size_is_caught(tmp_p
 def test_merged_rank_metadata_keeps_every_ranks_digests() -> None:
     """A save without collectives writes a ``{rank}.metadata`` per rank; the merged view
     a load reads keeps each rank's file digest."""
-    from hyper_parallel_dcp.core.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageInfo,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from hyper_parallel_dcp.core import metadata as m
     from hyper_parallel_dcp.storage_fs import merge_rank_metadata
 
-    def part(rank: int) -> Metadata:
+    def part(rank: int) -> m.Metadata:
         name = f"_rank{rank}_.safetensors"
-        md = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([4]),
-                                   [ChunkStorageMetadata((2 * rank,), (2,))])
-        info = StorageInfo(name, 96, 8, f"{rank:016x}", chunk_key("w", (2 * rank,)))
-        return Metadata({"w": md}, storage_data={MetadataIndex("w", (2 * rank,)): info}, files={name: 104},
-                        header_digests={name: f"{rank + 7:016x}"})
+        md = m.TensorStorageMetadata(m.TensorProperties(torch.float32), torch.Size([4]),
+                                     [m.ChunkStorageMetadata((2 * rank,), (2,))])
+        info = m.StorageInfo(name, 96, 8, f"{rank:016x}", chunk_key("w", (2 * rank,)))
+        return m.Metadata({"w": md}, storage_data={m.MetadataIndex("w", (2 * rank,)): info}, files={name: 104},
+                          header_digests={name: f"{rank + 7:016x}"})
 
     merged = merge_rank_metadata({0: part(0), 1: part(1)})
     assert merged.header_digests == {"_rank0_.safetensors": f"{7:016x}", "_rank1_.safetensors": f"{8:016x}"}

@@ -21,7 +21,8 @@ from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.pipeline import save_state_dict
 from hyper_parallel_dcp.core.planner import LoadItemType, ReadItem
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
-from hyper_parallel_dcp.storage_fs.direct_read import FileMapping, PendingCopies
+from hyper_parallel_dcp.storage_fs.mapping import FileMapping
+from hyper_parallel_dcp.storage_fs.sinks import PendingCopies
 
 COLS = 512  # int16 rows of 1 KiB: 1024 rows a populate block
 
@@ -123,10 +124,10 @@ def test_mapped_slices_viewed_together_hold_the_stored_values(tmp_path):
         def add(r0, nrows, c0, ncols, dtype=torch.int16, dest_dtype=None):
             first = r0 * COLS + c0
             span = (nrows - 1) * COLS + ncols
-            start = mapping.slice_start(2, dtype, first, span)
-            assert start is not None
+            found = mapping.slice_at(2, dtype, first, span)
+            assert found is not None
             dest = torch.empty((nrows, ncols), dtype=dest_dtype or dtype)
-            pending.add_mapped(dest, mapping, dtype, start, (nrows, ncols), strides, dest.nbytes)
+            pending.add_mapped(dest, *found, (nrows, ncols), strides, dest.nbytes)
             checks.append((dest, values[r0:r0 + nrows, c0:c0 + ncols]))
 
         for r0 in range(0, 2048, 64):  # evenly spaced, interleaved with the groups below
@@ -145,10 +146,10 @@ def test_mapped_slices_viewed_together_hold_the_stored_values(tmp_path):
                 assert torch.equal(dest, want)
 
         # bool: every byte back as stored (a copy_ into bool would turn 2..255 into 1)
-        start = mapping.slice_start(2, torch.bool, 0, 64)
-        assert start is not None
+        found = mapping.slice_at(2, torch.bool, 0, 64)
+        assert found is not None
         flags = torch.empty(4, 16, dtype=torch.bool)
-        pending.add_mapped(flags, mapping, torch.bool, start, (4, 16), (2 * COLS, 1), flags.nbytes)
+        pending.add_mapped(flags, *found, (4, 16), (2 * COLS, 1), flags.nbytes)
         pending.flush()
         stored = values.view(torch.uint8).view(rows, 2 * COLS)[:4, :16]
         assert torch.equal(flags.view(torch.uint8), stored)

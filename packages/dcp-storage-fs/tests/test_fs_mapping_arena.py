@@ -1,5 +1,5 @@
 """Files mapped in one arena, and column slices of one tensor from several files copied
-as one (``MappingArena``, ``PendingCopies.add_region``, the reader's regions).
+as one (``MappingArena``, ``PendingCopies.add_mapped`` with a region, the reader's regions).
 
 Every value is checked against what was written; the copies made are counted at
 ``torch._foreach_copy_``.
@@ -17,8 +17,9 @@ from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.load_planning import StandardLoadPlanner
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import run_distributed
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, direct_read
-from hyper_parallel_dcp.storage_fs.direct_read import FileMapping, MappingArena, PendingCopies
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
+from hyper_parallel_dcp.storage_fs.mapping import FileMapping, MappingArena, wait_for_unmaps
+from hyper_parallel_dcp.storage_fs.sinks import PendingCopies
 
 COLS = 256  # int16 rows of 512 bytes
 
@@ -59,9 +60,9 @@ def files(tmp_path):
 
 def _slice(mapping: FileMapping, rows: int, r0: int, nrows: int, c0: int, ncols: int) -> torch.Tensor:
     first = r0 * COLS + c0
-    start = mapping.slice_start(8, torch.int16, first, (nrows - 1) * COLS + ncols)
-    assert start is not None
-    return mapping.typed(torch.int16).as_strided((nrows, ncols), (COLS, 1), start)
+    found = mapping.slice_at(8, torch.int16, first, (nrows - 1) * COLS + ncols)
+    assert found is not None and found[0] is mapping.typed(torch.int16)
+    return found[0].as_strided((nrows, ncols), (COLS, 1), found[1])
 
 
 def test_files_share_the_arena_in_slots_that_are_freed_and_taken_again(tmp_path, files):
@@ -108,10 +109,20 @@ def test_files_share_the_arena_in_slots_that_are_freed_and_taken_again(tmp_path,
     for mapping in (alone, large, again):
         mapping.close()
     arena.close()
-    direct_read.wait_for_unmaps()
+    wait_for_unmaps()
     assert _mapped_lines(tmp_path) == 0
     assert _reserved_in(reserved[0], reserved[0] + reserved[1]) == []  # the reservation too
     assert FileMapping.open(fd0, os.fstat(fd0).st_size, arena) is not None  # a closed arena: mapped alone
+
+
+def _add_region(pending, tensor, offset, dest_strides, mapping, dtype, data_offset, first, span, lengths, strides,
+                nbytes) -> bool:
+    """Queue a copy into a region as the reader does: the slice's pages populated, then queued."""
+    found = mapping.slice_at(data_offset, dtype, first, span)
+    if found is None:
+        return False
+    pending.add_mapped(tensor, *found, lengths, strides, nbytes, region=(offset, dest_strides))
+    return True
 
 
 @pytest.fixture
@@ -144,7 +155,7 @@ def test_regions_of_one_tensor_evenly_spaced_in_the_arena_are_one_copy(files, co
 
     def add(dest, block, file, r0, nrows, c0):
         # the first slice of a file populates its pages, the next ones lie in the populated run
-        assert pending.add_region(dest, block * nrows * half, (half, 1), m[file], torch.int16, 8, r0 * COLS + c0,
+        assert _add_region(pending, dest, block * nrows * half, (half, 1), m[file], torch.int16, 8, r0 * COLS + c0,
                                   (nrows - 1) * COLS + half, (nrows, half), strides, nrows * half * 2)
 
     two = torch.empty(2 * 32, half, dtype=torch.int16)
@@ -163,7 +174,7 @@ def test_regions_of_one_tensor_evenly_spaced_in_the_arena_are_one_copy(files, co
     # gap between them: each tensor's two row blocks are one copy
     flat = torch.full((7 + 4 * 4 * half,), -1, dtype=torch.int16)
     for block, (file, r0) in enumerate(((0, 50), (1, 50), (0, 60), (1, 60))):
-        assert pending.add_region(flat, 7 * (block >= 2) + block * 4 * half, (half, 1), m[file], torch.int16, 8,
+        assert _add_region(pending, flat, 7 * (block >= 2) + block * 4 * half, (half, 1), m[file], torch.int16, 8,
                                   r0 * COLS, 3 * COLS + half, (4, half), strides, 4 * half * 2)
     pending.flush()
     assert sorted(counted_copies[0]) == sorted([(2, 32, half), (2, 16, half), (3, 8, half), (2, 8, half), (8, half),
@@ -177,10 +188,10 @@ def test_regions_of_one_tensor_evenly_spaced_in_the_arena_are_one_copy(files, co
                                         blocks[2], blocks[3]]))
 
     cast = torch.empty(16, half, dtype=torch.float32)  # another dtype: copied alone, cast
-    assert pending.add_region(cast, 0, (half, 1), m[0], torch.int16, 8, 0, 15 * COLS + half, (16, half), strides,
+    assert _add_region(pending, cast, 0, (half, 1), m[0], torch.int16, 8, 0, 15 * COLS + half, (16, half), strides,
                               16 * half * 2)
     # a slice past the end of the file is refused, nothing queued
-    assert not pending.add_region(cast, 0, (half, 1), m[0], torch.int16, 8, 64 * COLS, COLS, (1, COLS), strides,
+    assert not _add_region(pending, cast, 0, (half, 1), m[0], torch.int16, 8, 64 * COLS, COLS, (1, COLS), strides,
                                   COLS * 2)
     pending.flush()
     assert torch.equal(cast, v0[:16, :half].float())
@@ -249,7 +260,7 @@ def test_a_column_slice_of_row_sharded_files_loads_in_one_copy_a_tensor(tmp_path
             assert torch.equal(tensor, expected), (fqn, row, col)
     assert _mapped_lines(path) == 2
     del reader
-    direct_read.wait_for_unmaps()
+    wait_for_unmaps()
     assert _mapped_lines(path) == 0
 
 

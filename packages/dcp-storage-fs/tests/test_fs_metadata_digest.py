@@ -14,35 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from fs_digest_checks import assert_loaded, blank, count_parses, state
 
 from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import chunk_key, metadata_from_json
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 from hyper_parallel_dcp.core.testing import run_distributed
-from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, filesystem
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
 from hyper_parallel_dcp.storage_fs.integrity import check_complete, verify_checkpoint
 from hyper_parallel_dcp.storage_fs.testing import load, save
-
-
-def _state() -> dict:
-    return {
-        "a": torch.arange(32, dtype=torch.float32),
-        "b": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
-        "c": (torch.arange(24, dtype=torch.float64) / 3).reshape(2, 3, 4),
-        "step": 5,
-    }
-
-
-def _blank() -> dict:
-    return {"a": torch.zeros(32), "b": torch.zeros(3, 4, dtype=torch.bfloat16),
-            "c": torch.zeros(2, 3, 4, dtype=torch.float64), "step": 0}
-
-
-def _assert_loaded(target: dict) -> None:
-    ref = _state()
-    for key in ("a", "b", "c"):
-        assert torch.equal(target[key], ref[key]), key
-    assert target["step"] == ref["step"]
 
 
 def _edit(path: Path, change) -> None:
@@ -52,22 +32,10 @@ def _edit(path: Path, change) -> None:
     (path / ".metadata").write_text(json.dumps(doc, indent=1))
 
 
-def _count_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    parsed: list[int] = []
-    real = filesystem.parse_header
-
-    def counting(header: bytes, file_size: int):
-        parsed.append(file_size)
-        return real(header, file_size)
-
-    monkeypatch.setattr(filesystem, "parse_header", counting)
-    return parsed
-
-
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
     path = tmp_path / "c"
-    save(_state(), checkpoint_id=path, no_dist=True)
+    save(state(), checkpoint_id=path, no_dist=True)
     return path
 
 
@@ -80,7 +48,7 @@ def test_a_hand_edited_chunk_offset_fails_a_default_load(saved: Path) -> None:
     # bytes there are real data (the rest of 'a', then 'b'), so nothing else would notice
     _edit(saved, lambda d: d["tensors"]["a"]["offset"].__setitem__(0, first + 4))
     assert data.stat().st_size == size
-    target = _blank()
+    target = blank()
     with pytest.raises(CorruptCheckpointError) as raised:
         load(target, checkpoint_id=saved, no_dist=True)
     message = str(raised.value)
@@ -101,7 +69,7 @@ def test_a_hand_edited_chunk_offset_fails_a_default_load(saved: Path) -> None:
 def test_other_edited_locations_fail_a_default_load(saved: Path, change, what: str) -> None:
     _edit(saved, change)
     with pytest.raises(CorruptCheckpointError, match="was changed after the save") as raised:
-        load(_blank(), checkpoint_id=saved, no_dist=True)
+        load(blank(), checkpoint_id=saved, no_dist=True)
     assert what in str(raised.value)
 
 
@@ -113,7 +81,7 @@ def test_a_flipped_byte_elsewhere_in_metadata_fails_a_default_load(saved: Path) 
     flipped = raw[:at] + (b"0" if raw[at:at + 1] != b"0" else b"1") + raw[at + 1:]
     (saved / ".metadata").write_bytes(flipped)
     with pytest.raises(CorruptCheckpointError) as raised:
-        load(_blank(), checkpoint_id=saved, no_dist=True)
+        load(blank(), checkpoint_id=saved, no_dist=True)
     assert f"{saved / '.metadata'} was changed after the save" in str(raised.value)
     assert "none in the chunk locations" in str(raised.value)
 
@@ -134,16 +102,16 @@ def test_an_older_checkpoint_without_the_digest_loads_as_before(saved: Path,
     """Written before ``metadata_digest`` (header digests present or not): every file's
     header is parsed and each chunk compared, and the values load."""
     _edit(saved, lambda d: d.pop("metadata_digest"))
-    parsed = _count_parses(monkeypatch)
-    target = _blank()
+    parsed = count_parses(monkeypatch)
+    target = blank()
     load(target, checkpoint_id=saved, no_dist=True)
-    _assert_loaded(target)
+    assert_loaded(target)
     assert parsed == [(saved / "_rank0_.safetensors").stat().st_size]
     # and an edited offset in it is caught by that per-chunk check, naming the key
     first = json.loads((saved / ".metadata").read_text())["tensors"]["a"]["offset"][0]
     _edit(saved, lambda d: d["tensors"]["a"]["offset"].__setitem__(0, first + 4))
     with pytest.raises(CorruptCheckpointError, match=f"key {chunk_key('a', (0,))!r} occupies bytes"):
-        load(_blank(), checkpoint_id=saved, no_dist=True)
+        load(blank(), checkpoint_id=saved, no_dist=True)
 
 
 def test_an_intact_checkpoint_still_skips_the_header_parse(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,16 +119,16 @@ def test_an_intact_checkpoint_still_skips_the_header_parse(saved: Path, monkeypa
     doc = json.loads(raw)
     rest = raw[:raw.rindex(b',"metadata_digest"')] + b"}"
     assert doc["metadata_digest"] == xxhash.xxh3_64_hexdigest(rest)  # computed here, from the bytes
-    parsed = _count_parses(monkeypatch)
-    target = _blank()
+    parsed = count_parses(monkeypatch)
+    target = blank()
     load(target, checkpoint_id=saved, no_dist=True)
-    _assert_loaded(target)
+    assert_loaded(target)
     assert parsed == []
     # re-indented by a JSON tool, same content: still trusted
     (saved / ".metadata").write_text(json.dumps(doc, indent=2))
-    target = _blank()
+    target = blank()
     load(target, checkpoint_id=saved, no_dist=True)
-    _assert_loaded(target)
+    assert_loaded(target)
     assert parsed == []
 
 

@@ -4,9 +4,12 @@ from hyper_parallel_dcp.core.backends import storage_writer_for
 
 from .__about__ import __version__
 from .commit import wait_for_removals
-from .filesystem import METADATA_FILE, FileSystemReader, FileSystemWriter, load_checkpoint_metadata
+from .layout import METADATA_FILE
+from .metadata_io import load_checkpoint_metadata
 from .rank_metadata import load_rank_metadata, merge_rank_metadata
+from .reader import FileSystemReader
 from .torch_dcp import TorchDCPReader, is_torch_dcp_checkpoint, storage_reader_for_path
+from .writer import FileSystemWriter
 
 __all__ = [
     "METADATA_FILE",

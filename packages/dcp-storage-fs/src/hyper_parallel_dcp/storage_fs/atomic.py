@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 from typing import BinaryIO, Callable, Union
 
-__all__ = ["TMP_SUFFIX", "PendingFile", "fsync_dir", "write_file_atomic", "write_file_pending"]
+from .layout import TMP_SUFFIX
 
-TMP_SUFFIX = ".hp-dcp-tmp"
+__all__ = ["TMP_SUFFIX", "PendingFile", "fsync_dir", "write_file_atomic", "write_file_pending"]
 
 
 def write_file_atomic(path: Union[str, os.PathLike], write: Callable[[BinaryIO], object], sync: bool = True, *,

@@ -1,7 +1,7 @@
 """The filesystem backend of the scheme registry (``hyper_parallel_dcp.core.backends``).
 
-Plain paths and ``file://`` URLs come here.  :func:`local_storage_reader` is the one
-place that decides which reader a local checkpoint gets.
+Plain paths and ``file://`` URLs come here: :data:`BACKEND` makes their writer, reader
+(``torch_dcp.storage_reader_for_path``: a torch DCP directory gets its reader) and files.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hyper_parallel_dcp.core.backends import StorageBackend
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 
 from .files import LocalFiles
-from .filesystem import FileSystemWriter
 from .torch_dcp import storage_reader_for_path
+from .writer import FileSystemWriter
 
 __all__ = ["BACKEND", "local_files", "local_path", "local_storage_reader", "local_storage_writer"]
 

@@ -17,12 +17,10 @@ directory, which the next save into that directory removes.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import socket
 import threading
@@ -32,8 +30,9 @@ from typing import Optional
 
 from hyper_parallel_dcp.core.errors import ConcurrentSaveError
 
+from . import posix
 from .atomic import fsync_dir
-from .mailbox_names import MAILBOX_FILE
+from .layout import is_checkpoint_artifact, lock_path, staging_dir, stale_prefixes
 
 __all__ = [
     "SaveLock",
@@ -44,19 +43,6 @@ __all__ = [
     "wait_for_removals",
 ]
 
-_ARTIFACT = re.compile(
-    r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes)|.*\.hp-dcp-tmp|" + MAILBOX_FILE + r")$"
-)
-
-
-def is_checkpoint_artifact(name: str) -> bool:
-    """Files that belong to a checkpoint (replaced by the next save), as opposed to user files."""
-    return bool(_ARTIFACT.match(name))
-
-
-def staging_dir(target: Path, save_id: str) -> Path:
-    return target.parent / f".{target.name}.hp-dcp-staging-{save_id}"
-
 
 def remove_stale_staging(target: Path, keep: Optional[str] = None) -> list[Path]:
     """Delete staging and trash directories left beside ``target`` by saves that died.
@@ -66,7 +52,7 @@ def remove_stale_staging(target: Path, keep: Optional[str] = None) -> list[Path]
     ranks may already be writing into it.  Returns what was removed.
     """
     removed: list[Path] = []
-    prefixes = (f".{target.name}.hp-dcp-staging-", f".{target.name}.hp-dcp-old-")
+    prefixes = stale_prefixes(target)
     kept = staging_dir(target, keep).name if keep is not None else None
     try:
         entries = list(os.scandir(target.parent))
@@ -79,16 +65,12 @@ def remove_stale_staging(target: Path, keep: Optional[str] = None) -> list[Path]
     return removed
 
 
-def _lock_path(target: Path) -> Path:
-    return target.parent / f".{target.name}.hp-dcp-lock"
-
-
 class SaveLock:
     """An exclusive ``flock`` beside the target; released on close or process death."""
 
     def __init__(self, target: Path):
         self.target = target
-        self.path = _lock_path(target)
+        self.path = lock_path(target)
         self.fd: Optional[int] = None
 
     def acquire(self) -> None:
@@ -137,27 +119,6 @@ class SaveLock:
                 self.fd = None
 
 
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2``); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    res = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if res == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE) failed: {os.strerror(err)}")
-
-
 def commit_directory(staging: Path, target: Path) -> None:
     """Put the complete ``staging`` directory at ``target``, replacing an old checkpoint.
 
@@ -187,7 +148,7 @@ def commit_directory(staging: Path, target: Path) -> None:
                 return
             except OSError:
                 pass
-        if _exchange(staging, target):
+        if posix.exchange(staging, target):
             fsync_dir(target.parent)
             _remove_in_background(staging)  # the old checkpoint, now at the staging path
             return

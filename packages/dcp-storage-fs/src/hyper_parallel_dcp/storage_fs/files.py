@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import BinaryIO, Optional, Union
 
-__all__ = ["CheckpointFiles", "LocalFiles", "as_checkpoint_files"]
+__all__ = ["CheckpointFiles", "LocalFiles", "Location", "as_checkpoint_files"]
 
 
 class CheckpointFiles(abc.ABC):
@@ -99,6 +99,9 @@ class LocalFiles(CheckpointFiles):
     def open(self, name: str) -> BinaryIO:
         return open(self.path / name, "rb")
 
+    def read(self, name: str) -> bytes:
+        return (self.path / name).read_bytes()
+
     def child(self, name: str) -> LocalFiles:
         return LocalFiles(self.path / name)
 
@@ -109,7 +112,11 @@ class LocalFiles(CheckpointFiles):
         return str(self.path / name)
 
 
-def as_checkpoint_files(location: Union[str, os.PathLike, CheckpointFiles]) -> CheckpointFiles:
+#: a checkpoint's location as callers give it: a path, a URL, or its files
+Location = Union[str, os.PathLike, CheckpointFiles]
+
+
+def as_checkpoint_files(location: Location) -> CheckpointFiles:
     """``location`` as :class:`CheckpointFiles`: as is, or through the backend of its URL
     scheme (a plain path: :class:`LocalFiles`).  Raises ``UnknownSchemeError`` for a
     scheme without an installed backend."""

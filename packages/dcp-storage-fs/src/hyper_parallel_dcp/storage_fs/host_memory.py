@@ -1,34 +1,30 @@
-"""Whether a save should fill the page cache with 2 MiB folios on this machine.
+"""Host memory as the reader and writer use it: the page-locked staging buffer, and
+whether a save should fill the page cache with 2 MiB folios.
 
 A save's data written in calls that end on 2 MiB boundaries leaves 2 MiB folios in the
-page cache, which a reader's mapping maps with one page-table entry each: loads from the
-page cache get faster, resharded ones most (the issue-size benchmark on the 2-core dev
-machine, 2 ranks, Shard(0) -> Shard(1) / same-layout load: 1 GiB dense 1.31 -> 1.20,
-2000 × 0.5 MiB 1.37 -> 1.26), and steady-state saves about 10 %.
-
-Each such folio takes a free 2 MiB block.  A VM whose guest reports its free memory to
-the host (virtio-balloon free page reporting) has most of its free 2 MiB blocks reported,
-and the host faults a reported block back in on first touch: on the dev machine (such a
-VM), two processes each writing 125 MiB in 2 MiB-aligned calls took 265-340 ms of CPU
-where 256 KiB-aligned calls took 23 ms, and the cost grows with the bytes (256 MiB each:
-620-670 ms against 46; 512 MiB: 1.22-1.29 s against 93 ms); 2 ranks' first saves of a
-256 MiB state dict in fresh processes took 395-436 ms instead of 168-242.  So by default
-(``HP_DCP_ALIGNED_WRITES=auto``) the writer uses 2 MiB everywhere but on such a VM; the
-variable overrides it either way.
-
-The check reads ``/sys/bus/virtio/devices``: a memory balloon (virtio device id 5) bound
-to its driver whose negotiated features include ``VIRTIO_BALLOON_F_REPORTING`` (bit 5).
-Bare metal has no balloon; a container sees its host's devices.
+page cache, which a reader's mapping maps with one page-table entry each.  Each such folio
+takes a free 2 MiB block; a VM whose guest reports free memory to its host
+(virtio-balloon free page reporting) has most of those reported, and the host faults each
+back in on first touch, which made a process's first 2 MiB-aligned writes cost 5-15× the
+CPU of 256 KiB-aligned ones (``docs/perf/storage.md``).  So by default
+(``HP_DCP_ALIGNED_WRITES=auto``) saves write 2 MiB-aligned except on such a VM.  The check
+reads ``/sys/bus/virtio/devices``: a memory balloon (virtio device id 5) bound to its
+driver with ``VIRTIO_BALLOON_F_REPORTING`` (bit 5) negotiated.
 """
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Optional
+
+import torch
 
 from hyper_parallel_dcp.core.settings import ALIGNED_WRITES
 
-__all__ = ["VIRTIO_DEVICES", "free_page_reporting", "large_folio_writes"]
+from .tuning import PINNED_BUFFER_BYTES
+
+__all__ = ["VIRTIO_DEVICES", "PinnedBuffer", "accelerator_available", "free_page_reporting", "large_folio_writes"]
 
 #: where Linux lists a machine's virtio devices
 VIRTIO_DEVICES = Path("/sys/bus/virtio/devices")
@@ -48,8 +44,7 @@ def free_page_reporting(devices: Path = VIRTIO_DEVICES) -> bool:
         try:
             if int((device / "device").read_text().strip(), 16) != _BALLOON:
                 continue
-            # one character per feature bit, bit 0 first
-            features = (device / "features").read_text().strip()
+            features = (device / "features").read_text().strip()  # one character per bit, bit 0 first
         except (OSError, ValueError):
             continue
         if features[_F_REPORTING:_F_REPORTING + 1] == "1" and (device / "driver").exists():
@@ -67,3 +62,33 @@ def large_folio_writes() -> bool:
     writes unless this machine reports free pages to its host (checked once a process)."""
     setting = ALIGNED_WRITES.get()
     return not _reporting_here() if setting is None else setting
+
+
+def accelerator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator is not None and accelerator.is_available())
+
+
+class PinnedBuffer:
+    """One reused host buffer of up to ``capacity`` bytes through which bytes move between
+    files and accelerator memory, page-locked where an accelerator is (``pin=None``) or
+    as told.  Fresh host memory per chunk faults its pages in on first touch and makes an
+    unpinned device copy: 1 GiB of device tensors took 0.93 s to a fresh host copy and
+    0.02 s to a pinned buffer (H200 host)."""
+
+    def __init__(self, capacity: int = PINNED_BUFFER_BYTES, pin: Optional[bool] = None) -> None:
+        self.capacity = capacity
+        self._pin = pin
+        self._buffer: Optional[torch.Tensor] = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """The buffer (uint8), at least ``min(nbytes, capacity)`` bytes; grown when smaller."""
+        want = min(nbytes, self.capacity)
+        if self._buffer is None or self._buffer.numel() < want:
+            size = max(want, self._buffer.numel() if self._buffer is not None else 0)
+            pin = accelerator_available() if self._pin is None else self._pin
+            try:
+                self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            except RuntimeError:  # no accelerator to pin for: pageable, still reused
+                self._buffer = torch.empty(size, dtype=torch.uint8)
+        return self._buffer

@@ -10,7 +10,6 @@ newest complete checkpoint among step directories (``step_100``, ``ckpt-2000``, 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,26 +28,25 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
 )
 
-from .files import CheckpointFiles, LocalFiles, as_checkpoint_files
-from .filesystem import METADATA_FILE
-from .rank_metadata import RANK_METADATA, merge_rank_metadata
-from .safetensors_stream import HeaderEntry, SafetensorsHeaderError, entry_mismatch, read_header
-from .torch_dcp import is_torch_dcp_checkpoint, read_torch_dcp_metadata
+from .diagnose import STEP_NAME, checkpoints_inside_hint, header_disagreement, header_mismatch, item_name
+from .files import CheckpointFiles, LocalFiles, Location, as_checkpoint_files
+from .layout import METADATA_FILE
+from .rank_metadata import merge_rank_metadata, rank_metadata_names
+from .safetensors_header import SafetensorsHeaderError, read_header
+from .torch_dcp_format import is_torch_dcp_checkpoint, read_torch_dcp_metadata
+from .tuning import VERIFY_BLOCK_BYTES
 
 __all__ = [
     "CompletenessReport",
     "VerifyReport",
     "check_complete",
     "find_latest_checkpoint",
+    "checkpoints_inside_hint",
     "header_disagreement",
     "verify_checkpoint",
 ]
 
-PathLike = Union[str, os.PathLike, CheckpointFiles]
-_STEP = re.compile(r"(\d+)$")
 _MANAGER_STEP = re.compile(r"^step_\d+$")
-#: Bytes hashed per read while verifying (bounded memory, large sequential reads).
-_READ_BLOCK = 16 * 1024 * 1024
 #: More problems than this are summarised (a wholly wrong directory would list thousands).
 _MAX_PROBLEMS = 200
 
@@ -121,11 +119,10 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
             _add(problems, str(exc))
             return None, version
     try:
-        names = sorted(name for name, size in root.entries() if size is not None)
+        ranks = rank_metadata_names(root.entries())
     except OSError as exc:
         _add(problems, f"{root} cannot be listed: {exc}")
         return None, None
-    ranks = sorted((int(m.group(1)), n) for n in names if (m := RANK_METADATA.match(n)))
     if not ranks:
         _add(problems, f"{root} holds neither {METADATA_FILE} nor any {{rank}}.metadata file "
                        f"(the save never finished, or this is not a checkpoint){checkpoints_inside_hint(root)}")
@@ -176,7 +173,7 @@ def _check_consistency(md: Metadata, source: CheckpointFiles, problems: list[str
                     _add(problems, f"{source}: {fqn!r} chunk at offsets {list(chunk.offsets)} has no storage entry")
 
 
-def check_complete(path: PathLike) -> CompletenessReport:
+def check_complete(path: Location) -> CompletenessReport:
     """Say whether ``path`` holds a complete checkpoint, using metadata and ``stat`` only.
 
     Complete means: ``.metadata`` (or, for a save without collectives, every
@@ -225,7 +222,7 @@ def check_complete(path: PathLike) -> CompletenessReport:
     for index, info in _stored_items(md):
         size = sizes.get(info.relative_path)
         if size is not None and info.offset + info.length > size:
-            _add(problems, f"{root.where(info.relative_path)}: {_item_name(index)} needs bytes "
+            _add(problems, f"{root.where(info.relative_path)}: {item_name(index)} needs bytes "
                            f"[{info.offset}, {info.offset + info.length}) but the file has {size}")
     if kind == "torch-dcp":
         for name, size in sizes.items():
@@ -247,33 +244,7 @@ def _stored_items(md: Metadata) -> list[tuple[MetadataIndex, StorageInfo]]:
     return items
 
 
-def _item_name(index: MetadataIndex) -> str:
-    if index.offset is None:
-        return f"object {index.fqn!r}"
-    return f"{index.fqn!r} chunk at offsets {list(index.offset)}"
-
-
-def checkpoints_inside_hint(root: CheckpointFiles) -> str:
-    """For a message about ``root`` holding no checkpoint: ``""``, or the hint that it is a
-    directory of checkpoints (a ``CheckpointManager`` root, a run's directory) and which
-    one to pass.  Looks one level down only: one listing and a stat per step directory."""
-    try:
-        entries = root.entries()
-    except OSError:
-        return ""
-    steps = []
-    for name, size in entries:
-        match = _STEP.search(name)
-        if size is None and match and not name.startswith(".") and root.child(name).size(METADATA_FILE) is not None:
-            steps.append((int(match.group(1)), name))
-    if not steps:
-        return ""
-    newest = root.child(max(steps)[1])
-    return (f"; it is a directory of {len(steps)} checkpoint(s): pass one of them, e.g. the newest, {newest} "
-            f"(`hp-dcp ls {root}` lists them)")
-
-
-def find_latest_checkpoint(root: PathLike) -> Optional[Union[Path, str]]:
+def find_latest_checkpoint(root: Location) -> Optional[Union[Path, str]]:
     """The complete checkpoint under ``root`` whose directory name ends in the highest step.
 
     Looks at the direct subdirectories of ``root`` whose names end in an integer
@@ -294,7 +265,7 @@ def find_latest_checkpoint(root: PathLike) -> Optional[Union[Path, str]]:
     for name, size in entries:
         if name.startswith("."):
             continue
-        match = _STEP.search(name)
+        match = STEP_NAME.search(name)
         if match and size is None:
             candidates.append((int(match.group(1)), name))
             if _MANAGER_STEP.match(name):
@@ -323,44 +294,7 @@ def _hash_range(f, offset: int, length: int, buf: bytearray) -> tuple[str, int]:
     return hasher.hexdigest(), done
 
 
-def _header_mismatch(md: Metadata, index: MetadataIndex, info: StorageInfo,
-                     header: Optional[dict[str, HeaderEntry]]) -> Optional[str]:
-    """Why the safetensors ``header``'s entry for tensor chunk ``index`` disagrees with
-    ``md`` (key, dtype, shape, byte range); ``None`` when it agrees or is no tensor chunk."""
-    entry = md.state_dict_metadata.get(index.fqn)
-    if header is None or index.offset is None or not isinstance(entry, TensorStorageMetadata):
-        return None
-    sizes = next((c.sizes for c in entry.chunks if c.offsets == index.offset), None)
-    key = info.key or ""
-    return entry_mismatch(header.get(key), key, entry.properties.dtype, sizes or (), info.offset, info.length)
-
-
-def header_disagreement(path: PathLike, md: Metadata) -> Optional[str]:
-    """The first stored tensor chunk (by file, then byte offset) whose location in ``md``
-    disagrees with its safetensors file's header, as ``"<file>: <chunk>: <why>"``, or a
-    file whose header cannot be read; ``None`` when every chunk agrees.  Reads headers
-    only (no data); never raises for a bad checkpoint.
-    """
-    files = as_checkpoint_files(path)
-    by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
-    for index, info in (md.storage_data or {}).items():
-        if index.offset is not None:
-            by_file[info.relative_path].append((index, info))
-    for name in sorted(by_file):
-        file = files.where(name)
-        try:
-            with files.open(name) as f:
-                header = read_header(f, files.size(name) or 0)
-        except (OSError, SafetensorsHeaderError) as exc:
-            return f"{file}: its header cannot be read ({exc})"
-        for index, info in sorted(by_file[name], key=lambda item: item[1].offset):
-            why = _header_mismatch(md, index, info, header)
-            if why is not None:
-                return f"{file}: {_item_name(index)}: {why}"
-    return None
-
-
-def verify_checkpoint(path: PathLike, *,
+def verify_checkpoint(path: Location, *,
                       progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
     """Check completeness and every recorded checksum of the checkpoint at ``path``.
 
@@ -383,7 +317,7 @@ def verify_checkpoint(path: PathLike, *,
         by_file[info.relative_path].append((index, info))
     total = sum(info.length for items in by_file.values() for _, info in items)
     done = chunks = checked = 0
-    buf = bytearray(_READ_BLOCK)
+    buf = bytearray(VERIFY_BLOCK_BYTES)
     for name in sorted(by_file):
         items = sorted(by_file[name], key=lambda p: p[1].offset)
         file = files.where(name)
@@ -405,8 +339,8 @@ def verify_checkpoint(path: PathLike, *,
                 except SafetensorsHeaderError as exc:
                     _add(problems, f"{file}: {exc}")
             for index, info in items:
-                where = f"{file}: {_item_name(index)}"
-                why = _header_mismatch(md, index, info, header)
+                where = f"{file}: {item_name(index)}"
+                why = header_mismatch(md, index, info, header)
                 if why is not None:
                     _add(problems, f"{where}: {why}")
                 if info.checksum is None:

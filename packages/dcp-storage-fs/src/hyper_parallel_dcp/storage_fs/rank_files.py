@@ -3,12 +3,15 @@
 Shared by every backend (a file on a filesystem, an object in a bucket): the caller
 passes ``write_file(name, data_writer) -> size``, which opens the destination, calls
 ``data_writer(f)`` (``f`` needs ``write`` and ``tell``) and returns the final size, so the
-names, bytes and checksums are the same on every backend.
+names, bytes and checksums are the same on every backend.  Exports
+:func:`write_rank_files` and :func:`with_stored_as` (the metadata every backend commits).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+from dataclasses import replace
 from operator import itemgetter
 from typing import Any, BinaryIO, Callable, Optional
 
@@ -20,17 +23,11 @@ from hyper_parallel_dcp.core.objects import serialize_object
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel_dcp.core.storage import WriteResult
 
-from .safetensors_stream import (
-    LateDigests,
-    TensorEntry,
-    encode_header,
-    header_digest,
-    stored_layout,
-    to_stored,
-    write_safetensors,
-)
+from .layout import objects_file_name, tensors_file_name
+from .safetensors_header import header_digest, stored_layout, to_stored
+from .safetensors_stream import LateDigests, TensorEntry, encode_header, write_safetensors
 
-__all__ = ["WriteFile", "objects_file_name", "tensors_file_name", "with_stored_as", "write_rank_files"]
+__all__ = ["WriteFile", "with_stored_as", "write_rank_files"]
 
 #: ``write_file(name, data_writer)``: write ``name`` through ``data_writer(f)``, return its size.
 WriteFile = Callable[[str, Callable[[BinaryIO], Any]], int]
@@ -48,14 +45,6 @@ def _fetcher(resolve: Callable[[WriteItem], Any], item: WriteItem) -> Callable[[
 def _labeller(item: WriteItem) -> Callable[[], str]:
     # the name in an error message, built only when one is raised
     return lambda: f"{item.index.fqn!r} chunk at {list(item.index.offset or ())}"
-
-
-def tensors_file_name(rank: int) -> str:
-    return f"_rank{rank}_.safetensors"
-
-
-def objects_file_name(rank: int) -> str:
-    return f"_rank{rank}_.bytes"
 
 
 def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile, *,
@@ -132,9 +121,6 @@ def with_stored_as(metadata: Metadata) -> Metadata:
     """``metadata`` with ``properties.stored_as`` set for each tensor whose dtype the
     safetensors files hold as another (a same-size integer view); what every backend
     commits as ``.metadata``."""
-    import copy
-    from dataclasses import replace
-
     out = None
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):

@@ -1,20 +1,17 @@
 """The one loader of per-rank metadata (``{rank}.metadata``, a save without collectives).
 
 Every path that has no ``.metadata`` — ``load``'s fallback, ``check_complete`` /
-``verify_checkpoint``, the ``hp-dcp`` tools and the converter — reads the per-rank files
-with :func:`load_rank_metadata` and merges them with :func:`merge_rank_metadata`, so all
-of them give the same view: tensor chunks deduplicated across ranks, and for a non-tensor
-object saved by several ranks (RNG state, data-loader position) every rank's copy, kept
-in ``Metadata.rank_objects``; :meth:`Metadata.object_storage` says which copy a rank
-loads (SPEC §4: its own, else the lowest saving rank's).
+``verify_checkpoint``, the ``hp-dcp`` tools, the converter, every backend — reads the
+per-rank files with :func:`load_rank_metadata` and merges them with
+:func:`merge_rank_metadata`, so all of them give the same view: tensor chunks deduplicated
+across ranks, and for a non-tensor object saved by several ranks (RNG state, data-loader
+position) every rank's copy in ``Metadata.rank_objects``; :meth:`Metadata.object_storage`
+says which copy a rank loads (SPEC §4: its own, else the lowest saving rank's).
 """
 
 from __future__ import annotations
 
-import os
-import re
-from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional
 
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError
 from hyper_parallel_dcp.core.metadata import (
@@ -27,53 +24,36 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
 )
 
-__all__ = ["RANK_METADATA", "load_rank_metadata", "merge_rank_metadata", "rank_metadata_files"]
+from .diagnose import checkpoints_inside_hint
+from .files import Location, as_checkpoint_files
+from .layout import RANK_METADATA
 
-#: File name of one rank's metadata; group 1 is the rank.
-RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
-
-# (file, its bytes or None when unreadable, the error) -> None; records instead of raising
-OnError = Callable[[Path, Optional[bytes], Exception], None]
+__all__ = ["RANK_METADATA", "load_rank_metadata", "merge_rank_metadata", "rank_metadata_names"]
 
 
-def rank_metadata_files(root: Union[str, os.PathLike]) -> list[tuple[int, Path]]:
-    """``(rank, path)`` of every ``{rank}.metadata`` in ``root``, by rank ([] if none)."""
-    base = Path(root)
-    found = []
-    for entry in os.scandir(base):
-        match = RANK_METADATA.match(entry.name)
-        if match:
-            found.append((int(match.group(1)), Path(entry.path)))
-    return sorted(found)
+def rank_metadata_names(entries: Iterable[tuple[str, Optional[int]]]) -> list[tuple[int, str]]:
+    """``(rank, name)`` of every ``{rank}.metadata`` file among a location's ``entries``, by rank."""
+    return sorted((int(match.group(1)), name) for name, size in entries
+                  if size is not None and (match := RANK_METADATA.match(name)))
 
 
-def load_rank_metadata(root: Union[str, os.PathLike], *, on_error: Optional[OnError] = None) -> dict[int, Metadata]:
-    """Parse every ``{rank}.metadata`` in ``root``: ``{rank: Metadata}``.
+def load_rank_metadata(location: Location) -> dict[int, Metadata]:
+    """Parse every ``{rank}.metadata`` at ``location``: ``{rank: Metadata}``.
 
-    Raises :class:`CheckpointNotFoundError` naming ``root`` when there is none, and the
-    parse error (:class:`CheckpointFormatError`, ``OSError``) of a bad file — unless
-    ``on_error`` is given, which is then called for that file instead and the file skipped.
+    Raises :class:`CheckpointNotFoundError` naming the location when it is a directory that
+    does not exist or holds none, and the parse error (:class:`CheckpointFormatError`,
+    ``OSError``) of a bad file.
     """
-    files = rank_metadata_files(root)
-    if not files:
-        from .files import as_checkpoint_files
-        from .integrity import checkpoints_inside_hint
-
+    files = as_checkpoint_files(location)
+    try:
+        names = rank_metadata_names(files.entries())
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(f"checkpoint directory {files} does not exist") from None
+    if not names:
         raise CheckpointNotFoundError(
-            f"{root} holds no checkpoint: neither .metadata nor any {{rank}}.metadata file "
-            f"(an interrupted save leaves none){checkpoints_inside_hint(as_checkpoint_files(root))}"
-        )
-    parts: dict[int, Metadata] = {}
-    for rank, path in files:
-        text: Optional[bytes] = None
-        try:
-            text = path.read_bytes()
-            parts[rank] = metadata_from_json(text, source=str(path))
-        except Exception as exc:  # noqa: BLE001 - handed to on_error, or re-raised
-            if on_error is None:
-                raise
-            on_error(path, text, exc)
-    return parts
+            f"{files} holds no checkpoint: neither .metadata nor any {{rank}}.metadata file "
+            f"(an interrupted save leaves none){checkpoints_inside_hint(files)}")
+    return {rank: metadata_from_json(files.read(name), source=files.where(name)) for rank, name in names}
 
 
 def merge_rank_metadata(parts: Mapping[int, Metadata]) -> Metadata:
@@ -84,10 +64,10 @@ def merge_rank_metadata(parts: Mapping[int, Metadata]) -> Metadata:
     storage); ``storage_data`` holds the lowest saving rank's copy.
     """
     sd: dict[str, Any] = {}
+    chunks: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = {}
     storage: dict[MetadataIndex, StorageInfo] = {}
     files: dict[str, int] = {}
     header_digests: dict[str, str] = {}
-    seen: dict[str, set] = {}
     copies: dict[str, dict[int, StorageInfo]] = {}
     for rank in sorted(parts):
         md = parts[rank]
@@ -98,21 +78,17 @@ def merge_rank_metadata(parts: Mapping[int, Metadata]) -> Metadata:
                 if info is not None:
                     copies.setdefault(fqn, {})[rank] = info
                 continue
-            mine = sd.get(fqn)
-            if mine is None:
-                mine = sd[fqn] = TensorStorageMetadata(entry.properties, entry.size, [])
-                seen[fqn] = set()
+            sd.setdefault(fqn, entry)
+            mine = chunks.setdefault(fqn, {})
             for chunk in entry.chunks:
-                if chunk.offsets not in seen[fqn]:
-                    seen[fqn].add(chunk.offsets)
-                    mine.chunks.append(ChunkStorageMetadata(chunk.offsets, chunk.sizes))
+                mine.setdefault(chunk.offsets, ChunkStorageMetadata(chunk.offsets, chunk.sizes))
         for index, info in (md.storage_data or {}).items():
             storage.setdefault(index, info)
         files.update(md.files)
         header_digests.update(md.header_digests)
-    for entry in sd.values():
-        if isinstance(entry, TensorStorageMetadata):
-            entry.chunks.sort(key=lambda c: c.offsets)
+    for fqn, by_offsets in chunks.items():
+        first = sd[fqn]
+        sd[fqn] = TensorStorageMetadata(first.properties, first.size, [by_offsets[o] for o in sorted(by_offsets)])
     rank_objects = {fqn: by_rank for fqn, by_rank in copies.items() if len(by_rank) > 1}
     return Metadata(state_dict_metadata=sd, storage_data=storage, files=files, rank_objects=rank_objects,
                     header_digests=header_digests)

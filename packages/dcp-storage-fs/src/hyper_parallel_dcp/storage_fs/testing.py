@@ -14,7 +14,8 @@ from typing import Any
 from hyper_parallel_dcp.core.metadata import Metadata
 from hyper_parallel_dcp.core.pipeline import load_state_dict, save_state_dict
 
-from .filesystem import FileSystemReader, FileSystemWriter
+from .reader import FileSystemReader
+from .writer import FileSystemWriter
 
 __all__ = ["load", "save"]
 

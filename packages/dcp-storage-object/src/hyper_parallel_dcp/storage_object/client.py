@@ -160,14 +160,22 @@ _TRANSIENT_CODES = {
 }
 
 
+def _status(exc: Any) -> int:
+    """The HTTP status of a botocore ``ClientError``."""
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def _code(exc: Any) -> str:
+    """The S3 error code of a botocore ``ClientError``."""
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
 def _transient(exc: BaseException) -> bool:
     import botocore.exceptions as bx
     import urllib3.exceptions as ux
 
     if isinstance(exc, bx.ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        code = exc.response.get("Error", {}).get("Code", "")
-        return status >= 500 or status == 429 or code in _TRANSIENT_CODES
+        return _status(exc) >= 500 or _status(exc) == 429 or _code(exc) in _TRANSIENT_CODES
     return isinstance(exc, (bx.HTTPClientError, bx.ConnectionError, bx.ResponseStreamingError,
                             bx.IncompleteReadError, ux.HTTPError, ConnectionError, TimeoutError, _ShortBody))
 
@@ -176,14 +184,9 @@ def _describe(exc: BaseException) -> str:
     import botocore.exceptions as bx
 
     if isinstance(exc, bx.ClientError):
-        err = exc.response.get("Error", {})
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?")
-        return f"HTTP {status} {err.get('Code', '')}: {err.get('Message', '')}".rstrip(": ")
+        message = exc.response.get("Error", {}).get("Message", "")
+        return f"HTTP {_status(exc) or '?'} {_code(exc)}: {message}".rstrip(": ")
     return f"{type(exc).__name__}: {exc}"
-
-
-def _status(exc: Any) -> int:
-    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
 
 class _ShortBody(Exception):
@@ -252,9 +255,8 @@ class ObjectStore:
 
         where = f"{op} {self.url(key)} (bucket {self.bucket!r}, key {key!r})"
         if isinstance(exc, bx.ClientError):
-            code = exc.response.get("Error", {}).get("Code", "")
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            if code in ("NoSuchKey", "404", "NotFound") and status == 404:
+            code = _code(exc)
+            if code in ("NoSuchKey", "404", "NotFound") and _status(exc) == 404:
                 return CheckpointNotFoundError(f"{where}: no such object")
             hint = {
                 "NoSuchBucket": f"bucket {self.bucket!r} does not exist",
@@ -379,19 +381,11 @@ class ObjectStore:
 
     def size(self, key: str) -> Optional[int]:
         """The object's size, or None when it does not exist (errors for a missing bucket)."""
-        import botocore.exceptions as bx
-
-        def head() -> Optional[int]:
-            try:
-                return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
-            except bx.ClientError as exc:
-                if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                    # HEAD has no body: tell a missing key from a missing bucket.
-                    self.client.head_bucket(Bucket=self.bucket)
-                    return None
-                raise
-
-        return self._call("HEAD", key, head)
+        found = self.stat(key)
+        if found is None:  # HEAD has no body: tell a missing key from a missing bucket
+            self._call("HEAD", key, lambda: self.client.head_bucket(Bucket=self.bucket))
+            return None
+        return found[0]
 
     def list_objects(self, prefix: str, delimiter: Optional[str] = None) -> Iterator[tuple[str, int]]:
         """``(key, size)`` of the objects under ``prefix`` (with ``delimiter``: this level

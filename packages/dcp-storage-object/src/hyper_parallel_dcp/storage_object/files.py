@@ -1,9 +1,9 @@
 """``ObjectFiles``: a bucket prefix seen as a checkpoint location (``CheckpointFiles``).
 
-What the integrity checks, ``hp-dcp inspect / verify / latest`` and checkpoint
-retention need: list a prefix's objects and sub-prefixes ("step directories"), size,
-ranged reads, and deleting everything under a prefix (``remove``, which deletes
-``.metadata`` first so a half-deleted checkpoint never looks complete).
+What the reader, the writer, the integrity checks, ``hp-dcp inspect / verify / latest``
+and checkpoint retention need: a prefix's keys, its objects and sub-prefixes ("step
+directories"), sizes, ranged reads, and deleting everything under it (``remove``, which
+deletes ``.metadata`` first so a half-deleted checkpoint never looks complete).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import io
 from typing import Any, BinaryIO, Optional
 
 from hyper_parallel_dcp.storage_fs.files import CheckpointFiles
+from hyper_parallel_dcp.storage_fs.layout import METADATA_FILE
 
 from .client import ObjectStore, ObjectStoreSettings, parse_url
-from .writer import METADATA_OBJECT
 
 __all__ = ["ObjectFiles", "object_files"]
 
@@ -49,7 +49,8 @@ class _RangeReader(io.RawIOBase):
 
 
 class ObjectFiles(CheckpointFiles):
-    """The objects directly under ``scheme://bucket/prefix/``."""
+    """The objects directly under ``scheme://bucket/prefix/``; ``store``: the bucket's client
+    to use (its bucket and scheme must be the URL's), else a new one."""
 
     def __init__(self, url: str, settings: Optional[ObjectStoreSettings] = None,
                  store: Optional[ObjectStore] = None) -> None:
@@ -58,14 +59,19 @@ class ObjectFiles(CheckpointFiles):
         self.prefix = prefix
         self.target = f"{scheme}://{bucket}/{prefix}" if prefix else f"{scheme}://{bucket}"
 
-    def _key(self, name: str) -> str:
+    def key(self, name: str) -> str:
+        """The key of object ``name`` under the prefix."""
         return f"{self.prefix}/{name}" if self.prefix else name
 
+    def names(self) -> list[str]:
+        """The names of the objects directly under the prefix."""
+        return [name for name, size in self.entries() if size is not None]
+
     def exists(self) -> bool:
-        return any(True for _ in self.store.list_objects(self._key(""), delimiter="/"))
+        return any(True for _ in self.store.list_objects(self.key(""), delimiter="/"))
 
     def entries(self) -> list[tuple[str, Optional[int]]]:
-        base = self._key("")
+        base = self.key("")
         out: list[tuple[str, Optional[int]]] = []
         for key, size in self.store.list_objects(base, delimiter="/"):
             name = key[len(base):]
@@ -76,30 +82,31 @@ class ObjectFiles(CheckpointFiles):
         return out
 
     def size(self, name: str) -> Optional[int]:
-        return self.store.size(self._key(name))
+        return self.store.size(self.key(name))
 
     def open(self, name: str) -> BinaryIO:
         size = self.size(name)
         if size is None:
             raise FileNotFoundError(f"{self.where(name)} does not exist")
-        return io.BufferedReader(_RangeReader(self.store, self._key(name), size), buffer_size=1 << 20)  # type: ignore[return-value]
+        return io.BufferedReader(_RangeReader(self.store, self.key(name), size), buffer_size=1 << 20)  # type: ignore[return-value]
 
     def read(self, name: str) -> bytes:
-        return self.store.get(self._key(name))
+        return self.store.get(self.key(name))
 
     def child(self, name: str) -> ObjectFiles:
         return ObjectFiles(f"{self.target}/{name}", store=self.store)
 
     def remove(self) -> None:
-        base = self._key("")
-        self.store.delete([self._key(METADATA_OBJECT)])
+        base = self.key("")
+        self.store.delete([self.key(METADATA_FILE)])
         keys = [k for k, size in self.store.list_objects(base) if size >= 0]
         self.store.delete(keys)
         self.store.abort_uploads(base)
 
     def total_size(self) -> int:
-        return sum(size for _, size in self.store.list_objects(self._key("")) if size >= 0)
+        return sum(size for _, size in self.store.list_objects(self.key("")) if size >= 0)
 
 
 def object_files(location: Any) -> ObjectFiles:
+    """The registry's ``files`` factory for object-store URLs."""
     return ObjectFiles(str(location))

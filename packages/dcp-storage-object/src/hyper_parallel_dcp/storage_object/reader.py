@@ -1,59 +1,49 @@
 """``ObjectStoreReader``: ranged GETs of exactly the bytes a load needs, many in flight.
 
 A read item becomes byte ranges of its object: one range for a slice that is contiguous
-in the object (row sharding, ragged ranges), otherwise one per contiguous run of the slice, the closest runs
-merged into one request while the bytes fetched stay within
-1 + :data:`READ_OVERHEAD` of the bytes needed.  Ranges longer than
-``range_size`` are split, and every piece goes to a pool of ``read_concurrency``
-threads.  A piece lands straight in the destination tensor when the slice is contiguous
-and the destination a contiguous CPU tensor of the stored dtype; otherwise in a host
-staging buffer copied from afterwards.  Each response's ``Content-Range`` gives the
-object's size, checked against ``.metadata`` (a replaced or truncated object is caught
-without an extra request).  ``verify`` fetches and hashes each touched chunk whole.
+in the object (row sharding, ragged ranges), otherwise one per contiguous run of the
+slice, the closest runs merged into one request while the bytes fetched stay within
+1 + :data:`READ_OVERHEAD` of the bytes needed.  Small reads back to back in one object
+share a GET.  Ranges longer than ``range_size`` are split, and every piece goes to a pool
+of ``read_concurrency`` threads.  A piece lands straight in the destination when the
+slice is contiguous and the destination a contiguous CPU tensor of the stored dtype,
+otherwise in a host staging buffer copied from afterwards.  Each response's
+``Content-Range`` gives the object's size, checked against ``.metadata``.  ``verify``
+fetches and hashes each touched chunk whole.  The metadata is read as on a filesystem
+(``storage_fs.metadata_io``).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import ctypes
 import itertools
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import xxhash
 
-from hyper_parallel_dcp.core.chunks import slice_span
-from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
-from hyper_parallel_dcp.core.metadata import (
-    Metadata,
-    MetadataIndex,
-    StorageInfo,
-    TensorStorageMetadata,
-    metadata_from_json,
-)
+from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
+from hyper_parallel_dcp.core.errors import CheckpointFormatError, CorruptCheckpointError
+from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.storage import StorageReader, read_items
-from hyper_parallel_dcp.storage_fs.rank_metadata import RANK_METADATA, merge_rank_metadata
+from hyper_parallel_dcp.storage_fs.host_memory import accelerator_available
+from hyper_parallel_dcp.storage_fs.metadata_io import chunk_sizes, load_checkpoint_metadata
+from hyper_parallel_dcp.storage_fs.posix import tensor_bytes
+from hyper_parallel_dcp.storage_fs.sinks import copy_into
 
-from .client import ObjectStore, ObjectStoreSettings, parse_url
-from .writer import METADATA_OBJECT
+from .client import ObjectStore, ObjectStoreSettings
+from .files import ObjectFiles
 
 __all__ = ["READ_OVERHEAD", "ObjectStoreReader", "byte_runs"]
 
 #: Extra bytes a read may fetch (as a fraction of the bytes it needs) to merge the runs
 #: of a strided slice into fewer requests (S3 serves one range per GET).
 READ_OVERHEAD = 0.1
-#: Staging bytes of items in flight in ``execute_read`` before the oldest is awaited.
+#: Staging bytes of reads in flight in ``read_stream`` before the oldest is awaited.
 _WINDOW_BYTES = 512 << 20
-
-
-def _strides(sizes: Sequence[int]) -> list[int]:
-    out = [1] * len(sizes)
-    for d in range(len(sizes) - 2, -1, -1):
-        out[d] = out[d + 1] * sizes[d + 1]
-    return out
 
 
 def byte_runs(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
@@ -69,7 +59,7 @@ def byte_runs(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Seque
         return [(0, itemsize)]
     if any(n == 0 for n in lengths):
         return []
-    strides = _strides(chunk_sizes)
+    strides = row_major_strides(chunk_sizes)
     # the innermost dims the box spans fully form one contiguous run with the dim before
     k = len(lengths) - 1
     while k > 0 and lengths[k] == chunk_sizes[k]:
@@ -94,11 +84,18 @@ def byte_runs(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Seque
     return out
 
 
-def _view(tensor: torch.Tensor) -> memoryview:
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+class _Slice(NamedTuple):
+    """A read item's slice of its stored chunk."""
+
+    info: StorageInfo
+    dtype: torch.dtype
+    chunk_sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    first: int  # elements, as core.chunks.slice_span
+    span: int
+    contiguous: bool
+    where: str  # names the chunk in errors
 
 
 class _Read:
@@ -127,9 +124,7 @@ class ObjectStoreReader(StorageReader):
                  settings: Optional[ObjectStoreSettings] = None) -> None:
         self.settings = settings or ObjectStoreSettings()
         self.verify = verify
-        self.url: Optional[str] = None
-        self.store: Optional[ObjectStore] = None
-        self.prefix = ""
+        self.files: Optional[ObjectFiles] = None
         self.rank = 0
         self.metadata: Optional[Metadata] = None
         self._is_global = True
@@ -147,26 +142,23 @@ class ObjectStoreReader(StorageReader):
 
     def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
         if checkpoint_id is not None:
-            scheme, bucket, prefix = parse_url(str(checkpoint_id))
-            self.url = f"{scheme}://{bucket}/{prefix}"
-            if self.store is None or self.store.bucket != bucket or self.store.scheme != scheme:
-                self.store = ObjectStore(bucket, self.settings, scheme)
-            self.prefix = prefix
+            self.files = ObjectFiles(str(checkpoint_id), self.settings)
         self.metadata = None
         self._verified = set()
         self.bytes_read = 0
         self.requests = 0
 
+    @property
+    def url(self) -> Optional[str]:
+        return None if self.files is None else str(self.files.target)
+
     def location(self) -> Optional[str]:
         return self.url
 
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def _store(self) -> ObjectStore:
-        if self.store is None:
+    def _files(self) -> ObjectFiles:
+        if self.files is None:
             raise ValueError("ObjectStoreReader has no checkpoint URL: pass checkpoint_id or a URL")
-        return self.store
+        return self.files
 
     def _executor(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
@@ -177,28 +169,7 @@ class ObjectStoreReader(StorageReader):
     def load_metadata(self) -> Metadata:
         """``.metadata``, or every ``{rank}.metadata`` merged; :class:`CheckpointNotFoundError`
         naming the URL when there is neither."""
-        store = self._store()
-        try:
-            text = store.get(self._key(METADATA_OBJECT))
-        except CheckpointNotFoundError:
-            text = None
-        if text is not None:
-            self.metadata, self._is_global = metadata_from_json(text, source=f"{self.url}/{METADATA_OBJECT}"), True
-            return self.metadata
-        parts: dict[int, Metadata] = {}
-        for key, size in store.list_objects(self._key(""), delimiter="/"):
-            match = RANK_METADATA.match(key.rsplit("/", 1)[-1])
-            if match and size >= 0:
-                parts[int(match.group(1))] = metadata_from_json(store.get(key), source=store.url(key))
-        if not parts:
-            from hyper_parallel_dcp.storage_fs.integrity import checkpoints_inside_hint
-
-            from .files import ObjectFiles
-
-            hint = checkpoints_inside_hint(ObjectFiles(self.url, store=store)) if self.url else ""
-            raise CheckpointNotFoundError(f"{self.url} holds no checkpoint: neither {METADATA_OBJECT} nor any "
-                                          f"{{rank}}.metadata object (an interrupted save leaves none){hint}")
-        self.metadata, self._is_global = merge_rank_metadata(parts), False
+        self.metadata, self._is_global = load_checkpoint_metadata(self._files())
         return self.metadata
 
     @property
@@ -218,22 +189,29 @@ class ObjectStoreReader(StorageReader):
                                         f"the chunk at {index.offset}")
         return info
 
-    def _tensor_md(self, index: MetadataIndex) -> tuple[TensorStorageMetadata, tuple[int, ...]]:
+    def _slice(self, item: ReadItem) -> _Slice:
+        """Where ``item``'s slice lies; raises :class:`CheckpointFormatError` for a slice
+        outside its chunk."""
         assert self.metadata is not None
-        md = self.metadata.state_dict_metadata[index.fqn]
-        assert isinstance(md, TensorStorageMetadata)
-        if index.index is not None and index.index < len(md.chunks) and md.chunks[index.index].offsets == index.offset:
-            return md, md.chunks[index.index].sizes
-        for chunk in md.chunks:
-            if chunk.offsets == index.offset:
-                return md, chunk.sizes
-        raise CheckpointFormatError(f"{index.fqn!r}: no stored chunk at offsets {index.offset}")
+        index = item.storage_index
+        info = self._info(index)
+        sizes = chunk_sizes(self.metadata, index)
+        dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype  # type: ignore[union-attr]
+        where = f"{self.url}/{info.relative_path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
+        if item.lengths and any(o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, sizes)):
+            raise CheckpointFormatError(f"{where}: requested region offsets={list(item.storage_offsets)} "
+                                        f"lengths={list(item.lengths)} exceeds the stored chunk of size "
+                                        f"{list(sizes)}")
+        lengths = tuple(item.lengths) if item.lengths else sizes
+        offsets = tuple(item.storage_offsets) if item.lengths else (0,) * len(sizes)
+        first, span, contiguous = slice_span(sizes, offsets, lengths)
+        return _Slice(info, dtype, sizes, offsets, lengths, first, span, contiguous, where)
 
     def _fetch(self, name: str, start: int, dest: memoryview) -> None:
-        """One ranged GET (split at ``range_size``) into ``dest``; checks the object's size."""
-        key = self._key(name)
+        """One ranged GET into ``dest``; checks the object's size against the metadata."""
+        files = self._files()
         expected = (self.metadata.files if self.metadata else {}).get(name)
-        total = self._store().get_range_into(key, start, dest)
+        total = files.store.get_range_into(files.key(name), start, dest)
         if expected is not None and total != expected:
             raise CorruptCheckpointError(f"{self.url}/{name} has {total} bytes but the metadata records "
                                          f"{expected} (truncated or replaced)")
@@ -244,53 +222,41 @@ class ObjectStoreReader(StorageReader):
 
     def _start(self, item: ReadItem, dest: torch.Tensor) -> _Read:
         """Plan ``item``'s GETs into ``dest`` and submit them to the pool."""
-        index = item.storage_index
-        info = self._info(index)
-        md, chunk_sizes = self._tensor_md(index)
-        dtype = md.properties.dtype
-        itemsize = dtype.itemsize
-        where = f"{self.url}/{info.relative_path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
-        if item.lengths and any(o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, chunk_sizes)):
-            raise CheckpointFormatError(f"{where}: requested region offsets={list(item.storage_offsets)} "
-                                        f"lengths={list(item.lengths)} exceeds the stored chunk of size "
-                                        f"{list(chunk_sizes)}")
+        part = self._slice(item)
+        info, dtype, itemsize = part.info, part.dtype, part.dtype.itemsize
         run = _Read()
         source: Optional[torch.Tensor] = None
-        lengths = tuple(item.lengths) if item.lengths else tuple(chunk_sizes)
-        offsets = tuple(item.storage_offsets) if item.lengths else tuple(0 for _ in chunk_sizes)
-        first, span, contiguous = slice_span(chunk_sizes, offsets, lengths)
         pieces: list[tuple[str, int, memoryview]] = []
         name = info.relative_path
-        if span == 0:
+        if part.span == 0:
             pass
-        elif self.verify and index not in self._verified:
+        elif self.verify and item.storage_index not in self._verified:
             if info.checksum is None:
-                raise CorruptCheckpointError(f"{where} has no recorded checksum; load with verify=False "
+                raise CorruptCheckpointError(f"{part.where} has no recorded checksum; load with verify=False "
                                              "to read it unverified")
             whole = torch.empty(info.length, dtype=torch.uint8)
-            pieces = self._pieces(name, info.offset, _view(whole))
+            pieces = self._pieces(name, info.offset, tensor_bytes(whole))
 
-            def check(whole: torch.Tensor = whole) -> None:
-                digest = xxhash.xxh3_64_hexdigest(_view(whole))
+            def check(whole: torch.Tensor = whole, index: MetadataIndex = item.storage_index) -> None:
+                digest = xxhash.xxh3_64_hexdigest(tensor_bytes(whole))
                 if digest != info.checksum:
-                    raise CorruptCheckpointError(f"checksum mismatch in {where} (key {info.key!r}): xxh3 "
+                    raise CorruptCheckpointError(f"checksum mismatch in {part.where} (key {info.key!r}): xxh3 "
                                                  f"{digest}, metadata records {info.checksum}")
                 self._verified.add(index)
 
             run.check = check
             elements = whole.view(dtype) if info.length else whole
-            source = elements.as_strided(lengths, _strides(chunk_sizes), first)
-        elif contiguous and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
-            pieces = self._pieces(name, info.offset + first * itemsize, _view(dest))
+            source = elements.as_strided(part.lengths, row_major_strides(part.chunk_sizes), part.first)
+        elif part.contiguous and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
+            pieces = self._pieces(name, info.offset + part.first * itemsize, tensor_bytes(dest))
         else:
-            pin = dest.device.type not in ("cpu", "meta") and torch.accelerator.is_available() \
-                if hasattr(torch, "accelerator") else False
-            staging = torch.empty(span * itemsize, dtype=torch.uint8, pin_memory=pin)
-            buf = _view(staging)
-            base = first * itemsize
-            for start, length in byte_runs(chunk_sizes, offsets, lengths, itemsize):
+            pin = dest.device.type not in ("cpu", "meta") and accelerator_available()
+            staging = torch.empty(part.span * itemsize, dtype=torch.uint8, pin_memory=pin)
+            buf = tensor_bytes(staging)
+            base = part.first * itemsize
+            for start, length in byte_runs(part.chunk_sizes, part.offsets, part.lengths, itemsize):
                 pieces += self._pieces(name, info.offset + start, buf[start - base:start - base + length])
-            source = staging.view(dtype).as_strided(lengths, _strides(chunk_sizes))
+            source = staging.view(dtype).as_strided(part.lengths, row_major_strides(part.chunk_sizes))
         run.targets.append((item, dest, source))
         self._submit(run, pieces)
         return run
@@ -301,38 +267,27 @@ class ObjectStoreReader(StorageReader):
             run.nbytes += len(piece[2])
             run.futures.append(pool.submit(self._fetch, *piece))
 
-    def _batchable(self, item: ReadItem, dest: torch.Tensor) -> Optional[tuple[str, int, int]]:
-        """``(object, first byte, bytes)`` of a small read whose bytes are contiguous in the
-        object, which can share one GET with its neighbours; None otherwise."""
+    def _batchable(self, item: ReadItem) -> Optional[_Slice]:
+        """The slice of a small read whose bytes are contiguous in its object, which can
+        share one GET with its neighbours; ``None`` otherwise."""
         if self.verify or item.type is LoadItemType.BYTE_IO:
             return None
-        info = self._info(item.storage_index)
-        md, chunk_sizes = self._tensor_md(item.storage_index)
-        lengths = tuple(item.lengths) if item.lengths else tuple(chunk_sizes)
-        offsets = tuple(item.storage_offsets) if item.lengths else tuple(0 for _ in chunk_sizes)
-        if item.lengths and any(o + n > c for o, n, c in zip(offsets, lengths, chunk_sizes)):
-            return None  # _start raises the error naming it
-        first, span, contiguous = slice_span(chunk_sizes, offsets, lengths)
-        nbytes = span * md.properties.dtype.itemsize
-        if not contiguous or nbytes == 0 or nbytes >= self.settings.range_size:
-            return None
-        return info.relative_path, info.offset + first * md.properties.dtype.itemsize, nbytes
+        part = self._slice(item)
+        nbytes = part.span * part.dtype.itemsize
+        return part if part.contiguous and 0 < nbytes < self.settings.range_size else None
 
-    def _start_batch(self, batch: list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]]) -> _Read:
+    def _start_batch(self, batch: list[tuple[ReadItem, torch.Tensor, _Slice]]) -> _Read:
         """One GET for several small reads lying back to back in one object (a model's many
         small tensors: one request per ``range_size`` instead of one per tensor)."""
         if len(batch) == 1:
             return self._start(batch[0][0], batch[0][1])
-        name, begin, _ = batch[0][2]
-        end = batch[-1][2][1] + batch[-1][2][2]
+        begin, end = _byte_range(batch[0][2])[0], _byte_range(batch[-1][2])[1]
         staging = torch.empty(end - begin, dtype=torch.uint8)
         run = _Read()
-        for item, dest, (_, start, nbytes) in batch:
-            md, chunk_sizes = self._tensor_md(item.storage_index)
-            lengths = tuple(item.lengths) if item.lengths else tuple(chunk_sizes)
-            view = staging[start - begin:start - begin + nbytes].view(md.properties.dtype).view(lengths)
-            run.targets.append((item, dest, view))
-        self._submit(run, [(name, begin, _view(staging))])
+        for item, dest, part in batch:
+            start, stop = _byte_range(part)
+            run.targets.append((item, dest, staging[start - begin:stop - begin].view(part.dtype).view(part.lengths)))
+        self._submit(run, [(batch[0][2].info.relative_path, begin, tensor_bytes(staging))])
         return run
 
     def _finish(self, run: _Read) -> None:
@@ -349,7 +304,7 @@ class ObjectStoreReader(StorageReader):
             run.check()
         for _, dest, source in run.targets:
             if source is not None:
-                dest.copy_(source)
+                copy_into(dest, source)
 
     # -- the reader interface --------------------------------------------------------------
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
@@ -379,10 +334,9 @@ class ObjectStoreReader(StorageReader):
         """``(item, destination filled)`` or ``(item, object)`` for each ``(item, destination
         or None for an object)``, in the order given, with the GETs of the items ahead in
         flight: small reads back to back in one object share a GET (up to ``range_size``),
-        up to ~512 MiB of staging or ``4 * read_concurrency`` reads outstanding.  The
-        broadcast load's executor reads through this when the reader offers it."""
+        up to ~512 MiB of staging or ``4 * read_concurrency`` reads outstanding."""
         pending: collections.deque[Any] = collections.deque()
-        batch: list[tuple[ReadItem, torch.Tensor, tuple[str, int, int]]] = []
+        batch: list[tuple[ReadItem, torch.Tensor, _Slice]] = []
         staged = 0
 
         def launch(run: Any) -> Iterator[tuple[ReadItem, Any]]:
@@ -404,18 +358,18 @@ class ObjectStoreReader(StorageReader):
 
         try:
             for item, dest in pairs:
-                span = None if dest is None else self._batchable(item, dest)
-                if batch and (span is None or span[0] != batch[-1][2][0]
-                              or span[1] != batch[-1][2][1] + batch[-1][2][2]
-                              or span[1] + span[2] - batch[0][2][1] > self.settings.range_size):
+                part = None if dest is None else self._batchable(item)
+                if batch and (part is None or part.info.relative_path != batch[-1][2].info.relative_path
+                              or _byte_range(part)[0] != _byte_range(batch[-1][2])[1]
+                              or _byte_range(part)[1] - _byte_range(batch[0][2])[0] > self.settings.range_size):
                     yield from launch(self._start_batch(batch))
                     batch = []
                 if dest is None:
                     yield from launch((item, self.read_object(item)))
-                elif span is None:
+                elif part is None:
                     yield from launch(self._start(item, dest))
                 else:
-                    batch.append((item, dest, span))
+                    batch.append((item, dest, part))
             if batch:
                 yield from launch(self._start_batch(batch))
                 batch = []
@@ -433,3 +387,13 @@ class ObjectStoreReader(StorageReader):
         ``read_stream`` (the one read loop, ``core.storage.read_items``)."""
         mine = [it for it in plan.items if it.source is None or it.source == self.rank]
         read_items(self, planner, self.sort_items(mine))
+
+    @property
+    def store(self) -> Optional[ObjectStore]:
+        return None if self.files is None else self.files.store
+
+
+def _byte_range(part: _Slice) -> tuple[int, int]:
+    """``[start, end)`` in its object of a contiguous slice."""
+    start = part.info.offset + part.first * part.dtype.itemsize
+    return start, start + part.span * part.dtype.itemsize

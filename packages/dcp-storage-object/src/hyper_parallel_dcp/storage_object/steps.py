@@ -38,19 +38,18 @@ from typing import Any, Iterator, Optional
 
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
 from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, parse_step_name, step_name
-from hyper_parallel_dcp.storage_fs.commit import is_checkpoint_artifact
+from hyper_parallel_dcp.storage_fs.integrity import check_complete
+from hyper_parallel_dcp.storage_fs.layout import METADATA_FILE, RANK_METADATA, is_checkpoint_artifact
 
 from .client import ObjectStore, ObjectStoreError, ObjectStoreSettings, parse_url
 from .files import ObjectFiles
 from .locks import ObjectLease, holder_is_dead, is_stale, lock_key, readlock_prefix
-from .writer import METADATA_OBJECT
 
 __all__ = ["ObjectSteps", "object_steps"]
 
 logger = logging.getLogger(__name__)
 
 _HIDDEN = re.compile(r"^\.step_(0|[1-9][0-9]*)\.hp-dcp-(lock|readlock-[0-9a-f]+)$")
-_RANK_METADATA = re.compile(r"^\d+\.metadata$")  # a rank-local save: loadable, not the manager's
 
 
 class ObjectSteps:
@@ -99,16 +98,14 @@ class ObjectSteps:
         return [StepEntry(step, self.location(step), done) for step, done in zip(found, complete)]
 
     def is_complete(self, step: int) -> bool:
-        return self.store.size(f"{self._step_prefix(step)}/{METADATA_OBJECT}") is not None
+        return self.store.size(f"{self._step_prefix(step)}/{METADATA_FILE}") is not None
 
     def completeness_problems(self, step: int) -> list[str]:
         """Why ``step`` would not load (metadata and object sizes, no data read); empty when fine."""
-        from hyper_parallel_dcp.storage_fs.integrity import check_complete
-
         report = check_complete(ObjectFiles(self.location(step), store=self.store))
         if report.complete and report.metadata is not None:
             return []
-        return report.problems or [f"{self.location(step)} has no {METADATA_OBJECT}"]
+        return report.problems or [f"{self.location(step)} has no {METADATA_FILE}"]
 
     def _objects(self, step: int) -> list[tuple[str, int, float]]:
         """``(name relative to the step, size, modified)`` of every object under the step."""
@@ -121,7 +118,7 @@ class ObjectSteps:
 
     def saved_at(self, step: int) -> Optional[float]:
         """When the step was committed (``.metadata``'s Last-Modified), else its newest object's."""
-        found = self.store.stat(f"{self._step_prefix(step)}/{METADATA_OBJECT}")
+        found = self.store.stat(f"{self._step_prefix(step)}/{METADATA_FILE}")
         if found is not None:
             return found[1]
         times = [modified for _, _, modified in self._objects(step)]
@@ -242,7 +239,7 @@ class ObjectSteps:
                 continue
             objects = self._objects(step)
             names = [name for name, _, _ in objects]
-            if METADATA_OBJECT in names or not objects:
+            if METADATA_FILE in names or not objects:
                 continue
             if grace > 0 and now - max(modified for _, _, modified in objects) < grace:
                 continue
@@ -250,11 +247,12 @@ class ObjectSteps:
             if check_running and lock_modified is not None and not self._abandoned(self._lock_key(step),
                                                                                   lock_modified, now):
                 continue
+            # a rank-local save's {rank}.metadata: loadable, but not the manager's
             foreign = [n for n in names if (n != INFO_FILE and not is_checkpoint_artifact(n)) or "/" in n
-                       or _RANK_METADATA.match(n)]
+                       or RANK_METADATA.match(n)]
             if foreign:
                 logger.warning("%s has no %s but holds objects that are not a checkpoint's (%s); left alone",
-                               self.location(step), METADATA_OBJECT, ", ".join(sorted(foreign)[:5]))
+                               self.location(step), METADATA_FILE, ", ".join(sorted(foreign)[:5]))
                 continue
             out.append(Leftover(step, "incomplete", self.location(step), sum(size for _, size, _ in objects)))
         return sorted(out, key=lambda x: (x.step, x.kind, x.location))

@@ -21,29 +21,20 @@ checkpoint at that id is therefore gone once a new save to it starts.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import re
 import threading
 from typing import Any, Callable, Optional, Union
 
 from hyper_parallel_dcp.core.metadata import Metadata, metadata_to_json
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner
 from hyper_parallel_dcp.core.storage import StorageWriter, WriteResult
+from hyper_parallel_dcp.storage_fs.layout import CHECKPOINT_FILE, METADATA_FILE, RANK_METADATA, rank_metadata_file
 from hyper_parallel_dcp.storage_fs.rank_files import with_stored_as, write_rank_files
-from hyper_parallel_dcp.storage_fs.rank_metadata import RANK_METADATA
 
-from .client import ObjectStore, ObjectStoreSettings, parse_url
+from .client import ObjectStore, ObjectStoreSettings
+from .files import ObjectFiles
 from .locks import ObjectLease, lock_key
 
-__all__ = ["METADATA_OBJECT", "ObjectStoreWriter", "checkpoint_object_names"]
-
-METADATA_OBJECT = ".metadata"
-#: The names a checkpoint consists of (what a new save to the id removes).
-_CHECKPOINT_NAME = re.compile(r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes))$")
-
-
-def checkpoint_object_names(names: list[str]) -> list[str]:
-    """The names among ``names`` that belong to a checkpoint of this format."""
-    return [n for n in names if _CHECKPOINT_NAME.match(n)]
+__all__ = ["ObjectStoreWriter"]
 
 
 class _UploadStream:
@@ -157,9 +148,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def __init__(self, url: Union[str, None] = None, *, settings: Optional[ObjectStoreSettings] = None) -> None:
         self.settings = settings or ObjectStoreSettings()
-        self.url: Optional[str] = None
-        self.store: Optional[ObjectStore] = None
-        self.prefix = ""
+        self.files: Optional[ObjectFiles] = None
         self.rank = 0
         self.world_size = 1
         self.is_coordinator = True
@@ -169,60 +158,57 @@ class ObjectStoreWriter(StorageWriter):
             self.reset(url)
 
     def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
-        if checkpoint_id is None:
-            return
-        scheme, bucket, prefix = parse_url(str(checkpoint_id))
-        self.url = f"{scheme}://{bucket}/{prefix}"
-        if self.store is None or self.store.bucket != bucket or self.store.scheme != scheme:
-            self.store = ObjectStore(bucket, self.settings, scheme)
-        self.prefix = prefix
+        if checkpoint_id is not None:
+            self.files = ObjectFiles(str(checkpoint_id), self.settings)
 
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
+    @property
+    def store(self) -> Optional[ObjectStore]:
+        return None if self.files is None else self.files.store
 
-    def _store(self) -> ObjectStore:
-        if self.store is None:
+    @property
+    def prefix(self) -> str:
+        return "" if self.files is None else self.files.prefix
+
+    def _files(self) -> ObjectFiles:
+        if self.files is None:
             raise ValueError("ObjectStoreWriter has no checkpoint URL: pass checkpoint_id or a URL")
-        return self.store
+        return self.files
 
     def set_up_storage_writer(self, *, is_coordinator: bool, rank: int = 0, world_size: int = 1,
                               use_collectives: bool = True) -> None:
         # Runs on every rank inside the save's first collective step: no rank writes data
         # before the coordinator has finished this.
-        store = self._store()
+        files = self._files()
         self.rank, self.world_size, self.is_coordinator = rank, world_size, is_coordinator
         self.atomic = use_collectives or world_size == 1
         if self.atomic:
             if is_coordinator:
                 # the object-store flock: a second save to this id fails here, before it deletes anything
                 self._release_lock()
-                self._lock = ObjectLease(store, lock_key(self.prefix), what="save", target=self.url or "")
+                self._lock = ObjectLease(files.store, lock_key(files.prefix), what="save", target=str(files))
                 self._lock.acquire()
                 self.remove_checkpoint()
             return
-        stale = [METADATA_OBJECT, f"{rank}.metadata"]
+        stale = [METADATA_FILE, rank_metadata_file(rank)]
         if rank == 0:
             # per-rank metadata of ranks this save does not have would be merged by a loader
-            stale += [n for n in self._names() if (m := RANK_METADATA.match(n)) and int(m.group(1)) >= world_size]
-        store.delete([self._key(n) for n in stale])
-
-    def _names(self) -> list[str]:
-        base = self._key("")
-        return [key[len(base):] for key, size in self._store().list_objects(base, delimiter="/") if size >= 0]
+            stale += [n for n in files.names() if (m := RANK_METADATA.match(n)) and int(m.group(1)) >= world_size]
+        files.store.delete([files.key(n) for n in stale])
 
     def remove_checkpoint(self) -> None:
         """Delete the id's ``.metadata`` first, then its other checkpoint objects and
         unfinished uploads (an older checkpoint or an interrupted save's leftovers)."""
-        store = self._store()
-        names = checkpoint_object_names(self._names())
-        if METADATA_OBJECT in names:  # first, alone: the id never has a .metadata describing other objects
-            store.delete([self._key(METADATA_OBJECT)])
+        files = self._files()
+        names = [n for n in files.names() if CHECKPOINT_FILE.match(n)]
+        if METADATA_FILE in names:  # first, alone: the id never has a .metadata describing other objects
+            files.store.delete([files.key(METADATA_FILE)])
         # a fresh id (the manager's steps) costs the two listings only
-        store.delete([self._key(n) for n in names if n != METADATA_OBJECT])
-        store.abort_uploads(self._key(""))
+        files.store.delete([files.key(n) for n in names if n != METADATA_FILE])
+        files.store.abort_uploads(files.key(""))
 
     def _write_object(self, name: str, data_writer: Callable[[Any], Any], pool: cf.ThreadPoolExecutor) -> int:
-        stream = _UploadStream(self._store(), self._key(name), pool)
+        files = self._files()
+        stream = _UploadStream(files.store, files.key(name), pool)
         try:
             data_writer(stream)
             return stream.finish()
@@ -237,10 +223,11 @@ class ObjectStoreWriter(StorageWriter):
 
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Every rank's execute_write returned (all_reduce): each data object is complete.
-        name = METADATA_OBJECT if self.atomic else f"{self.rank}.metadata"
+        files = self._files()
+        name = METADATA_FILE if self.atomic else rank_metadata_file(self.rank)
         if self._lock is not None:
             self._lock.check()
-        self._store().put(self._key(name), metadata_to_json(with_stored_as(metadata)).encode())
+        files.store.put(files.key(name), metadata_to_json(with_stored_as(metadata)).encode())
         self._release_lock()
 
     def _release_lock(self) -> None:

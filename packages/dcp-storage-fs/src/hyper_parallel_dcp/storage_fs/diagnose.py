@@ -1,0 +1,86 @@
+"""Read-only diagnoses that make a low-level error say what is wrong and what to do.
+
+:func:`header_disagreement` names the first chunk whose location in the metadata its
+file's header contradicts (a ``.metadata`` edited after the save); :func:`checkpoints_inside_hint`
+tells a caller who passed a directory of checkpoints which one to pass.  Both work on any
+:class:`~.files.CheckpointFiles` and never raise for a bad checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Optional
+
+from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo, TensorStorageMetadata
+
+from .files import CheckpointFiles, Location, as_checkpoint_files
+from .layout import METADATA_FILE
+from .safetensors_header import HeaderEntry, SafetensorsHeaderError, entry_mismatch, read_header
+
+__all__ = ["STEP_NAME", "checkpoints_inside_hint", "header_disagreement", "header_mismatch", "item_name"]
+
+#: a directory name ending in a step number (``step_100``, ``ckpt-2000``, ``300``); group 1 is the step
+STEP_NAME = re.compile(r"(\d+)$")
+
+
+def item_name(index: MetadataIndex) -> str:
+    """How a stored item is named in messages."""
+    if index.offset is None:
+        return f"object {index.fqn!r}"
+    return f"{index.fqn!r} chunk at offsets {list(index.offset)}"
+
+
+def header_mismatch(md: Metadata, index: MetadataIndex, info: StorageInfo,
+                    header: Optional[dict[str, HeaderEntry]]) -> Optional[str]:
+    """Why the safetensors ``header``'s entry for tensor chunk ``index`` disagrees with
+    ``md`` (key, dtype, shape, byte range); ``None`` when it agrees or is no tensor chunk."""
+    entry = md.state_dict_metadata.get(index.fqn)
+    if header is None or index.offset is None or not isinstance(entry, TensorStorageMetadata):
+        return None
+    sizes = next((c.sizes for c in entry.chunks if c.offsets == index.offset), None)
+    key = info.key or ""
+    return entry_mismatch(header.get(key), key, entry.properties.dtype, sizes or (), info.offset, info.length)
+
+
+def header_disagreement(location: Location, md: Metadata) -> Optional[str]:
+    """The first stored tensor chunk (by file, then byte offset) whose location in ``md``
+    disagrees with its safetensors file's header, as ``"<file>: <chunk>: <why>"``, or a
+    file whose header cannot be read; ``None`` when every chunk agrees.  Reads headers only."""
+    files = as_checkpoint_files(location)
+    by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
+    for index, info in (md.storage_data or {}).items():
+        if index.offset is not None:
+            by_file[info.relative_path].append((index, info))
+    for name in sorted(by_file):
+        file = files.where(name)
+        try:
+            with files.open(name) as f:
+                header = read_header(f, files.size(name) or 0)
+        except (OSError, SafetensorsHeaderError) as exc:
+            return f"{file}: its header cannot be read ({exc})"
+        for index, info in sorted(by_file[name], key=lambda item: item[1].offset):
+            why = header_mismatch(md, index, info, header)
+            if why is not None:
+                return f"{file}: {item_name(index)}: {why}"
+    return None
+
+
+def checkpoints_inside_hint(root: CheckpointFiles) -> str:
+    """For a message about ``root`` holding no checkpoint: ``""``, or the hint that it is a
+    directory of checkpoints (a ``CheckpointManager`` root, a run's directory) and which
+    one to pass.  Looks one level down only: one listing and a stat per step directory."""
+    try:
+        entries = root.entries()
+    except OSError:
+        return ""
+    steps = []
+    for name, size in entries:
+        match = STEP_NAME.search(name)
+        if size is None and match and not name.startswith(".") and root.child(name).size(METADATA_FILE) is not None:
+            steps.append((int(match.group(1)), name))
+    if not steps:
+        return ""
+    newest = root.child(max(steps)[1])
+    return (f"; it is a directory of {len(steps)} checkpoint(s): pass one of them, e.g. the newest, {newest} "
+            f"(`hp-dcp ls {root}` lists them)")

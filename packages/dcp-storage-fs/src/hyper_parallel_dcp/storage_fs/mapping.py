@@ -1,0 +1,296 @@
+"""Checkpoint files mapped read-only: the source of column-slice copies.
+
+A slice that is not contiguous in its file (a Shard(0) chunk loaded as Shard(1)) is
+copied straight from the page cache through a :class:`FileMapping`, which reads only the
+cache lines the slice needs; read through a buffer it would move its whole span twice.
+A mapping populates its pages a block at a time (``MADV_POPULATE_READ``: one call, where
+per-page faults made a plain mmap slow), and further ahead while reads walk forwards;
+blocks already all in the page cache are left to the copy's faults, which map a large
+folio at a time.  :class:`MappingArena` puts a reader's files in equal slots of one
+reservation, so one strided view spans the same chunk of every rank's file.  Closed
+mappings are unmapped on a thread (:func:`wait_for_unmaps`).
+
+Files of a checkpoint are never truncated in place (every save writes new files and
+renames them), so a mapped file keeps its size while it is open.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import threading
+from typing import Optional, Sequence
+
+import torch
+
+from hyper_parallel_dcp.core.chunks import row_major_strides
+
+from . import posix
+from .tuning import AHEAD_MAX_BYTES, BLOCK_SHIFT, FOLIO_ALIGN
+
+__all__ = ["FileMapping", "MappingArena", "wait_for_unmaps"]
+
+
+class _Unmapper:
+    """Unmaps closed mappings on a thread of its own, in the order they were closed.
+
+    Unmapping is kernel work proportional to the pages mapped; done here it leaves the
+    load that closes its files (resharded dense load on 2 ranks: 1.28 -> 1.23 × the
+    same-layout load).  A mapping handed here has no tensor views left.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()
+        self._busy = False
+        self._thread: Optional[threading.Thread] = None
+
+    def unmap(self, addr: int, size: int) -> None:
+        with self._lock:
+            self._pending.append((addr, size))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hp-dcp-unmap", daemon=True)
+                self._thread.start()
+            self._idle.notify_all()
+
+    def wait(self) -> None:
+        with self._lock:
+            while self._pending or self._busy:
+                self._idle.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending:
+                    self._busy = False
+                    self._idle.notify_all()
+                    self._idle.wait()
+                addr, size = self._pending.popleft()
+                self._busy = True
+            posix.unmap(addr, size)  # ctypes releases the GIL
+
+    def forked(self) -> None:
+        # the child has the parent's mappings but not its thread: start afresh there
+        self.__init__()  # type: ignore[misc]
+
+
+_UNMAPPER = _Unmapper()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_UNMAPPER.forked)
+
+
+def wait_for_unmaps() -> None:
+    """Block until every closed :class:`FileMapping` and :class:`MappingArena` is unmapped."""
+    _UNMAPPER.wait()
+
+
+def _bytes_at(addr: int, size: int) -> torch.Tensor:
+    return torch.frombuffer((ctypes.c_char * size).from_address(addr), dtype=torch.uint8)
+
+
+class MappingArena:
+    """One reservation of address space in which a reader maps its files, each in a slot of
+    the same size (the largest file's, rounded up to ``FOLIO_ALIGN`` so that a 2 MiB
+    page-cache folio maps with one page-table entry).
+
+    Ranks' files of one save hold their chunks at the same offsets, so in equal slots the
+    row blocks of a column slice lie evenly spaced in one tensor's memory and
+    ``PendingCopies`` copies them as one.  A file is mapped over a free slot with
+    ``MAP_FIXED``; :meth:`close` unmaps the whole reservation on the unmapping thread.
+    """
+
+    def __init__(self, base: int, slot_bytes: int, slots: int, reserved: tuple[int, int]) -> None:
+        self.base = base
+        self.slot_bytes = slot_bytes
+        self.size = slot_bytes * slots
+        self._reserved = reserved  # (address, size) of the whole reservation, which may begin below base
+        self.data: Optional[torch.Tensor] = _bytes_at(base, self.size)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._free = list(range(slots - 1, -1, -1))  # taken from the end: slot 0 first
+
+    @classmethod
+    def reserve(cls, slot_bytes: int, slots: int) -> Optional[MappingArena]:
+        """An arena of ``slots`` slots of at least ``slot_bytes`` each, or ``None`` where
+        the address space cannot be reserved."""
+        if slot_bytes <= 0 or slots <= 0:
+            return None
+        slot_bytes = -(-slot_bytes // FOLIO_ALIGN) * FOLIO_ALIGN
+        size = slot_bytes * slots + FOLIO_ALIGN  # room to move the start to a boundary
+        addr = posix.reserve(size)
+        if addr is None:
+            return None
+        return cls(-(-addr // FOLIO_ALIGN) * FOLIO_ALIGN, slot_bytes, slots, (addr, size))
+
+    def place(self, fd: int, size: int) -> Optional[tuple[int, int]]:
+        """Map the file open as ``fd`` (``size`` bytes) in a free slot: ``(slot, address)``,
+        or ``None`` (no free slot, too large, the arena closed, refused)."""
+        if self.data is None or not self._free or size > self.slot_bytes:
+            return None
+        slot = self._free[-1]
+        addr = self.base + slot * self.slot_bytes
+        if posix.map_file(fd, size, at=addr) is None:
+            # a failed MAP_FIXED may have unmapped the slot: reserve it again or give up
+            if posix.reserve(self.slot_bytes, at=addr) is None:
+                self._free.clear()
+            return None
+        self._free.pop()
+        return slot, addr
+
+    def release(self, slot: int) -> None:
+        """Free ``slot`` (its file stays mapped until the next file replaces it)."""
+        if self.data is not None:
+            self._free.append(slot)
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole reservation viewed as ``dtype`` (only slots holding a file are read)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            assert self.data is not None
+            typed = self._typed[dtype] = self.data[:self.size - self.size % dtype.itemsize].view(dtype)
+        return typed
+
+    def close(self) -> None:
+        """Drop the views and unmap every file in the arena (not to be used afterwards)."""
+        if self.data is not None:
+            self.data = None
+            self._typed.clear()
+            self._free.clear()
+            _UNMAPPER.unmap(*self._reserved)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class FileMapping:
+    """A whole file mapped read-only and shared (the page cache's own pages, no copy).
+
+    :meth:`slice_at` populates a stored slice's pages and says where it starts in
+    :meth:`typed`; :meth:`slice_view` is the strided tensor over it.  Views are used before
+    the file closes; :meth:`close` unmaps (or frees the arena slot).
+    """
+
+    def __init__(self, fd: int, size: int, arena: Optional[MappingArena] = None) -> None:
+        self.size = size
+        self._fd = fd
+        self._addr: Optional[int] = None
+        self._data: Optional[torch.Tensor] = None
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # a slice is then one as_strided
+        self._populated = bytearray((size >> BLOCK_SHIFT) + 1)  # per block: pages populated
+        self._low = self._high = 0  # the latest run of populated blocks, as a byte range
+        self._arena: Optional[MappingArena] = None
+        self._slot = -1
+        self._origin = 0  # where the file starts in typed()'s bytes
+        if not posix.MAPPING or size == 0:
+            return
+        placed = None if arena is None else arena.place(fd, size)
+        if placed is not None:
+            assert arena is not None
+            self._slot, self._addr = placed
+            self._arena, self._origin, self._data = arena, self._addr - arena.base, arena.data
+            return
+        self._addr = posix.map_file(fd, size)
+        if self._addr is not None:
+            self._data = _bytes_at(self._addr, size)
+
+    @classmethod
+    def open(cls, fd: int, size: int, arena: Optional[MappingArena] = None) -> Optional[FileMapping]:
+        """The file open as ``fd`` (``size`` bytes) mapped, in a free slot of ``arena`` when
+        it has one; ``None`` where it cannot be mapped."""
+        mapping = cls(fd, size, arena)
+        return mapping if mapping._data is not None else None
+
+    def slice_view(self, data_offset: int, chunk_sizes: Sequence[int], dtype: torch.dtype, first: int, span: int,
+                   lengths: Sequence[int], strides: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
+        """The stored slice (``first``/``span`` elements from ``slice_span`` of the chunk at
+        byte ``data_offset``) as a strided tensor, its pages populated; ``None`` if they
+        cannot be.  ``strides``: the chunk's row-major strides, when the caller has them."""
+        found = self.slice_at(data_offset, dtype, first, span)
+        if found is None:
+            return None
+        return found[0].as_strided(lengths, row_major_strides(chunk_sizes) if strides is None else strides, found[1])
+
+    def slice_at(self, data_offset: int, dtype: torch.dtype, first: int, span: int
+                 ) -> Optional[tuple[torch.Tensor, int]]:
+        """Populate the pages of a stored slice (``first``/``span`` elements of the chunk at
+        byte ``data_offset``) and return ``(typed(dtype), where the slice starts in it)``;
+        ``None`` when they cannot be populated, the slice passes the end of the file, or it
+        is not aligned to the element size."""
+        itemsize = dtype.itemsize
+        start = data_offset + first * itemsize
+        end = start + span * itemsize
+        if start % itemsize:
+            return None  # a view would need a copy
+        if not (self._low <= start and end <= self._high):  # outside the populated run
+            if end > self.size or not self._populate(start, end):
+                return None
+        typed = self._typed.get(dtype)
+        return (self.typed(dtype) if typed is None else typed), (self._origin + start) // itemsize
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mapping viewed as ``dtype`` (in an arena: the whole arena)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            if self._arena is not None:
+                typed = self._typed[dtype] = self._arena.typed(dtype)
+            else:
+                assert self._data is not None
+                typed = self._typed[dtype] = self._data[:self.size - self.size % dtype.itemsize].view(dtype)
+        return typed
+
+    def _populate(self, start: int, end: int) -> bool:
+        """Populate the blocks that bytes ``[start, end)`` touch, each block once and in one
+        call, ahead of them when the reads walk forwards (the run's length ahead, up to
+        ``AHEAD_MAX_BYTES``, as readahead does); ``False`` when the kernel refuses."""
+        populated = self._populated
+        end_block = ((end - 1) >> BLOCK_SHIFT) + 1
+        first_block = populated.find(0, start >> BLOCK_SHIFT, end_block)
+        last_block = end_block - 1
+        if first_block >= 0:
+            last_block = populated.rfind(0, first_block, end_block)
+            if self._high and first_block << BLOCK_SHIFT == self._high:  # the walk goes on
+                ahead = min(max(self._high - self._low, 1 << BLOCK_SHIFT), AHEAD_MAX_BYTES) >> BLOCK_SHIFT
+                limit = min(last_block + 1 + ahead, len(populated))
+                taken = populated.find(1, last_block + 1, limit)
+                last_block = (limit if taken < 0 else taken) - 1
+            block_start = first_block << BLOCK_SHIFT
+            length = min((last_block + 1) << BLOCK_SHIFT, self.size) - block_start
+            assert self._addr is not None
+            # a range not all cached is populated: a failed read from disk is then an
+            # error here, not a SIGBUS in the copy
+            if not posix.cached(self._fd, block_start, length) and \
+                    not posix.populate_read(self._addr + block_start, length):
+                return False
+            populated[first_block:last_block + 1] = b"\x01" * (last_block + 1 - first_block)
+        # the populated run this extends is remembered: the next slice inside it skips the lookups
+        low = (start >> BLOCK_SHIFT) << BLOCK_SHIFT
+        high = min((last_block + 1) << BLOCK_SHIFT, self.size)
+        if low <= self._high and high >= self._low:
+            self._low, self._high = min(low, self._low), max(high, self._high)
+        else:
+            self._low, self._high = low, high
+        return True
+
+    def close(self) -> None:
+        """Drop the views and unmap, on the unmapping thread (in an arena: free the slot)."""
+        if self._addr is not None:
+            self._data = None
+            self._typed.clear()
+            if self._arena is not None:
+                self._arena.release(self._slot)
+                self._arena = None
+            else:
+                _UNMAPPER.unmap(self._addr, self.size)
+            self._addr = None
+            self._low = self._high = 0
+
+    def __del__(self) -> None:
+        # a reader dropped without reset() must not keep a deleted checkpoint's disk space
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

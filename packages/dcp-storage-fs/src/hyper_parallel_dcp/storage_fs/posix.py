@@ -1,0 +1,202 @@
+"""The project's operating-system calls beyond ``os``: the one place for ``ctypes`` libc.
+
+Exports the calls the readers, the writer and the async writer need: mapping a file
+(:func:`map_file`, :func:`reserve`, :func:`unmap`), :func:`populate_read`
+(``MADV_POPULATE_READ``), :func:`cached` (``cachestat``), :func:`exchange`
+(``renameat2(RENAME_EXCHANGE)``), :func:`drop_cache` (``POSIX_FADV_DONTNEED``),
+:func:`malloc_trim`, and the plain-``os`` helpers every read goes through
+(:func:`tensor_bytes`, :func:`pread_exact`, :func:`readv_exact`).  Each answers ``None`` or
+``False`` where the platform or kernel lacks the call; callers then take their general path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+from typing import Any, Optional
+
+import torch
+
+from hyper_parallel_dcp.core.errors import CorruptCheckpointError
+
+from .tuning import PREADV_MAX_BYTES
+
+__all__ = [
+    "MAPPING",
+    "cached",
+    "drop_cache",
+    "exchange",
+    "malloc_trim",
+    "map_file",
+    "populate_read",
+    "pread_exact",
+    "readv_exact",
+    "reserve",
+    "tensor_bytes",
+    "unmap",
+]
+
+_PROT_NONE, _PROT_READ = 0, 1
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 1, 2, 0x10, 0x20, 0x4000
+_MADV_POPULATE_READ = 22  # Linux 5.14+
+_SYS_CACHESTAT = 451  # one number on every architecture (Linux 6.5+)
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _bind(name: str, restype: Any, *argtypes: Any) -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):  # absent from this C library (malloc_trim outside glibc)
+        return None
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+_mmap = _bind("mmap", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+              ctypes.c_int64)
+_munmap = _bind("munmap", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
+_madvise = _bind("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_renameat2 = _bind("renameat2", ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                   ctypes.c_uint)
+_malloc_trim = _bind("malloc_trim", ctypes.c_int, ctypes.c_size_t)
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_cachestat = _bind("syscall", ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.POINTER(_Range),
+                   ctypes.POINTER(_Cachestat), ctypes.c_uint)
+
+#: whether files can be mapped here (:func:`map_file`, :func:`reserve`)
+MAPPING = _mmap is not None and _munmap is not None and _madvise is not None
+
+
+def map_file(fd: int, size: int, at: Optional[int] = None) -> Optional[int]:
+    """Map ``size`` bytes of the file open as ``fd`` read-only and shared; at address ``at``
+    (over what is there) when given.  The address, or ``None`` when refused."""
+    if not MAPPING:
+        return None
+    flags = _MAP_SHARED | (_MAP_FIXED if at is not None else 0)
+    addr = _mmap(at, size, _PROT_READ, flags, fd, 0)
+    return None if addr is None or addr == _MAP_FAILED or (at is not None and addr != at) else addr
+
+
+def reserve(size: int, at: Optional[int] = None) -> Optional[int]:
+    """Reserve ``size`` bytes of address space without access or memory (at ``at``, over
+    what is there, when given): the address, or ``None`` when refused."""
+    if not MAPPING:
+        return None
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | (_MAP_FIXED if at is not None else 0)
+    addr = _mmap(at, size, _PROT_NONE, flags, -1, 0)
+    return None if addr is None or addr == _MAP_FAILED or (at is not None and addr != at) else addr
+
+
+def unmap(addr: int, size: int) -> None:
+    _munmap(addr, size)
+
+
+def populate_read(addr: int, length: int) -> bool:
+    """Map every page of ``[addr, addr + length)`` in one call (``MADV_POPULATE_READ``,
+    reading from disk what is not cached); ``False`` where refused (before Linux 5.14)."""
+    return _madvise is not None and _madvise(addr, length, _MADV_POPULATE_READ) == 0
+
+
+def cached(fd: int, start: int, length: int) -> bool:
+    """Whether every page of the file's bytes ``[start, start + length)`` is in the page
+    cache; ``False`` where the kernel cannot tell (``cachestat`` came with Linux 6.5)."""
+    global _cachestat
+    call = _cachestat
+    if call is None:
+        return False
+    stat = _Cachestat()
+    if call(_SYS_CACHESTAT, fd, ctypes.byref(_Range(start, length)), ctypes.byref(stat), 0) != 0:
+        _cachestat = None  # ENOSYS (an older kernel) or refused (seccomp): not asked again
+        return False
+    return stat.nr_cache >= (start + length + _PAGE - 1) // _PAGE - start // _PAGE
+
+
+def exchange(a: os.PathLike, b: os.PathLike) -> bool:
+    """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``); ``False`` where the
+    platform or filesystem has no such call.  Raises ``OSError`` for any other failure."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE) failed: {os.strerror(err)}")
+
+
+def drop_cache(path: os.PathLike) -> None:
+    """Drop the page cache of file ``path`` (``POSIX_FADV_DONTNEED``: clean pages only, the
+    file stays whole); a missing file or a platform without ``posix_fadvise`` is skipped."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def malloc_trim() -> bool:
+    """Hand the C heap's free pages back to the system (glibc); ``False`` without glibc."""
+    if _malloc_trim is None:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable zero-copy byte view of a contiguous host tensor."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from the file's bytes at ``offset``; raises :class:`CorruptCheckpointError`
+    naming ``path`` where the file ends first."""
+    done, total = 0, len(view)
+    while done < total:
+        n = os.preadv(fd, [view[done:done + PREADV_MAX_BYTES]], offset + done)
+        if n == 0:
+            raise CorruptCheckpointError(
+                f"{path} is truncated: needed {total} bytes at offset {offset}, the file ends after {done}")
+        done += n
+
+
+def readv_exact(fd: int, buffers: list[memoryview], offset: int, path: str) -> None:
+    """Fill ``buffers`` in turn from the file's bytes at ``offset`` (one ``preadv`` while the
+    kernel returns everything); raises as :func:`pread_exact`."""
+    total = sum(map(len, buffers))
+    done = os.preadv(fd, buffers, offset) if total <= PREADV_MAX_BYTES else 0
+    if done == total:
+        return
+    for view in buffers:  # a short read (a signal, a huge batch): the rest one by one
+        if done >= len(view):
+            done -= len(view)
+        else:
+            pread_exact(fd, view[done:], offset + done, path)
+            done = 0
+        offset += len(view)

@@ -1,0 +1,364 @@
+"""Where the reader's bytes go: one read of a stored slice, and the three batching sinks.
+
+:func:`read_slice_into` is the general read of one stored slice into its destination:
+``preadv`` straight into it when the slice is contiguous in the file and the destination
+a contiguous host tensor of the stored dtype (what row sharding reads), a strided copy
+from a :class:`~.mapping.FileMapping` for other host destinations, else the slice's byte
+span through a buffer (pinned for an accelerator).
+
+Per read, Python and dispatch cost as much as a small tensor's bytes, so the reader
+queues reads in sinks that share one protocol: ``add`` (queue, or refuse), ``flush``
+(perform what is queued), ``clear`` (forget it).  The caller flushes before a file closes
+and before it hands a destination on.
+
+- :class:`AdjacentReads`: contiguous reads of consecutive file ranges in one ``preadv``.
+- :class:`DeviceReads`: contiguous reads into accelerator tensors, through one reused
+  page-locked buffer and one non-blocking ``_foreach_copy_``.
+- :class:`PendingCopies`: copies from file mappings in one ``_foreach_copy_``; evenly
+  spaced slices of one shape viewed in one call, and the row blocks a column slice takes
+  from several files (in a ``MappingArena``) copied as one.
+
+:func:`copy_into` copies bit for bit whatever the dtype.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+import torch
+
+from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
+
+from .host_memory import PinnedBuffer, accelerator_available
+from .mapping import FileMapping
+from .posix import pread_exact, readv_exact, tensor_bytes
+from .tuning import (
+    IOV_MAX_BUFFERS,
+    PINNED_BUFFER_BYTES,
+    PREADV_MAX_BYTES,
+    READ_SPLIT_BYTES,
+    READ_THREADS,
+    WIDE_COPY_MIN_BYTES,
+)
+
+__all__ = ["AdjacentReads", "DeviceReads", "PendingCopies", "copy_into", "read_slice_into"]
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# dtypes whose same-dtype copy_ is a plain bit copy on every device; not bool (its copy
+# stores every non-zero byte as 1, and a checkpoint gives back the bytes it was given)
+_PLAIN = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                    torch.int16, torch.int8, torch.uint8})
+
+
+def copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
+    """``dest.copy_(source)``, casting when the dtypes differ; a same-dtype copy goes bit
+    for bit through an integer view (``copy_`` has no kernel for ``bits16``, ``float4``,
+    sub-byte ints, ... and the view keeps NaN payloads)."""
+    view = _BITS.get(dest.dtype.itemsize) if dest.dtype == source.dtype and dest.dtype not in _BITS.values() else None
+    if view is not None and dest.device.type != "meta":
+        dest.view(view).copy_(source.view(view))
+    else:
+        dest.copy_(source)
+
+
+def _copy_wide(dest: torch.Tensor, source: torch.Tensor) -> None:
+    """:func:`copy_into` as 8-byte words where both sides' rows allow it: a column slice's
+    strided copy moves 12 % faster (32 MiB of bf16 rows of 1 KiB: 7.9 vs 8.9 ms)."""
+    if dest.dtype == source.dtype and dest.dtype.itemsize < 8 and dest.device.type == "cpu":
+        try:
+            wide_dest, wide_source = dest.view(torch.int64), source.view(torch.int64)
+        except RuntimeError:  # rows not a multiple of 8 bytes, or not 8-byte aligned
+            pass
+        else:
+            wide_dest.copy_(wide_source)
+            return
+    copy_into(dest, source)
+
+
+def read_slice_into(fd: int, path: str, data_offset: int, chunk_sizes: Sequence[int], dtype: torch.dtype,
+                    offsets: Sequence[int], lengths: Sequence[int], dest: torch.Tensor,
+                    mapping: Optional[FileMapping] = None, strides: Optional[Sequence[int]] = None) -> int:
+    """Fill ``dest`` (shape ``lengths``) from the slice ``offsets + lengths`` of the stored
+    chunk whose first byte is at ``data_offset`` of the file open as ``fd``.
+
+    ``mapping`` maps the same file (a non-contiguous slice into host memory is copied from
+    it); ``strides``: the chunk's row-major strides, when known.  Returns the file bytes
+    the read spans (``core.chunks.slice_span`` × item size, what ``hp-dcp explain``
+    predicts).  Raises :class:`CorruptCheckpointError` naming ``path`` on a short file.
+    """
+    first, span, contiguous = slice_span(chunk_sizes, offsets, lengths)
+    if span == 0:
+        return 0
+    itemsize = dtype.itemsize
+    strides = row_major_strides(chunk_sizes) if strides is None else strides
+    if contiguous and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous():
+        pread_exact(fd, tensor_bytes(dest), data_offset + first * itemsize, path)
+        return span * itemsize
+    if mapping is not None and dest.is_cpu:
+        view = mapping.slice_view(data_offset, chunk_sizes, dtype, first, span, lengths, strides)
+        if view is not None:
+            _copy_wide(dest, view)
+            return span * itemsize
+    pin = dest.device.type not in ("cpu", "meta") and accelerator_available()
+    staging = torch.empty(span, dtype=dtype, pin_memory=pin)
+    pread_exact(fd, tensor_bytes(staging), data_offset + first * itemsize, path)
+    copy_into(dest, staging.view(tuple(lengths)) if contiguous else staging.as_strided(tuple(lengths), tuple(strides)))
+    return span * itemsize
+
+
+class AdjacentReads:
+    """Contiguous reads whose file ranges follow each other, in one ``preadv``: a
+    same-layout load reads its chunks in file order, 2000 small tensors in a few calls."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the queued reads."""
+        self.fd, self.path, self.start, self.end = -1, "", 0, 0
+        self.buffers: list[memoryview] = []
+
+    def add(self, fd: int, path: str, start: int, dest: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Queue reading ``dest.nbytes`` bytes of ``fd`` at ``start`` into ``dest``; ``False``
+        (nothing queued) unless ``dest`` is a contiguous CPU tensor of ``dtype``."""
+        if not (dest.is_cpu and dest.dtype is dtype and dest.is_contiguous()):
+            return False
+        nbytes = dest.nbytes
+        if nbytes == 0:
+            return True
+        if self.buffers and (fd != self.fd or start != self.end or len(self.buffers) >= IOV_MAX_BUFFERS
+                             or self.end - self.start >= PREADV_MAX_BYTES):
+            self.flush()
+        if not self.buffers:
+            self.fd, self.path, self.start, self.end = fd, path, start, start
+        self.buffers.append(tensor_bytes(dest))
+        self.end += nbytes
+        return True
+
+    def flush(self) -> None:
+        """Perform the queued reads."""
+        if self.buffers:
+            fd, path, start, buffers = self.fd, self.path, self.start, self.buffers
+            self.clear()
+            readv_exact(fd, buffers, start, path)
+
+
+_POOL: Optional[ThreadPoolExecutor] = None
+_POOL_LOCK = threading.Lock()
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hp-dcp-read")
+        return _POOL
+
+
+class DeviceReads:
+    """Contiguous reads into accelerator tensors, through one reused page-locked buffer.
+
+    The queued reads fill the buffer back to back (adjacent file ranges joined; a fill
+    over ``READ_SPLIT_BYTES`` split over threads, as ``preadv`` releases the GIL), and its
+    slices go to their destinations in one ``torch._foreach_copy_(non_blocking=True)``,
+    whose completion an event marks; the buffer is refilled only after that event.  A
+    slice larger than the buffer streams through it in parts.  :meth:`wait` returns once
+    every copy has landed.  Measured on an H200 host, 1 GiB from the page cache: 278 ms
+    one by one through fresh pinned buffers, 169 ms here.
+    """
+
+    _SPLIT = READ_SPLIT_BYTES
+
+    def __init__(self, capacity: int = PINNED_BUFFER_BYTES, pin: Optional[bool] = None) -> None:
+        self.capacity = capacity
+        self._buffer = PinnedBuffer(capacity, pin)
+        self._events: list[Any] = []  # mark the end of the copies out of the buffer
+        self._queue: list[tuple[int, str, int, int, torch.Tensor]] = []  # (fd, path, offset, bytes, dest)
+        self._queued = 0
+
+    def add(self, fd: int, path: str, start: int, dest: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Queue reading ``dest``'s bytes of ``fd`` at ``start``; ``False`` (nothing queued)
+        unless ``dest`` is a contiguous tensor of ``dtype`` with storage (not ``meta``)."""
+        if dest.device.type == "meta" or dest.dtype is not dtype or not dest.is_contiguous():
+            return False
+        nbytes = dest.numel() * dest.element_size()
+        if nbytes == 0:
+            return True
+        target = dest.reshape(-1).view(torch.uint8)
+        if nbytes > self.capacity:
+            self.flush()
+            for part in range(0, nbytes, self.capacity):
+                length = min(self.capacity, nbytes - part)
+                self._queue.append((fd, path, start + part, length, target[part:part + length]))
+                self._queued = length
+                self.flush()
+            return True
+        if self._queued + nbytes > self.capacity:
+            self.flush()
+        self._queue.append((fd, path, start, nbytes, target))
+        self._queued += nbytes
+        return True
+
+    def flush(self) -> None:
+        """Read the queued slices into the buffer and start their copies to the device."""
+        if not self._queue:
+            return
+        queue, self._queue, self._queued = self._queue, [], 0
+        self.wait()  # the buffer's previous copies have landed
+        buffer = self._buffer.get(self.capacity)
+        fills: list[list[Any]] = []  # [fd, path, file offset, buffer offset, bytes], ranges that follow joined
+        sources: list[torch.Tensor] = []
+        position = 0
+        for fd, path, start, nbytes, _ in queue:
+            last = fills[-1] if fills else None
+            if last is not None and last[0] == fd and last[2] + last[4] == start:
+                last[4] += nbytes
+            else:
+                fills.append([fd, path, start, position, nbytes])
+            sources.append(buffer[position:position + nbytes])
+            position += nbytes
+        view = tensor_bytes(buffer)
+        if position > self._SPLIT:
+            fills = [[fd, path, start + at, offset + at, min(self._SPLIT, nbytes - at)]
+                     for fd, path, start, offset, nbytes in fills for at in range(0, nbytes, self._SPLIT)]
+            list(_read_pool().map(lambda fill: pread_exact(fill[0], view[fill[3]:fill[3] + fill[4]], fill[2], fill[1]),
+                                  fills))
+        else:
+            for fd, path, start, offset, nbytes in fills:
+                pread_exact(fd, view[offset:offset + nbytes], start, path)
+        dests = [dest for *_, dest in queue]
+        devices = {dest.device for dest in dests if dest.device.type != "cpu"}
+        # a device torch.accelerator does not drive gets blocking copies (no stream to mark)
+        streamed = bool(devices) and accelerator_available()
+        with torch.no_grad():
+            torch._foreach_copy_(dests, sources, non_blocking=streamed)
+        for device in devices if streamed else ():
+            event = torch.Event(device=device)
+            event.record(torch.accelerator.current_stream(device))
+            self._events.append(event)
+
+    def wait(self) -> None:
+        """Return once every copy started by :meth:`flush` has landed."""
+        for event in self._events:
+            event.synchronize()
+        self._events = []
+
+    def clear(self) -> None:
+        """Forget the queued reads (the buffer stays for the next ones)."""
+        self._queue, self._queued = [], 0
+
+
+class PendingCopies:
+    """Copies from file mappings (and other host sources) into host tensors, done together
+    by :meth:`flush`: pairs of one plain dtype below ``WIDE_COPY_MIN_BYTES`` in one
+    ``torch._foreach_copy_`` (a Shard(0) -> Shard(1) load of 2000 small tensors copies
+    4000 slices a rank), the rest one by one as 8-byte words where they can be."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the pending copies."""
+        self.dests: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+        self.others: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # mapped slices not viewed yet, by (id of the typed mapping, shape, strides):
+        # (typed mapping, element starts, destinations)
+        self.mapped: dict[tuple[int, tuple[int, ...], tuple[int, ...]],
+                          tuple[torch.Tensor, list[int], list[torch.Tensor]]] = {}
+        # runs of regions of one tensor: [tensor, typed mapping, shape, destination strides,
+        # source strides, destination offsets, source starts]
+        self.runs: list[list[Any]] = []
+        self._run: Optional[list[Any]] = None
+
+    def add(self, dest: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
+        """Queue ``copy_into(dest, source)`` (both host tensors, ``nbytes`` the bytes copied)."""
+        if dest.dtype is source.dtype and dest.dtype in _PLAIN and nbytes < WIDE_COPY_MIN_BYTES:
+            self.dests.append(dest)
+            self.sources.append(source)
+        else:
+            self.others.append((dest, source))
+
+    def add_mapped(self, dest: torch.Tensor, typed: torch.Tensor, start: int, lengths: tuple[int, ...],
+                   strides: tuple[int, ...], nbytes: int, region: Optional[tuple[int, tuple[int, ...]]] = None) -> None:
+        """Queue copying the slice at element ``start`` of ``typed``, a file mapping's view
+        (shape ``lengths``, ``strides``; as ``FileMapping.slice_at`` gives it) into the host
+        tensor ``dest``, or with ``region = (offset, dest_strides)`` into
+        ``dest.as_strided(lengths, dest_strides, offset)``; no view is made now.
+
+        Slices of one shape are viewed together at :meth:`flush` (the chunks of equally
+        sized tensors lie evenly spaced in a file: one ``as_strided`` + ``unbind``), and
+        consecutive regions of one tensor evenly spaced on both sides (a column slice's
+        row blocks, one from each rank's file in a ``MappingArena``) are one copy: 2000
+        copies a rank instead of 4000 for 2000 small tensors resharded on 2 ranks.
+        """
+        dtype = typed.dtype
+        if dest.dtype is not dtype or dtype not in _PLAIN or nbytes >= WIDE_COPY_MIN_BYTES:
+            target = dest if region is None else dest.as_strided(lengths, region[1], region[0])
+            self.others.append((target, typed.as_strided(lengths, strides, start)))
+        elif region is None:
+            self._group(typed, lengths, strides, start, dest)
+        else:
+            offset, dest_strides = region
+            run = self._run
+            if (run is not None and run[0] is dest and run[1] is typed and run[2] == lengths
+                    and run[3] == dest_strides and run[4] == strides):
+                run[5].append(offset)
+                run[6].append(start)
+            else:
+                self._run = run = [dest, typed, lengths, dest_strides, strides, [offset], [start]]
+                self.runs.append(run)
+
+    def _group(self, typed: torch.Tensor, lengths: tuple[int, ...], strides: tuple[int, ...], start: int,
+               dest: torch.Tensor) -> None:
+        key = (id(typed), lengths, strides)  # a tensor's == compares values: keyed by id
+        group = self.mapped.get(key)
+        if group is None:
+            group = self.mapped[key] = (typed, [], [])
+        group[1].append(start)
+        group[2].append(dest)
+
+    def _view_runs(self) -> None:
+        """One destination view for each stretch of a run evenly spaced on both sides, one
+        for each region left."""
+        for tensor, typed, lengths, dest_strides, strides, offsets, starts in self.runs:
+            count, i = len(offsets), 0
+            while i < count:
+                j = i + 1
+                if j < count:
+                    step, source_step = offsets[j] - offsets[i], starts[j] - starts[i]
+                    if (step > 0 and source_step > 0) or (step < 0 and source_step < 0):
+                        j += 1
+                        while j < count and offsets[j] - offsets[j - 1] == step and \
+                                starts[j] - starts[j - 1] == source_step:
+                            j += 1
+                if j - i == 1:
+                    self._group(typed, lengths, strides, starts[i], tensor.as_strided(lengths, dest_strides, offsets[i]))
+                else:  # the lowest first (as_strided takes no negative stride)
+                    low = i if step > 0 else j - 1
+                    self._group(typed, (j - i, *lengths), (abs(source_step), *strides), starts[low],
+                                tensor.as_strided((j - i, *lengths), (abs(step), *dest_strides), offsets[low]))
+                i = j
+
+    def flush(self) -> None:
+        """Perform the pending copies."""
+        if self.runs:
+            self._view_runs()
+        dests, sources, others, mapped = self.dests, self.sources, self.others, self.mapped
+        self.clear()
+        for (_, lengths, strides), (typed, starts, targets) in mapped.items():
+            count, step = len(starts), starts[-1] - starts[0]
+            if count > 1 and step > 0 and step % (count - 1) == 0 and starts == list(
+                    range(starts[0], starts[-1] + 1, step // (count - 1))):  # evenly spaced
+                sources.extend(typed.as_strided((count, *lengths), (step // (count - 1), *strides),
+                                                starts[0]).unbind(0))
+            else:
+                sources.extend(typed.as_strided(lengths, strides, start) for start in starts)
+            dests.extend(targets)
+        if dests:
+            torch._foreach_copy_(dests, sources)
+        for dest, source in others:
+            _copy_wide(dest, source)
+
