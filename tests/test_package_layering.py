@@ -178,3 +178,95 @@ def _imported_modules_of_test(path: Path) -> list[tuple[int, str]]:
             if node.module == "hyper_parallel_dcp":
                 found += [(node.lineno, f"hyper_parallel_dcp.{alias.name}") for alias in node.names]
     return found
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(_src_of(path)).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: at any depth, but not under ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for orelse in child.orelse:
+                    visit(orelse)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+    return found
+
+
+def _import_graph(src: Path, top: str) -> dict[str, set[str]]:
+    """``{module: modules of the same package it imports}`` for the modules under ``src/<top>``
+    (``from . import x`` depends on the module ``x``; ``from . import name`` on the package)."""
+    paths = {_module_name(p): p for p in (src / top.replace(".", "/")).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in _runtime_imports(path):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in paths else module for a in node.names]
+            deps |= {t for t in targets if t in paths and t != name}
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                found.append(stack[stack.index(dep):] + [dep])
+            elif not state.get(dep):
+                visit(dep, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if not state.get(node):
+            visit(node, [])
+    return found
+
+
+def _packages_with_modules() -> list[tuple[Path, str]]:
+    """``(src folder, top package)`` of every package, and of the umbrella (its own modules)."""
+    tops = [(folder / "src", f"hyper_parallel_dcp.{sub}") for folder, sub in
+            ((PACKAGES / owner, name) for name, owner in _subpackages().items())]
+    return [*sorted(tops), (ROOT / "src", "hyper_parallel_dcp")]
+
+
+@pytest.mark.parametrize("src,top", _packages_with_modules(), ids=[t for _, t in _packages_with_modules()])
+def test_no_import_cycle_between_the_modules_of_a_package(src: Path, top: str) -> None:
+    """Inside each package the modules import top-down: no cycle, also not through an import
+    inside a function (the way a cycle is usually hidden)."""
+    cycles = _cycles(_import_graph(src, top))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_function_and_the_package(tmp_path: Path) -> None:
+    pkg = tmp_path / "src" / "hyper_parallel_dcp" / "fake"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n"
+                              "def f():\n    from .b import g\n    return g\n")
+    (pkg / "b.py").write_text("from . import a\n")
+    (pkg / "c.py").write_text("from .a import f\n")  # a imports c only for type checking: no cycle
+    cycles = _cycles(_import_graph(tmp_path / "src", "hyper_parallel_dcp.fake"))
+    assert sorted(map(tuple, cycles)) == [("hyper_parallel_dcp.fake.a", "hyper_parallel_dcp.fake.b",
+                                          "hyper_parallel_dcp.fake.a")], cycles
