@@ -1,16 +1,11 @@
 """``ObjectStoreReader``: ranged GETs of exactly the bytes a load needs, many in flight.
 
-A read item becomes byte ranges of its object: one range for a slice that is contiguous
-in the object (row sharding, ragged ranges), otherwise one per contiguous run of the
-slice, the closest runs merged into one request while the bytes fetched stay within
-1 + :data:`READ_OVERHEAD` of the bytes needed.  Small reads back to back in one object
-share a GET.  Ranges longer than ``range_size`` are split, and every piece goes to a pool
-of ``read_concurrency`` threads.  A piece lands straight in the destination when the
-slice is contiguous and the destination a contiguous CPU tensor of the stored dtype,
-otherwise in a host staging buffer copied from afterwards.  Each response's
-``Content-Range`` gives the object's size, checked against ``.metadata``.  ``verify``
-fetches and hashes each touched chunk whole.  The metadata is read as on a filesystem
-(``storage_fs.metadata_io``).
+A read becomes byte ranges of its object (:func:`byte_runs` for a strided slice), small
+reads back to back in one object share a GET, and ranges longer than ``range_size`` are
+split over a pool of ``read_concurrency`` threads.  A piece lands in the destination when
+that is a contiguous CPU tensor of the stored dtype, else in a staging buffer copied from.
+Each response's object size is checked against ``.metadata``; ``verify`` hashes each
+touched chunk whole.
 """
 
 from __future__ import annotations
@@ -120,6 +115,8 @@ class ObjectStoreReader(StorageReader):
     fetched once).  ``bytes_read`` counts the bytes fetched, ``requests`` the GETs.
     """
 
+    collectives_required = True  # False once the metadata came from per-rank files
+
     def __init__(self, url: Union[str, None] = None, *, verify: bool = False,
                  settings: Optional[ObjectStoreSettings] = None) -> None:
         self.settings = settings or ObjectStoreSettings()
@@ -127,7 +124,6 @@ class ObjectStoreReader(StorageReader):
         self.files: Optional[ObjectFiles] = None
         self.rank = 0
         self.metadata: Optional[Metadata] = None
-        self._is_global = True
         self._verified: set[MetadataIndex] = set()
         self._pool: Optional[cf.ThreadPoolExecutor] = None
         self.bytes_read = 0
@@ -165,22 +161,16 @@ class ObjectStoreReader(StorageReader):
             self._pool = cf.ThreadPoolExecutor(self.settings.read_concurrency, thread_name_prefix="hp-dcp-get")
         return self._pool
 
-    # -- metadata --------------------------------------------------------------------------
     def load_metadata(self) -> Metadata:
         """``.metadata``, or every ``{rank}.metadata`` merged; :class:`CheckpointNotFoundError`
         naming the URL when there is neither."""
-        self.metadata, self._is_global = load_checkpoint_metadata(self._files())
+        self.metadata, self.collectives_required = load_checkpoint_metadata(self._files())
         return self.metadata
-
-    @property
-    def collectives_required(self) -> bool:
-        return self._is_global
 
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
         self.metadata = metadata
         self.rank = rank
 
-    # -- planning a read ---------------------------------------------------------------------
     def _info(self, index: MetadataIndex) -> StorageInfo:
         assert self.metadata is not None and self.metadata.storage_data is not None
         info = self.metadata.storage_data.get(index)
@@ -306,7 +296,6 @@ class ObjectStoreReader(StorageReader):
             if source is not None:
                 copy_into(dest, source)
 
-    # -- the reader interface --------------------------------------------------------------
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
         """Fill ``dest`` (shape ``item.lengths``) with the stored slice; its ranges are
         fetched in parallel.  Raises :class:`CorruptCheckpointError` for a size or checksum

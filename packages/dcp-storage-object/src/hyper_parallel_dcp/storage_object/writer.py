@@ -1,21 +1,11 @@
 """``ObjectStoreWriter``: the filesystem format's objects, streamed to a bucket.
 
-Each rank streams its ``_rank{r}_.safetensors`` / ``_rank{r}_.bytes`` through the same
-writer code as on a filesystem (``storage_fs.rank_files``: same names, bytes and xxh3
-checksums computed on the way).  An object below ``multipart_threshold`` is one PUT;
-a larger one becomes a multipart upload whose parts are uploaded while the next ones are
-being filled (``upload_concurrency`` in flight, memory bounded by that many parts).
-The coordinator PUTs ``.metadata`` last, once every rank's objects are complete.
-
-Two saves to one id: the coordinator takes the id's lock object (a conditional PUT,
-``locks.py``) before it deletes or writes anything; a second save raises
-:class:`ConcurrentSaveError`.
-
-Replacing a checkpoint: S3 has no rename, and the objects keep the filesystem names, so
-the coordinator deletes the old ``.metadata`` before any rank writes (the id never has a
-``.metadata`` describing other objects), then the old data objects and any unfinished
-multipart uploads under the id (the leftovers of an interrupted save).  The old
-checkpoint at that id is therefore gone once a new save to it starts.
+Each rank streams its files through the filesystem's writer code (``storage_fs.rank_files``:
+same names, bytes and checksums); an object of ``multipart_threshold`` bytes or more is a
+multipart upload whose parts go up while the next are filled.  The coordinator takes the
+id's lock object (``locks.py``), deletes the old ``.metadata`` first, then the old objects
+and unfinished uploads (S3 has no rename: the old checkpoint is gone once a save to its id
+starts), and PUTs the new ``.metadata`` last.
 """
 
 from __future__ import annotations
@@ -38,12 +28,8 @@ __all__ = ["ObjectStoreWriter"]
 
 
 class _UploadStream:
-    """A write-only stream to one object: buffered parts, uploaded in parallel.
-
-    ``write`` copies into the current part buffer (the tensor memory is only read); a
-    full part is handed to the pool and a semaphore bounds the parts held in memory.
-    ``finish()`` returns the object's size once it exists; ``abort()`` cancels it.
-    """
+    """A write-only stream to one object: parts buffered (a semaphore bounds how many are
+    held) and uploaded by ``pool``; ``finish()`` returns the size, ``abort()`` cancels."""
 
     def __init__(self, store: ObjectStore, key: str, pool: cf.ThreadPoolExecutor) -> None:
         self.store = store
