@@ -1,9 +1,7 @@
 """DCP → full state dict, and DCP → Hugging Face safetensors, streaming.
 
-Reads go through :class:`~.blocks.CheckpointBlocks` (the load path, one reader, any
-backend).  The streaming export assembles one whole tensor at a time into one reused
-buffer, just before the safetensors writer writes it: memory holds about the largest
-tensor, whatever the size of the model or of an output shard.
+Reads go through :class:`~.blocks.CheckpointBlocks`; the export assembles one whole tensor
+at a time into one reused buffer just before it is written (memory: the largest tensor).
 """
 
 from __future__ import annotations

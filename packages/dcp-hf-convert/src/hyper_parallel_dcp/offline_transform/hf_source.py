@@ -1,10 +1,8 @@
 """Reading Hugging Face safetensors checkpoints one tensor at a time.
 
-A checkpoint is a single ``.safetensors`` file, or a directory holding
-``model.safetensors.index.json`` (``{"metadata": ..., "weight_map": {name: shard file}}``)
-and its shards, or a directory holding one ``.safetensors`` file.  Only the headers are
-parsed up front; each tensor is then read with plain file reads (never a mapping, whose
-touched pages would stay resident), so memory holds one tensor at a time.
+A single ``.safetensors`` file, or a directory holding ``model.safetensors.index.json``
+and its shards, or one ``.safetensors`` file.  Headers are parsed up front; each tensor
+is read with plain file reads (no mapping, whose touched pages would stay resident).
 """
 
 from __future__ import annotations

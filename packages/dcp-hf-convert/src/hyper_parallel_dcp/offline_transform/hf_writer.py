@@ -1,16 +1,10 @@
 """Writing Hugging Face safetensors checkpoints the way ``save_pretrained`` does.
 
-Sharding follows ``huggingface_hub.split_torch_state_dict_into_shards``: tensors in
-state-dict order fill a shard until the next one would push it over ``max_shard_size``;
-a tensor larger than the limit gets a shard of its own.  One shard → ``model.safetensors``
-and no index; several → ``model-0000k-of-0000n.safetensors`` plus
-``model.safetensors.index.json`` (``{"metadata": {"total_parameters", "total_size"},
-"weight_map"}``, keys sorted, indent 2, as transformers writes it).  Each file carries
-``{"format": "pt"}`` in its safetensors metadata, which ``from_pretrained`` checks.
-
-Files are written by the checkpoint library's streaming safetensors writer, which asks
-for each tensor just before writing it: a source that produces tensors lazily keeps only
-what it has produced and not yet written in memory.
+Sharding follows ``huggingface_hub.split_torch_state_dict_into_shards`` (state-dict order,
+a new shard when the next tensor would pass ``max_shard_size``): ``model.safetensors``,
+or ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json`` as
+transformers writes it, each file with ``{"format": "pt"}`` metadata.  The streaming
+safetensors writer asks for each tensor just before writing it.
 """
 
 from __future__ import annotations

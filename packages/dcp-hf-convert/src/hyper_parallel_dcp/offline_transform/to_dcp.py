@@ -1,10 +1,8 @@
 """Full checkpoints (Hugging Face safetensors, ``torch.save`` files, in-memory dicts) → DCP.
 
-One path: the ordinary single-process save (``save_state_dict``, ``no_dist=True``), which
-writes ``.metadata`` atomically.  For a file source the planned state dict holds only
-*meta* tensors; :class:`StreamingSavePlanner` reads each tensor from the source when the
-storage writer asks for it, and the writer writes it before asking for the next, so one
-reused buffer sized for the largest tensor holds every tensor in turn, not the model.
+One path: the single-process save (``save_state_dict``, ``no_dist=True``).  For a file
+source the planned state dict holds *meta* tensors and :class:`StreamingSavePlanner` reads
+each tensor when the writer asks for it, into one reused buffer: memory holds one tensor.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """torch.distributed.checkpoint directory ⇄ hyper-parallel-dcp checkpoint, streaming.
 
-Both directions walk the source's stored chunks in order and cut each into row blocks of
-at most ``batch_bytes`` (at least one row along dim 0).  A block is read through the load
-path (:class:`~.blocks.CheckpointBlocks`) into one reused buffer, written, and done with
-before the next is read: memory holds one block, not the model.  Each block becomes one
-stored chunk of the output, which both libraries load into any layout.
-
-- :func:`convert_torch_dcp_to_dcp`: written by the ordinary single-process save
-  (``FileSystemWriter``: safetensors files, checksums, atomic ``.metadata``).
-- :func:`convert_dcp_to_torch_dcp`: what ``torch.distributed.checkpoint`` writes itself:
-  one ``__0_0.distcp`` file holding a ``torch.save`` archive per chunk and the stored
-  ``torch.save`` bytes of each object, then the pickled ``.metadata`` of torch's own
-  metadata classes, written last (temp name, fsync, rename).
+Both directions cut the source's stored chunks into row blocks of at most ``batch_bytes``,
+each read through :class:`~.blocks.CheckpointBlocks` into one reused buffer and written
+as one stored chunk before the next is read.  :func:`convert_torch_dcp_to_dcp` saves
+through ``FileSystemWriter``; :func:`convert_dcp_to_torch_dcp` writes what torch writes
+(one ``__0_0.distcp`` of ``torch.save`` archives, then the pickled ``.metadata``, last).
 """
 
 from __future__ import annotations

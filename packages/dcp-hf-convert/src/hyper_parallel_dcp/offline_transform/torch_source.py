@@ -1,11 +1,8 @@
 """Reading a full PyTorch checkpoint (``torch.save`` file) without holding all of it.
 
-The file is loaded with ``torch.load(weights_only=True, mmap=True)``: tensors are views
-of a private read-only mapping of the file, so nothing is copied up front.  A page of
-that mapping, once touched, stays resident (and counts in the process's RSS) until it is
-released; :class:`PageReleaser` hands each tensor's pages back to the kernel after the
-writer has consumed it, so memory stays at about one tensor.  Old-format (non-zip)
-files cannot be mapped and are loaded whole.
+Loaded with ``torch.load(weights_only=True, mmap=True)``: tensors are views of a private
+mapping of the file, and :class:`PageReleaser` hands each tensor's pages back to the
+kernel once written.  Old-format (non-zip) files cannot be mapped and are loaded whole.
 """
 
 from __future__ import annotations
