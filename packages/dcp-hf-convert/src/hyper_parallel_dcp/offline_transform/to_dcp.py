@@ -35,15 +35,15 @@ PathLike = Union[str, os.PathLike]
 
 
 class StreamingSavePlanner(StandardSavePlanner):
-    """A save planner whose tensor data comes from ``fetch(fqn)`` at write time.
+    """A save planner whose tensor data comes from ``fetch(write_item)`` at write time.
 
     The state dict it plans from may hold meta tensors (only shape and dtype matter);
-    ``resolve_data`` returns ``fetch(fqn)`` instead, checked against the plan.  Without
-    ``fetch`` the data is the state dict's own (an in-memory save with progress).
+    ``resolve_data`` returns ``fetch(write_item)``, its shape checked against the plan.
+    Without ``fetch`` the data is the state dict's own (an in-memory save with progress).
     ``on_tensor(nbytes)`` is called for each tensor handed to the writer.
     """
 
-    def __init__(self, fetch: Optional[Callable[[str], torch.Tensor]] = None,
+    def __init__(self, fetch: Optional[Callable[[WriteItem], torch.Tensor]] = None,
                  on_tensor: Optional[Callable[[int], None]] = None) -> None:
         super().__init__(enable_plan_caching=False, remove_redundancy=False)
         self._fetch = fetch
@@ -54,7 +54,7 @@ class StreamingSavePlanner(StandardSavePlanner):
             data = super().resolve_data(write_item)
         else:
             fqn = write_item.index.fqn
-            data = self._fetch(fqn)
+            data = self._fetch(write_item)
             if write_item.sizes is not None and tuple(data.shape) != write_item.sizes:
                 raise ValueError(f"{fqn!r}: the source gave shape {list(data.shape)}, planned {list(write_item.sizes)}")
         if write_item.type is WriteItemType.TENSOR and self._on_tensor is not None:
@@ -62,7 +62,7 @@ class StreamingSavePlanner(StandardSavePlanner):
         return data
 
 
-def _save(plan_sd: dict[str, Any], src: Any, dst: PathLike, fetch: Optional[Callable[[str], torch.Tensor]],
+def _save(plan_sd: dict[str, Any], src: Any, dst: PathLike, fetch: Optional[Callable[[WriteItem], torch.Tensor]],
           progress: bool, desc: str) -> ConversionReport:
     report = ConversionReport(str(src), str(dst))
     total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
@@ -100,8 +100,8 @@ def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, pro
     # The writer writes each tensor before it asks for the next: one buffer serves all.
     buffer = StagingBuffer(max((e.nbytes for e in entries.values()), default=0))
 
-    def fetch(fqn: str) -> torch.Tensor:
-        entry = entries[source_of[fqn]]
+    def fetch(item: WriteItem) -> torch.Tensor:
+        entry = entries[source_of[item.index.fqn]]
         return read_entry(entry, out=buffer.view(entry.shape, entry.dtype))
 
     return _save(plan_sd, src, dst, fetch, progress, "HF -> DCP")
@@ -119,12 +119,12 @@ def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, prog
     releaser = PageReleaser() if mapped else None
     previous: list[torch.Tensor] = []
 
-    def fetch(fqn: str) -> torch.Tensor:
+    def fetch(item: WriteItem) -> torch.Tensor:
         # The writer asks for the next tensor only after writing the previous one, so the
         # previous one's pages can go now.
         if releaser is not None and previous:
             releaser.release(previous.pop())
-        tensor = source[fqn]
+        tensor = source[item.index.fqn]
         previous.append(tensor)
         return tensor
 

@@ -24,14 +24,15 @@ from hyper_parallel_dcp.core.flatten import torch_style_leaves
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.metadata import BytesStorageMetadata, TensorStorageMetadata
 from hyper_parallel_dcp.core.pipeline import save_state_dict
-from hyper_parallel_dcp.core.planner import WriteItem, WriteItemType
-from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+from hyper_parallel_dcp.core.planner import WriteItem
+from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.filesystem import FileSystemWriter
 from hyper_parallel_dcp.storage_fs.torch_dcp import is_torch_dcp_checkpoint
 
 from .blocks import CheckpointBlocks
 from .progress import ConversionReport, Progress
 from .staging import StagingBuffer
+from .to_dcp import StreamingSavePlanner
 
 __all__ = ["DEFAULT_BATCH_BYTES", "convert_dcp_to_torch_dcp", "convert_torch_dcp_to_dcp"]
 
@@ -59,23 +60,6 @@ def _read_block(source: CheckpointBlocks, buffer: StagingBuffer, fqn: str, box: 
     """Block ``box`` of ``fqn`` in ``buffer``, valid until the next read (fresh tensors per
     block left freed blocks in the heap: peak RSS grew to ~5 batches)."""
     return source.read_block(fqn, box, buffer.exact(box.sizes, source.tensor(fqn).properties.dtype))
-
-
-class _BlockSavePlanner(StandardSavePlanner):
-    """Plans from meta-only :class:`TensorShards`; each block's data is read at write time."""
-
-    def __init__(self, source: CheckpointBlocks, bar: Progress) -> None:
-        super().__init__(enable_plan_caching=False, remove_redundancy=False)
-        self.source, self.bar, self.buffer = source, bar, StagingBuffer()
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        if write_item.type is not WriteItemType.TENSOR:
-            return super().resolve_data(write_item)
-        assert write_item.index.offset is not None and write_item.sizes is not None
-        block = _read_block(self.source, self.buffer, write_item.index.fqn,
-                            ChunkBox(write_item.index.offset, write_item.sizes))
-        self.bar.advance(write_item.nbytes)
-        return block
 
 
 def _check_batch(batch_bytes: int) -> None:
@@ -108,8 +92,15 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
         else:
             plan_sd[fqn] = source.read_object(fqn)
             report.objects += 1
+    buffer = StagingBuffer()
+
+    def fetch(item: WriteItem) -> torch.Tensor:
+        assert item.index.offset is not None and item.sizes is not None
+        return _read_block(source, buffer, item.index.fqn, ChunkBox(item.index.offset, item.sizes))
+
     with Progress(report, source.tensor_bytes(), "torch DCP -> DCP", progress) as bar:
-        metadata = save_state_dict(plan_sd, FileSystemWriter(dst), _BlockSavePlanner(source, bar), no_dist=True)
+        metadata = save_state_dict(plan_sd, FileSystemWriter(dst), StreamingSavePlanner(fetch, bar.advance),
+                                   no_dist=True)
     report.tensors = len(plan_sd) - report.objects
     report.files = sorted(metadata.files) + [".metadata"]
     logger.info("converted %s -> %s: %s", src, dst, report.summary())
@@ -176,14 +167,7 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
         size = f.tell()
     metadata = tm.Metadata(state_dict_metadata=sd, planner_data={fqn: tuple(fqn.split(".")) for fqn in sd},
                            storage_data=storage)
-    meta_file = out_dir / ".metadata"
-    tmp = meta_file.with_name(".metadata.hp-dcp-tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(metadata, f)
-        f.flush()
-        if sync_files:
-            os.fsync(f.fileno())
-    os.replace(tmp, meta_file)
+    write_file_atomic(out_dir / ".metadata", lambda f: pickle.dump(metadata, f), sync_files)
     report.tensors = sum(1 for md in source.metadata.state_dict_metadata.values()
                          if isinstance(md, TensorStorageMetadata))
     report.files = [data_name, ".metadata"]

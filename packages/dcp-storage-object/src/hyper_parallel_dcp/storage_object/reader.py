@@ -13,7 +13,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import itertools
-from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import xxhash
@@ -93,19 +94,15 @@ class _Slice(NamedTuple):
     where: str  # names the chunk in errors
 
 
+@dataclass(slots=True)
 class _Read:
-    """GETs in flight for one read item, or for a batch of small adjacent ones.
+    """GETs in flight for one read item or a batch of small adjacent ones; ``targets``:
+    ``(item, destination, staging view to copy from or None)``."""
 
-    ``targets``: ``(item, destination, staging view to copy from or None)``.
-    """
-
-    __slots__ = ("targets", "futures", "nbytes", "check")
-
-    def __init__(self) -> None:
-        self.targets: list[tuple[ReadItem, torch.Tensor, Optional[torch.Tensor]]] = []
-        self.futures: list[cf.Future] = []
-        self.nbytes = 0
-        self.check: Optional[Any] = None
+    targets: list[tuple[ReadItem, torch.Tensor, Optional[torch.Tensor]]] = field(default_factory=list)
+    futures: list[cf.Future] = field(default_factory=list)
+    nbytes: int = 0
+    check: Optional[Callable[[], None]] = None
 
 
 class ObjectStoreReader(StorageReader):
@@ -123,13 +120,8 @@ class ObjectStoreReader(StorageReader):
         self.verify = verify
         self.files: Optional[ObjectFiles] = None
         self.rank = 0
-        self.metadata: Optional[Metadata] = None
-        self._verified: set[MetadataIndex] = set()
         self._pool: Optional[cf.ThreadPoolExecutor] = None
-        self.bytes_read = 0
-        self.requests = 0
-        if url is not None:
-            self.reset(url)
+        self.reset(url)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -139,8 +131,8 @@ class ObjectStoreReader(StorageReader):
     def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
         if checkpoint_id is not None:
             self.files = ObjectFiles(str(checkpoint_id), self.settings)
-        self.metadata = None
-        self._verified = set()
+        self.metadata: Optional[Metadata] = None
+        self._verified: set[MetadataIndex] = set()
         self.bytes_read = 0
         self.requests = 0
 

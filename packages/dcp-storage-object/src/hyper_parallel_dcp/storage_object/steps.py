@@ -28,7 +28,7 @@ from .client import ObjectStore, ObjectStoreError, ObjectStoreSettings, parse_ur
 from .files import ObjectFiles
 from .locks import ObjectLease, holder_is_dead, is_stale, lock_key, readlock_prefix
 
-__all__ = ["ObjectSteps", "object_steps"]
+__all__ = ["ObjectSteps"]
 
 logger = logging.getLogger(__name__)
 
@@ -245,8 +245,3 @@ class ObjectSteps:
             return True
         finally:
             lease.release()
-
-
-def object_steps(root: Any) -> ObjectSteps:
-    """The registry's ``steps`` factory for object-store URLs."""
-    return ObjectSteps(str(root))

@@ -140,8 +140,7 @@ class ObjectStoreWriter(StorageWriter):
         self.is_coordinator = True
         self.atomic = True
         self._lock: Optional[ObjectLease] = None
-        if url is not None:
-            self.reset(url)
+        self.reset(url)
 
     def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
         if checkpoint_id is not None:
