@@ -78,13 +78,10 @@ def _save(plan_sd: dict[str, Any], src: Any, dst: PathLike, fetch: Optional[Call
 
 def full_state_dict_to_dcp_format(state_dict: Mapping[str, Any], dst: PathLike, *,
                                   key_mapping: KeyMapping = None, progress: bool = False) -> ConversionReport:
-    """Save a full (unsharded) in-memory state dict as a checkpoint at ``dst``.
-
-    Nested dicts/lists are flattened to dotted names (then renamed by ``key_mapping``);
-    tensors are written as one chunk each, other leaves as objects.  ``state_dict`` is not
-    modified.  An existing checkpoint at ``dst`` is replaced atomically.  Raises what the
-    save raises (e.g. ``TypeError`` for a dtype safetensors cannot store).
-    """
+    """Save a full in-memory state dict (not modified) as a checkpoint at ``dst``, replacing
+    one there atomically: nested keys dotted, then renamed by ``key_mapping``; a chunk per
+    tensor, other leaves objects.  Raises what the save raises (``TypeError`` for a dtype
+    safetensors cannot store)."""
     flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
     names = map_keys(flat, key_mapping)
     plan_sd = {new: flat[old] for old, new in names.items()}
@@ -137,17 +134,14 @@ def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, prog
 
 def convert_full_checkpoint_to_dcp(src: PathLike, dst: PathLike, src_platform: str = "huggingface", *,
                                    key_mapping: KeyMapping = None, progress: bool = False) -> ConversionReport:
-    """Convert a full checkpoint at ``src`` into a checkpoint directory at ``dst``, streaming.
+    """Convert a full checkpoint at ``src`` into a checkpoint at ``dst``, streaming (memory
+    holds about one tensor); ``dst`` is created, or the checkpoint in it replaced atomically.
 
-    ``src_platform="huggingface"``: a Hugging Face safetensors checkpoint (a directory with
-    ``model.safetensors.index.json`` and its shards, or with one ``.safetensors`` file, or
-    a single file).  ``src_platform="torch"``: a full PyTorch checkpoint file written by
-    ``torch.save`` (read with ``weights_only=True``; nested dicts become dotted names) or a
-    ``.safetensors`` file.  ``key_mapping`` renames (or drops) tensors.  Memory holds about
-    one tensor at a time.  ``dst`` is created, or the checkpoint in it replaced atomically.
-
-    Returns a :class:`ConversionReport`.  Raises :class:`CheckpointNotFoundError` /
-    :class:`CheckpointFormatError` naming the file for a missing or inconsistent source, and
+    ``src_platform="huggingface"``: safetensors (as :func:`scan_huggingface_checkpoint`
+    reads); ``"torch"``: a ``torch.save`` file (``weights_only=True``, nested keys dotted)
+    or a ``.safetensors`` file.  ``key_mapping`` renames (or drops) tensors.  Returns a
+    :class:`ConversionReport`.  Raises :class:`CheckpointNotFoundError` /
+    :class:`CheckpointFormatError` naming the file for a missing or inconsistent source,
     ``ValueError`` for an unknown ``src_platform``.
     """
     platform = src_platform.lower()
