@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
 from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, parse_step_name, step_name
@@ -121,17 +121,21 @@ class ObjectSteps:
     def remove_step(self, step: int) -> bool:
         """Delete every object of ``step`` (``.metadata`` first); False (nothing done) when a
         save into it or a :meth:`reading` of it is running, or it is gone already."""
-        lease = ObjectLease(self.store, self._lock_key(step), what="deletion", target=self.location(step))
+        # the readers are checked after the lock is taken: see the module docstring
+        return self._remove_locked(step, "deletion", lambda: not self._fresh_readers(step) and bool(self._objects(step)))
+
+    def _remove_locked(self, step: int, what: str, still_wanted: Callable[[], bool]) -> bool:
+        """Remove ``step``'s objects holding its save lock (which also keeps a new save out), if
+        ``still_wanted()`` once the lock is held; False when the lock is taken or not wanted."""
+        lease = ObjectLease(self.store, self._lock_key(step), what=what, target=self.location(step))
         try:
             lease.acquire(wait=False)
         except ConcurrentSaveError:
             return False
         try:
-            if self._fresh_readers(step):  # after taking the lock: see the module docstring
+            if not still_wanted():
                 return False
-            if not self._objects(step):
-                return False
-            ObjectFiles(self.location(step), store=self.store).remove()
+            self._files.child(step_name(step)).remove()
             return True
         finally:
             lease.release()
@@ -231,17 +235,6 @@ class ObjectSteps:
             if found is None or not self._abandoned(key, found[1]):
                 return False
             return self.store.delete_if(key, found[2])
-        if item.kind != "incomplete":
-            return False
-        lease = ObjectLease(self.store, self._lock_key(item.step), what="clean-up", target=item.location)
-        try:
-            lease.acquire(wait=False)  # also keeps a new save of this step out while we remove
-        except ConcurrentSaveError:
-            return False
-        try:
-            if self.is_complete(item.step):
-                return False  # a save completed it meanwhile
-            ObjectFiles(item.location, store=self.store).remove()
-            return True
-        finally:
-            lease.release()
+        # not when a save completed it meanwhile
+        return item.kind == "incomplete" and self._remove_locked(item.step, "clean-up",
+                                                                 lambda: not self.is_complete(item.step))
