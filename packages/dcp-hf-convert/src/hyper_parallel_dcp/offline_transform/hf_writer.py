@@ -116,12 +116,11 @@ def write_huggingface_checkpoint(dst: Union[str, os.PathLike], specs: Sequence[T
                                  sync_files: bool = True) -> ConversionReport:
     """Write the tensors named by ``specs`` as a Hugging Face checkpoint in ``dst``.
 
-    ``fetch(name)`` is called once per tensor, just before it is written, and must return
-    a CPU tensor of the spec's shape and dtype.  Each file is written under a temporary
-    name and renamed into place; the index is written after every shard, and stale weight
-    files of an earlier export are removed last.  ``dst`` is created if needed; files that
-    are not weights (config.json, ...) are left alone.  Raises ``ValueError`` for a bad
-    ``max_shard_size`` and whatever ``fetch`` raises (no partial file is left behind).
+    ``fetch(name)`` returns each tensor (CPU, the spec's shape and dtype) just before it is
+    written.  Files are written atomically, the index after the shards, stale weight files
+    of an earlier export removed last; other files in ``dst`` (created if needed) stay.
+    Raises ``ValueError`` for a bad ``max_shard_size`` and what ``fetch`` raises (no
+    partial file is left behind).
     """
     root = Path(dst)
     plan = plan_huggingface_shards(specs, max_shard_size)

@@ -35,13 +35,9 @@ PathLike = Union[str, os.PathLike]
 
 
 class StreamingSavePlanner(StandardSavePlanner):
-    """A save planner whose tensor data comes from ``fetch(write_item)`` at write time.
-
-    The state dict it plans from may hold meta tensors (only shape and dtype matter);
-    ``resolve_data`` returns ``fetch(write_item)``, its shape checked against the plan.
-    Without ``fetch`` the data is the state dict's own (an in-memory save with progress).
-    ``on_tensor(nbytes)`` is called for each tensor handed to the writer.
-    """
+    """A save planner whose tensor data is ``fetch(write_item)`` at write time (the planned
+    state dict may hold meta tensors), its shape checked against the plan; without
+    ``fetch``, the state dict's own.  ``on_tensor(nbytes)`` is called for each tensor."""
 
     def __init__(self, fetch: Optional[Callable[[WriteItem], torch.Tensor]] = None,
                  on_tensor: Optional[Callable[[int], None]] = None) -> None:

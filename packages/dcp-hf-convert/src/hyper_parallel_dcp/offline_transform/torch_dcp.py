@@ -71,12 +71,12 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                              progress: bool = False) -> ConversionReport:
     """Convert the torch DCP checkpoint at ``src`` into a hyper-parallel-dcp checkpoint at ``dst``.
 
-    Same keys, dtypes and values; chunks are the source's, cut into row blocks of at most
-    ``batch_bytes``.  Objects are restored with ``weights_only`` rules (a class not
-    allow-listed raises :class:`UnsafeObjectError` naming it).  ``dst`` is created, or
-    the checkpoint in it replaced atomically.  Raises ``ValueError`` for a source that is
-    not a torch DCP checkpoint or a batch size below 1, :class:`CheckpointNotFoundError` /
-    :class:`CheckpointFormatError` for a missing or unreadable source.
+    Same keys, dtypes and values, in row blocks of at most ``batch_bytes``; objects restored
+    with ``weights_only`` rules (:class:`UnsafeObjectError` naming a class not allow-listed).
+    ``dst`` is created, or its checkpoint replaced atomically.  Raises ``ValueError`` for a
+    source that is not a torch DCP checkpoint or a batch size below 1,
+    :class:`CheckpointNotFoundError` / :class:`CheckpointFormatError` for a missing or
+    unreadable source.
     """
     _check_batch(batch_bytes)
     if not is_torch_dcp_checkpoint(src):
@@ -111,11 +111,10 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                              progress: bool = False, sync_files: bool = True) -> ConversionReport:
     """Write the checkpoint at ``src`` (either format) as a torch DCP checkpoint at ``dst``.
 
-    The result is what ``torch.distributed.checkpoint.load`` with its ``FileSystemReader``
-    reads, into any layout.  Chunks are the source's, cut into row blocks of at most
-    ``batch_bytes``; objects are copied as stored.  ``.metadata`` is written last, so an
-    interrupted conversion leaves no loadable checkpoint (and a complete one in ``dst`` is
-    replaced only at that moment).  Raises as :func:`convert_torch_dcp_to_dcp`.
+    ``torch.distributed.checkpoint.load`` reads the result into any layout.  Row blocks of
+    at most ``batch_bytes``, objects copied as stored, ``.metadata`` written last (an
+    interrupted conversion leaves no loadable checkpoint).  Raises as
+    :func:`convert_torch_dcp_to_dcp`.
     """
     from torch.distributed.checkpoint import metadata as tm
     from torch.distributed.checkpoint.filesystem import _StorageInfo

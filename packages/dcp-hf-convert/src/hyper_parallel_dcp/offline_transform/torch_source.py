@@ -26,13 +26,10 @@ _MADV_DONTNEED = 4
 
 
 def load_torch_checkpoint(path: Union[str, os.PathLike]) -> tuple[Any, bool]:
-    """``(loaded object, mapped)`` for a ``torch.save`` file; ``mapped`` is True when the
-    tensors are views of a file mapping (zip format) rather than loaded into memory.
-
-    Loading never runs code from the file (``weights_only=True``): a class that is not
-    allow-listed fails with an error naming it.  Raises :class:`CheckpointNotFoundError`
-    for a missing file and :class:`CheckpointFormatError` for a file torch cannot read.
-    """
+    """``(loaded object, mapped)`` for a ``torch.save`` file, ``mapped`` when its tensors view
+    a file mapping (zip format).  Never runs code from the file (``weights_only=True``).
+    Raises :class:`CheckpointNotFoundError` for a missing file, :class:`CheckpointFormatError`
+    for one torch cannot read (or naming a class that is not allow-listed)."""
     file = Path(path)
     if not file.is_file():
         raise CheckpointNotFoundError(f"PyTorch checkpoint file {file} does not exist "
@@ -62,13 +59,9 @@ def _madvise() -> Optional[Any]:
 
 
 class PageReleaser:
-    """Drops the resident pages of tensors that are views of a *file mapping*.
-
-    Only for tensors from :func:`load_torch_checkpoint` with ``mapped=True``: on a
-    private, never-written file mapping ``MADV_DONTNEED`` just forgets the pages (a later
-    access reads them from the file again).  On ordinary memory it would zero data, so
-    the caller must not pass anything else.
-    """
+    """Drops the resident pages of tensors viewing a *file mapping* (``MADV_DONTNEED``: a
+    later access reads the file again).  Only for :func:`load_torch_checkpoint`'s tensors
+    with ``mapped=True``: on ordinary memory it would zero data."""
 
     def __init__(self) -> None:
         self._madvise = _madvise()

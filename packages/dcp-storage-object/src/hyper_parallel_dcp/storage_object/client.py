@@ -80,10 +80,7 @@ class ObjectStoreError(CheckpointError, OSError):
 
 
 def parse_url(url: str) -> tuple[str, str, str]:
-    """``s3://bucket/a/b`` → ``("s3", "bucket", "a/b")`` (prefix without surrounding slashes).
-
-    Raises ``ValueError`` for a URL without a bucket.
-    """
+    """``s3://bucket/a/b`` → ``("s3", "bucket", "a/b")``; ``ValueError`` for a URL without a bucket."""
     scheme, sep, rest = str(url).partition("://")
     if not sep:
         raise ValueError(f"{url!r} is not an object-store URL (expected s3://bucket/prefix)")
@@ -183,10 +180,7 @@ class _ShortBody(Exception):
 
 class ObjectStore:
     """One bucket's client: the requests a checkpoint needs, each retried when transient.
-
-    Thread-safe (botocore clients are); the client is built on first use in each process,
-    so the object pickles (the async writer process gets its own connections).
-    """
+    Thread-safe; picklable (each process builds its own client on first use)."""
 
     def __init__(self, bucket: str, settings: Optional[ObjectStoreSettings] = None, scheme: str = "s3") -> None:
         self.bucket = bucket

@@ -125,13 +125,10 @@ class ObjectLease:
     def acquire(self, wait: bool = True) -> None:
         """Create the object (exclusive: only when absent).
 
-        When an exclusive lock exists, ``wait`` watches it: a live holder rewrites it within
-        ``lock_refresh`` seconds (then this raises), a dead one's lock turns stale (then it
-        is taken over, ``If-Match`` the stale ETag) or disappears (then it is created).  So a
-        save right after a killed one waits up to ``lock_stale_after`` seconds, and a second
-        live save is refused within about ``lock_refresh``.  ``wait=False`` raises at once.
-
-        Raises :class:`ConcurrentSaveError` naming the holder when another live holder has it.
+        With ``wait``, an exclusive lock found is watched: a live holder rewrites it within
+        ``lock_refresh`` s, a dead one's turns stale (taken over, ``If-Match`` the stale
+        ETag) or disappears.  Raises :class:`ConcurrentSaveError` naming the holder when a
+        live holder has it (``wait=False``: at once).
         """
         s = self.store.settings
         seen: Optional[str] = None

@@ -44,13 +44,9 @@ _WINDOW_BYTES = 512 << 20
 
 def byte_runs(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
               itemsize: int, overhead: float = READ_OVERHEAD) -> list[tuple[int, int]]:
-    """``(start, length)`` byte ranges (relative to the chunk) covering the sub-box
-    ``offsets + lengths`` of a row-major chunk, in order.
-
-    One range per contiguous run of the box, then the smallest gaps between runs are
-    merged (one request instead of two) while the bytes fetched stay within
-    ``1 + overhead`` times the bytes needed.
-    """
+    """``(start, length)`` byte ranges (relative to the chunk), in order, covering the box
+    ``offsets + lengths`` of a row-major chunk: one per contiguous run, the smallest gaps
+    merged while the bytes fetched stay within ``1 + overhead`` times those needed."""
     if not lengths:
         return [(0, itemsize)]
     if any(n == 0 for n in lengths):

@@ -125,12 +125,8 @@ class _UploadStream:
 
 
 class ObjectStoreWriter(StorageWriter):
-    """Writes a checkpoint to ``s3://bucket/prefix`` (objects named as the files would be).
-
-    ``settings`` tunes the transfers (:class:`ObjectStoreSettings`).  With collectives (or
-    one process) the coordinator removes the id's old checkpoint before any rank writes
-    and commits ``.metadata`` last; without, each rank writes ``{rank}.metadata``.
-    """
+    """Writes a checkpoint to ``s3://bucket/prefix`` (objects named as the files would be),
+    ``settings`` tuning the transfers.  Without collectives each rank writes ``{rank}.metadata``."""
 
     def __init__(self, url: Union[str, None] = None, *, settings: Optional[ObjectStoreSettings] = None) -> None:
         self.settings = settings or ObjectStoreSettings()
