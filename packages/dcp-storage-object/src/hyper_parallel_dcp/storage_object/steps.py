@@ -200,11 +200,11 @@ class ObjectSteps:
             hidden = _HIDDEN.match(key[len(base):]) if size >= 0 else None
             if hidden:
                 locks[key] = modified
-                step = int(hidden.group(1))
+                of_step = int(hidden.group(1))
                 kind = "lock" if hidden.group(2) == "lock" else "readlock"
-                if (check_running and step not in protected and (max_step is None or step <= max_step)
+                if (check_running and of_step not in protected and (max_step is None or of_step <= max_step)
                         and self._abandoned(key, modified, now)):
-                    out.append(Leftover(step, kind, self.store.url(key), size))
+                    out.append(Leftover(of_step, kind, self.store.url(key), size))
         for key, size, _ in entries:
             step = parse_step_name(key[len(base):].rstrip("/")) if size < 0 else None
             if (step is None or (max_step is not None and step > max_step) or older_than is None
