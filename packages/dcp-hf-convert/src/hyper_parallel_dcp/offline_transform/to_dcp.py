@@ -27,7 +27,8 @@ from .progress import ConversionReport, Progress
 from .staging import StagingBuffer
 from .torch_source import PageReleaser, load_torch_checkpoint
 
-__all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state_dict_to_dcp_format"]
+__all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state_dict_to_dcp_format",
+           "save_streaming"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,14 @@ class StreamingSavePlanner(StandardSavePlanner):
         return data
 
 
-def _save(plan_sd: dict[str, Any], src: Any, dst: PathLike, fetch: Optional[Callable[[WriteItem], torch.Tensor]],
-          progress: bool, desc: str) -> ConversionReport:
+def save_streaming(plan_sd: dict[str, Any], src: Any, dst: PathLike,
+                   fetch: Optional[Callable[[WriteItem], torch.Tensor]], progress: bool, desc: str,
+                   total: Optional[int] = None) -> ConversionReport:
+    """Save ``plan_sd`` (meta tensors served by ``fetch``) at ``dst`` in one process, with a
+    progress bar over ``total`` bytes (default: the tensors'); returns the report."""
     report = ConversionReport(str(src), str(dst))
-    total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
+    if total is None:
+        total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
     report.objects = sum(1 for t in plan_sd.values() if not is_tensor_leaf(t))
     report.tensors = len(plan_sd) - report.objects
     with Progress(report, total, desc, progress) as bar:
@@ -81,7 +86,7 @@ def full_state_dict_to_dcp_format(state_dict: Mapping[str, Any], dst: PathLike, 
     flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
     names = map_keys(flat, key_mapping)
     plan_sd = {new: flat[old] for old, new in names.items()}
-    return _save(plan_sd, "<state_dict>", dst, None, progress, "state_dict -> DCP")
+    return save_streaming(plan_sd, "<state_dict>", dst, None, progress, "state_dict -> DCP")
 
 
 def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool) -> ConversionReport:
@@ -97,7 +102,7 @@ def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, pro
         entry = entries[source_of[item.index.fqn]]
         return read_entry(entry, out=buffer.view(entry.shape, entry.dtype))
 
-    return _save(plan_sd, src, dst, fetch, progress, "HF -> DCP")
+    return save_streaming(plan_sd, src, dst, fetch, progress, "HF -> DCP")
 
 
 def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool) -> ConversionReport:
@@ -122,7 +127,7 @@ def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, prog
         return tensor
 
     try:
-        return _save(plan_sd, src, dst, fetch, progress, "torch -> DCP")
+        return save_streaming(plan_sd, src, dst, fetch, progress, "torch -> DCP")
     finally:
         if releaser is not None and previous:
             releaser.release(previous.pop())

@@ -2,8 +2,8 @@
 
 Both directions cut the source's stored chunks into row blocks of at most ``batch_bytes``,
 each read through :class:`~.blocks.CheckpointBlocks` into one reused buffer and written
-as one stored chunk before the next is read.  :func:`convert_torch_dcp_to_dcp` saves
-through ``FileSystemWriter``; :func:`convert_dcp_to_torch_dcp` writes what torch writes
+as one stored chunk before the next is read.  :func:`convert_torch_dcp_to_dcp` saves as
+``hf-to-dcp`` does (``to_dcp.save_streaming``); :func:`convert_dcp_to_torch_dcp` writes what torch writes
 (one ``__0_0.distcp`` of ``torch.save`` archives, then the pickled ``.metadata``, last).
 """
 
@@ -23,16 +23,14 @@ from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.flatten import torch_style_leaves
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.metadata import BytesStorageMetadata, TensorStorageMetadata
-from hyper_parallel_dcp.core.pipeline import save_state_dict
 from hyper_parallel_dcp.core.planner import WriteItem
 from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
-from hyper_parallel_dcp.storage_fs.filesystem import FileSystemWriter
 from hyper_parallel_dcp.storage_fs.torch_dcp import is_torch_dcp_checkpoint
 
 from .blocks import CheckpointBlocks
 from .progress import ConversionReport, Progress
 from .staging import StagingBuffer
-from .to_dcp import StreamingSavePlanner
+from .to_dcp import save_streaming
 
 __all__ = ["DEFAULT_BATCH_BYTES", "convert_dcp_to_torch_dcp", "convert_torch_dcp_to_dcp"]
 
@@ -81,9 +79,8 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
     _check_batch(batch_bytes)
     if not is_torch_dcp_checkpoint(src):
         raise ValueError(f"{src} is not a torch.distributed.checkpoint checkpoint (no pickled .metadata)")
-    source = CheckpointBlocks(src)
+    source, buffer = CheckpointBlocks(src), StagingBuffer()
     plan_sd: dict[str, Any] = {}
-    report = ConversionReport(str(src), str(dst))
     for fqn, md in source.metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             pieces = [(box, torch.empty(box.sizes, dtype=md.properties.dtype, device="meta"))
@@ -91,20 +88,12 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
             plan_sd[fqn] = TensorShards(tuple(md.size), md.properties.dtype, pieces)
         else:
             plan_sd[fqn] = source.read_object(fqn)
-            report.objects += 1
-    buffer = StagingBuffer()
 
     def fetch(item: WriteItem) -> torch.Tensor:
         assert item.index.offset is not None and item.sizes is not None
         return _read_block(source, buffer, item.index.fqn, ChunkBox(item.index.offset, item.sizes))
 
-    with Progress(report, source.tensor_bytes(), "torch DCP -> DCP", progress) as bar:
-        metadata = save_state_dict(plan_sd, FileSystemWriter(dst), StreamingSavePlanner(fetch, bar.advance),
-                                   no_dist=True)
-    report.tensors = len(plan_sd) - report.objects
-    report.files = sorted(metadata.files) + [".metadata"]
-    logger.info("converted %s -> %s: %s", src, dst, report.summary())
-    return report
+    return save_streaming(plan_sd, src, dst, fetch, progress, "torch DCP -> DCP", source.tensor_bytes())
 
 
 def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int = DEFAULT_BATCH_BYTES,
