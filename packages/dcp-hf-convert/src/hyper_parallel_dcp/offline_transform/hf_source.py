@@ -26,6 +26,7 @@ from hyper_parallel_dcp.storage_fs.safetensors_stream import (
 from .keymap import KeyMapping, map_keys
 
 __all__ = [
+    "INDEX_FILE",
     "INDEX_SUFFIX",
     "SINGLE_FILE",
     "SafetensorsEntry",
@@ -37,6 +38,7 @@ __all__ = [
 
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+INDEX_FILE = SINGLE_FILE.removesuffix(".safetensors") + INDEX_SUFFIX
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
@@ -78,7 +80,7 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> list[SafetensorsEn
 
 
 def _find_index(root: Path) -> Union[Path, None]:
-    preferred = root / (SINGLE_FILE.removesuffix(".safetensors") + INDEX_SUFFIX)
+    preferred = root / INDEX_FILE
     if preferred.is_file():
         return preferred
     found = sorted(p for p in root.iterdir() if p.name.endswith(INDEX_SUFFIX) and p.is_file())

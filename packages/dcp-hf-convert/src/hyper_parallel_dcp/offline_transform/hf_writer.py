@@ -24,7 +24,7 @@ import torch
 from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
 from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, write_safetensors
 
-from .hf_source import INDEX_SUFFIX, SINGLE_FILE
+from .hf_source import INDEX_FILE, SINGLE_FILE
 from .options import parse_size
 from .progress import ConversionReport, Progress
 
@@ -32,7 +32,6 @@ __all__ = ["HFShardPlan", "TensorSpec", "plan_huggingface_shards", "write_huggin
 
 logger = logging.getLogger(__name__)
 
-INDEX_FILE = SINGLE_FILE.removesuffix(".safetensors") + INDEX_SUFFIX
 _SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -93,8 +92,7 @@ def plan_huggingface_shards(specs: Sequence[TensorSpec], max_shard_size: Union[i
     if len(shards) <= 1:
         files = {SINGLE_FILE: shards[0] if shards else []}
     else:
-        n = len(shards)
-        files = {f"model-{k + 1:05d}-of-{n:05d}.safetensors": names for k, names in enumerate(shards)}
+        files = {f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors": names for k, names in enumerate(shards)}
     return HFShardPlan(files, sum(s.nbytes for s in specs), sum(math.prod(s.shape) for s in specs))
 
 
