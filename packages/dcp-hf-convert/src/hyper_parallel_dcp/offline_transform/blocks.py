@@ -23,11 +23,9 @@ __all__ = ["CheckpointBlocks"]
 
 
 class CheckpointBlocks:
-    """The checkpoint at ``path`` (a directory or URL); its :attr:`metadata` is read once.
-
-    Raises :class:`CheckpointNotFoundError` when ``path`` holds no checkpoint and
-    :class:`CheckpointFormatError` for metadata that cannot be read.
-    """
+    """The checkpoint at ``path`` (a directory or URL), its :attr:`metadata` read once; raises
+    :class:`CheckpointNotFoundError` for no checkpoint, :class:`CheckpointFormatError` for
+    metadata that cannot be read."""
 
     def __init__(self, path: Union[str, os.PathLike]) -> None:
         self.path = path

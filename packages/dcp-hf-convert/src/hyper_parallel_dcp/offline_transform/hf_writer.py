@@ -65,10 +65,8 @@ class HFShardPlan:
 
 
 def plan_huggingface_shards(specs: Sequence[TensorSpec], max_shard_size: Union[int, str] = "5GB") -> HFShardPlan:
-    """Split ``specs`` (in their order) into files exactly as ``huggingface_hub`` does.
-
-    Raises ``ValueError`` for an unreadable ``max_shard_size`` or a repeated name.
-    """
+    """Split ``specs`` (in their order) into files exactly as ``huggingface_hub`` does;
+    ``ValueError`` for an unreadable ``max_shard_size`` or a repeated name."""
     limit = parse_size(max_shard_size)
     shards: list[list[str]] = []
     current: list[str] = []

@@ -102,11 +102,8 @@ class _Read:
 
 
 class ObjectStoreReader(StorageReader):
-    """Reads a checkpoint from ``s3://bucket/prefix`` with ranged GETs.
-
-    ``verify`` checks the xxh3 of every stored chunk a read touches (the whole chunk is
-    fetched once).  ``bytes_read`` counts the bytes fetched, ``requests`` the GETs.
-    """
+    """Reads a checkpoint from ``s3://bucket/prefix`` with ranged GETs; ``verify`` checks the
+    xxh3 of each chunk a read touches.  ``bytes_read`` counts the bytes fetched, ``requests`` the GETs."""
 
     collectives_required = True  # False once the metadata came from per-rank files
 

@@ -36,11 +36,8 @@ _HIDDEN = re.compile(r"^\.step_(0|[1-9][0-9]*)\.hp-dcp-(lock|readlock-[0-9a-f]+)
 
 
 class ObjectSteps:
-    """The ``step_N`` prefixes under an object-store ``root`` URL (see the module docstring).
-
-    Never touches an object under ``root`` that is not under ``step_N/`` or one of the
-    save machinery's hidden ``.step_N.hp-dcp-*`` names.
-    """
+    """The ``step_N`` prefixes under an object-store ``root`` URL; touches no object there but
+    those under ``step_N/`` and the hidden ``.step_N.hp-dcp-*`` ones."""
 
     def __init__(self, root: str, settings: Optional[ObjectStoreSettings] = None,
                  store: Optional[ObjectStore] = None) -> None:
@@ -142,11 +139,9 @@ class ObjectSteps:
 
     @contextmanager
     def reading(self, step: int) -> Iterator[None]:
-        """Hold ``step`` against :meth:`remove_step` (a reader mark) while it is loaded.
-
-        Raises :class:`CheckpointNotFoundError` when the step is being deleted or written,
-        or no longer complete.  Without write access (an evaluation job) no mark is made.
-        """
+        """Hold ``step`` against :meth:`remove_step` (a reader mark; none without write access)
+        while it is loaded.  Raises :class:`CheckpointNotFoundError` when the step is being
+        deleted or written, or no longer complete."""
         mark = ObjectLease(self.store, readlock_prefix(self._step_prefix(step)) + uuid.uuid4().hex,
                            exclusive=False, what="read", target=self.location(step))
         try:
