@@ -59,13 +59,20 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _run(case: str, src: Path, dst: Path) -> dict:
+def run_child(child: str, case: str, src: Path, dst: Path, *extra: str) -> dict:
+    """Run ``case`` of the script ``child`` in a fresh interpreter (``dst`` removed first);
+    returns the JSON line it prints last."""
     if dst.exists():
         shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, case, str(src), str(dst)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", child, case, str(src), str(dst), *extra], capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{case} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _run(case: str, src: Path, dst: Path) -> dict:
+    return run_child(_CHILD, case, src, dst)
 
 
 def main() -> None:

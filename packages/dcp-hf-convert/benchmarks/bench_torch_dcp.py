@@ -13,16 +13,14 @@ after imports), which for ours should stay within about one batch::
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import textwrap
 import warnings
 from pathlib import Path
 
 import torch
+from bench_convert import run_child  # this folder is on sys.path when the script runs
 
 _CHILD = textwrap.dedent(
     """
@@ -54,13 +52,7 @@ _CHILD = textwrap.dedent(
 
 
 def _run(case: str, src: Path, dst: Path, batch: int) -> dict:
-    if dst.exists():
-        shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, case, str(src), str(dst), str(batch)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{case} failed:\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_child(_CHILD, case, src, dst, str(batch))
 
 
 def main() -> None:

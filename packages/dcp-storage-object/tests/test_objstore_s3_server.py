@@ -234,6 +234,17 @@ def test_unreachable_endpoint_fails_within_the_timeout(monkeypatch):
     assert time.monotonic() - started < 20
 
 
+def test_missing_credentials_name_the_variables_and_the_guide(s3_endpoint, monkeypatch, tmp_path):
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {"AWS_ENDPOINT_URL": s3_endpoint, "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                 "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")
+                 }.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ObjectStoreError, match=r"bucket 'ckpts', key 'run/\.metadata'.*AWS_ACCESS_KEY_ID and "
+                       r"AWS_SECRET_ACCESS_KEY \(and AWS_ENDPOINT_URL .*docs/object-storage\.md"):
+        _load({"a": torch.ones(2)}, f"s3://{BUCKET}/run")
+
 
 
 # -------------------------------------------- what checkpoint retention needs from a root

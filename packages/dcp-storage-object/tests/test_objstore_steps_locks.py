@@ -171,12 +171,13 @@ def test_half_deleted_step_is_incomplete_and_a_leftover(s3_test_env):
         _save({"w": torch.full((16,), float(step))}, steps.location(step))
     # a deletion of step 1 that died after its first request: .metadata first, so not complete
     store.delete(["steps-c/step_1/.metadata"])
+    store.put("steps-c/step_1/sub/notes.txt", b"mine")  # a step_N prefix is the manager's, whatever it holds
     # a save of step 2 that died: data only, and its lock never renewed again (stale)
     store.delete(["steps-c/step_2/.metadata"])
     store.put("steps-c/.step_2.hp-dcp-lock", b"{}")
-    # step 3 incomplete but holding a file of the user's: left alone
+    # step 3 incomplete but holding a checkpoint saved without collectives (it loads): left alone
     store.delete(["steps-c/step_3/.metadata"])
-    store.put("steps-c/step_3/my-notes.txt", b"mine")
+    store.put("steps-c/step_3/0.metadata", b"{}")
     assert [(e.step, e.complete) for e in steps.list_steps()] == [(1, False), (2, False), (3, False), (4, True)]
     # step 2's lock is fresh: its save may be running
     assert [(x.step, x.kind) for x in steps.find_leftovers(older_than=4)] == [(1, "incomplete")]
@@ -190,7 +191,7 @@ def test_half_deleted_step_is_incomplete_and_a_leftover(s3_test_env):
     assert steps.find_leftovers(older_than=4, protected=frozenset({2})) == [found[0]]
     # step 2's clean-up takes the stale lock over and releases it: the lock leftover is gone then
     assert [steps.remove_leftover(x) for x in found] == [True, True, False]
-    assert _keys("steps-c/") == ["steps-c/step_3/_rank0_.safetensors", "steps-c/step_3/my-notes.txt",
+    assert _keys("steps-c/") == ["steps-c/step_3/0.metadata", "steps-c/step_3/_rank0_.safetensors",
                                  "steps-c/step_4/.metadata", "steps-c/step_4/_rank0_.safetensors"]
     sd = {"w": torch.zeros(16)}
     _load(sd, steps.location(4))

@@ -1,16 +1,8 @@
 """hyper_parallel_dcp.offline_transform: Hugging Face safetensors ⇄ checkpoint, in one process.
 
-The five functions of the user guide::
-
-    convert_full_checkpoint_to_dcp(src, dst, src_platform="huggingface")   # HF dir / torch file → DCP
-    full_state_dict_to_dcp_format(state_dict, dst)                        # in-memory dict → DCP
-    dcp_to_full_state_dict(path)                                          # DCP → full dict in memory
-    parse_checkpoint_from_huggingface(path)                               # HF safetensors → dict
-    save_state_dict_as_huggingface_format(dst, state_dict, max_shard_size="5GB")  # dict (or DCP path) → HF
-
-plus :func:`convert_dcp_to_huggingface` (the streaming export behind ``hp-dcp-convert
-dcp-to-hf``).  Conversions between files stream: memory holds about one tensor (HF → DCP)
-or one load batch (DCP → HF), never the model.
+The user guide's five functions (HF dir / torch file → DCP, dict → DCP, DCP → dict,
+HF → dict, dict or DCP → HF) and :func:`convert_dcp_to_huggingface` (``hp-dcp-convert
+dcp-to-hf``).  File conversions stream: memory holds about one tensor or one batch.
 """
 
 from .__about__ import __version__

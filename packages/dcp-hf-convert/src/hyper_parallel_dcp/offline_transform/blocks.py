@@ -1,10 +1,7 @@
 """A checkpoint opened for many small reads through the load path: :class:`CheckpointBlocks`.
 
-The streaming conversions and ``hp-dcp diff`` read a checkpoint a block, a tensor or an
-object at a time, in one process.  Each read is the ordinary load step (the standard load
-planner over the wanted regions, then the reader's ``execute_read``) on one reader and one
-parsed metadata, so file headers are parsed once, whatever the number of reads.  Any
-backend and both formats (ours, a torch.distributed.checkpoint directory) work.
+Each read (a block, a tensor, an object) is the ordinary load step on one reader and one
+parsed metadata, so headers are parsed once; any backend, both formats.
 """
 
 from __future__ import annotations
@@ -26,11 +23,9 @@ __all__ = ["CheckpointBlocks"]
 
 
 class CheckpointBlocks:
-    """The checkpoint at ``path`` (a directory or URL); its :attr:`metadata` is read once.
-
-    Raises :class:`CheckpointNotFoundError` when ``path`` holds no checkpoint and
-    :class:`CheckpointFormatError` for metadata that cannot be read.
-    """
+    """The checkpoint at ``path`` (a directory or URL), its :attr:`metadata` read once; raises
+    :class:`CheckpointNotFoundError` for no checkpoint, :class:`CheckpointFormatError` for
+    metadata that cannot be read."""
 
     def __init__(self, path: Union[str, os.PathLike]) -> None:
         self.path = path

@@ -1,16 +1,9 @@
 """``hp-dcp-convert``: offline Hugging Face ⇄ checkpoint conversion from the shell.
 
-    hp-dcp-convert hf-to-dcp SRC DST [--src-platform huggingface|torch] [--overwrite]
-    hp-dcp-convert dcp-to-hf SRC DST [--max-shard-size 5GB] [--dtype bf16] [--only PREFIX | --all]
-                                     [--strip-prefix PREFIX] [--overwrite]
-    hp-dcp-convert torch-dcp-to-dcp SRC DST [--batch-size 256MB] [--overwrite]
-    hp-dcp-convert dcp-to-torch-dcp SRC DST [--batch-size 256MB] [--overwrite]
-
-``dcp-to-hf`` of a trainer checkpoint (``{"model": ..., "optim": ..., "step": ...}``) exports
-the model's weights, ``model.`` stripped, and says so; ``--all`` exports every tensor.
-Exit codes: 0 done, 1 the conversion failed (missing or inconsistent source, ...),
-2 usage error (bad arguments, or a non-empty DST without ``--overwrite``, which is left
-untouched).  ``main(argv)`` is also what the umbrella's ``hp-dcp convert`` calls.
+Sub-commands ``hf-to-dcp``, ``dcp-to-hf`` (a trainer checkpoint exports the model's weights,
+``model.`` stripped; ``--all`` every tensor), ``torch-dcp-to-dcp``, ``dcp-to-torch-dcp``.
+Exit codes: 0 done, 1 the conversion failed, 2 usage error (bad arguments, or a non-empty
+DST without ``--overwrite``, left untouched).  ``main(argv)`` also serves ``hp-dcp convert``.
 """
 
 from __future__ import annotations
@@ -78,39 +71,34 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return parser
 
 
-def _destination_problem(src: Any, dst: Any, overwrite: bool) -> Optional[str]:
+def _check_destination(src: Any, dst: Any, overwrite: bool) -> None:
+    """Raise ``ValueError`` (a usage error) for a DST the conversion must not write into."""
     from hyper_parallel_dcp.core.backends import url_scheme
+    from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
 
-    not_empty = f"DST {dst} is not empty; pass --overwrite to replace it (nothing was written)"
-    if url_scheme(str(dst)) != "file":
-        from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
-
-        return not_empty if not overwrite and as_checkpoint_files(str(dst)).exists() else None
-    if dst.exists() and not dst.is_dir():
-        return f"DST {dst} exists and is not a directory"
-    if isinstance(src, Path) and src.exists() and dst.exists() and os.path.samefile(src, dst):
-        return f"SRC and DST are the same path ({dst})"
-    return not_empty if not overwrite and dst.is_dir() and any(dst.iterdir()) else None
+    remote = url_scheme(str(dst)) != "file"
+    if not remote and dst.exists() and not dst.is_dir():
+        raise ValueError(f"DST {dst} exists and is not a directory")
+    if not remote and isinstance(src, Path) and src.exists() and dst.exists() and os.path.samefile(src, dst):
+        raise ValueError(f"SRC and DST are the same path ({dst})")
+    if not overwrite and (as_checkpoint_files(str(dst)).exists() if remote else dst.is_dir() and any(dst.iterdir())):
+        raise ValueError(f"DST {dst} is not empty; pass --overwrite to replace it (nothing was written)")
 
 
 def _convert(args: argparse.Namespace, src: Any, dst: Any, show: bool) -> Any:
     """Run the conversion ``args`` asks for; returns its :class:`ConversionReport`."""
+    from .from_dcp import convert_dcp_to_huggingface
+    from .keymap import KeyMapping, only_prefixes, strip_prefixes
     from .options import parse_size
+    from .to_dcp import convert_full_checkpoint_to_dcp
+    from .torch_dcp import convert_dcp_to_torch_dcp, convert_torch_dcp_to_dcp
 
     if args.command in _TORCH_DCP:
-        from .torch_dcp import convert_dcp_to_torch_dcp, convert_torch_dcp_to_dcp
-
         convert = convert_torch_dcp_to_dcp if args.command == _TORCH_DCP[0] else convert_dcp_to_torch_dcp
         return convert(src, dst, batch_bytes=parse_size(args.batch_size), progress=show)
-    from .keymap import KeyMapping, only_prefixes, strip_prefixes
-
     mapping: KeyMapping = strip_prefixes(*args.strip_prefix) if args.strip_prefix else None
     if args.command == "hf-to-dcp":
-        from .to_dcp import convert_full_checkpoint_to_dcp
-
         return convert_full_checkpoint_to_dcp(src, dst, args.src_platform, key_mapping=mapping, progress=show)
-    from .from_dcp import convert_dcp_to_huggingface
-
     if args.only:
         mapping = only_prefixes(args.only, mapping)
     return convert_dcp_to_huggingface(src, dst, args.max_shard_size, dtype=args.dtype, key_mapping=mapping,
@@ -135,9 +123,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     # a URL (s3://bucket/x) stays a string: Path() would fold its '//'
     src, dst = (a if url_scheme(a) != "file" else Path(a) for a in (args.src, args.dst))
     try:  # the values argparse cannot check are usage errors too
-        problem = _destination_problem(src, dst, args.overwrite)
-        if problem is not None:
-            raise ValueError(problem)
+        _check_destination(src, dst, args.overwrite)
         if args.command in _TORCH_DCP:
             parse_size(args.batch_size)
         elif args.command == "dcp-to-hf":

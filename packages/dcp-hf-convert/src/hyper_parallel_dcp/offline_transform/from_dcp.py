@@ -1,9 +1,7 @@
 """DCP → full state dict, and DCP → Hugging Face safetensors, streaming.
 
-Reads go through :class:`~.blocks.CheckpointBlocks` (the load path, one reader, any
-backend).  The streaming export assembles one whole tensor at a time into one reused
-buffer, just before the safetensors writer writes it: memory holds about the largest
-tensor, whatever the size of the model or of an output shard.
+Reads go through :class:`~.blocks.CheckpointBlocks`; the export assembles one whole tensor
+at a time into one reused buffer just before it is written (memory: the largest tensor).
 """
 
 from __future__ import annotations
@@ -38,13 +36,9 @@ MODEL_PREFIX = "model."
 
 
 def dcp_to_full_state_dict(path: PathLike, *, key_mapping: KeyMapping = None) -> dict[str, Any]:
-    """Every entry of the checkpoint at ``path``, assembled into full tensors in memory.
-
-    Returns a flat ``{fqn: tensor or object}`` dict in checkpoint order, renamed by
-    ``key_mapping``.  Holds the whole model; to export without that, use
-    :func:`convert_dcp_to_huggingface`.  Raises :class:`CheckpointNotFoundError` when
-    ``path`` holds no checkpoint, and the load's errors for missing or corrupt files.
-    """
+    """Every entry of the checkpoint at ``path`` as a flat ``{fqn: full tensor or object}``
+    in checkpoint order, renamed by ``key_mapping`` (the whole model in memory).  Raises
+    :class:`CheckpointNotFoundError` for no checkpoint, and the load's errors."""
     source = CheckpointBlocks(path)
     sd_md = source.metadata.state_dict_metadata
     names = map_keys(sd_md, key_mapping)
@@ -55,10 +49,8 @@ def dcp_to_full_state_dict(path: PathLike, *, key_mapping: KeyMapping = None) ->
 
 
 def is_trainer_checkpoint(sd_md: Mapping[str, Any]) -> bool:
-    """Whether the entries ``sd_md`` (FQN → stored metadata) are a trainer's checkpoint: a
-    :data:`MODEL_PREFIX` subtree of tensors beside non-tensor state (an optimizer's
-    ``param_groups``, a step, a data-loader position).  A model's own state dict (all
-    tensors, ``model.layers.0...`` beside ``lm_head.weight``) is not."""
+    """Whether ``sd_md`` (FQN → stored metadata) is a trainer's checkpoint: a
+    :data:`MODEL_PREFIX` subtree of tensors beside non-tensor state (optimizer, step, ...)."""
     has_model = any(fqn.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata) for fqn, md in sd_md.items())
     return has_model and any(not fqn.startswith(MODEL_PREFIX) and not isinstance(md, TensorStorageMetadata)
                              for fqn, md in sd_md.items())
@@ -86,17 +78,14 @@ def convert_dcp_to_huggingface(src: PathLike, dst: PathLike, max_shard_size: Uni
                                sync_files: bool = True) -> ConversionReport:
     """Export the checkpoint at ``src`` as Hugging Face safetensors in ``dst``, streaming.
 
-    Tensors keep the checkpoint's order and names (renamed by ``key_mapping``); floating
-    tensors are cast to ``dtype`` when given (``"bf16"``, ``torch.float16``, ...);
-    non-tensor entries are skipped (logged).  ``model_only=True`` exports only the tensors
-    under ``model.``, with that prefix stripped before ``key_mapping`` applies; ``None``
-    does so when :func:`is_trainer_checkpoint` says it is one (and logs it), as
-    ``hp-dcp-convert dcp-to-hf`` does; ``False`` exports every tensor.  Files as
-    :func:`write_huggingface_checkpoint` writes them (weights and index only, no
-    config.json).  Memory holds about the largest tensor (twice, when it is cast).
-    Raises :class:`CheckpointNotFoundError` when ``src`` holds no checkpoint,
-    ``ValueError`` for a bad size or dtype, or for ``model_only=True`` without a
-    ``model.`` tensor.
+    Tensors keep the checkpoint's order and names (renamed by ``key_mapping``), floating
+    ones cast to ``dtype`` when given (``"bf16"``, ``torch.float16``, ...); non-tensor
+    entries are skipped (logged).  ``model_only=True`` exports the tensors under ``model.``
+    with the prefix stripped before ``key_mapping``; ``None`` does so for a trainer
+    checkpoint (:func:`is_trainer_checkpoint`, logged); ``False`` exports every tensor.
+    Writes weights and index only (:func:`write_huggingface_checkpoint`); memory holds
+    about the largest tensor.  Raises :class:`CheckpointNotFoundError` for no checkpoint,
+    ``ValueError`` for a bad size or dtype or ``model_only=True`` without a ``model.`` tensor.
     """
     cast = parse_dtype(dtype)
     source = CheckpointBlocks(src)
@@ -134,13 +123,10 @@ def save_state_dict_as_huggingface_format(dst: PathLike, state_dict: Union[Mappi
                                           progress: bool = False, sync_files: bool = True) -> ConversionReport:
     """Write ``state_dict`` as a Hugging Face safetensors checkpoint in ``dst``.
 
-    ``state_dict`` is a (possibly nested) dict of tensors (nested keys become dotted
-    names, non-tensor leaves are skipped), or the path of a checkpoint, which is then
-    exported streaming (:func:`convert_dcp_to_huggingface`).  DTensors are gathered with
-    ``full_tensor()``.  Sharding and file names follow ``save_pretrained``
-    (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` plus
-    ``model.safetensors.index.json``); ``max_shard_size`` is bytes or a string like
-    ``"5GB"``/``"500MB"``/``"2GiB"``.  ``state_dict`` is not modified.  Raises
+    ``state_dict``: a (nested) dict of tensors, nested keys dotted, non-tensor leaves
+    skipped, DTensors gathered (``full_tensor()``), not modified; or a checkpoint's path,
+    exported streaming (:func:`convert_dcp_to_huggingface`).  Files as ``save_pretrained``
+    names them; ``max_shard_size`` is bytes or e.g. ``"5GB"``/``"2GiB"``.  Raises
     ``ValueError`` for a bad size or dtype or for two keys that map to one name.
     """
     if isinstance(state_dict, (str, os.PathLike)):

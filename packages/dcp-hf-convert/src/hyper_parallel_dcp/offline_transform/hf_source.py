@@ -1,10 +1,8 @@
 """Reading Hugging Face safetensors checkpoints one tensor at a time.
 
-A checkpoint is a single ``.safetensors`` file, or a directory holding
-``model.safetensors.index.json`` (``{"metadata": ..., "weight_map": {name: shard file}}``)
-and its shards, or a directory holding one ``.safetensors`` file.  Only the headers are
-parsed up front; each tensor is then read with plain file reads (never a mapping, whose
-touched pages would stay resident), so memory holds one tensor at a time.
+A single ``.safetensors`` file, or a directory holding ``model.safetensors.index.json``
+and its shards, or one ``.safetensors`` file.  Headers are parsed up front; each tensor
+is read with plain file reads (no mapping, whose touched pages would stay resident).
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from hyper_parallel_dcp.storage_fs.safetensors_stream import (
 from .keymap import KeyMapping, map_keys
 
 __all__ = [
+    "INDEX_FILE",
     "INDEX_SUFFIX",
     "SINGLE_FILE",
     "SafetensorsEntry",
@@ -39,6 +38,7 @@ __all__ = [
 
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+INDEX_FILE = SINGLE_FILE.removesuffix(".safetensors") + INDEX_SUFFIX
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
@@ -55,13 +55,10 @@ class SafetensorsEntry:
 
 
 def read_safetensors_header(file: Union[str, os.PathLike]) -> list[SafetensorsEntry]:
-    """The tensors of one safetensors file, in file order (by data offset), parsed by the
-    checkpoint reader's own header parser (both accept the same files).
+    """The tensors of one safetensors file in file order, parsed as the checkpoint reader does.
 
-    Raises ``CheckpointNotFoundError`` when the file is missing,
-    ``CorruptCheckpointError`` naming the file when the header is malformed or points
-    outside the file, and ``CheckpointFormatError`` naming the tensor when its dtype
-    has no torch equivalent.
+    Raises ``CheckpointNotFoundError`` for a missing file, ``CorruptCheckpointError`` for a
+    malformed header and ``CheckpointFormatError`` for a dtype torch has no equivalent of.
     """
     path = Path(file)
     try:
@@ -83,7 +80,7 @@ def read_safetensors_header(file: Union[str, os.PathLike]) -> list[SafetensorsEn
 
 
 def _find_index(root: Path) -> Union[Path, None]:
-    preferred = root / (SINGLE_FILE.removesuffix(".safetensors") + INDEX_SUFFIX)
+    preferred = root / INDEX_FILE
     if preferred.is_file():
         return preferred
     found = sorted(p for p in root.iterdir() if p.name.endswith(INDEX_SUFFIX) and p.is_file())
@@ -107,8 +104,7 @@ def _scan_index(index: Path) -> dict[str, SafetensorsEntry]:
     for name, shard in weight_map.items():
         shards.setdefault(shard, []).append(name)
     out: dict[str, SafetensorsEntry] = {}
-    # Shards in file-name order (model-00001-of-…, model-00002-of-…) and tensors in file
-    # order recover the order in which the model was saved (the index itself is sorted).
+    # shards in file-name order, tensors in file order: the model's save order (the index is sorted)
     for shard in sorted(shards):
         file = root / shard
         if not file.is_file():
@@ -133,11 +129,10 @@ def _scan_index(index: Path) -> dict[str, SafetensorsEntry]:
 def scan_huggingface_checkpoint(path: Union[str, os.PathLike]) -> dict[str, SafetensorsEntry]:
     """Every tensor of a Hugging Face safetensors checkpoint (headers only, no data read).
 
-    ``path`` is a ``.safetensors`` file, a ``*.safetensors.index.json`` file, or a directory
-    with an index (``model.safetensors.index.json`` preferred) or with one ``.safetensors``
-    file.  Raises :class:`CheckpointNotFoundError` for a missing path, a missing shard or a
-    directory that holds no such checkpoint, and :class:`CheckpointFormatError` when the
-    index and the shards disagree (a tensor missing from either).
+    ``path``: a ``.safetensors`` or ``*.safetensors.index.json`` file, or a directory with
+    an index (``model.safetensors.index.json`` preferred) or one ``.safetensors`` file.
+    Raises :class:`CheckpointNotFoundError` for a missing path or shard or no checkpoint,
+    :class:`CheckpointFormatError` when the index and the shards disagree.
     """
     root = Path(path)
     if not root.exists():
@@ -169,12 +164,9 @@ def scan_huggingface_checkpoint(path: Union[str, os.PathLike]) -> dict[str, Safe
 
 
 def read_entry(entry: SafetensorsEntry, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The tensor ``entry`` describes, read with plain file reads (no mapping of the file)
-    into ``out`` (a contiguous CPU tensor of the entry's shape and dtype) or a new tensor.
-
-    Raises :class:`CorruptCheckpointError` naming the file and tensor when the file ends
-    early, ``ValueError`` when ``out`` does not fit.
-    """
+    """The tensor ``entry`` describes, read with plain file reads into ``out`` (a contiguous
+    CPU tensor of its shape and dtype) or a new tensor.  Raises :class:`CorruptCheckpointError`
+    when the file ends early, ``ValueError`` when ``out`` does not fit."""
     tensor = torch.empty(entry.shape, dtype=entry.dtype) if out is None else out
     if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype or not tensor.is_contiguous() or (
             tensor.device.type != "cpu"):
@@ -196,12 +188,9 @@ def read_entry(entry: SafetensorsEntry, out: Optional[torch.Tensor] = None) -> t
 
 def parse_checkpoint_from_huggingface(path: Union[str, os.PathLike], *,
                                       key_mapping: KeyMapping = None) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face safetensors checkpoint, loaded into memory.
-
-    ``path`` is as for :func:`scan_huggingface_checkpoint`; ``key_mapping`` renames or drops
-    tensors (see :mod:`.keymap`).  Returns ``{name: tensor}`` in file order; the tensors own
-    their memory (nothing stays mapped).  Raises what :func:`scan_huggingface_checkpoint`
-    and :func:`read_entry` raise.
-    """
+    """All tensors of a Hugging Face safetensors checkpoint at ``path`` (as for
+    :func:`scan_huggingface_checkpoint`), ``{name: tensor}`` in file order, each owning its
+    memory; ``key_mapping`` renames or drops tensors (:mod:`.keymap`).  Raises as
+    :func:`scan_huggingface_checkpoint` and :func:`read_entry`."""
     entries = scan_huggingface_checkpoint(path)
     return {new: read_entry(entries[old]) for old, new in map_keys(entries, key_mapping).items()}

@@ -1,16 +1,10 @@
 """Writing Hugging Face safetensors checkpoints the way ``save_pretrained`` does.
 
-Sharding follows ``huggingface_hub.split_torch_state_dict_into_shards``: tensors in
-state-dict order fill a shard until the next one would push it over ``max_shard_size``;
-a tensor larger than the limit gets a shard of its own.  One shard → ``model.safetensors``
-and no index; several → ``model-0000k-of-0000n.safetensors`` plus
-``model.safetensors.index.json`` (``{"metadata": {"total_parameters", "total_size"},
-"weight_map"}``, keys sorted, indent 2, as transformers writes it).  Each file carries
-``{"format": "pt"}`` in its safetensors metadata, which ``from_pretrained`` checks.
-
-Files are written by the checkpoint library's streaming safetensors writer, which asks
-for each tensor just before writing it: a source that produces tensors lazily keeps only
-what it has produced and not yet written in memory.
+Sharding follows ``huggingface_hub.split_torch_state_dict_into_shards`` (state-dict order,
+a new shard when the next tensor would pass ``max_shard_size``): ``model.safetensors``,
+or ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json`` as
+transformers writes it, each file with ``{"format": "pt"}`` metadata.  The streaming
+safetensors writer asks for each tensor just before writing it.
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ import torch
 from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
 from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, write_safetensors
 
-from .hf_source import INDEX_SUFFIX, SINGLE_FILE
+from .hf_source import INDEX_FILE, SINGLE_FILE
 from .options import parse_size
 from .progress import ConversionReport, Progress
 
@@ -38,7 +32,6 @@ __all__ = ["HFShardPlan", "TensorSpec", "plan_huggingface_shards", "write_huggin
 
 logger = logging.getLogger(__name__)
 
-INDEX_FILE = SINGLE_FILE.removesuffix(".safetensors") + INDEX_SUFFIX
 _SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -72,10 +65,8 @@ class HFShardPlan:
 
 
 def plan_huggingface_shards(specs: Sequence[TensorSpec], max_shard_size: Union[int, str] = "5GB") -> HFShardPlan:
-    """Split ``specs`` (in their order) into files exactly as ``huggingface_hub`` does.
-
-    Raises ``ValueError`` for an unreadable ``max_shard_size`` or a repeated name.
-    """
+    """Split ``specs`` (in their order) into files exactly as ``huggingface_hub`` does;
+    ``ValueError`` for an unreadable ``max_shard_size`` or a repeated name."""
     limit = parse_size(max_shard_size)
     shards: list[list[str]] = []
     current: list[str] = []
@@ -99,8 +90,7 @@ def plan_huggingface_shards(specs: Sequence[TensorSpec], max_shard_size: Union[i
     if len(shards) <= 1:
         files = {SINGLE_FILE: shards[0] if shards else []}
     else:
-        n = len(shards)
-        files = {f"model-{k + 1:05d}-of-{n:05d}.safetensors": names for k, names in enumerate(shards)}
+        files = {f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors": names for k, names in enumerate(shards)}
     return HFShardPlan(files, sum(s.nbytes for s in specs), sum(math.prod(s.shape) for s in specs))
 
 
@@ -122,12 +112,11 @@ def write_huggingface_checkpoint(dst: Union[str, os.PathLike], specs: Sequence[T
                                  sync_files: bool = True) -> ConversionReport:
     """Write the tensors named by ``specs`` as a Hugging Face checkpoint in ``dst``.
 
-    ``fetch(name)`` is called once per tensor, just before it is written, and must return
-    a CPU tensor of the spec's shape and dtype.  Each file is written under a temporary
-    name and renamed into place; the index is written after every shard, and stale weight
-    files of an earlier export are removed last.  ``dst`` is created if needed; files that
-    are not weights (config.json, ...) are left alone.  Raises ``ValueError`` for a bad
-    ``max_shard_size`` and whatever ``fetch`` raises (no partial file is left behind).
+    ``fetch(name)`` returns each tensor (CPU, the spec's shape and dtype) just before it is
+    written.  Files are written atomically, the index after the shards, stale weight files
+    of an earlier export removed last; other files in ``dst`` (created if needed) stay.
+    Raises ``ValueError`` for a bad ``max_shard_size`` and what ``fetch`` raises (no
+    partial file is left behind).
     """
     root = Path(dst)
     plan = plan_huggingface_shards(specs, max_shard_size)

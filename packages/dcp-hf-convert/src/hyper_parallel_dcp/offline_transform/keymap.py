@@ -56,11 +56,8 @@ def resolve_key_mapping(mapping: KeyMapping) -> Callable[[str], Optional[str]]:
 
 
 def map_keys(keys: Iterable[str], mapping: KeyMapping) -> dict[str, str]:
-    """``{old: new}`` for every key the mapping keeps, in the order of ``keys``.
-
-    Raises ``ValueError`` naming both sources when two keys map to the same name, or when
-    the mapping returns something that is not a non-empty string.
-    """
+    """``{old: new}`` for every key the mapping keeps, in the order of ``keys``; ``ValueError``
+    naming both when two keys map to one name, or for a result that is not a non-empty string."""
     fn = resolve_key_mapping(mapping)
     out: dict[str, str] = {}
     source_of: dict[str, str] = {}

@@ -66,14 +66,10 @@ class Progress:
         if self._bar is not None:
             self._bar.update(nbytes)
 
-    def close(self) -> None:
-        self.report.seconds = time.perf_counter() - self._start
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
     def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self.report.seconds = time.perf_counter() - self._start
+        if self._bar is not None:
+            self._bar.close()

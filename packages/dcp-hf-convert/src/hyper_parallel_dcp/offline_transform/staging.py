@@ -1,10 +1,7 @@
 """One reusable host buffer for streaming conversions: :class:`StagingBuffer`.
 
-A streaming conversion produces one tensor, writes it, and only then produces the next,
-so one buffer sized for the largest tensor holds each of them in turn.  perf: the HF
-conversion rows; a fresh 16 MiB tensor per tensor left the glibc heap holding 7–8 freed
-tensors (RSS +128 MiB for a 256 MiB checkpoint, never returned), and cost the page
-faults of touching new memory each time.
+One buffer sized for the largest tensor holds each tensor in turn (a fresh tensor each
+time left freed tensors in the glibc heap, see the perf notes).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Full checkpoints (Hugging Face safetensors, ``torch.save`` files, in-memory dicts) → DCP.
 
-One path: the ordinary single-process save (``save_state_dict``, ``no_dist=True``), which
-writes ``.metadata`` atomically.  For a file source the planned state dict holds only
-*meta* tensors; :class:`StreamingSavePlanner` reads each tensor from the source when the
-storage writer asks for it, and the writer writes it before asking for the next, so one
-reused buffer sized for the largest tensor holds every tensor in turn, not the model.
+One path: the single-process save (``save_state_dict``, ``no_dist=True``).  For a file
+source the planned state dict holds *meta* tensors and :class:`StreamingSavePlanner` reads
+each tensor when the writer asks for it, into one reused buffer: memory holds one tensor.
 """
 
 from __future__ import annotations
@@ -29,7 +27,8 @@ from .progress import ConversionReport, Progress
 from .staging import StagingBuffer
 from .torch_source import PageReleaser, load_torch_checkpoint
 
-__all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state_dict_to_dcp_format"]
+__all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state_dict_to_dcp_format",
+           "save_streaming"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +36,11 @@ PathLike = Union[str, os.PathLike]
 
 
 class StreamingSavePlanner(StandardSavePlanner):
-    """A save planner whose tensor data comes from ``fetch(fqn)`` at write time.
+    """A save planner whose tensor data is ``fetch(write_item)`` at write time (the planned
+    state dict may hold meta tensors), its shape checked against the plan; without
+    ``fetch``, the state dict's own.  ``on_tensor(nbytes)`` is called for each tensor."""
 
-    The state dict it plans from may hold meta tensors (only shape and dtype matter);
-    ``resolve_data`` returns ``fetch(fqn)`` instead, checked against the plan.  Without
-    ``fetch`` the data is the state dict's own (an in-memory save with progress).
-    ``on_tensor(nbytes)`` is called for each tensor handed to the writer.
-    """
-
-    def __init__(self, fetch: Optional[Callable[[str], torch.Tensor]] = None,
+    def __init__(self, fetch: Optional[Callable[[WriteItem], torch.Tensor]] = None,
                  on_tensor: Optional[Callable[[int], None]] = None) -> None:
         super().__init__(enable_plan_caching=False, remove_redundancy=False)
         self._fetch = fetch
@@ -56,7 +51,7 @@ class StreamingSavePlanner(StandardSavePlanner):
             data = super().resolve_data(write_item)
         else:
             fqn = write_item.index.fqn
-            data = self._fetch(fqn)
+            data = self._fetch(write_item)
             if write_item.sizes is not None and tuple(data.shape) != write_item.sizes:
                 raise ValueError(f"{fqn!r}: the source gave shape {list(data.shape)}, planned {list(write_item.sizes)}")
         if write_item.type is WriteItemType.TENSOR and self._on_tensor is not None:
@@ -64,10 +59,14 @@ class StreamingSavePlanner(StandardSavePlanner):
         return data
 
 
-def _save(plan_sd: dict[str, Any], src: Any, dst: PathLike, fetch: Optional[Callable[[str], torch.Tensor]],
-          progress: bool, desc: str) -> ConversionReport:
+def save_streaming(plan_sd: dict[str, Any], src: Any, dst: PathLike,
+                   fetch: Optional[Callable[[WriteItem], torch.Tensor]], progress: bool, desc: str,
+                   total: Optional[int] = None) -> ConversionReport:
+    """Save ``plan_sd`` (meta tensors served by ``fetch``) at ``dst`` in one process, with a
+    progress bar over ``total`` bytes (default: the tensors'); returns the report."""
     report = ConversionReport(str(src), str(dst))
-    total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
+    if total is None:
+        total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
     report.objects = sum(1 for t in plan_sd.values() if not is_tensor_leaf(t))
     report.tensors = len(plan_sd) - report.objects
     with Progress(report, total, desc, progress) as bar:
@@ -80,17 +79,14 @@ def _save(plan_sd: dict[str, Any], src: Any, dst: PathLike, fetch: Optional[Call
 
 def full_state_dict_to_dcp_format(state_dict: Mapping[str, Any], dst: PathLike, *,
                                   key_mapping: KeyMapping = None, progress: bool = False) -> ConversionReport:
-    """Save a full (unsharded) in-memory state dict as a checkpoint at ``dst``.
-
-    Nested dicts/lists are flattened to dotted names (then renamed by ``key_mapping``);
-    tensors are written as one chunk each, other leaves as objects.  ``state_dict`` is not
-    modified.  An existing checkpoint at ``dst`` is replaced atomically.  Raises what the
-    save raises (e.g. ``TypeError`` for a dtype safetensors cannot store).
-    """
+    """Save a full in-memory state dict (not modified) as a checkpoint at ``dst``, replacing
+    one there atomically: nested keys dotted, then renamed by ``key_mapping``; a chunk per
+    tensor, other leaves objects.  Raises what the save raises (``TypeError`` for a dtype
+    safetensors cannot store)."""
     flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
     names = map_keys(flat, key_mapping)
     plan_sd = {new: flat[old] for old, new in names.items()}
-    return _save(plan_sd, "<state_dict>", dst, None, progress, "state_dict -> DCP")
+    return save_streaming(plan_sd, "<state_dict>", dst, None, progress, "state_dict -> DCP")
 
 
 def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool) -> ConversionReport:
@@ -102,11 +98,11 @@ def _from_safetensors(src: PathLike, dst: PathLike, key_mapping: KeyMapping, pro
     # The writer writes each tensor before it asks for the next: one buffer serves all.
     buffer = StagingBuffer(max((e.nbytes for e in entries.values()), default=0))
 
-    def fetch(fqn: str) -> torch.Tensor:
-        entry = entries[source_of[fqn]]
+    def fetch(item: WriteItem) -> torch.Tensor:
+        entry = entries[source_of[item.index.fqn]]
         return read_entry(entry, out=buffer.view(entry.shape, entry.dtype))
 
-    return _save(plan_sd, src, dst, fetch, progress, "HF -> DCP")
+    return save_streaming(plan_sd, src, dst, fetch, progress, "HF -> DCP")
 
 
 def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, progress: bool) -> ConversionReport:
@@ -121,17 +117,17 @@ def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, prog
     releaser = PageReleaser() if mapped else None
     previous: list[torch.Tensor] = []
 
-    def fetch(fqn: str) -> torch.Tensor:
+    def fetch(item: WriteItem) -> torch.Tensor:
         # The writer asks for the next tensor only after writing the previous one, so the
         # previous one's pages can go now.
         if releaser is not None and previous:
             releaser.release(previous.pop())
-        tensor = source[fqn]
+        tensor = source[item.index.fqn]
         previous.append(tensor)
         return tensor
 
     try:
-        return _save(plan_sd, src, dst, fetch, progress, "torch -> DCP")
+        return save_streaming(plan_sd, src, dst, fetch, progress, "torch -> DCP")
     finally:
         if releaser is not None and previous:
             releaser.release(previous.pop())
@@ -139,17 +135,14 @@ def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, prog
 
 def convert_full_checkpoint_to_dcp(src: PathLike, dst: PathLike, src_platform: str = "huggingface", *,
                                    key_mapping: KeyMapping = None, progress: bool = False) -> ConversionReport:
-    """Convert a full checkpoint at ``src`` into a checkpoint directory at ``dst``, streaming.
+    """Convert a full checkpoint at ``src`` into a checkpoint at ``dst``, streaming (memory
+    holds about one tensor); ``dst`` is created, or the checkpoint in it replaced atomically.
 
-    ``src_platform="huggingface"``: a Hugging Face safetensors checkpoint (a directory with
-    ``model.safetensors.index.json`` and its shards, or with one ``.safetensors`` file, or
-    a single file).  ``src_platform="torch"``: a full PyTorch checkpoint file written by
-    ``torch.save`` (read with ``weights_only=True``; nested dicts become dotted names) or a
-    ``.safetensors`` file.  ``key_mapping`` renames (or drops) tensors.  Memory holds about
-    one tensor at a time.  ``dst`` is created, or the checkpoint in it replaced atomically.
-
-    Returns a :class:`ConversionReport`.  Raises :class:`CheckpointNotFoundError` /
-    :class:`CheckpointFormatError` naming the file for a missing or inconsistent source, and
+    ``src_platform="huggingface"``: safetensors (as :func:`scan_huggingface_checkpoint`
+    reads); ``"torch"``: a ``torch.save`` file (``weights_only=True``, nested keys dotted)
+    or a ``.safetensors`` file.  ``key_mapping`` renames (or drops) tensors.  Returns a
+    :class:`ConversionReport`.  Raises :class:`CheckpointNotFoundError` /
+    :class:`CheckpointFormatError` naming the file for a missing or inconsistent source,
     ``ValueError`` for an unknown ``src_platform``.
     """
     platform = src_platform.lower()

@@ -1,17 +1,10 @@
 """torch.distributed.checkpoint directory ⇄ hyper-parallel-dcp checkpoint, streaming.
 
-Both directions walk the source's stored chunks in order and cut each into row blocks of
-at most ``batch_bytes`` (at least one row along dim 0).  A block is read through the load
-path (:class:`~.blocks.CheckpointBlocks`) into one reused buffer, written, and done with
-before the next is read: memory holds one block, not the model.  Each block becomes one
-stored chunk of the output, which both libraries load into any layout.
-
-- :func:`convert_torch_dcp_to_dcp`: written by the ordinary single-process save
-  (``FileSystemWriter``: safetensors files, checksums, atomic ``.metadata``).
-- :func:`convert_dcp_to_torch_dcp`: what ``torch.distributed.checkpoint`` writes itself:
-  one ``__0_0.distcp`` file holding a ``torch.save`` archive per chunk and the stored
-  ``torch.save`` bytes of each object, then the pickled ``.metadata`` of torch's own
-  metadata classes, written last (temp name, fsync, rename).
+Both directions cut the source's stored chunks into row blocks of at most ``batch_bytes``,
+each read through :class:`~.blocks.CheckpointBlocks` into one reused buffer and written
+as one stored chunk before the next is read.  :func:`convert_torch_dcp_to_dcp` saves as
+``hf-to-dcp`` does (``to_dcp.save_streaming``); :func:`convert_dcp_to_torch_dcp` writes what torch writes
+(one ``__0_0.distcp`` of ``torch.save`` archives, then the pickled ``.metadata``, last).
 """
 
 from __future__ import annotations
@@ -30,15 +23,14 @@ from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.flatten import torch_style_leaves
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.metadata import BytesStorageMetadata, TensorStorageMetadata
-from hyper_parallel_dcp.core.pipeline import save_state_dict
-from hyper_parallel_dcp.core.planner import WriteItem, WriteItemType
-from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
-from hyper_parallel_dcp.storage_fs.filesystem import FileSystemWriter
+from hyper_parallel_dcp.core.planner import WriteItem
+from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.torch_dcp import is_torch_dcp_checkpoint
 
 from .blocks import CheckpointBlocks
 from .progress import ConversionReport, Progress
 from .staging import StagingBuffer
+from .to_dcp import save_streaming
 
 __all__ = ["DEFAULT_BATCH_BYTES", "convert_dcp_to_torch_dcp", "convert_torch_dcp_to_dcp"]
 
@@ -68,23 +60,6 @@ def _read_block(source: CheckpointBlocks, buffer: StagingBuffer, fqn: str, box: 
     return source.read_block(fqn, box, buffer.exact(box.sizes, source.tensor(fqn).properties.dtype))
 
 
-class _BlockSavePlanner(StandardSavePlanner):
-    """Plans from meta-only :class:`TensorShards`; each block's data is read at write time."""
-
-    def __init__(self, source: CheckpointBlocks, bar: Progress) -> None:
-        super().__init__(enable_plan_caching=False, remove_redundancy=False)
-        self.source, self.bar, self.buffer = source, bar, StagingBuffer()
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        if write_item.type is not WriteItemType.TENSOR:
-            return super().resolve_data(write_item)
-        assert write_item.index.offset is not None and write_item.sizes is not None
-        block = _read_block(self.source, self.buffer, write_item.index.fqn,
-                            ChunkBox(write_item.index.offset, write_item.sizes))
-        self.bar.advance(write_item.nbytes)
-        return block
-
-
 def _check_batch(batch_bytes: int) -> None:
     if batch_bytes <= 0:
         raise ValueError(f"batch_bytes must be positive, got {batch_bytes}")
@@ -94,19 +69,18 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                              progress: bool = False) -> ConversionReport:
     """Convert the torch DCP checkpoint at ``src`` into a hyper-parallel-dcp checkpoint at ``dst``.
 
-    Same keys, dtypes and values; chunks are the source's, cut into row blocks of at most
-    ``batch_bytes``.  Objects are restored with ``weights_only`` rules (a class not
-    allow-listed raises :class:`UnsafeObjectError` naming it).  ``dst`` is created, or
-    the checkpoint in it replaced atomically.  Raises ``ValueError`` for a source that is
-    not a torch DCP checkpoint or a batch size below 1, :class:`CheckpointNotFoundError` /
-    :class:`CheckpointFormatError` for a missing or unreadable source.
+    Same keys, dtypes and values, in row blocks of at most ``batch_bytes``; objects restored
+    with ``weights_only`` rules (:class:`UnsafeObjectError` naming a class not allow-listed).
+    ``dst`` is created, or its checkpoint replaced atomically.  Raises ``ValueError`` for a
+    source that is not a torch DCP checkpoint or a batch size below 1,
+    :class:`CheckpointNotFoundError` / :class:`CheckpointFormatError` for a missing or
+    unreadable source.
     """
     _check_batch(batch_bytes)
     if not is_torch_dcp_checkpoint(src):
         raise ValueError(f"{src} is not a torch.distributed.checkpoint checkpoint (no pickled .metadata)")
-    source = CheckpointBlocks(src)
+    source, buffer = CheckpointBlocks(src), StagingBuffer()
     plan_sd: dict[str, Any] = {}
-    report = ConversionReport(str(src), str(dst))
     for fqn, md in source.metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             pieces = [(box, torch.empty(box.sizes, dtype=md.properties.dtype, device="meta"))
@@ -114,24 +88,22 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
             plan_sd[fqn] = TensorShards(tuple(md.size), md.properties.dtype, pieces)
         else:
             plan_sd[fqn] = source.read_object(fqn)
-            report.objects += 1
-    with Progress(report, source.tensor_bytes(), "torch DCP -> DCP", progress) as bar:
-        metadata = save_state_dict(plan_sd, FileSystemWriter(dst), _BlockSavePlanner(source, bar), no_dist=True)
-    report.tensors = len(plan_sd) - report.objects
-    report.files = sorted(metadata.files) + [".metadata"]
-    logger.info("converted %s -> %s: %s", src, dst, report.summary())
-    return report
+
+    def fetch(item: WriteItem) -> torch.Tensor:
+        assert item.index.offset is not None and item.sizes is not None
+        return _read_block(source, buffer, item.index.fqn, ChunkBox(item.index.offset, item.sizes))
+
+    return save_streaming(plan_sd, src, dst, fetch, progress, "torch DCP -> DCP", source.tensor_bytes())
 
 
 def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int = DEFAULT_BATCH_BYTES,
                              progress: bool = False, sync_files: bool = True) -> ConversionReport:
     """Write the checkpoint at ``src`` (either format) as a torch DCP checkpoint at ``dst``.
 
-    The result is what ``torch.distributed.checkpoint.load`` with its ``FileSystemReader``
-    reads, into any layout.  Chunks are the source's, cut into row blocks of at most
-    ``batch_bytes``; objects are copied as stored.  ``.metadata`` is written last, so an
-    interrupted conversion leaves no loadable checkpoint (and a complete one in ``dst`` is
-    replaced only at that moment).  Raises as :func:`convert_torch_dcp_to_dcp`.
+    ``torch.distributed.checkpoint.load`` reads the result into any layout.  Row blocks of
+    at most ``batch_bytes``, objects copied as stored, ``.metadata`` written last (an
+    interrupted conversion leaves no loadable checkpoint).  Raises as
+    :func:`convert_torch_dcp_to_dcp`.
     """
     from torch.distributed.checkpoint import metadata as tm
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -183,14 +155,7 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
         size = f.tell()
     metadata = tm.Metadata(state_dict_metadata=sd, planner_data={fqn: tuple(fqn.split(".")) for fqn in sd},
                            storage_data=storage)
-    meta_file = out_dir / ".metadata"
-    tmp = meta_file.with_name(".metadata.hp-dcp-tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(metadata, f)
-        f.flush()
-        if sync_files:
-            os.fsync(f.fileno())
-    os.replace(tmp, meta_file)
+    write_file_atomic(out_dir / ".metadata", lambda f: pickle.dump(metadata, f), sync_files)
     report.tensors = sum(1 for md in source.metadata.state_dict_metadata.values()
                          if isinstance(md, TensorStorageMetadata))
     report.files = [data_name, ".metadata"]

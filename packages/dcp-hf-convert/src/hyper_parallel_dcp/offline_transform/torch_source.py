@@ -1,11 +1,8 @@
 """Reading a full PyTorch checkpoint (``torch.save`` file) without holding all of it.
 
-The file is loaded with ``torch.load(weights_only=True, mmap=True)``: tensors are views
-of a private read-only mapping of the file, so nothing is copied up front.  A page of
-that mapping, once touched, stays resident (and counts in the process's RSS) until it is
-released; :class:`PageReleaser` hands each tensor's pages back to the kernel after the
-writer has consumed it, so memory stays at about one tensor.  Old-format (non-zip)
-files cannot be mapped and are loaded whole.
+Loaded with ``torch.load(weights_only=True, mmap=True)``: tensors are views of a private
+mapping of the file, and :class:`PageReleaser` hands each tensor's pages back to the
+kernel once written.  Old-format (non-zip) files cannot be mapped and are loaded whole.
 """
 
 from __future__ import annotations
@@ -29,13 +26,10 @@ _MADV_DONTNEED = 4
 
 
 def load_torch_checkpoint(path: Union[str, os.PathLike]) -> tuple[Any, bool]:
-    """``(loaded object, mapped)`` for a ``torch.save`` file; ``mapped`` is True when the
-    tensors are views of a file mapping (zip format) rather than loaded into memory.
-
-    Loading never runs code from the file (``weights_only=True``): a class that is not
-    allow-listed fails with an error naming it.  Raises :class:`CheckpointNotFoundError`
-    for a missing file and :class:`CheckpointFormatError` for a file torch cannot read.
-    """
+    """``(loaded object, mapped)`` for a ``torch.save`` file, ``mapped`` when its tensors view
+    a file mapping (zip format).  Never runs code from the file (``weights_only=True``).
+    Raises :class:`CheckpointNotFoundError` for a missing file, :class:`CheckpointFormatError`
+    for one torch cannot read (or naming a class that is not allow-listed)."""
     file = Path(path)
     if not file.is_file():
         raise CheckpointNotFoundError(f"PyTorch checkpoint file {file} does not exist "
@@ -65,13 +59,9 @@ def _madvise() -> Optional[Any]:
 
 
 class PageReleaser:
-    """Drops the resident pages of tensors that are views of a *file mapping*.
-
-    Only for tensors from :func:`load_torch_checkpoint` with ``mapped=True``: on a
-    private, never-written file mapping ``MADV_DONTNEED`` just forgets the pages (a later
-    access reads them from the file again).  On ordinary memory it would zero data, so
-    the caller must not pass anything else.
-    """
+    """Drops the resident pages of tensors viewing a *file mapping* (``MADV_DONTNEED``: a
+    later access reads the file again).  Only for :func:`load_torch_checkpoint`'s tensors
+    with ``mapped=True``: on ordinary memory it would zero data."""
 
     def __init__(self) -> None:
         self._madvise = _madvise()

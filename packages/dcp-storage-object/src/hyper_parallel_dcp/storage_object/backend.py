@@ -5,22 +5,18 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from hyper_parallel_dcp.core.backends import StorageBackend
-from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 
-from .files import object_files
+from .files import ObjectFiles
 from .reader import ObjectStoreReader
-from .steps import object_steps
+from .steps import ObjectSteps
 from .writer import ObjectStoreWriter
 
 __all__ = ["S3_BACKEND"]
 
 
-def _writer(checkpoint_id: Any) -> StorageWriter:
-    return ObjectStoreWriter(str(checkpoint_id))
-
-
-def _reader(checkpoint_id: Any, *, verify: Optional[bool] = None) -> StorageReader:
+def _reader(checkpoint_id: Any, *, verify: Optional[bool] = None) -> ObjectStoreReader:
     return ObjectStoreReader(str(checkpoint_id), verify=bool(verify))
 
 
-S3_BACKEND = StorageBackend("s3", _writer, _reader, object_files, object_steps)
+S3_BACKEND = StorageBackend("s3", lambda checkpoint_id: ObjectStoreWriter(str(checkpoint_id)), _reader,
+                            lambda location: ObjectFiles(str(location)), lambda root: ObjectSteps(str(root)))

@@ -1,16 +1,10 @@
-"""The S3 requests a checkpoint needs, each with a timeout, retried with backoff when transient.
+"""``ObjectStore``: the S3 requests a checkpoint needs, each with a timeout, retried when transient.
 
-Built on botocore's low-level client (chosen over obstore, s3fs and boto3's managed
-transfer by ``benchmarks/bench_clients.py``: fastest multipart upload against the same
-server, equal on ranged GETs, three small pure-Python dependencies, and every request
-is ours to retry and log).  botocore's own retries are off: each request goes through
-:meth:`ObjectStore._call`, which retries 5xx, throttling and connection errors with
-jittered exponential backoff, logs every retry (``HP_LOG_CONFIG=DCP:INFO``) naming the
-error, and turns a permanent error into an :class:`ObjectStoreError` naming bucket and key.
-
-Configuration is botocore's standard environment (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``,
-profiles); :class:`ObjectStoreSettings` holds the transfer settings.
+Built on botocore's low-level client (chosen by ``benchmarks/bench_clients.py``, see the
+README), its own retries off: :meth:`ObjectStore._call` retries 5xx, throttling and
+connection errors with jittered backoff, logs each retry and raises a permanent error as
+:class:`ObjectStoreError` naming bucket and key.  Configured from botocore's standard
+environment (``AWS_*``); :class:`ObjectStoreSettings` holds the transfer settings.
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ from hyper_parallel_dcp.core.timing import configure_from_env
 
 __all__ = ["ObjectStore", "ObjectStoreError", "ObjectStoreSettings", "parse_url"]
 
-# Retries are reported on the ``HP_LOG_CONFIG=DCP:...`` logger (a child of the timing
-# logger, so they show with the per-phase lines and need no extra configuration).
+# a child of the timing logger: retries show with the per-phase lines (HP_LOG_CONFIG=DCP:INFO)
 logger = logging.getLogger("hyper_parallel_dcp.timing").getChild("storage_object")
 
 T = TypeVar("T")
@@ -42,16 +35,13 @@ MiB = 1 << 20
 class ObjectStoreSettings:
     """Transfer settings (defaults measured against a local server, see the README).
 
-    ``multipart_threshold``: objects at least this large are uploaded in parts of
-    ``part_size`` (S3 needs >= 5 MiB), ``upload_concurrency`` parts in flight per object.
-    ``read_concurrency`` ranged GETs in flight per reader, each at most ``range_size``
-    bytes.  ``connect_timeout`` / ``read_timeout`` bound every request (seconds);
-    ``max_attempts`` tries per request, backoff ``backoff_base * 2**n`` (jittered,
-    capped at ``backoff_max``).  ``endpoint_url`` overrides ``AWS_ENDPOINT_URL``.
-    ``lock_refresh``: how often a save rewrites its lock object (default a sixth of
-    ``lock_stale_after``); ``lock_stale_after`` (default ``HP_DCP_OBJECT_LOCK_STALE_AFTER``,
-    60 s): a lock not rewritten for that long was left by a dead save and is taken over
-    (``locks.py``).
+    Objects of at least ``multipart_threshold`` bytes are uploaded in parts of
+    ``part_size`` (>= 5 MiB), ``upload_concurrency`` in flight; reads are ranged GETs of at
+    most ``range_size``, ``read_concurrency`` in flight.  Every request has the timeouts
+    and ``max_attempts`` tries, backoff ``backoff_base * 2**n`` (jittered, at most
+    ``backoff_max``).  ``endpoint_url`` overrides ``AWS_ENDPOINT_URL``.  A lock object is
+    rewritten every ``lock_refresh`` s (0: a sixth of ``lock_stale_after``) and taken
+    over once not rewritten for ``lock_stale_after`` s (``locks.py``).
     """
 
     part_size: int = 16 * MiB
@@ -66,7 +56,7 @@ class ObjectStoreSettings:
     backoff_max: float = 10.0
     endpoint_url: Optional[str] = None
     lock_stale_after: float = field(default_factory=OBJECT_LOCK_STALE_AFTER.get)
-    lock_refresh: float = 0.0  # 0: a sixth of lock_stale_after
+    lock_refresh: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lock_refresh:
@@ -90,10 +80,7 @@ class ObjectStoreError(CheckpointError, OSError):
 
 
 def parse_url(url: str) -> tuple[str, str, str]:
-    """``s3://bucket/a/b`` → ``("s3", "bucket", "a/b")`` (prefix without surrounding slashes).
-
-    Raises ``ValueError`` for a URL without a bucket.
-    """
+    """``s3://bucket/a/b`` → ``("s3", "bucket", "a/b")``; ``ValueError`` for a URL without a bucket."""
     scheme, sep, rest = str(url).partition("://")
     if not sep:
         raise ValueError(f"{url!r} is not an object-store URL (expected s3://bucket/prefix)")
@@ -112,46 +99,44 @@ def _aws_env() -> dict[str, str]:
     return {k: os.environ[k] for k in _AWS_ENV if k in os.environ}
 
 
+def _endpoint(settings: ObjectStoreSettings, env: dict[str, str]) -> Optional[str]:
+    return settings.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+
+
 _clients: dict[tuple[int, ObjectStoreSettings, tuple[tuple[str, str], ...]], Any] = {}
 _clients_lock = threading.Lock()
 
 
 def _shared_client(s: ObjectStoreSettings, env: dict[str, str]) -> Any:
-    """One botocore client per process, settings and AWS environment ``env``: building one
-    costs ~0.3 s (service model loading), more than a small save; botocore clients are
-    thread-safe.  ``env`` is applied explicitly, so a store pickled into another process
-    (the async writer, started before the caller set its variables) uses the caller's."""
+    """One botocore client (thread-safe; ~0.3 s to build) per process, settings and AWS
+    environment ``env``, which is applied explicitly: a store pickled into another process
+    (the async writer) uses the caller's variables."""
     key = (os.getpid(), s, tuple(sorted(env.items())))
-    client = _clients.get(key)
-    if client is None:
-        with _clients_lock:
-            client = _clients.get(key)
-            if client is None:
-                import botocore.config
-                import botocore.session
+    with _clients_lock:
+        if key in _clients:
+            return _clients[key]
+        import botocore.config
+        import botocore.session
 
-                config = botocore.config.Config(
-                    connect_timeout=s.connect_timeout, read_timeout=s.read_timeout,
-                    retries={"total_max_attempts": 1},  # ours: logged, and per request
-                    max_pool_connections=max(s.upload_concurrency, s.read_concurrency) * 2 + 4,
-                    # Whole-object CRCs on every part cost CPU and the checkpoint carries
-                    # its own xxh3 checksums; ask for them only where S3 requires one.
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required",
-                )
-                session = botocore.session.Session()
-                if "AWS_ACCESS_KEY_ID" in env and "AWS_SECRET_ACCESS_KEY" in env:
-                    session.set_credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
-                                            env.get("AWS_SESSION_TOKEN"))
-                if "AWS_PROFILE" in env:
-                    session.set_config_variable("profile", env["AWS_PROFILE"])
-                region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-                if region:
-                    session.set_config_variable("region", region)
-                endpoint = s.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-                client = session.create_client("s3", endpoint_url=endpoint, config=config)
-                _clients[key] = client
-    return client
+        config = botocore.config.Config(
+            connect_timeout=s.connect_timeout, read_timeout=s.read_timeout,
+            retries={"total_max_attempts": 1},  # ours: logged, and per request
+            max_pool_connections=max(s.upload_concurrency, s.read_concurrency) * 2 + 4,
+            # the checkpoint carries its own xxh3 checksums: S3's CRCs only where required
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        session = botocore.session.Session()
+        if "AWS_ACCESS_KEY_ID" in env and "AWS_SECRET_ACCESS_KEY" in env:
+            session.set_credentials(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
+                                    env.get("AWS_SESSION_TOKEN"))
+        if "AWS_PROFILE" in env:
+            session.set_config_variable("profile", env["AWS_PROFILE"])
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        if region:
+            session.set_config_variable("region", region)
+        client = _clients[key] = session.create_client("s3", endpoint_url=_endpoint(s, env), config=config)
+        return client
 
 
 _TRANSIENT_CODES = {
@@ -195,10 +180,7 @@ class _ShortBody(Exception):
 
 class ObjectStore:
     """One bucket's client: the requests a checkpoint needs, each retried when transient.
-
-    Thread-safe (botocore clients are); the client is built on first use in each process,
-    so the object pickles (the async writer process gets its own connections).
-    """
+    Thread-safe; picklable (each process builds its own client on first use)."""
 
     def __init__(self, bucket: str, settings: Optional[ObjectStoreSettings] = None, scheme: str = "s3") -> None:
         self.bucket = bucket
@@ -209,11 +191,12 @@ class ObjectStore:
         self._env: Optional[dict[str, str]] = None  # None: this process's environment
         self.retries = 0
 
+    def _environment(self) -> dict[str, str]:
+        return self._env if self._env is not None else _aws_env()
+
     def __getstate__(self) -> dict[str, Any]:
-        # the AWS environment travels with the store: the receiving process (the async
-        # writer) may have been started before the caller set it
-        env = self._env if self._env is not None else _aws_env()
-        return {"bucket": self.bucket, "scheme": self.scheme, "settings": self.settings, "env": env}
+        # the AWS environment travels with the store: the async writer may have started first
+        return {"bucket": self.bucket, "scheme": self.scheme, "settings": self.settings, "env": self._environment()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["bucket"], state["settings"], state["scheme"])  # type: ignore[misc]
@@ -225,13 +208,16 @@ class ObjectStore:
     @property
     def client(self) -> Any:
         if self._client is None or self._pid != os.getpid():
-            self._client = _shared_client(self.settings, self._env if self._env is not None else _aws_env())
+            self._client = _shared_client(self.settings, self._environment())
             self._pid = os.getpid()
         return self._client
 
-    # -- the retry loop ------------------------------------------------------------------
-    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (one request), retrying transient errors; raise a permanent one named."""
+    def _call(self, op: str, key: str, fn: Callable[[], T], expected: tuple[int, ...] = (), otherwise: Any = None
+              ) -> T:
+        """Run ``fn`` (one request), retrying transient errors; an HTTP error whose status is
+        in ``expected`` returns ``otherwise``; raise a permanent one named."""
+        import botocore.exceptions as bx
+
         configure_from_env()
         s = self.settings
         attempt = 1
@@ -241,6 +227,8 @@ class ObjectStore:
             except Exception as exc:  # noqa: BLE001 - classified below
                 if isinstance(exc, ObjectStoreError):
                     raise
+                if isinstance(exc, bx.ClientError) and _status(exc) in expected:
+                    return otherwise  # type: ignore[no-any-return]
                 if not _transient(exc) or attempt >= s.max_attempts:
                     raise self._error(op, key, exc, attempt) from exc
                 delay = min(s.backoff_max, s.backoff_base * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
@@ -267,70 +255,44 @@ class ObjectStore:
             }.get(code, "")
             detail = _describe(exc) + (f" — {hint}" if hint else "")
         else:
-            env = self._env if self._env is not None else _aws_env()
-            endpoint = (self.settings.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-                        or "the default AWS endpoint")
+            endpoint = _endpoint(self.settings, self._environment()) or "the default AWS endpoint"
             detail = f"{_describe(exc)} (endpoint {endpoint})"
+            if isinstance(exc, bx.NoCredentialsError):
+                detail += (" — set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a "
+                           "local server), see docs/object-storage.md")
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         return ObjectStoreError(f"{where} failed{tries}: {detail}")
 
-    # -- requests --------------------------------------------------------------------------
     def put(self, key: str, data: Any) -> None:
         """One PUT of ``data`` (bytes-like) to ``key``."""
         self._call("PUT", key, lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=data))
 
     def put_if(self, key: str, data: bytes, *, absent: bool = False, etag: Optional[str] = None) -> Optional[str]:
-        """A conditional PUT: with ``absent`` only when ``key`` does not exist
-        (``If-None-Match: *``), with ``etag`` only when the object still has that ETag
-        (``If-Match``).  Returns the new object's ETag, ``None`` when the condition failed
-        (HTTP 412, or 409 for a conditional write racing another)."""
-        import botocore.exceptions as bx
-
+        """A PUT only when ``key`` is ``absent`` (``If-None-Match: *``) or still has ``etag``
+        (``If-Match``); the new ETag, ``None`` when the condition failed (412, or 409)."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": data}
         if absent:
             kwargs["IfNoneMatch"] = "*"
         if etag is not None:
             kwargs["IfMatch"] = etag
-
-        def run() -> Optional[str]:
-            try:
-                return str(self.client.put_object(**kwargs)["ETag"])
-            except bx.ClientError as exc:
-                if _status(exc) in (412, 409) or (etag is not None and _status(exc) == 404):
-                    return None
-                raise
-
-        return self._call("PUT", key, run)
+        failed = (412, 409, 404) if etag is not None else (412, 409)
+        return self._call("PUT", key, lambda: str(self.client.put_object(**kwargs)["ETag"]), failed)
 
     def delete_if(self, key: str, etag: str) -> bool:
         """Delete ``key`` only while it has ``etag`` (``If-Match``); False when it changed or is gone."""
-        import botocore.exceptions as bx
-
         def run() -> bool:
-            try:
-                self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
-                return True
-            except bx.ClientError as exc:
-                if _status(exc) in (412, 404, 409):
-                    return False
-                raise
+            self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
+            return True
 
-        return self._call("DELETE", key, run)
+        return self._call("DELETE", key, run, (412, 404, 409), False)
 
     def stat(self, key: str) -> Optional[tuple[int, float, str]]:
         """``(size, last-modified epoch seconds, ETag)`` of ``key``, or None when it does not exist."""
-        import botocore.exceptions as bx
-
         def head() -> Optional[tuple[int, float, str]]:
-            try:
-                resp = self.client.head_object(Bucket=self.bucket, Key=key)
-            except bx.ClientError as exc:
-                if _status(exc) == 404:
-                    return None
-                raise
+            resp = self.client.head_object(Bucket=self.bucket, Key=key)
             return int(resp["ContentLength"]), resp["LastModified"].timestamp(), str(resp["ETag"])
 
-        return self._call("HEAD", key, head)
+        return self._call("HEAD", key, head, (404,))
 
     def get(self, key: str) -> bytes:
         """The whole object; :class:`CheckpointNotFoundError` when it does not exist."""
@@ -356,8 +318,7 @@ class ObjectStore:
                 body.close()
                 raise ObjectStoreError(f"GET {self.url(key)} bytes [{start}, {start + n}): the object has "
                                        f"{total} bytes (truncated or replaced)")
-            # Straight into the destination: botocore's body wraps a urllib3 response,
-            # whose readinto avoids one copy of every byte read.
+            # urllib3's readinto, straight into the destination: one copy less per byte
             raw = getattr(body, "_raw_stream", None)
             got = 0
             try:
@@ -390,8 +351,7 @@ class ObjectStore:
     def list_objects(self, prefix: str, delimiter: Optional[str] = None) -> Iterator[tuple[str, int]]:
         """``(key, size)`` of the objects under ``prefix`` (with ``delimiter``: this level
         only; sub-prefixes are yielded as ``(prefix, -1)``)."""
-        for key, size, _ in self.list_modified(prefix, delimiter):
-            yield key, size
+        return ((key, size) for key, size, _ in self.list_modified(prefix, delimiter))
 
     def list_modified(self, prefix: str, delimiter: Optional[str] = None) -> Iterator[tuple[str, int, float]]:
         """As :meth:`list_objects`, with each object's last-modified time (epoch seconds;
@@ -432,13 +392,11 @@ class ObjectStore:
         """Abort the unfinished multipart uploads under ``prefix``; returns how many."""
         resp = self._call("LIST-UPLOADS", prefix,
                           lambda: self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix))
-        count = 0
-        for up in resp.get("Uploads", []):
+        uploads = resp.get("Uploads", [])
+        for up in uploads:
             self.abort_upload(up["Key"], up["UploadId"])
-            count += 1
-        return count
+        return len(uploads)
 
-    # -- multipart -------------------------------------------------------------------------
     def start_upload(self, key: str) -> str:
         return self._call("CREATE-MULTIPART", key,
                           lambda: self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"])

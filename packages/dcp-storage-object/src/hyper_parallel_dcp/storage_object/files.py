@@ -16,7 +16,7 @@ from hyper_parallel_dcp.storage_fs.layout import METADATA_FILE
 
 from .client import ObjectStore, ObjectStoreSettings, parse_url
 
-__all__ = ["ObjectFiles", "object_files"]
+__all__ = ["ObjectFiles"]
 
 
 class _RangeReader(io.RawIOBase):
@@ -105,8 +105,3 @@ class ObjectFiles(CheckpointFiles):
 
     def total_size(self) -> int:
         return sum(size for _, size in self.store.list_objects(self.key("")) if size >= 0)
-
-
-def object_files(location: Any) -> ObjectFiles:
-    """The registry's ``files`` factory for object-store URLs."""
-    return ObjectFiles(str(location))

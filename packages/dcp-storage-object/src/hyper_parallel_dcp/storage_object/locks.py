@@ -1,27 +1,12 @@
 """Save locks and reader marks on object storage: conditional PUTs where a filesystem has ``flock``.
 
-An object store has no lock that dies with its process.  What stands in for one:
-
-- **Save lock**: the save's coordinator creates ``.{leaf}.hp-dcp-lock`` beside the
-  checkpoint (the filesystem lock file's name) with ``If-None-Match: *``, so of two saves
-  to one id only one gets it; the other raises :class:`ConcurrentSaveError` naming the
-  holder.  The holder rewrites the object every ``lock_refresh`` seconds (``If-Match`` its
-  own ETag) and deletes it after the commit.  A lock nobody rewrote for
-  ``lock_stale_after`` seconds (its ``Last-Modified`` against this machine's clock) was
-  left by a killed save: the next save deletes it ``If-Match`` the ETag it judged stale (so
-  it never deletes a lock that someone took over meanwhile) and creates its own.  A
-  holder whose rewrite fails the condition lost its lock and fails before its commit.
-  A save that finds a lock watches it for a while (:meth:`ObjectLease.acquire`): a live
-  holder renews it (the second save is refused), a dead one's turns stale (taken over).
-  When the holder ran on this machine (same host, boot and pid namespace) and its process
-  is gone, its lock is taken over at once: a job restarted on the node of a killed one
-  does not wait for staleness.
-- **Reader marks**: a reader of a step (``CheckpointManager.restore``) creates its own
-  ``.{leaf}.hp-dcp-readlock-<token>``, rewritten the same way; retention deletes no step
-  with a fresh mark (see ``steps.py`` for the order that makes this safe).
-
-Both need the server's conditional writes (AWS S3 since 2024, MinIO, moto); the clock
-of the machine judging staleness must be within ``lock_stale_after`` of the server's.
+A save lock ``.{leaf}.hp-dcp-lock`` beside the checkpoint is created ``If-None-Match: *``
+(one of two saves gets it, the other raises :class:`ConcurrentSaveError` naming the
+holder), rewritten every ``lock_refresh`` s ``If-Match`` its ETag, and deleted after the
+commit.  A lock not rewritten for ``lock_stale_after`` s, or whose holder ran on this
+machine and is gone, is taken over (deleted ``If-Match`` the ETag judged stale).  Reader
+marks ``.{leaf}.hp-dcp-readlock-<token>`` are rewritten the same way.  Needs the server's
+conditional writes (AWS S3 since 2024, MinIO, moto) and clocks within ``lock_stale_after``.
 """
 
 from __future__ import annotations
@@ -124,11 +109,6 @@ class ObjectLease:
         # a new body (so a new ETag) at each renewal: that is how a waiting save sees a live holder
         return json.dumps({**self._doc, "renewed": time.time()}).encode()
 
-    @staticmethod
-    def new_token() -> str:
-        """A fresh unique name part (hex) for a reader mark."""
-        return uuid.uuid4().hex
-
     def _holder_doc(self) -> dict:
         try:
             doc = json.loads(self.store.get(self.key))
@@ -145,13 +125,10 @@ class ObjectLease:
     def acquire(self, wait: bool = True) -> None:
         """Create the object (exclusive: only when absent).
 
-        When an exclusive lock exists, ``wait`` watches it: a live holder rewrites it within
-        ``lock_refresh`` seconds (then this raises), a dead one's lock turns stale (then it
-        is taken over, ``If-Match`` the stale ETag) or disappears (then it is created).  So a
-        save right after a killed one waits up to ``lock_stale_after`` seconds, and a second
-        live save is refused within about ``lock_refresh``.  ``wait=False`` raises at once.
-
-        Raises :class:`ConcurrentSaveError` naming the holder when another live holder has it.
+        With ``wait``, an exclusive lock found is watched: a live holder rewrites it within
+        ``lock_refresh`` s, a dead one's turns stale (taken over, ``If-Match`` the stale
+        ETag) or disappears.  Raises :class:`ConcurrentSaveError` naming the holder when a
+        live holder has it (``wait=False``: at once).
         """
         s = self.store.settings
         seen: Optional[str] = None

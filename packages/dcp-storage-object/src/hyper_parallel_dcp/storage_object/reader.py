@@ -1,16 +1,11 @@
 """``ObjectStoreReader``: ranged GETs of exactly the bytes a load needs, many in flight.
 
-A read item becomes byte ranges of its object: one range for a slice that is contiguous
-in the object (row sharding, ragged ranges), otherwise one per contiguous run of the
-slice, the closest runs merged into one request while the bytes fetched stay within
-1 + :data:`READ_OVERHEAD` of the bytes needed.  Small reads back to back in one object
-share a GET.  Ranges longer than ``range_size`` are split, and every piece goes to a pool
-of ``read_concurrency`` threads.  A piece lands straight in the destination when the
-slice is contiguous and the destination a contiguous CPU tensor of the stored dtype,
-otherwise in a host staging buffer copied from afterwards.  Each response's
-``Content-Range`` gives the object's size, checked against ``.metadata``.  ``verify``
-fetches and hashes each touched chunk whole.  The metadata is read as on a filesystem
-(``storage_fs.metadata_io``).
+A read becomes byte ranges of its object (:func:`byte_runs` for a strided slice), small
+reads back to back in one object share a GET, and ranges longer than ``range_size`` are
+split over a pool of ``read_concurrency`` threads.  A piece lands in the destination when
+that is a contiguous CPU tensor of the stored dtype, else in a staging buffer copied from.
+Each response's object size is checked against ``.metadata``; ``verify`` hashes each
+touched chunk whole.
 """
 
 from __future__ import annotations
@@ -18,7 +13,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import itertools
-from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import xxhash
@@ -48,13 +44,9 @@ _WINDOW_BYTES = 512 << 20
 
 def byte_runs(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
               itemsize: int, overhead: float = READ_OVERHEAD) -> list[tuple[int, int]]:
-    """``(start, length)`` byte ranges (relative to the chunk) covering the sub-box
-    ``offsets + lengths`` of a row-major chunk, in order.
-
-    One range per contiguous run of the box, then the smallest gaps between runs are
-    merged (one request instead of two) while the bytes fetched stay within
-    ``1 + overhead`` times the bytes needed.
-    """
+    """``(start, length)`` byte ranges (relative to the chunk), in order, covering the box
+    ``offsets + lengths`` of a row-major chunk: one per contiguous run, the smallest gaps
+    merged while the bytes fetched stay within ``1 + overhead`` times those needed."""
     if not lengths:
         return [(0, itemsize)]
     if any(n == 0 for n in lengths):
@@ -98,27 +90,22 @@ class _Slice(NamedTuple):
     where: str  # names the chunk in errors
 
 
+@dataclass(slots=True)
 class _Read:
-    """GETs in flight for one read item, or for a batch of small adjacent ones.
+    """GETs in flight for one read item or a batch of small adjacent ones; ``targets``:
+    ``(item, destination, staging view to copy from or None)``."""
 
-    ``targets``: ``(item, destination, staging view to copy from or None)``.
-    """
-
-    __slots__ = ("targets", "futures", "nbytes", "check")
-
-    def __init__(self) -> None:
-        self.targets: list[tuple[ReadItem, torch.Tensor, Optional[torch.Tensor]]] = []
-        self.futures: list[cf.Future] = []
-        self.nbytes = 0
-        self.check: Optional[Any] = None
+    targets: list[tuple[ReadItem, torch.Tensor, Optional[torch.Tensor]]] = field(default_factory=list)
+    futures: list[cf.Future] = field(default_factory=list)
+    nbytes: int = 0
+    check: Optional[Callable[[], None]] = None
 
 
 class ObjectStoreReader(StorageReader):
-    """Reads a checkpoint from ``s3://bucket/prefix`` with ranged GETs.
+    """Reads a checkpoint from ``s3://bucket/prefix`` with ranged GETs; ``verify`` checks the
+    xxh3 of each chunk a read touches.  ``bytes_read`` counts the bytes fetched, ``requests`` the GETs."""
 
-    ``verify`` checks the xxh3 of every stored chunk a read touches (the whole chunk is
-    fetched once).  ``bytes_read`` counts the bytes fetched, ``requests`` the GETs.
-    """
+    collectives_required = True  # False once the metadata came from per-rank files
 
     def __init__(self, url: Union[str, None] = None, *, verify: bool = False,
                  settings: Optional[ObjectStoreSettings] = None) -> None:
@@ -126,14 +113,8 @@ class ObjectStoreReader(StorageReader):
         self.verify = verify
         self.files: Optional[ObjectFiles] = None
         self.rank = 0
-        self.metadata: Optional[Metadata] = None
-        self._is_global = True
-        self._verified: set[MetadataIndex] = set()
         self._pool: Optional[cf.ThreadPoolExecutor] = None
-        self.bytes_read = 0
-        self.requests = 0
-        if url is not None:
-            self.reset(url)
+        self.reset(url)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -143,8 +124,8 @@ class ObjectStoreReader(StorageReader):
     def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
         if checkpoint_id is not None:
             self.files = ObjectFiles(str(checkpoint_id), self.settings)
-        self.metadata = None
-        self._verified = set()
+        self.metadata: Optional[Metadata] = None
+        self._verified: set[MetadataIndex] = set()
         self.bytes_read = 0
         self.requests = 0
 
@@ -165,22 +146,16 @@ class ObjectStoreReader(StorageReader):
             self._pool = cf.ThreadPoolExecutor(self.settings.read_concurrency, thread_name_prefix="hp-dcp-get")
         return self._pool
 
-    # -- metadata --------------------------------------------------------------------------
     def load_metadata(self) -> Metadata:
         """``.metadata``, or every ``{rank}.metadata`` merged; :class:`CheckpointNotFoundError`
         naming the URL when there is neither."""
-        self.metadata, self._is_global = load_checkpoint_metadata(self._files())
+        self.metadata, self.collectives_required = load_checkpoint_metadata(self._files())
         return self.metadata
-
-    @property
-    def collectives_required(self) -> bool:
-        return self._is_global
 
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
         self.metadata = metadata
         self.rank = rank
 
-    # -- planning a read ---------------------------------------------------------------------
     def _info(self, index: MetadataIndex) -> StorageInfo:
         assert self.metadata is not None and self.metadata.storage_data is not None
         info = self.metadata.storage_data.get(index)
@@ -306,7 +281,6 @@ class ObjectStoreReader(StorageReader):
             if source is not None:
                 copy_into(dest, source)
 
-    # -- the reader interface --------------------------------------------------------------
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
         """Fill ``dest`` (shape ``item.lengths``) with the stored slice; its ranges are
         fetched in parallel.  Raises :class:`CorruptCheckpointError` for a size or checksum

@@ -1,29 +1,11 @@
 """``ObjectSteps``: a checkpoint-manager root on object storage (``s3://bucket/run/step_N``).
 
-The object-store ``StepStorage`` (``hyper_parallel_dcp.core.steps``): what
-``CheckpointManager`` and ``hp-dcp ls``/``clean`` need, with the filesystem's rules
-translated to a store that has no rename and no ``flock``:
-
-- **A step is complete** when its ``.metadata`` object exists (the save's last PUT).
-- **Deleting a step** is not atomic: ``.metadata`` is deleted first, so a step half
-  deleted (a crash in the middle) is an incomplete step, never a complete one, and the
-  next retention removes the rest as a leftover.
-- **Saves and deletions exclude each other** through the save lock object
-  (``locks.py``): a deletion takes it like a save does, so it never deletes a step a save
-  is writing, and a save started meanwhile fails with ``ConcurrentSaveError``.
-- **Readers**: :meth:`ObjectSteps.reading` creates a reader mark, then checks that no
-  fresh lock exists and ``.metadata`` does; a deletion creates the lock, then checks that
-  no fresh reader mark exists.  Each writes before it reads what the other wrote (S3 is
-  strongly consistent), so at least one of them sees the other: either the reader backs
-  off (the manager restores the next older step) or the deletion does (kept for now).
-- **Leftovers of dead saves**: an incomplete ``step_N`` older than the newest complete
-  step holding only checkpoint objects, and lock/reader-mark objects not renewed for
-  ``lock_stale_after`` seconds or whose holder ran on this machine and is gone.  Unfinished multipart uploads under a removed step are
-  aborted with it.
-
-Limits (documented in the README): staleness is judged by ``Last-Modified`` against this
-machine's clock, so clocks must agree within ``lock_stale_after``; a reader or save that
-cannot renew its object for that long (a stalled process) loses it.
+The object-store ``StepStorage`` (``hyper_parallel_dcp.core.steps``), the filesystem's
+rules on a store without rename or ``flock``: a step is complete once its ``.metadata``
+exists; a deletion removes ``.metadata`` first and holds the step's save lock
+(``locks.py``); a reader makes a mark, then checks for a fresh lock, while a deletion
+takes the lock, then checks for fresh marks (S3 is strongly consistent: one of the two
+sees the other).  Staleness is judged by ``Last-Modified`` against this machine's clock.
 """
 
 from __future__ import annotations
@@ -33,19 +15,20 @@ import json
 import logging
 import re
 import time
+import uuid
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
 from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.integrity import check_complete
-from hyper_parallel_dcp.storage_fs.layout import METADATA_FILE, RANK_METADATA, is_checkpoint_artifact
+from hyper_parallel_dcp.storage_fs.layout import METADATA_FILE, RANK_METADATA
 
 from .client import ObjectStore, ObjectStoreError, ObjectStoreSettings, parse_url
 from .files import ObjectFiles
 from .locks import ObjectLease, holder_is_dead, is_stale, lock_key, readlock_prefix
 
-__all__ = ["ObjectSteps", "object_steps"]
+__all__ = ["ObjectSteps"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,22 +36,14 @@ _HIDDEN = re.compile(r"^\.step_(0|[1-9][0-9]*)\.hp-dcp-(lock|readlock-[0-9a-f]+)
 
 
 class ObjectSteps:
-    """The ``step_N`` prefixes under an object-store ``root`` URL (see the module docstring).
-
-    Never touches an object under ``root`` that is not under ``step_N/`` or one of the
-    save machinery's hidden ``.step_N.hp-dcp-*`` names.
-    """
+    """The ``step_N`` prefixes under an object-store ``root`` URL; touches no object there but
+    those under ``step_N/`` and the hidden ``.step_N.hp-dcp-*`` ones."""
 
     def __init__(self, root: str, settings: Optional[ObjectStoreSettings] = None,
                  store: Optional[ObjectStore] = None) -> None:
-        scheme, bucket, prefix = parse_url(str(root))
-        self.store = store or ObjectStore(bucket, settings, scheme)
-        self.prefix = prefix
-        self.root = f"{scheme}://{bucket}/{prefix}" if prefix else f"{scheme}://{bucket}"
-
-    # -- names ---------------------------------------------------------------------------
-    def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
+        self._files = ObjectFiles(str(root), settings, store)
+        self.store, self.prefix, self.root = self._files.store, self._files.prefix, self._files.target
+        self._key = self._files.key
 
     def _step_prefix(self, step: int) -> str:
         return self._key(step_name(step))
@@ -80,7 +55,6 @@ class ObjectSteps:
         """The ``checkpoint_id`` that ``save``/``load`` use for ``step``."""
         return f"{self.root}/{step_name(step)}"
 
-    # -- reading -------------------------------------------------------------------------
     def check_root(self) -> None:
         """Raise :class:`ObjectStoreError` naming the bucket when it does not exist or cannot be listed."""
         next(iter(self.store.list_objects(self._key(""), delimiter="/")), None)
@@ -91,9 +65,7 @@ class ObjectSteps:
         base = self._key("")
         found = sorted(step for key, size in self.store.list_objects(base, delimiter="/")
                        if size < 0 and (step := parse_step_name(key[len(base):].rstrip("/"))) is not None)
-        if len(found) <= 1:
-            return [StepEntry(step, self.location(step), self.is_complete(step)) for step in found]
-        with cf.ThreadPoolExecutor(min(16, len(found)), thread_name_prefix="hp-dcp-steps") as pool:
+        with cf.ThreadPoolExecutor(min(16, len(found) or 1), thread_name_prefix="hp-dcp-steps") as pool:
             complete = list(pool.map(self.is_complete, found))
         return [StepEntry(step, self.location(step), done) for step, done in zip(found, complete)]
 
@@ -132,7 +104,6 @@ class ObjectSteps:
             return None
         return doc if isinstance(doc, dict) else None
 
-    # -- writing -------------------------------------------------------------------------
     def write_info(self, step: int, info: dict[str, Any]) -> None:
         """PUT the step's info object before its save starts (the save keeps it: it is not a
         checkpoint object, so replacing the checkpoint does not delete it)."""
@@ -147,29 +118,31 @@ class ObjectSteps:
     def remove_step(self, step: int) -> bool:
         """Delete every object of ``step`` (``.metadata`` first); False (nothing done) when a
         save into it or a :meth:`reading` of it is running, or it is gone already."""
-        lease = ObjectLease(self.store, self._lock_key(step), what="deletion", target=self.location(step))
+        # the readers are checked after the lock is taken: see the module docstring
+        return self._remove_locked(step, "deletion", lambda: not self._fresh_readers(step) and bool(self._objects(step)))
+
+    def _remove_locked(self, step: int, what: str, still_wanted: Callable[[], bool]) -> bool:
+        """Remove ``step``'s objects holding its save lock (which also keeps a new save out), if
+        ``still_wanted()`` once the lock is held; False when the lock is taken or not wanted."""
+        lease = ObjectLease(self.store, self._lock_key(step), what=what, target=self.location(step))
         try:
             lease.acquire(wait=False)
         except ConcurrentSaveError:
             return False
         try:
-            if self._fresh_readers(step):  # after taking the lock: see the module docstring
+            if not still_wanted():
                 return False
-            if not self._objects(step):
-                return False
-            ObjectFiles(self.location(step), store=self.store).remove()
+            self._files.child(step_name(step)).remove()
             return True
         finally:
             lease.release()
 
     @contextmanager
     def reading(self, step: int) -> Iterator[None]:
-        """Hold ``step`` against :meth:`remove_step` (a reader mark) while it is loaded.
-
-        Raises :class:`CheckpointNotFoundError` when the step is being deleted or written,
-        or no longer complete.  Without write access (an evaluation job) no mark is made.
-        """
-        mark = ObjectLease(self.store, readlock_prefix(self._step_prefix(step)) + ObjectLease.new_token(),
+        """Hold ``step`` against :meth:`remove_step` (a reader mark; none without write access)
+        while it is loaded.  Raises :class:`CheckpointNotFoundError` when the step is being
+        deleted or written, or no longer complete."""
+        mark = ObjectLease(self.store, readlock_prefix(self._step_prefix(step)) + uuid.uuid4().hex,
                            exclusive=False, what="read", target=self.location(step))
         try:
             mark.acquire()
@@ -190,7 +163,6 @@ class ObjectSteps:
         finally:
             mark.release()
 
-    # -- what dead saves left -------------------------------------------------------------
     def _abandoned(self, key: str, modified: float, now: Optional[float] = None) -> bool:
         """The lock or mark at ``key`` was left by a dead holder: not renewed for
         ``lock_stale_after``, or its holder ran on this machine and its process is gone."""
@@ -207,12 +179,12 @@ class ObjectSteps:
                        check_running: bool = True) -> list[Leftover]:
         """What dead saves left under ``root``, for steps not in ``protected``.
 
-        Lock and reader-mark objects not renewed for ``lock_stale_after`` seconds (only
-        with ``check_running``); a ``step_N/`` without ``.metadata`` when its step is below
-        ``older_than``, no fresh lock is on it, nothing in it changed in the last ``grace``
-        seconds and it holds nothing but checkpoint objects.  With ``max_step`` nothing of a
-        higher step.  ``check_running=False`` reads no lock (and so lists the objects of a
-        running save too).
+        Lock and reader-mark objects of dead holders (only with ``check_running``); a
+        ``step_N/`` without ``.metadata`` when its step is below ``older_than``, no fresh lock
+        is on it and nothing in it changed in the last ``grace`` seconds, whatever it holds,
+        unless it holds ``{rank}.metadata`` objects (a checkpoint saved without collectives:
+        left alone, logged).  With ``max_step`` nothing of a higher step.
+        ``check_running=False`` reads no lock (so lists the objects of a running save too).
         """
         base = self._key("")
         now = time.time()
@@ -223,36 +195,29 @@ class ObjectSteps:
             hidden = _HIDDEN.match(key[len(base):]) if size >= 0 else None
             if hidden:
                 locks[key] = modified
-                step = int(hidden.group(1))
+                of_step = int(hidden.group(1))
                 kind = "lock" if hidden.group(2) == "lock" else "readlock"
-                if (check_running and step not in protected and (max_step is None or step <= max_step)
+                if (check_running and of_step not in protected and (max_step is None or of_step <= max_step)
                         and self._abandoned(key, modified, now)):
-                    out.append(Leftover(step, kind, self.store.url(key), size))
+                    out.append(Leftover(of_step, kind, self.store.url(key), size))
         for key, size, _ in entries:
-            parsed = parse_step_name(key[len(base):].rstrip("/")) if size < 0 else None
-            if parsed is None or (max_step is not None and parsed > max_step):
-                continue
-            step = parsed
-            if older_than is None or step >= older_than or step in protected:
-                continue
-            if self.is_complete(step):  # one HEAD: a complete step's objects are not listed
-                continue
+            step = parse_step_name(key[len(base):].rstrip("/")) if size < 0 else None
+            if (step is None or (max_step is not None and step > max_step) or older_than is None
+                    or step >= older_than or step in protected or self.is_complete(step)):
+                continue  # is_complete: one HEAD, so a complete step's objects are not listed
             objects = self._objects(step)
             names = [name for name, _, _ in objects]
             if METADATA_FILE in names or not objects:
                 continue
             if grace > 0 and now - max(modified for _, _, modified in objects) < grace:
                 continue
-            lock_modified = locks.get(self._lock_key(step))
-            if check_running and lock_modified is not None and not self._abandoned(self._lock_key(step),
-                                                                                  lock_modified, now):
+            lock = self._lock_key(step)
+            if check_running and lock in locks and not self._abandoned(lock, locks[lock], now):
                 continue
-            # a rank-local save's {rank}.metadata: loadable, but not the manager's
-            foreign = [n for n in names if (n != INFO_FILE and not is_checkpoint_artifact(n)) or "/" in n
-                       or RANK_METADATA.match(n)]
-            if foreign:
-                logger.warning("%s has no %s but holds objects that are not a checkpoint's (%s); left alone",
-                               self.location(step), METADATA_FILE, ", ".join(sorted(foreign)[:5]))
+            rank_local = [n for n in names if RANK_METADATA.match(n)]
+            if rank_local:
+                logger.warning("%s has no %s but holds a checkpoint saved without collectives (%s); left alone",
+                               self.location(step), METADATA_FILE, ", ".join(sorted(rank_local)[:5]))
                 continue
             out.append(Leftover(step, "incomplete", self.location(step), sum(size for _, size, _ in objects)))
         return sorted(out, key=lambda x: (x.step, x.kind, x.location))
@@ -265,22 +230,6 @@ class ObjectSteps:
             if found is None or not self._abandoned(key, found[1]):
                 return False
             return self.store.delete_if(key, found[2])
-        if item.kind != "incomplete":
-            return False
-        lease = ObjectLease(self.store, self._lock_key(item.step), what="clean-up", target=item.location)
-        try:
-            lease.acquire(wait=False)  # also keeps a new save of this step out while we remove
-        except ConcurrentSaveError:
-            return False
-        try:
-            if self.is_complete(item.step):
-                return False  # a save completed it meanwhile
-            ObjectFiles(item.location, store=self.store).remove()
-            return True
-        finally:
-            lease.release()
-
-
-def object_steps(root: Any) -> ObjectSteps:
-    """The registry's ``steps`` factory for object-store URLs."""
-    return ObjectSteps(str(root))
+        # not when a save completed it meanwhile
+        return item.kind == "incomplete" and self._remove_locked(item.step, "clean-up",
+                                                                 lambda: not self.is_complete(item.step))

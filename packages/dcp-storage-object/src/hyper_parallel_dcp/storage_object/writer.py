@@ -1,21 +1,11 @@
 """``ObjectStoreWriter``: the filesystem format's objects, streamed to a bucket.
 
-Each rank streams its ``_rank{r}_.safetensors`` / ``_rank{r}_.bytes`` through the same
-writer code as on a filesystem (``storage_fs.rank_files``: same names, bytes and xxh3
-checksums computed on the way).  An object below ``multipart_threshold`` is one PUT;
-a larger one becomes a multipart upload whose parts are uploaded while the next ones are
-being filled (``upload_concurrency`` in flight, memory bounded by that many parts).
-The coordinator PUTs ``.metadata`` last, once every rank's objects are complete.
-
-Two saves to one id: the coordinator takes the id's lock object (a conditional PUT,
-``locks.py``) before it deletes or writes anything; a second save raises
-:class:`ConcurrentSaveError`.
-
-Replacing a checkpoint: S3 has no rename, and the objects keep the filesystem names, so
-the coordinator deletes the old ``.metadata`` before any rank writes (the id never has a
-``.metadata`` describing other objects), then the old data objects and any unfinished
-multipart uploads under the id (the leftovers of an interrupted save).  The old
-checkpoint at that id is therefore gone once a new save to it starts.
+Each rank streams its files through the filesystem's writer code (``storage_fs.rank_files``:
+same names, bytes and checksums); an object of ``multipart_threshold`` bytes or more is a
+multipart upload whose parts go up while the next are filled.  The coordinator takes the
+id's lock object (``locks.py``), deletes the old ``.metadata`` first, then the old objects
+and unfinished uploads (S3 has no rename: the old checkpoint is gone once a save to its id
+starts), and PUTs the new ``.metadata`` last.
 """
 
 from __future__ import annotations
@@ -38,12 +28,8 @@ __all__ = ["ObjectStoreWriter"]
 
 
 class _UploadStream:
-    """A write-only stream to one object: buffered parts, uploaded in parallel.
-
-    ``write`` copies into the current part buffer (the tensor memory is only read); a
-    full part is handed to the pool and a semaphore bounds the parts held in memory.
-    ``finish()`` returns the object's size once it exists; ``abort()`` cancels it.
-    """
+    """A write-only stream to one object: parts buffered (a semaphore bounds how many are
+    held) and uploaded by ``pool``; ``finish()`` returns the size, ``abort()`` cancels."""
 
     def __init__(self, store: ObjectStore, key: str, pool: cf.ThreadPoolExecutor) -> None:
         self.store = store
@@ -139,12 +125,8 @@ class _UploadStream:
 
 
 class ObjectStoreWriter(StorageWriter):
-    """Writes a checkpoint to ``s3://bucket/prefix`` (objects named as the files would be).
-
-    ``settings`` tunes the transfers (:class:`ObjectStoreSettings`).  With collectives (or
-    one process) the coordinator removes the id's old checkpoint before any rank writes
-    and commits ``.metadata`` last; without, each rank writes ``{rank}.metadata``.
-    """
+    """Writes a checkpoint to ``s3://bucket/prefix`` (objects named as the files would be),
+    ``settings`` tuning the transfers.  Without collectives each rank writes ``{rank}.metadata``."""
 
     def __init__(self, url: Union[str, None] = None, *, settings: Optional[ObjectStoreSettings] = None) -> None:
         self.settings = settings or ObjectStoreSettings()
@@ -154,8 +136,7 @@ class ObjectStoreWriter(StorageWriter):
         self.is_coordinator = True
         self.atomic = True
         self._lock: Optional[ObjectLease] = None
-        if url is not None:
-            self.reset(url)
+        self.reset(url)
 
     def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
         if checkpoint_id is not None:
