@@ -168,7 +168,7 @@ class TorchDCPReader(FileSystemReader):
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
         """Fill ``dest`` (shape ``item.lengths``) with the stored slice, casting to its dtype."""
         index = item.storage_index
-        info = self._storage_info(index)
+        info = self.chunks().storage_info(index)
         assert self.metadata is not None
         chunk_sizes = stored_chunk_sizes(self.metadata, index)
         path = str(self._root() / info.relative_path)
@@ -204,7 +204,7 @@ class TorchDCPReader(FileSystemReader):
 
     def read_object(self, item: ReadItem) -> Any:
         index = item.storage_index
-        info = self._storage_info(index)
+        info = self.chunks().storage_info(index)
         blob = self._item_bytes(index, info)
         self.bytes_read += len(blob)
         return deserialize_object(blob, fqn=index.fqn, file=str(self._root() / info.relative_path))
