@@ -1,11 +1,6 @@
-"""Is a checkpoint directory complete, is it intact, and which is the newest one.
-
-:func:`check_complete` answers from ``.metadata`` (or the ``{rank}.metadata`` files) and
-``stat`` alone, never reading tensor data, so it is cheap enough to run on every start-up.
-:func:`verify_checkpoint` additionally reads every stored byte once and compares it with
-the xxh3-64 checksum recorded when it was written.  :func:`find_latest_checkpoint` picks the
-newest complete checkpoint among step directories (``step_100``, ``ckpt-2000``, ``300``).
-"""
+"""Is a checkpoint complete (:func:`check_complete`: metadata and ``stat`` only), intact
+(:func:`verify_checkpoint`: every checksum), and which is the newest complete one
+(:func:`find_latest_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -53,14 +48,9 @@ _MAX_PROBLEMS = 200
 
 @dataclass
 class CompletenessReport:
-    """Whether ``path`` holds a complete checkpoint, judged from metadata and file sizes.
-
-    ``problems`` lists every reason it is not (empty when ``complete``);
-    ``format_version`` is the version found in the metadata (``None`` if unreadable);
-    ``metadata`` is the parsed (for a rank-local save, merged) metadata, ``None`` when it
-    could not be read; ``format`` is ``"hyper-parallel-dcp"`` or ``"torch-dcp"`` (a
-    checkpoint of ``torch.distributed.checkpoint``, which records no file sizes).
-    """
+    """Whether ``path`` holds a complete checkpoint: ``problems`` lists every reason it is
+    not; ``format_version`` and the parsed (merged) ``metadata`` are ``None`` when
+    unreadable; ``format`` is ``"hyper-parallel-dcp"`` or ``"torch-dcp"``."""
 
     path: Union[Path, str]
     complete: bool
@@ -176,13 +166,10 @@ def _check_consistency(md: Metadata, source: CheckpointFiles, problems: list[str
 def check_complete(path: Location) -> CompletenessReport:
     """Say whether ``path`` holds a complete checkpoint, using metadata and ``stat`` only.
 
-    Complete means: ``.metadata`` (or, for a save without collectives, every
-    ``{rank}.metadata`` from 0 up to the highest present) parses, is of a format version
-    this code reads, describes a storage entry for every chunk and object, and every file
-    it names exists with exactly the recorded size and holds the recorded byte ranges.
-    No tensor data is read.  Never raises for a bad checkpoint: every reason it is not
-    complete is in ``problems``.  (Trailing missing ranks of a rank-local save cannot be
-    detected without knowing the world size.)
+    Complete: ``.metadata`` (or every ``{rank}.metadata`` from 0 to the highest present)
+    parses, is of a known format version, has a storage entry for every chunk and object,
+    and every file it names has the recorded size and holds the recorded byte ranges.
+    Never raises for a bad checkpoint: every reason is in ``problems``.
     """
     root = as_checkpoint_files(path)
     problems: list[str] = []
@@ -200,19 +187,17 @@ def check_complete(path: Location) -> CompletenessReport:
         named.setdefault(info.relative_path, -1)
     for name, expected in sorted(named.items()):
         file = root.where(name)
+        sizes[name] = None
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             _add(problems, f"{root}: the metadata names an invalid file {name!r}")
-            sizes[name] = None
             continue
         try:
             actual = root.size(name)
         except OSError as exc:
             _add(problems, f"{file} cannot be examined: {exc}")
-            sizes[name] = None
             continue
         if actual is None:
             _add(problems, f"{file} is missing")
-            sizes[name] = None
             continue
         sizes[name] = actual
         if expected >= 0 and actual != expected:
@@ -247,13 +232,9 @@ def _stored_items(md: Metadata) -> list[tuple[MetadataIndex, StorageInfo]]:
 def find_latest_checkpoint(root: Location) -> Optional[Union[Path, str]]:
     """The complete checkpoint under ``root`` whose directory name ends in the highest step.
 
-    Looks at the direct subdirectories of ``root`` whose names end in an integer
-    (``step_100``, ``global_step2000``, ``300``), newest first, and returns the first that
-    :func:`check_complete` accepts; hidden entries (staging directories) are skipped.  When
-    ``root`` has ``step_N`` subdirectories (a ``CheckpointManager`` root), only those count:
-    a sibling run directory such as ``fsdp4`` is not step 4.
-    Returns ``None`` when ``root`` does not exist or holds no complete checkpoint; the
-    checkpoint's ``Path`` (a URL for an object store) otherwise.
+    Tries the non-hidden subdirectories whose names end in an integer (``step_100``,
+    ``300``), newest first; where there are ``step_N`` ones (a ``CheckpointManager`` root)
+    only those.  Returns its ``Path`` (a URL for an object store), or ``None``.
     """
     base = as_checkpoint_files(root)
     try:
@@ -296,14 +277,11 @@ def _hash_range(f, offset: int, length: int, buf: bytearray) -> tuple[str, int]:
 
 def verify_checkpoint(path: Location, *,
                       progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
-    """Check completeness and every recorded checksum of the checkpoint at ``path``.
+    """Check completeness, every header entry and every recorded checksum at ``path``.
 
-    Reads each stored chunk and object once, in file order, and compares its xxh3-64 with
-    the metadata; also checks that each safetensors header agrees with the metadata (key,
-    dtype, shape, byte range).  ``progress(done_bytes, total_bytes)`` is called after each
-    item.  Never raises for a bad checkpoint: every problem (naming file, FQN and chunk) is
-    in the report; ``ok`` is true only when there are none.  Items without a recorded
-    checksum are reported as problems.
+    Reads each stored item once, in file order; ``progress(done_bytes, total_bytes)`` is
+    called after each.  Never raises for a bad checkpoint: every problem (an item without
+    a checksum included) is in the report, naming file, FQN and chunk.
     """
     files = as_checkpoint_files(path)
     report = check_complete(files)
