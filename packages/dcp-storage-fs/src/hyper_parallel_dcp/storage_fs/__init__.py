@@ -11,17 +11,6 @@ from .reader import FileSystemReader
 from .torch_dcp import TorchDCPReader, is_torch_dcp_checkpoint, storage_reader_for_path
 from .writer import FileSystemWriter
 
-__all__ = [
-    "METADATA_FILE",
-    "FileSystemReader",
-    "FileSystemWriter",
-    "TorchDCPReader",
-    "__version__",
-    "is_torch_dcp_checkpoint",
-    "load_checkpoint_metadata",
-    "load_rank_metadata",
-    "merge_rank_metadata",
-    "storage_reader_for_path",
-    "storage_writer_for",
-    "wait_for_removals",
-]
+__all__ = ["METADATA_FILE", "FileSystemReader", "FileSystemWriter", "TorchDCPReader", "__version__",
+           "is_torch_dcp_checkpoint", "load_checkpoint_metadata", "load_rank_metadata", "merge_rank_metadata",
+           "storage_reader_for_path", "storage_writer_for", "wait_for_removals"]

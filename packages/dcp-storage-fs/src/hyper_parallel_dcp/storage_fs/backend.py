@@ -1,8 +1,5 @@
-"""The filesystem backend of the scheme registry (``hyper_parallel_dcp.core.backends``).
-
-Plain paths and ``file://`` URLs come here: :data:`BACKEND` makes their writer, reader
-(``torch_dcp.storage_reader_for_path``: a torch DCP directory gets its reader) and files.
-"""
+"""The filesystem backend of the scheme registry: :data:`BACKEND`, for plain paths and
+``file://`` URLs."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ def local_storage_writer(checkpoint_id: Union[str, os.PathLike]) -> StorageWrite
 
 
 def local_storage_reader(checkpoint_id: Union[str, os.PathLike], *, verify: Optional[bool] = None) -> StorageReader:
-    """The reader for a local checkpoint directory (``verify=None``: the reader's default):
-    :func:`storage_reader_for_path` decides (a torch DCP directory gets its reader)."""
+    """:func:`storage_reader_for_path` of a local checkpoint directory."""
     return storage_reader_for_path(local_path(checkpoint_id), verify)
 
 

@@ -27,14 +27,8 @@ from . import posix
 from .atomic import fsync_dir
 from .layout import is_checkpoint_artifact, lock_path, staging_dir, stale_prefixes
 
-__all__ = [
-    "SaveLock",
-    "commit_directory",
-    "is_checkpoint_artifact",
-    "remove_stale_staging",
-    "staging_dir",
-    "wait_for_removals",
-]
+__all__ = ["SaveLock", "commit_directory", "is_checkpoint_artifact", "remove_stale_staging", "staging_dir",
+           "wait_for_removals"]
 
 
 def remove_stale_staging(target: Path, keep: Optional[str] = None) -> list[Path]:

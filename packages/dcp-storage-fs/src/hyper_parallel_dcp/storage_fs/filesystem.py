@@ -1,8 +1,4 @@
-"""The filesystem reader and writer under their historical module name (kept for importers).
-
-``FileSystemWriter`` lives in ``writer``, ``FileSystemReader`` in ``reader``, the metadata
-reading in ``metadata_io``; this module re-exports them.
-"""
+"""The reader, the writer and the metadata reading under their historical module name."""
 
 from __future__ import annotations
 
@@ -12,12 +8,5 @@ from .rank_metadata import merge_rank_metadata
 from .reader import FileSystemReader
 from .writer import FileSystemWriter
 
-__all__ = [
-    "METADATA_FILE",
-    "FileSystemReader",
-    "FileSystemWriter",
-    "StoredMetadata",
-    "load_checkpoint_metadata",
-    "merge_rank_metadata",
-    "read_stored_metadata",
-]
+__all__ = ["METADATA_FILE", "FileSystemReader", "FileSystemWriter", "StoredMetadata", "load_checkpoint_metadata",
+           "merge_rank_metadata", "read_stored_metadata"]

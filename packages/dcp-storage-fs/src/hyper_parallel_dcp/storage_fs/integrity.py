@@ -31,15 +31,8 @@ from .safetensors_header import SafetensorsHeaderError, read_header
 from .torch_dcp_format import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 from .tuning import VERIFY_BLOCK_BYTES
 
-__all__ = [
-    "CompletenessReport",
-    "VerifyReport",
-    "check_complete",
-    "find_latest_checkpoint",
-    "checkpoints_inside_hint",
-    "header_disagreement",
-    "verify_checkpoint",
-]
+__all__ = ["CompletenessReport", "VerifyReport", "check_complete", "find_latest_checkpoint", "checkpoints_inside_hint",
+           "header_disagreement", "verify_checkpoint"]
 
 _MANAGER_STEP = re.compile(r"^step_\d+$")
 #: More problems than this are summarised (a wholly wrong directory would list thousands).

@@ -20,20 +20,8 @@ from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 
 from .tuning import PREADV_MAX_BYTES
 
-__all__ = [
-    "MAPPING",
-    "cached",
-    "drop_cache",
-    "exchange",
-    "malloc_trim",
-    "map_file",
-    "populate_read",
-    "pread_exact",
-    "readv_exact",
-    "reserve",
-    "tensor_bytes",
-    "unmap",
-]
+__all__ = ["MAPPING", "cached", "drop_cache", "exchange", "malloc_trim", "map_file", "populate_read", "pread_exact",
+           "readv_exact", "reserve", "tensor_bytes", "unmap"]
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 1, 2, 0x10, 0x20, 0x4000

@@ -17,21 +17,9 @@ import xxhash
 
 from hyper_parallel_dcp.core.chunks import row_major_strides
 
-__all__ = [
-    "MAX_HEADER_BYTES",
-    "SAFETENSORS_DTYPES",
-    "HeaderEntry",
-    "SafetensorsHeaderError",
-    "entry_mismatch",
-    "from_stored",
-    "header_digest",
-    "header_layout",
-    "parse_header",
-    "read_header",
-    "read_header_bytes",
-    "stored_layout",
-    "to_stored",
-]
+__all__ = ["MAX_HEADER_BYTES", "SAFETENSORS_DTYPES", "HeaderEntry", "SafetensorsHeaderError", "entry_mismatch",
+           "from_stored", "header_digest", "header_layout", "parse_header", "read_header", "read_header_bytes",
+           "stored_layout", "to_stored"]
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",

@@ -25,17 +25,8 @@ from .posix import tensor_bytes
 from .safetensors_header import SAFETENSORS_DTYPES, SafetensorsHeaderError, read_header
 from .tuning import BOUNCE_MIN_BYTES, IOV_MAX_BUFFERS, LARGE_FOLIO, SMALL_FOLIO
 
-__all__ = [
-    "SAFETENSORS_DTYPES",
-    "EncodedHeader",
-    "LateDigests",
-    "SafetensorsHeaderError",
-    "TensorEntry",
-    "encode_header",
-    "read_header",
-    "tensor_bytes",
-    "write_safetensors",
-]
+__all__ = ["SAFETENSORS_DTYPES", "EncodedHeader", "LateDigests", "SafetensorsHeaderError", "TensorEntry",
+           "encode_header", "read_header", "tensor_bytes", "write_safetensors"]
 
 
 class TensorEntry:
