@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from .layout import METADATA_FILE
-from .metadata_io import StoredMetadata, load_checkpoint_metadata, read_stored_metadata
-from .rank_metadata import merge_rank_metadata
+from .metadata_io import load_checkpoint_metadata
 from .reader import FileSystemReader
 from .writer import FileSystemWriter
 
-__all__ = ["METADATA_FILE", "FileSystemReader", "FileSystemWriter", "StoredMetadata", "load_checkpoint_metadata",
-           "merge_rank_metadata", "read_stored_metadata"]
+__all__ = ["FileSystemReader", "FileSystemWriter", "load_checkpoint_metadata"]

@@ -80,9 +80,23 @@ def _add(problems: list[str], text: str) -> None:
         problems.append("... further problems omitted")
 
 
+def _read_one(root: CheckpointFiles, name: str, problems: list[str]) -> tuple[Optional[Metadata], Optional[int]]:
+    """The metadata in file ``name`` and the format version it states, recording what fails."""
+    file = root.where(name)
+    try:
+        text = root.read(name)
+    except OSError as exc:
+        _add(problems, f"{file} cannot be read: {exc}")
+        return None, None
+    try:
+        return _parse_reporting(text, file, problems), _peek_version(text)
+    except CheckpointFormatError as exc:
+        _add(problems, str(exc))
+        return None, _peek_version(text)
+
+
 def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional[Metadata], Optional[int]]:
     """Parse ``.metadata`` or merge the ``{rank}.metadata`` files, recording what fails."""
-    global_file = root.where(METADATA_FILE)
     if isinstance(root, LocalFiles) and is_torch_dcp_checkpoint(root.path):
         try:
             return read_torch_dcp_metadata(root.path)[0], None
@@ -90,17 +104,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
             _add(problems, str(exc))
             return None, None
     if root.size(METADATA_FILE) is not None:
-        try:
-            text = root.read(METADATA_FILE)
-        except OSError as exc:
-            _add(problems, f"{global_file} cannot be read: {exc}")
-            return None, None
-        version = _peek_version(text)
-        try:
-            return _parse_reporting(text, global_file, problems), version
-        except CheckpointFormatError as exc:
-            _add(problems, str(exc))
-            return None, version
+        return _read_one(root, METADATA_FILE, problems)
     try:
         ranks = rank_metadata_names(root.entries())
     except OSError as exc:
@@ -115,19 +119,12 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     if missing:
         _add(problems, f"{root}: the rank-local metadata of rank(s) [{format_ranks(missing)}] is missing")
     parts: dict[int, Metadata] = {}
-    version = None  # typed Optional[int] by the single-file branch above
+    version: Optional[int] = None
     for rank, name in ranks:
-        file = root.where(name)
-        try:
-            text = root.read(name)
-        except OSError as exc:
-            _add(problems, f"{file} cannot be read: {exc}")
-            continue
-        version = _peek_version(text) if version is None else version
-        try:
-            parts[rank] = _parse_reporting(text, file, problems)
-        except CheckpointFormatError as exc:
-            _add(problems, str(exc))
+        md, found = _read_one(root, name, problems)
+        version = found if version is None else version
+        if md is not None:
+            parts[rank] = md
     if len(parts) != len(ranks):
         return None, version
     return merge_rank_metadata(parts), version

@@ -32,17 +32,10 @@ __all__ = ["StoredTensor", "extent", "is_row_major", "is_torch_dcp_checkpoint", 
 
 _DCP = "torch.distributed.checkpoint"
 #: torch DCP classes a ``.metadata`` pickle may name (module, class) → inert record.
-_RECORD_CLASSES = {
-    (f"{_DCP}.metadata", "Metadata"),
-    (f"{_DCP}.metadata", "TensorStorageMetadata"),
-    (f"{_DCP}.metadata", "BytesStorageMetadata"),
-    (f"{_DCP}.metadata", "ChunkStorageMetadata"),
-    (f"{_DCP}.metadata", "TensorProperties"),
-    (f"{_DCP}.metadata", "MetadataIndex"),
-    (f"{_DCP}.metadata", "StorageMeta"),
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    (f"{_DCP}._fsspec_filesystem", "_StorageInfo"),
-}
+_RECORD_CLASSES = {(f"{_DCP}.metadata", name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta")}
+_RECORD_CLASSES |= {(f"{_DCP}.{module}", "_StorageInfo") for module in ("filesystem", "_fsspec_filesystem")}
 _PATH_CLASSES = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}
 
 
@@ -68,9 +61,7 @@ class _Record:
             self.__dict__["_state"] = state
 
 
-_RECORDS: dict[tuple[str, str], type] = {
-    key: type(key[1], (_Record,), {"kind": key[1]}) for key in _RECORD_CLASSES
-}
+_RECORDS: dict[tuple[str, str], type] = {key: type(key[1], (_Record,), {"kind": key[1]}) for key in _RECORD_CLASSES}
 
 
 def _layout_from_name(name: str) -> Any:
