@@ -19,13 +19,7 @@ import xxhash
 
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
-from hyper_parallel_dcp.core.metadata import (
-    ChunkLocation,
-    Metadata,
-    MetadataIndex,
-    StorageInfo,
-    chunk_locator,
-)
+from hyper_parallel_dcp.core.metadata import ChunkLocation, Metadata, MetadataIndex, StorageInfo, chunk_locator
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import FILES_KEPT
@@ -51,10 +45,8 @@ __all__ = ["ChunkLocator", "FileSystemReader", "StoredChunk"]
 
 #: a stored chunk's checked location: (file, first data byte, shape, row-major strides, dtype)
 StoredChunk = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype]
-# (first element, elements spanned, contiguous, elements) of a slice of a stored chunk
-_Geometry = tuple[int, int, bool, int]
-# where a read goes: (destination, None, ()), or (tensor, storage offset, strides) of a
-# region (LoadPlanner.resolve_region); destination None for an object
+_Geometry = tuple[int, int, bool, int]  # a slice's (first element, elements spanned, contiguous, elements)
+# where a read goes: (destination or None for an object, None, ()), or a region's (tensor, offset, strides)
 _Region = tuple[Any, Optional[int], tuple[int, ...]]
 
 
@@ -284,7 +276,6 @@ class FileSystemReader(StorageReader):
     def location(self) -> Optional[str]:
         return None if self.path is None else str(self.path)
 
-    # -- metadata --------------------------------------------------------------------
     def load_metadata(self) -> Metadata:
         self.metadata, self._is_global = load_checkpoint_metadata(LocalFiles(self._root()))
         return self.metadata
@@ -324,7 +315,6 @@ class FileSystemReader(StorageReader):
             locator = self._locator = ChunkLocator(self.metadata, self._root(), self.verify, self._verified)
         return locator
 
-    # -- files -------------------------------------------------------------------------
     def _file(self, name: str) -> _OpenFile:
         """The open file ``name``, opened (and the least recently used one closed) if needed."""
         opened = self._handles.get(name)
@@ -367,7 +357,6 @@ class FileSystemReader(StorageReader):
             self._arena = None
         self._arena_tried = False
 
-    # -- reading -----------------------------------------------------------------------
     def _read_many(self, reads: Iterable[tuple[ReadItem, _Region]]) -> None:
         """Start each read (done, or queued in a sink for :meth:`_finish_pending`); with
         ``offset``, the slice goes into ``dest.as_strided(item.lengths, dest_strides, offset)``."""

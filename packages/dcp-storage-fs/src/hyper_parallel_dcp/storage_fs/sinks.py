@@ -240,12 +240,10 @@ class PendingCopies:
         self.dests: list[torch.Tensor] = []
         self.sources: list[torch.Tensor] = []
         self.others: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # mapped slices not viewed yet, by (id of the typed mapping, shape, strides):
-        # (typed mapping, element starts, destinations)
+        # (id of the typed mapping, shape, strides) -> (typed mapping, element starts, destinations)
         self.mapped: dict[tuple[int, tuple[int, ...], tuple[int, ...]],
                           tuple[torch.Tensor, list[int], list[torch.Tensor]]] = {}
-        # runs of regions of one tensor: [tensor, typed mapping, shape, destination strides,
-        # source strides, destination offsets, source starts]
+        # [tensor, typed mapping, shape, dest strides, source strides, dest offsets, source starts]
         self.runs: list[list[Any]] = []
         self._run: Optional[list[Any]] = None
 

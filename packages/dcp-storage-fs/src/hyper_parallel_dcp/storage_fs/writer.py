@@ -15,14 +15,7 @@ from hyper_parallel_dcp.core.storage import StorageWriter, WriteResult
 from . import posix
 from .atomic import PendingFile, fsync_dir, write_file_atomic, write_file_pending
 from .commit import SaveLock, commit_directory, remove_stale_staging
-from .layout import (
-    METADATA_FILE,
-    RANK_METADATA,
-    objects_file_name,
-    rank_metadata_file,
-    staging_dir,
-    tensors_file_name,
-)
+from .layout import METADATA_FILE, RANK_METADATA, objects_file_name, rank_metadata_file, staging_dir, tensors_file_name
 from .rank_files import with_stored_as, write_rank_files
 
 __all__ = ["FileSystemWriter"]
@@ -51,7 +44,6 @@ class FileSystemWriter(StorageWriter):
         # (metadata, its JSON, the .metadata written but not committed) from prepare_finalize
         self._prepared: Optional[tuple[Metadata, bytes, Optional[PendingFile]]] = None
 
-    # -- set-up ----------------------------------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
@@ -100,7 +92,6 @@ class FileSystemWriter(StorageWriter):
             raise RuntimeError("FileSystemWriter: the plan carries no save_id")
         return staging_dir(target, self._save_id)
 
-    # -- writing ---------------------------------------------------------------------
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         self._save_id = plan.save_id or "local"
         self._ensure_lock()  # a cached plan skips prepare_local_plan
