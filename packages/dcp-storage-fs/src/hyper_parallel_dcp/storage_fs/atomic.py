@@ -37,8 +37,7 @@ class PendingFile:
         self._file = file
 
     def finish(self, sync: bool = True) -> None:
-        """fsync (``sync``), close and rename into place; raises as :func:`write_file_atomic`
-        (the temp file is removed on failure)."""
+        """fsync (``sync``), close and rename into place; fails as :func:`write_file_atomic`."""
         try:
             if sync:
                 os.fsync(self._file.fileno())

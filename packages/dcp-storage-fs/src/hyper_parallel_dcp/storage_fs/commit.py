@@ -157,8 +157,7 @@ def _remove_in_background(path: Path) -> None:
 
 
 def wait_for_removals(timeout: Optional[float] = None) -> bool:
-    """Wait until the replaced checkpoints this process is deleting are gone (also at
-    exit); whether all finished within ``timeout`` seconds (``None``: wait)."""
+    """Wait (``timeout`` seconds; ``None``: no limit) until this process's replaced checkpoints are gone."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with _removals_lock:
         pending = list(_removals)

@@ -29,8 +29,7 @@ def item_name(index: MetadataIndex) -> str:
 
 def header_mismatch(md: Metadata, index: MetadataIndex, info: StorageInfo,
                     header: Optional[dict[str, HeaderEntry]]) -> Optional[str]:
-    """Why ``header``'s entry for tensor chunk ``index`` disagrees with ``md``; ``None`` if it
-    agrees or is no tensor chunk."""
+    """Why ``header``'s entry for tensor chunk ``index`` disagrees with ``md``, or ``None``."""
     entry = md.state_dict_metadata.get(index.fqn)
     if header is None or index.offset is None or not isinstance(entry, TensorStorageMetadata):
         return None

@@ -105,8 +105,7 @@ class MappingArena:
         return cls(-(-addr // FOLIO_ALIGN) * FOLIO_ALIGN, slot_bytes, slots, (addr, size))
 
     def place(self, fd: int, size: int) -> Optional[tuple[int, int]]:
-        """Map the file open as ``fd`` (``size`` bytes) in a free slot: ``(slot, address)``,
-        or ``None`` (no free slot, too large, the arena closed, refused)."""
+        """Map the file ``fd`` (``size`` bytes) in a free slot: ``(slot, address)``, or ``None``."""
         if self.data is None or not self._free or size > self.slot_bytes:
             return None
         slot = self._free[-1]
@@ -175,8 +174,7 @@ class FileMapping:
 
     @classmethod
     def open(cls, fd: int, size: int, arena: Optional[MappingArena] = None) -> Optional[FileMapping]:
-        """The file open as ``fd`` (``size`` bytes) mapped, in a free slot of ``arena`` when
-        it has one; ``None`` where it cannot be mapped."""
+        """The file ``fd`` (``size`` bytes) mapped, in ``arena`` if it has a free slot; ``None`` if refused."""
         mapping = cls(fd, size, arena)
         return mapping if mapping._data is not None else None
 

@@ -82,8 +82,7 @@ def map_file(fd: int, size: int, at: Optional[int] = None) -> Optional[int]:
 
 
 def reserve(size: int, at: Optional[int] = None) -> Optional[int]:
-    """Reserve ``size`` bytes of address space without access or memory (at ``at`` when
-    given): the address, or ``None`` when refused."""
+    """Reserve ``size`` bytes of address space (at ``at`` when given): the address, or ``None``."""
     return _map(at, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
@@ -158,8 +157,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from the file's bytes at ``offset``; :class:`CorruptCheckpointError`
-    naming ``path`` where the file ends first."""
+    """Fill ``view`` from the file at ``offset``; :class:`CorruptCheckpointError` naming ``path`` if it ends first."""
     done, total = 0, len(view)
     while done < total:
         n = os.preadv(fd, [view[done:done + PREADV_MAX_BYTES]], offset + done)

@@ -400,8 +400,7 @@ class FileSystemReader(StorageReader):
         self._device_reads.wait()
 
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
-        """Fill ``dest`` (shape ``item.lengths``) with the stored slice, straight from the file;
-        raises ``CorruptCheckpointError`` naming file, FQN and chunk on any disagreement."""
+        """Fill ``dest`` with the stored slice; ``CorruptCheckpointError`` naming file, FQN and chunk on a mismatch."""
         try:
             self._read_many(((item, (dest, None, ())),))
         finally:

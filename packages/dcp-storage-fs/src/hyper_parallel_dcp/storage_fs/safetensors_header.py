@@ -101,8 +101,7 @@ def header_layout(dtype: torch.dtype, sizes: tuple[int, ...]) -> Optional[tuple[
 
 
 def header_digest(raw: bytes, file_size: int) -> str:
-    """xxh3-64 hex digest of a header's bytes (length field and JSON) and of the file's
-    size (8 bytes, little-endian)."""
+    """xxh3-64 hex digest of a header's bytes (length field and JSON) and the file's size (8 bytes LE)."""
     digest = xxhash.xxh3_64(raw)
     digest.update(struct.pack("<Q", file_size))
     return digest.hexdigest()

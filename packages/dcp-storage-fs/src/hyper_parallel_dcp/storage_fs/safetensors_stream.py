@@ -59,8 +59,7 @@ class TensorEntry:
 
 
 class EncodedHeader(NamedTuple):
-    """A header as written: ``raw`` (length field and padded JSON), ``begins`` (each
-    entry's offset in the data section)."""
+    """A header as written: ``raw`` (length field, padded JSON), ``begins`` (data-section offsets)."""
 
     raw: bytes
     begins: list[int]
@@ -190,8 +189,7 @@ class _AlignedWrites:
         self._pending = 0
 
     def add(self, view: memoryview, tensor: torch.Tensor, owned: bool = False) -> None:
-        """Queue ``view`` (bytes of ``tensor``, kept alive until written); ``owned``: a copy
-        made for this write."""
+        """Queue ``view`` (bytes of ``tensor``, kept until written); ``owned``: a copy made for this write."""
         if self._fd is None:
             self._f.write(view)
             return

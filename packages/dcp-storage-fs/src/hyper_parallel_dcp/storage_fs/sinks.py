@@ -40,8 +40,7 @@ _PLAIN = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16,
 
 
 def copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
-    """``dest.copy_(source)``, casting when the dtypes differ; a same-dtype copy goes bit
-    for bit through an integer view (every dtype, NaN payloads kept)."""
+    """``dest.copy_(source)``; a same-dtype copy goes bit for bit through an integer view (any dtype)."""
     view = _BITS.get(dest.dtype.itemsize) if dest.dtype == source.dtype and dest.dtype not in _BITS.values() else None
     if view is not None and dest.device.type != "meta":
         dest.view(view).copy_(source.view(view))

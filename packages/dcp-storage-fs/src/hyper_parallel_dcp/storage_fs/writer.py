@@ -140,8 +140,7 @@ class FileSystemWriter(StorageWriter):
         return results
 
     def sync_written(self) -> None:
-        """Wait until ``execute_write``'s files are fsynced and in place; raises the first
-        ``OSError`` of that, naming the file."""
+        """Wait until ``execute_write``'s files are in place; raises the first ``OSError``, naming the file."""
         syncing, self._syncing = self._syncing, None
         if syncing is not None:
             syncing.wait()
