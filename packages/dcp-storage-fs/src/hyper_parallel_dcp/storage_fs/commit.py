@@ -157,7 +157,7 @@ def _remove_in_background(path: Path) -> None:
 
 
 def wait_for_removals(timeout: Optional[float] = None) -> bool:
-    """Wait (``timeout`` seconds; ``None``: no limit) until this process's replaced checkpoints are gone."""
+    """Whether the replaced checkpoints this process deletes are gone within ``timeout`` s (``None``: wait)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with _removals_lock:
         pending = list(_removals)

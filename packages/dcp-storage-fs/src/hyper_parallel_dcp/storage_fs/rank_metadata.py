@@ -59,16 +59,15 @@ def merge_rank_metadata(parts: Mapping[int, Metadata]) -> Metadata:
     for rank in sorted(parts):
         md = parts[rank]
         for fqn, entry in md.state_dict_metadata.items():
+            sd.setdefault(fqn, entry)
             if isinstance(entry, BytesStorageMetadata):
-                sd.setdefault(fqn, entry)
                 info = (md.storage_data or {}).get(MetadataIndex(fqn))
                 if info is not None:
                     copies.setdefault(fqn, {})[rank] = info
-                continue
-            sd.setdefault(fqn, entry)
-            mine = chunks.setdefault(fqn, {})
-            for chunk in entry.chunks:
-                mine.setdefault(chunk.offsets, ChunkStorageMetadata(chunk.offsets, chunk.sizes))
+            else:
+                mine = chunks.setdefault(fqn, {})
+                for chunk in entry.chunks:
+                    mine.setdefault(chunk.offsets, ChunkStorageMetadata(chunk.offsets, chunk.sizes))
         for index, info in (md.storage_data or {}).items():
             storage.setdefault(index, info)
         files.update(md.files)

@@ -72,8 +72,6 @@ def to_stored(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype in SAFETENSORS_DTYPES:
         return tensor
     dtype, _ = stored_layout(tensor.dtype, tensor.shape)
-    if dtype == tensor.dtype:
-        return tensor
     if tensor.dtype == torch.complex128:
         return torch.view_as_real(tensor)
     return tensor.view(dtype)

@@ -44,10 +44,8 @@ class _Record:
 
     kind = ""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Record:
-        obj = object.__new__(cls)
-        obj.__dict__["_args"] = args
-        return obj
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Record:  # takes the pickled arguments, runs nothing
+        return object.__new__(cls)
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) and (
@@ -121,11 +119,9 @@ def _kind(obj: Any) -> str:
 
 
 def _dtype_of(props: Any, where: str) -> torch.dtype:
-    if isinstance(props, _Record):
-        state = props.__dict__.get("_state")
-        dtype = state[0] if isinstance(state, tuple) and state else props.__dict__.get("dtype")
-    else:
-        dtype = None
+    fields = props.__dict__ if isinstance(props, _Record) else {}
+    state = fields.get("_state")
+    dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
     if not isinstance(dtype, torch.dtype):
         raise CheckpointFormatError(f"{where}: tensor properties without a dtype ({dtype!r})")
     return dtype
