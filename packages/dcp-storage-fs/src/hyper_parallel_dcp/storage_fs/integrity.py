@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from hyper_parallel_dcp.core.metadata import (
 from .diagnose import STEP_NAME, checkpoints_inside_hint, header_disagreement, header_mismatch, item_name
 from .files import CheckpointFiles, LocalFiles, Location, as_checkpoint_files
 from .layout import METADATA_FILE
+from .metadata_io import format_version_of
 from .rank_metadata import merge_rank_metadata, rank_metadata_names
 from .safetensors_header import SafetensorsHeaderError, read_header
 from .torch_dcp_format import is_torch_dcp_checkpoint, read_torch_dcp_metadata
@@ -64,15 +64,6 @@ class VerifyReport:
     bytes_checked: int = 0
 
 
-def _peek_version(text: bytes) -> Optional[int]:
-    try:
-        doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    version = doc.get("format_version") if isinstance(doc, dict) else None
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
-
-
 def _add(problems: list[str], text: str) -> None:
     if len(problems) < _MAX_PROBLEMS:
         problems.append(text)
@@ -89,10 +80,10 @@ def _read_one(root: CheckpointFiles, name: str, problems: list[str]) -> tuple[Op
         _add(problems, f"{file} cannot be read: {exc}")
         return None, None
     try:
-        return _parse_reporting(text, file, problems), _peek_version(text)
+        return _parse_reporting(text, file, problems), format_version_of(text)
     except CheckpointFormatError as exc:
         _add(problems, str(exc))
-        return None, _peek_version(text)
+        return None, format_version_of(text)
 
 
 def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional[Metadata], Optional[int]]:
