@@ -143,3 +143,28 @@ def test_header_size_cap_is_the_library_cap(tmp_path):
         f.truncate(MAX_HEADER_BYTES + 64)
     with pytest.raises(SafetensorsHeaderError, match="does not fit"):
         _parse(path)
+
+
+# ------------------------------------------------------------------ metadata_complete
+def test_metadata_complete_needs_json_of_a_known_format_version(tmp_path):
+    from hyper_parallel_dcp.core.metadata import FORMAT_VERSION
+    from hyper_parallel_dcp.storage_fs.metadata_io import metadata_complete
+
+    assert not metadata_complete(tmp_path / "absent")
+    assert not metadata_complete(tmp_path)  # no .metadata
+    meta = tmp_path / ".metadata"
+    newer = json.dumps({"format_version": FORMAT_VERSION + 1}).encode()
+    current = json.dumps({"format_version": FORMAT_VERSION}).encode()
+    cases = [(b"{not json", False), (b"[]", False), (b'{"format_version": true}', False),
+             (b'{"format_version": 0}', False), (newer, False), (current, True), (b'{"format_version": 1}', True)]
+    for text, complete in cases:
+        meta.write_bytes(text)
+        assert metadata_complete(tmp_path) is complete, text
+
+
+def test_storage_fs_layout_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, hyper_parallel_dcp.storage_fs.layout; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

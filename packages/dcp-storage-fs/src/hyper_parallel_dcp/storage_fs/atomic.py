@@ -1,10 +1,5 @@
-"""Atomic file writes shared by every writer of the project.
-
-One atomic write — temp name, fsync, rename — for the checkpoint files, the Hugging Face
-export and the async mailbox: a reader of ``path`` sees the old file or the complete new
-one, never a part.  Temp files end in :data:`TMP_SUFFIX`, so a commit or a cleanup
-recognises what a killed writer left behind.
-"""
+"""Atomic file writes (temp name ending in :data:`TMP_SUFFIX`, fsync, rename) for every
+writer of the project: a reader sees the old file or the complete new one."""
 
 from __future__ import annotations
 
@@ -22,10 +17,9 @@ def write_file_atomic(path: Union[str, os.PathLike], write: Callable[[BinaryIO],
     """Write ``path`` through ``write(f)`` into a temp file, fsync it (``sync``), rename it
     over ``path``; returns the file's size.
 
-    ``unique_temp`` puts the process id into the temp name, for a file that several
-    processes may write at once (the last rename wins).  On any failure the temp file is
-    removed and ``path`` is untouched; an ``OSError`` (disk full, quota, I/O error) is
-    re-raised as one of the same class whose message names ``path``.
+    ``unique_temp``: the process id in the temp name (several writers; the last rename
+    wins).  On failure the temp file is removed, ``path`` untouched, and an ``OSError``
+    re-raised as one of the same class naming ``path``.
     """
     pending = write_file_pending(path, write, unique_temp=unique_temp)
     pending.finish(sync)
@@ -43,8 +37,7 @@ class PendingFile:
         self._file = file
 
     def finish(self, sync: bool = True) -> None:
-        """fsync (``sync``), close and rename into place; raises as :func:`write_file_atomic`
-        (the temp file is removed on failure)."""
+        """fsync (``sync``), close and rename into place; fails as :func:`write_file_atomic`."""
         try:
             if sync:
                 os.fsync(self._file.fileno())
@@ -69,9 +62,8 @@ class PendingFile:
 
 def write_file_pending(path: Union[str, os.PathLike], write: Callable[[BinaryIO], object], *,
                        unique_temp: bool = False) -> PendingFile:
-    """The first half of :func:`write_file_atomic`: write the temp file through ``write(f)``
-    and return it, open, not fsynced, not renamed, as a :class:`PendingFile`.  On failure
-    the temp file is removed and the error raised as :func:`write_file_atomic` does."""
+    """The first half of :func:`write_file_atomic`: the temp file written through
+    ``write(f)``, as a :class:`PendingFile`; fails as :func:`write_file_atomic` does."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}" if unique_temp else path.name + TMP_SUFFIX)
     f = None

@@ -1,20 +1,18 @@
-"""The filesystem backend of the scheme registry (``hyper_parallel_dcp.core.backends``).
-
-Plain paths and ``file://`` URLs come here: :data:`BACKEND` makes their writer, reader
-(``torch_dcp.storage_reader_for_path``: a torch DCP directory gets its reader) and files.
-"""
+"""The filesystem backend of the scheme registry: :data:`BACKEND`, for plain paths and
+``file://`` URLs.  The reader and writer modules load on first use: listing a location's
+files imports no torch."""
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from hyper_parallel_dcp.core.backends import StorageBackend
-from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 
 from .files import LocalFiles
-from .torch_dcp import storage_reader_for_path
-from .writer import FileSystemWriter
+
+if TYPE_CHECKING:
+    from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter
 
 __all__ = ["BACKEND", "local_files", "local_path", "local_storage_reader", "local_storage_writer"]
 
@@ -28,12 +26,15 @@ def local_path(checkpoint_id: Union[str, os.PathLike]) -> str:
 
 
 def local_storage_writer(checkpoint_id: Union[str, os.PathLike]) -> StorageWriter:
+    from .writer import FileSystemWriter  # on first use (see the module docstring)
+
     return FileSystemWriter(local_path(checkpoint_id))
 
 
 def local_storage_reader(checkpoint_id: Union[str, os.PathLike], *, verify: Optional[bool] = None) -> StorageReader:
-    """The reader for a local checkpoint directory (``verify=None``: the reader's default):
-    :func:`storage_reader_for_path` decides (a torch DCP directory gets its reader)."""
+    """:func:`storage_reader_for_path` of a local checkpoint directory."""
+    from .torch_dcp import storage_reader_for_path  # on first use (see the module docstring)
+
     return storage_reader_for_path(local_path(checkpoint_id), verify)
 
 

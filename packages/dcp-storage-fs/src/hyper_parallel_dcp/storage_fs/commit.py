@@ -1,17 +1,10 @@
 """Crash-safe commit of a checkpoint directory, and the lock against concurrent saves.
 
-A save with a global view writes into a hidden staging directory beside the target
-(``.<name>.hp-dcp-staging-<save_id>``); the coordinator writes ``.metadata`` there last
-and then puts the staging directory in place of the target in one step (``renameat2``
-with ``RENAME_EXCHANGE`` where the kernel has it).  Until then the old checkpoint loads;
-after a crash at any moment either the old or the new one is at the target path.
-
-The replaced checkpoint is deleted on a background thread: unlinking a GiB of files
-frees its blocks and page-cache pages in the kernel (87 ms of a 0.46 s save of 123 MiB
-per rank, on the coordinator, while every rank waits), and nothing needs it gone before
-the save returns.  A process waits for its deletions when it exits
-(:func:`wait_for_removals`); one killed first leaves a hidden ``.<name>.hp-dcp-*``
-directory, which the next save into that directory removes.
+:func:`commit_directory` puts a complete staging directory in place of the target in
+one step (``renameat2(RENAME_EXCHANGE)`` where the kernel has it): after a crash either
+the old or the new checkpoint is at the target path.  The replaced one is deleted on a
+background thread (:func:`wait_for_removals`); what a killed process leaves, the next
+save removes (:func:`remove_stale_staging`).  :class:`SaveLock` refuses a second save.
 """
 
 from __future__ import annotations
@@ -34,23 +27,14 @@ from . import posix
 from .atomic import fsync_dir
 from .layout import is_checkpoint_artifact, lock_path, staging_dir, stale_prefixes
 
-__all__ = [
-    "SaveLock",
-    "commit_directory",
-    "is_checkpoint_artifact",
-    "remove_stale_staging",
-    "staging_dir",
-    "wait_for_removals",
-]
+__all__ = ["SaveLock", "commit_directory", "is_checkpoint_artifact", "remove_stale_staging", "staging_dir",
+           "wait_for_removals"]
 
 
 def remove_stale_staging(target: Path, keep: Optional[str] = None) -> list[Path]:
-    """Delete staging and trash directories left beside ``target`` by saves that died.
-
-    Only call while holding the :class:`SaveLock` of ``target`` (then no live save owns
-    them), except the staging directory of save ``keep``: with a cached plan the other
-    ranks may already be writing into it.  Returns what was removed.
-    """
+    """Delete the staging and trash directories beside ``target`` (but save ``keep``'s,
+    which other ranks may be writing into); call holding its :class:`SaveLock`.  Returns
+    what was removed."""
     removed: list[Path] = []
     prefixes = stale_prefixes(target)
     kept = staging_dir(target, keep).name if keep is not None else None
@@ -92,8 +76,7 @@ class SaveLock:
                         "two saves into one directory at once are refused"
                     ) from None
                 raise
-            # The holder unlinks the lock file on release; if we locked an unlinked inode,
-            # the path now names a newer file: start over on that one.
+            # a holder unlinks the file on release: a locked unlinked inode means start over
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -120,11 +103,8 @@ class SaveLock:
 
 
 def commit_directory(staging: Path, target: Path) -> None:
-    """Put the complete ``staging`` directory at ``target``, replacing an old checkpoint.
-
-    Files in ``target`` that are not checkpoint artifacts are carried over (hard links,
-    so the old directory keeps them until the swap).
-    """
+    """Put the complete ``staging`` directory at ``target``, replacing an old checkpoint;
+    files in ``target`` that are not checkpoint artifacts are carried over (hard links)."""
     fsync_dir(staging)
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"checkpoint path {target} exists and is not a directory")
@@ -177,12 +157,7 @@ def _remove_in_background(path: Path) -> None:
 
 
 def wait_for_removals(timeout: Optional[float] = None) -> bool:
-    """Wait until the replaced checkpoints this process is deleting are gone.
-
-    Returns whether all deletions finished within ``timeout`` seconds (``None``: wait).
-    Runs at interpreter exit; a benchmark calls it so that the deletion of one save does
-    not overlap the next measurement.
-    """
+    """Whether the replaced checkpoints this process deletes are gone within ``timeout`` s (``None``: wait)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with _removals_lock:
         pending = list(_removals)

@@ -1,10 +1,6 @@
-"""Read-only diagnoses that make a low-level error say what is wrong and what to do.
-
-:func:`header_disagreement` names the first chunk whose location in the metadata its
-file's header contradicts (a ``.metadata`` edited after the save); :func:`checkpoints_inside_hint`
-tells a caller who passed a directory of checkpoints which one to pass.  Both work on any
-:class:`~.files.CheckpointFiles` and never raise for a bad checkpoint.
-"""
+"""Read-only diagnoses that make a low-level error say what is wrong and what to do
+(:func:`header_disagreement`, :func:`checkpoints_inside_hint`, :func:`header_mismatch`);
+none raises for a bad checkpoint."""
 
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ def item_name(index: MetadataIndex) -> str:
 
 def header_mismatch(md: Metadata, index: MetadataIndex, info: StorageInfo,
                     header: Optional[dict[str, HeaderEntry]]) -> Optional[str]:
-    """Why the safetensors ``header``'s entry for tensor chunk ``index`` disagrees with
-    ``md`` (key, dtype, shape, byte range); ``None`` when it agrees or is no tensor chunk."""
+    """Why ``header``'s entry for tensor chunk ``index`` disagrees with ``md``, or ``None``."""
     entry = md.state_dict_metadata.get(index.fqn)
     if header is None or index.offset is None or not isinstance(entry, TensorStorageMetadata):
         return None
@@ -44,9 +39,9 @@ def header_mismatch(md: Metadata, index: MetadataIndex, info: StorageInfo,
 
 
 def header_disagreement(location: Location, md: Metadata) -> Optional[str]:
-    """The first stored tensor chunk (by file, then byte offset) whose location in ``md``
-    disagrees with its safetensors file's header, as ``"<file>: <chunk>: <why>"``, or a
-    file whose header cannot be read; ``None`` when every chunk agrees.  Reads headers only."""
+    """The first stored tensor chunk (by file, then offset) whose location in ``md`` its
+    file's header contradicts, as ``"<file>: <chunk>: <why>"`` (or an unreadable header);
+    ``None`` when every chunk agrees."""
     files = as_checkpoint_files(location)
     by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
     for index, info in (md.storage_data or {}).items():
@@ -68,8 +63,7 @@ def header_disagreement(location: Location, md: Metadata) -> Optional[str]:
 
 def checkpoints_inside_hint(root: CheckpointFiles) -> str:
     """For a message about ``root`` holding no checkpoint: ``""``, or the hint that it is a
-    directory of checkpoints (a ``CheckpointManager`` root, a run's directory) and which
-    one to pass.  Looks one level down only: one listing and a stat per step directory."""
+    directory of checkpoints and which one to pass (looks one level down)."""
     try:
         entries = root.entries()
     except OSError:

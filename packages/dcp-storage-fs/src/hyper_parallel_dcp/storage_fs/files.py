@@ -1,10 +1,8 @@
 """The files of a checkpoint location, whatever holds them: a directory, a bucket prefix.
 
-The integrity checks (``check_complete``, ``verify_checkpoint``,
-``find_latest_checkpoint``), the ``hp-dcp`` tools and checkpoint retention only need to
-list, size, read and delete a location's files; :class:`CheckpointFiles` is that much.
-:class:`LocalFiles` is the directory implementation; object stores bring their own
-(registered with their storage backend, see ``hyper_parallel_dcp.core.backends``).
+:class:`CheckpointFiles` lists, sizes, reads and deletes them (what the integrity checks,
+the tools and retention need); :class:`LocalFiles` is the directory; object stores
+register theirs with their backend (:func:`as_checkpoint_files` finds it).
 """
 
 from __future__ import annotations
@@ -19,11 +17,8 @@ __all__ = ["CheckpointFiles", "LocalFiles", "Location", "as_checkpoint_files"]
 
 
 class CheckpointFiles(abc.ABC):
-    """One location (a checkpoint, or a root of step checkpoints) and its direct entries.
-
-    ``target`` is what to hand back to ``save``/``load`` (a :class:`Path` or a URL);
-    ``str(self)`` names the location in messages.
-    """
+    """One location and its direct entries; ``target`` is what ``save``/``load`` take (a
+    :class:`Path` or a URL), ``str(self)`` names it in messages."""
 
     target: Union[Path, str]
 
@@ -117,9 +112,8 @@ Location = Union[str, os.PathLike, CheckpointFiles]
 
 
 def as_checkpoint_files(location: Location) -> CheckpointFiles:
-    """``location`` as :class:`CheckpointFiles`: as is, or through the backend of its URL
-    scheme (a plain path: :class:`LocalFiles`).  Raises ``UnknownSchemeError`` for a
-    scheme without an installed backend."""
+    """``location`` as :class:`CheckpointFiles`: as is, or through its URL scheme's backend;
+    ``UnknownSchemeError`` for a scheme without one."""
     if isinstance(location, CheckpointFiles):
         return location
     from hyper_parallel_dcp.core.backends import backend_for

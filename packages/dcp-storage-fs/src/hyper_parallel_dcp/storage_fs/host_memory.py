@@ -1,16 +1,6 @@
-"""Host memory as the reader and writer use it: the page-locked staging buffer, and
-whether a save should fill the page cache with 2 MiB folios.
-
-A save's data written in calls that end on 2 MiB boundaries leaves 2 MiB folios in the
-page cache, which a reader's mapping maps with one page-table entry each.  Each such folio
-takes a free 2 MiB block; a VM whose guest reports free memory to its host
-(virtio-balloon free page reporting) has most of those reported, and the host faults each
-back in on first touch, which made a process's first 2 MiB-aligned writes cost 5-15× the
-CPU of 256 KiB-aligned ones (``docs/perf/storage.md``).  So by default
-(``HP_DCP_ALIGNED_WRITES=auto``) saves write 2 MiB-aligned except on such a VM.  The check
-reads ``/sys/bus/virtio/devices``: a memory balloon (virtio device id 5) bound to its
-driver with ``VIRTIO_BALLOON_F_REPORTING`` (bit 5) negotiated.
-"""
+"""Host memory as the reader and writer use it: :class:`PinnedBuffer`, and whether a save
+writes 2 MiB folios (:func:`large_folio_writes`: not on a VM that reports free pages to
+its host, where they cost 5-15× the CPU; ``docs/perf/storage.md``)."""
 
 from __future__ import annotations
 
@@ -33,9 +23,8 @@ _F_REPORTING = 5  # VIRTIO_BALLOON_F_REPORTING, a bit of the device's negotiated
 
 
 def free_page_reporting(devices: Path = VIRTIO_DEVICES) -> bool:
-    """Whether a virtio memory balloon that reports free pages to the host is active here:
-    bound to its driver, with ``VIRTIO_BALLOON_F_REPORTING`` negotiated.  ``False`` where
-    ``devices`` cannot be read (not Linux, no virtio bus)."""
+    """Whether a virtio memory balloon bound to its driver has ``VIRTIO_BALLOON_F_REPORTING``
+    negotiated here; ``False`` where ``devices`` cannot be read."""
     try:
         entries = sorted(devices.iterdir())
     except OSError:
@@ -70,11 +59,8 @@ def accelerator_available() -> bool:
 
 
 class PinnedBuffer:
-    """One reused host buffer of up to ``capacity`` bytes through which bytes move between
-    files and accelerator memory, page-locked where an accelerator is (``pin=None``) or
-    as told.  Fresh host memory per chunk faults its pages in on first touch and makes an
-    unpinned device copy: 1 GiB of device tensors took 0.93 s to a fresh host copy and
-    0.02 s to a pinned buffer (H200 host)."""
+    """One reused host buffer of up to ``capacity`` bytes between files and accelerator
+    memory, page-locked where an accelerator is (``pin=None``) or as told."""
 
     def __init__(self, capacity: int = PINNED_BUFFER_BYTES, pin: Optional[bool] = None) -> None:
         self.capacity = capacity

@@ -1,15 +1,9 @@
-"""Is a checkpoint directory complete, is it intact, and which is the newest one.
-
-:func:`check_complete` answers from ``.metadata`` (or the ``{rank}.metadata`` files) and
-``stat`` alone, never reading tensor data, so it is cheap enough to run on every start-up.
-:func:`verify_checkpoint` additionally reads every stored byte once and compares it with
-the xxh3-64 checksum recorded when it was written.  :func:`find_latest_checkpoint` picks the
-newest complete checkpoint among step directories (``step_100``, ``ckpt-2000``, ``300``).
-"""
+"""Is a checkpoint complete (:func:`check_complete`: metadata and ``stat`` only), intact
+(:func:`verify_checkpoint`: every checksum), and which is the newest complete one
+(:func:`find_latest_checkpoint`)."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,20 +25,14 @@ from hyper_parallel_dcp.core.metadata import (
 from .diagnose import STEP_NAME, checkpoints_inside_hint, header_disagreement, header_mismatch, item_name
 from .files import CheckpointFiles, LocalFiles, Location, as_checkpoint_files
 from .layout import METADATA_FILE
+from .metadata_io import format_version_of
 from .rank_metadata import merge_rank_metadata, rank_metadata_names
 from .safetensors_header import SafetensorsHeaderError, read_header
 from .torch_dcp_format import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 from .tuning import VERIFY_BLOCK_BYTES
 
-__all__ = [
-    "CompletenessReport",
-    "VerifyReport",
-    "check_complete",
-    "find_latest_checkpoint",
-    "checkpoints_inside_hint",
-    "header_disagreement",
-    "verify_checkpoint",
-]
+__all__ = ["CompletenessReport", "VerifyReport", "check_complete", "find_latest_checkpoint", "checkpoints_inside_hint",
+           "header_disagreement", "verify_checkpoint"]
 
 _MANAGER_STEP = re.compile(r"^step_\d+$")
 #: More problems than this are summarised (a wholly wrong directory would list thousands).
@@ -53,14 +41,9 @@ _MAX_PROBLEMS = 200
 
 @dataclass
 class CompletenessReport:
-    """Whether ``path`` holds a complete checkpoint, judged from metadata and file sizes.
-
-    ``problems`` lists every reason it is not (empty when ``complete``);
-    ``format_version`` is the version found in the metadata (``None`` if unreadable);
-    ``metadata`` is the parsed (for a rank-local save, merged) metadata, ``None`` when it
-    could not be read; ``format`` is ``"hyper-parallel-dcp"`` or ``"torch-dcp"`` (a
-    checkpoint of ``torch.distributed.checkpoint``, which records no file sizes).
-    """
+    """Whether ``path`` holds a complete checkpoint: ``problems`` lists every reason it is
+    not; ``format_version`` and the parsed (merged) ``metadata`` are ``None`` when
+    unreadable; ``format`` is ``"hyper-parallel-dcp"`` or ``"torch-dcp"``."""
 
     path: Union[Path, str]
     complete: bool
@@ -81,15 +64,6 @@ class VerifyReport:
     bytes_checked: int = 0
 
 
-def _peek_version(text: bytes) -> Optional[int]:
-    try:
-        doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    version = doc.get("format_version") if isinstance(doc, dict) else None
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
-
-
 def _add(problems: list[str], text: str) -> None:
     if len(problems) < _MAX_PROBLEMS:
         problems.append(text)
@@ -97,9 +71,23 @@ def _add(problems: list[str], text: str) -> None:
         problems.append("... further problems omitted")
 
 
+def _read_one(root: CheckpointFiles, name: str, problems: list[str]) -> tuple[Optional[Metadata], Optional[int]]:
+    """The metadata in file ``name`` and the format version it states, recording what fails."""
+    file = root.where(name)
+    try:
+        text = root.read(name)
+    except OSError as exc:
+        _add(problems, f"{file} cannot be read: {exc}")
+        return None, None
+    try:
+        return _parse_reporting(text, file, problems), format_version_of(text)
+    except CheckpointFormatError as exc:
+        _add(problems, str(exc))
+        return None, format_version_of(text)
+
+
 def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional[Metadata], Optional[int]]:
     """Parse ``.metadata`` or merge the ``{rank}.metadata`` files, recording what fails."""
-    global_file = root.where(METADATA_FILE)
     if isinstance(root, LocalFiles) and is_torch_dcp_checkpoint(root.path):
         try:
             return read_torch_dcp_metadata(root.path)[0], None
@@ -107,17 +95,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
             _add(problems, str(exc))
             return None, None
     if root.size(METADATA_FILE) is not None:
-        try:
-            text = root.read(METADATA_FILE)
-        except OSError as exc:
-            _add(problems, f"{global_file} cannot be read: {exc}")
-            return None, None
-        version = _peek_version(text)
-        try:
-            return _parse_reporting(text, global_file, problems), version
-        except CheckpointFormatError as exc:
-            _add(problems, str(exc))
-            return None, version
+        return _read_one(root, METADATA_FILE, problems)
     try:
         ranks = rank_metadata_names(root.entries())
     except OSError as exc:
@@ -132,19 +110,12 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     if missing:
         _add(problems, f"{root}: the rank-local metadata of rank(s) [{format_ranks(missing)}] is missing")
     parts: dict[int, Metadata] = {}
-    version = None  # typed Optional[int] by the single-file branch above
+    version: Optional[int] = None
     for rank, name in ranks:
-        file = root.where(name)
-        try:
-            text = root.read(name)
-        except OSError as exc:
-            _add(problems, f"{file} cannot be read: {exc}")
-            continue
-        version = _peek_version(text) if version is None else version
-        try:
-            parts[rank] = _parse_reporting(text, file, problems)
-        except CheckpointFormatError as exc:
-            _add(problems, str(exc))
+        md, found = _read_one(root, name, problems)
+        version = found if version is None else version
+        if md is not None:
+            parts[rank] = md
     if len(parts) != len(ranks):
         return None, version
     return merge_rank_metadata(parts), version
@@ -176,13 +147,10 @@ def _check_consistency(md: Metadata, source: CheckpointFiles, problems: list[str
 def check_complete(path: Location) -> CompletenessReport:
     """Say whether ``path`` holds a complete checkpoint, using metadata and ``stat`` only.
 
-    Complete means: ``.metadata`` (or, for a save without collectives, every
-    ``{rank}.metadata`` from 0 up to the highest present) parses, is of a format version
-    this code reads, describes a storage entry for every chunk and object, and every file
-    it names exists with exactly the recorded size and holds the recorded byte ranges.
-    No tensor data is read.  Never raises for a bad checkpoint: every reason it is not
-    complete is in ``problems``.  (Trailing missing ranks of a rank-local save cannot be
-    detected without knowing the world size.)
+    Complete: ``.metadata`` (or every ``{rank}.metadata`` from 0 to the highest present)
+    parses, is of a known format version, has a storage entry for every chunk and object,
+    and every file it names has the recorded size and holds the recorded byte ranges.
+    Never raises for a bad checkpoint: every reason is in ``problems``.
     """
     root = as_checkpoint_files(path)
     problems: list[str] = []
@@ -200,19 +168,17 @@ def check_complete(path: Location) -> CompletenessReport:
         named.setdefault(info.relative_path, -1)
     for name, expected in sorted(named.items()):
         file = root.where(name)
+        sizes[name] = None
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             _add(problems, f"{root}: the metadata names an invalid file {name!r}")
-            sizes[name] = None
             continue
         try:
             actual = root.size(name)
         except OSError as exc:
             _add(problems, f"{file} cannot be examined: {exc}")
-            sizes[name] = None
             continue
         if actual is None:
             _add(problems, f"{file} is missing")
-            sizes[name] = None
             continue
         sizes[name] = actual
         if expected >= 0 and actual != expected:
@@ -247,13 +213,9 @@ def _stored_items(md: Metadata) -> list[tuple[MetadataIndex, StorageInfo]]:
 def find_latest_checkpoint(root: Location) -> Optional[Union[Path, str]]:
     """The complete checkpoint under ``root`` whose directory name ends in the highest step.
 
-    Looks at the direct subdirectories of ``root`` whose names end in an integer
-    (``step_100``, ``global_step2000``, ``300``), newest first, and returns the first that
-    :func:`check_complete` accepts; hidden entries (staging directories) are skipped.  When
-    ``root`` has ``step_N`` subdirectories (a ``CheckpointManager`` root), only those count:
-    a sibling run directory such as ``fsdp4`` is not step 4.
-    Returns ``None`` when ``root`` does not exist or holds no complete checkpoint; the
-    checkpoint's ``Path`` (a URL for an object store) otherwise.
+    Tries the non-hidden subdirectories whose names end in an integer (``step_100``,
+    ``300``), newest first; where there are ``step_N`` ones (a ``CheckpointManager`` root)
+    only those.  Returns its ``Path`` (a URL for an object store), or ``None``.
     """
     base = as_checkpoint_files(root)
     try:
@@ -296,14 +258,11 @@ def _hash_range(f, offset: int, length: int, buf: bytearray) -> tuple[str, int]:
 
 def verify_checkpoint(path: Location, *,
                       progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
-    """Check completeness and every recorded checksum of the checkpoint at ``path``.
+    """Check completeness, every header entry and every recorded checksum at ``path``.
 
-    Reads each stored chunk and object once, in file order, and compares its xxh3-64 with
-    the metadata; also checks that each safetensors header agrees with the metadata (key,
-    dtype, shape, byte range).  ``progress(done_bytes, total_bytes)`` is called after each
-    item.  Never raises for a bad checkpoint: every problem (naming file, FQN and chunk) is
-    in the report; ``ok`` is true only when there are none.  Items without a recorded
-    checksum are reported as problems.
+    Reads each stored item once, in file order; ``progress(done_bytes, total_bytes)`` is
+    called after each.  Never raises for a bad checkpoint: every problem (an item without
+    a checksum included) is in the report, naming file, FQN and chunk.
     """
     files = as_checkpoint_files(path)
     report = check_complete(files)

@@ -1,10 +1,5 @@
-"""The names of a checkpoint's files and of the save machinery's files beside it.
-
-One place for the on-disk layout (``docs/format.md``): ``.metadata`` (written last) or
-``{rank}.metadata`` per rank, ``_rank{r}_.safetensors`` and ``_rank{r}_.bytes`` per
-writing rank; beside the checkpoint directory the save's staging directory, the replaced
-checkpoint on its way out, and the save lock.  Every backend names its files with these.
-"""
+"""The names of a checkpoint's files and of the save machinery's files beside it (the
+staging directory, the replaced checkpoint, the lock), for every backend (``docs/format.md``)."""
 
 from __future__ import annotations
 
@@ -13,27 +8,14 @@ from pathlib import Path
 
 from .mailbox_names import MAILBOX_FILE
 
-__all__ = [
-    "CHECKPOINT_FILE",
-    "METADATA_FILE",
-    "RANK_METADATA",
-    "TMP_SUFFIX",
-    "is_checkpoint_artifact",
-    "lock_path",
-    "objects_file_name",
-    "rank_metadata_file",
-    "staging_dir",
-    "stale_prefixes",
-    "tensors_file_name",
-]
+__all__ = ["CHECKPOINT_FILE", "METADATA_FILE", "RANK_METADATA", "TMP_SUFFIX", "is_checkpoint_artifact", "lock_path",
+           "objects_file_name", "rank_metadata_file", "staging_dir", "stale_prefixes", "tensors_file_name"]
 
 METADATA_FILE = ".metadata"
-#: File name of one rank's metadata; group 1 is the rank.
-RANK_METADATA = re.compile(r"^(\d+)\.metadata$")
-#: The files a checkpoint consists of (what a new save into its location replaces).
+RANK_METADATA = re.compile(r"^(\d+)\.metadata$")  # group 1 is the rank
+#: the files a checkpoint consists of (what a new save into its location replaces)
 CHECKPOINT_FILE = re.compile(r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes))$")
-#: Suffix of a file written under its temporary name (``atomic``).
-TMP_SUFFIX = ".hp-dcp-tmp"
+TMP_SUFFIX = ".hp-dcp-tmp"  # a file written under its temporary name (``atomic``)
 
 _ARTIFACT = re.compile(rf"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes)|.*{re.escape(TMP_SUFFIX)}|"
                        rf"{MAILBOX_FILE})$")
@@ -52,8 +34,7 @@ def rank_metadata_file(rank: int) -> str:
 
 
 def is_checkpoint_artifact(name: str) -> bool:
-    """Files that belong to a checkpoint (replaced by the next save), as opposed to user
-    files: its data and metadata, temp files, async-save mailbox files."""
+    """Whether ``name`` belongs to a checkpoint (data, metadata, temp and mailbox files)."""
     return bool(_ARTIFACT.match(name))
 
 

@@ -1,21 +1,9 @@
-"""Names of the files ``async_save(use_gloo=False)`` exchanges in a checkpoint directory.
-
-The async writer processes (package ``dcp-async``) write these files; the checkpoint
-commit (here) must recognise them as checkpoint artifacts and never carry them over into
-the next checkpoint.  storage-fs cannot import the async package, so the names live
-here, and both sides use only these functions and :data:`MAILBOX_FILE`.
-"""
+"""Names of the files ``async_save(use_gloo=False)`` exchanges in a checkpoint directory:
+here, so that the commit knows them as artifacts (storage-fs cannot import ``dcp-async``)."""
 
 from __future__ import annotations
 
-__all__ = [
-    "DONE_SUFFIX",
-    "MAILBOX_FILE",
-    "ack_file",
-    "gather_file",
-    "result_file",
-    "scatter_file",
-]
+__all__ = ["DONE_SUFFIX", "MAILBOX_FILE", "ack_file", "gather_file", "result_file", "scatter_file"]
 
 #: Marker written after a mailbox file; it carries the save's tag.
 DONE_SUFFIX = ".done"

@@ -1,17 +1,11 @@
 """Checkpoint files mapped read-only: the source of column-slice copies.
 
-A slice that is not contiguous in its file (a Shard(0) chunk loaded as Shard(1)) is
-copied straight from the page cache through a :class:`FileMapping`, which reads only the
-cache lines the slice needs; read through a buffer it would move its whole span twice.
-A mapping populates its pages a block at a time (``MADV_POPULATE_READ``: one call, where
-per-page faults made a plain mmap slow), and further ahead while reads walk forwards;
-blocks already all in the page cache are left to the copy's faults, which map a large
-folio at a time.  :class:`MappingArena` puts a reader's files in equal slots of one
-reservation, so one strided view spans the same chunk of every rank's file.  Closed
-mappings are unmapped on a thread (:func:`wait_for_unmaps`).
-
-Files of a checkpoint are never truncated in place (every save writes new files and
-renames them), so a mapped file keeps its size while it is open.
+:class:`FileMapping` maps one file and populates its pages a block at a time
+(``MADV_POPULATE_READ``), further ahead while reads walk forwards; :class:`MappingArena`
+puts a reader's files in equal slots of one reservation, so one strided view spans the
+same chunk of every rank's file.  Closed mappings are unmapped on a thread
+(:func:`wait_for_unmaps`).  A save never truncates a file in place (it writes new files
+and renames them), so a mapped file keeps its size.
 """
 
 from __future__ import annotations
@@ -33,12 +27,7 @@ __all__ = ["FileMapping", "MappingArena", "wait_for_unmaps"]
 
 
 class _Unmapper:
-    """Unmaps closed mappings on a thread of its own, in the order they were closed.
-
-    Unmapping is kernel work proportional to the pages mapped; done here it leaves the
-    load that closes its files (resharded dense load on 2 ranks: 1.28 -> 1.23 × the
-    same-layout load).  A mapping handed here has no tensor views left.
-    """
+    """Unmaps closed mappings (with no views left) on a thread of its own, in order."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -72,8 +61,7 @@ class _Unmapper:
             posix.unmap(addr, size)  # ctypes releases the GIL
 
     def forked(self) -> None:
-        # the child has the parent's mappings but not its thread: start afresh there
-        self.__init__()  # type: ignore[misc]
+        self.__init__()  # type: ignore[misc]  # a forked child has no unmapping thread
 
 
 _UNMAPPER = _Unmapper()
@@ -91,15 +79,9 @@ def _bytes_at(addr: int, size: int) -> torch.Tensor:
 
 
 class MappingArena:
-    """One reservation of address space in which a reader maps its files, each in a slot of
-    the same size (the largest file's, rounded up to ``FOLIO_ALIGN`` so that a 2 MiB
-    page-cache folio maps with one page-table entry).
-
-    Ranks' files of one save hold their chunks at the same offsets, so in equal slots the
-    row blocks of a column slice lie evenly spaced in one tensor's memory and
-    ``PendingCopies`` copies them as one.  A file is mapped over a free slot with
-    ``MAP_FIXED``; :meth:`close` unmaps the whole reservation on the unmapping thread.
-    """
+    """One reservation of address space in which a reader maps its files (``MAP_FIXED``),
+    each in a slot of the same size, aligned to ``FOLIO_ALIGN``: the row blocks of a
+    column slice then lie evenly spaced and ``PendingCopies`` copies them as one."""
 
     def __init__(self, base: int, slot_bytes: int, slots: int, reserved: tuple[int, int]) -> None:
         self.base = base
@@ -112,8 +94,7 @@ class MappingArena:
 
     @classmethod
     def reserve(cls, slot_bytes: int, slots: int) -> Optional[MappingArena]:
-        """An arena of ``slots`` slots of at least ``slot_bytes`` each, or ``None`` where
-        the address space cannot be reserved."""
+        """An arena of ``slots`` slots of at least ``slot_bytes`` each, or ``None`` if refused."""
         if slot_bytes <= 0 or slots <= 0:
             return None
         slot_bytes = -(-slot_bytes // FOLIO_ALIGN) * FOLIO_ALIGN
@@ -124,8 +105,7 @@ class MappingArena:
         return cls(-(-addr // FOLIO_ALIGN) * FOLIO_ALIGN, slot_bytes, slots, (addr, size))
 
     def place(self, fd: int, size: int) -> Optional[tuple[int, int]]:
-        """Map the file open as ``fd`` (``size`` bytes) in a free slot: ``(slot, address)``,
-        or ``None`` (no free slot, too large, the arena closed, refused)."""
+        """Map the file ``fd`` (``size`` bytes) in a free slot: ``(slot, address)``, or ``None``."""
         if self.data is None or not self._free or size > self.slot_bytes:
             return None
         slot = self._free[-1]
@@ -167,12 +147,7 @@ class MappingArena:
 
 
 class FileMapping:
-    """A whole file mapped read-only and shared (the page cache's own pages, no copy).
-
-    :meth:`slice_at` populates a stored slice's pages and says where it starts in
-    :meth:`typed`; :meth:`slice_view` is the strided tensor over it.  Views are used before
-    the file closes; :meth:`close` unmaps (or frees the arena slot).
-    """
+    """A whole file mapped read-only and shared; views are used before :meth:`close`."""
 
     def __init__(self, fd: int, size: int, arena: Optional[MappingArena] = None) -> None:
         self.size = size
@@ -199,16 +174,14 @@ class FileMapping:
 
     @classmethod
     def open(cls, fd: int, size: int, arena: Optional[MappingArena] = None) -> Optional[FileMapping]:
-        """The file open as ``fd`` (``size`` bytes) mapped, in a free slot of ``arena`` when
-        it has one; ``None`` where it cannot be mapped."""
+        """The file ``fd`` (``size`` bytes) mapped, in ``arena`` if it has a free slot; ``None`` if refused."""
         mapping = cls(fd, size, arena)
         return mapping if mapping._data is not None else None
 
     def slice_view(self, data_offset: int, chunk_sizes: Sequence[int], dtype: torch.dtype, first: int, span: int,
                    lengths: Sequence[int], strides: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
-        """The stored slice (``first``/``span`` elements from ``slice_span`` of the chunk at
-        byte ``data_offset``) as a strided tensor, its pages populated; ``None`` if they
-        cannot be.  ``strides``: the chunk's row-major strides, when the caller has them."""
+        """The stored slice (``slice_span``'s ``first``/``span`` of the chunk at byte
+        ``data_offset``) as a strided tensor, its pages populated; ``None`` if they cannot be."""
         found = self.slice_at(data_offset, dtype, first, span)
         if found is None:
             return None
@@ -216,10 +189,8 @@ class FileMapping:
 
     def slice_at(self, data_offset: int, dtype: torch.dtype, first: int, span: int
                  ) -> Optional[tuple[torch.Tensor, int]]:
-        """Populate the pages of a stored slice (``first``/``span`` elements of the chunk at
-        byte ``data_offset``) and return ``(typed(dtype), where the slice starts in it)``;
-        ``None`` when they cannot be populated, the slice passes the end of the file, or it
-        is not aligned to the element size."""
+        """Populate a stored slice's pages: ``(typed(dtype), its first element)``; ``None``
+        when refused, past the end of the file, or not aligned to the element size."""
         itemsize = dtype.itemsize
         start = data_offset + first * itemsize
         end = start + span * itemsize
@@ -243,9 +214,8 @@ class FileMapping:
         return typed
 
     def _populate(self, start: int, end: int) -> bool:
-        """Populate the blocks that bytes ``[start, end)`` touch, each block once and in one
-        call, ahead of them when the reads walk forwards (the run's length ahead, up to
-        ``AHEAD_MAX_BYTES``, as readahead does); ``False`` when the kernel refuses."""
+        """Populate the blocks ``[start, end)`` touches in one call, and ahead while reads
+        walk forwards (up to ``AHEAD_MAX_BYTES``); ``False`` when the kernel refuses."""
         populated = self._populated
         end_block = ((end - 1) >> BLOCK_SHIFT) + 1
         first_block = populated.find(0, start >> BLOCK_SHIFT, end_block)
@@ -260,13 +230,12 @@ class FileMapping:
             block_start = first_block << BLOCK_SHIFT
             length = min((last_block + 1) << BLOCK_SHIFT, self.size) - block_start
             assert self._addr is not None
-            # a range not all cached is populated: a failed read from disk is then an
-            # error here, not a SIGBUS in the copy
+            # a failed read from disk is then an error here, not a SIGBUS in the copy
             if not posix.cached(self._fd, block_start, length) and \
                     not posix.populate_read(self._addr + block_start, length):
                 return False
             populated[first_block:last_block + 1] = b"\x01" * (last_block + 1 - first_block)
-        # the populated run this extends is remembered: the next slice inside it skips the lookups
+        # the populated run, so that the next slice inside it skips the lookups
         low = (start >> BLOCK_SHIFT) << BLOCK_SHIFT
         high = min((last_block + 1) << BLOCK_SHIFT, self.size)
         if low <= self._high and high >= self._low:

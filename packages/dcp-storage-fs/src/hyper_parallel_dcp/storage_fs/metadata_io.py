@@ -1,20 +1,18 @@
-"""Reading a checkpoint's metadata from any location: one function per need.
-
-:func:`read_stored_metadata` returns what one rank reads and the load broadcasts (the
-bytes of ``.metadata``, or the merged ``{rank}.metadata`` files); :meth:`StoredMetadata.parse`
-turns it into :class:`Metadata` on every rank; :func:`load_checkpoint_metadata` is the two
-in one call; :func:`chunk_sizes` looks up a stored chunk's shape.  A ``.metadata`` changed after its save (its digest no longer matches) is
-refused naming the first chunk whose location its file's header contradicts.
-"""
+"""Reading a checkpoint's metadata from any location: :func:`read_stored_metadata` (what
+one rank reads and the load broadcasts), :meth:`StoredMetadata.parse` (on every rank),
+:func:`load_checkpoint_metadata` (both), :func:`chunk_sizes` (a stored chunk's shape);
+:func:`metadata_complete` and :func:`format_version_of` look at the JSON only."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import (
+    FORMAT_VERSION,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -27,18 +25,35 @@ from .files import Location, as_checkpoint_files
 from .layout import METADATA_FILE
 from .rank_metadata import load_rank_metadata, merge_rank_metadata
 
-__all__ = ["StoredMetadata", "chunk_sizes", "load_checkpoint_metadata", "parse_metadata", "read_stored_metadata"]
+__all__ = ["StoredMetadata", "chunk_sizes", "format_version_of", "load_checkpoint_metadata", "metadata_complete",
+           "parse_metadata", "read_stored_metadata"]
+
+
+def format_version_of(text: bytes) -> Optional[int]:
+    """The integer ``format_version`` of a metadata JSON document; ``None`` when it has none."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def metadata_complete(location: Location) -> bool:
+    """Whether ``location`` has a ``.metadata`` that parses as JSON of a format version this
+    code reads (``hp-dcp latest``'s test: no digest check, no other file read)."""
+    try:
+        version = format_version_of(as_checkpoint_files(location).read(METADATA_FILE))
+    except OSError:
+        return False
+    return version is not None and 1 <= version <= FORMAT_VERSION
 
 
 @dataclass(frozen=True)
 class StoredMetadata:
-    """A checkpoint's metadata as stored: what one rank reads and broadcasts to the rest.
-
-    ``data`` is the JSON of ``.metadata``; ``source`` names the file(s) in errors.  For a
-    checkpoint saved without collectives ``merged`` is the merge of its ``{rank}.metadata``
-    files instead (it carries every rank's copy of a rank-local object, which one JSON
-    document does not) and ``is_global`` is false.
-    """
+    """A checkpoint's metadata as stored: ``data``, the JSON of ``.metadata`` (``source``
+    names it in errors), or for a save without collectives (``is_global`` false) the
+    ``merged`` ``{rank}.metadata`` files."""
 
     data: bytes
     source: str
@@ -47,15 +62,15 @@ class StoredMetadata:
 
     def parse(self, location: Optional[Location] = None) -> Metadata:
         """The metadata; ``location``: the checkpoint as this rank sees it (default: the
-        directory of ``source``), whose data files name what an altered ``.metadata`` changed."""
+        directory of ``source``), as :func:`parse_metadata` takes it."""
         if self.merged is not None:
             return self.merged
         return parse_metadata(self.data, self.source, Path(self.source).parent if location is None else location)
 
 
 def parse_metadata(data: bytes, source: str, location: Location) -> Metadata:
-    """``metadata_from_json``; a ``.metadata`` changed after the save is refused with the
-    first chunk whose location no longer agrees with its file's header, where one does."""
+    """``metadata_from_json``; a ``.metadata`` changed after the save is refused naming the
+    first chunk whose location its file's header contradicts, where one does."""
     try:
         return metadata_from_json(data, source=source)
     except CorruptCheckpointError as exc:
@@ -66,8 +81,8 @@ def parse_metadata(data: bytes, source: str, location: Location) -> Metadata:
 
 
 def read_stored_metadata(location: Location) -> StoredMetadata:
-    """The bytes of ``.metadata`` at ``location`` or, failing that, every ``{rank}.metadata``
-    merged.  Raises as :func:`load_checkpoint_metadata` does."""
+    """The bytes of ``.metadata`` at ``location``, else every ``{rank}.metadata`` merged;
+    raises as :func:`load_checkpoint_metadata` does."""
     files = as_checkpoint_files(location)
     try:
         return StoredMetadata(files.read(METADATA_FILE), files.where(METADATA_FILE), True)
@@ -78,12 +93,10 @@ def read_stored_metadata(location: Location) -> StoredMetadata:
 
 
 def load_checkpoint_metadata(location: Location) -> tuple[Metadata, bool]:
-    """Read ``.metadata`` or, failing that, merge every ``{rank}.metadata``
-    (:func:`merge_rank_metadata`: each rank's own copy of a rank-local object is kept).
+    """``(metadata, is_global)`` of ``.metadata``, else of every ``{rank}.metadata`` merged.
 
-    Returns ``(metadata, is_global)``.  Raises :class:`CheckpointNotFoundError` naming the
-    location when it or any metadata is missing, :class:`CheckpointFormatError` when the
-    metadata is unreadable or of a newer format version.
+    Raises :class:`CheckpointNotFoundError` naming the location when it or any metadata is
+    missing, :class:`CheckpointFormatError` when unreadable or of a newer format version.
     """
     files = as_checkpoint_files(location)
     stored = read_stored_metadata(files)
@@ -91,8 +104,7 @@ def load_checkpoint_metadata(location: Location) -> tuple[Metadata, bool]:
 
 
 def chunk_sizes(metadata: Metadata, index: MetadataIndex) -> tuple[int, ...]:
-    """The shape of the stored chunk ``index`` names, from the metadata's chunk columns
-    (the index's position hint first); :class:`CheckpointFormatError` when there is none."""
+    """The shape of the stored chunk ``index`` names; :class:`CheckpointFormatError` if none."""
     md = metadata.state_dict_metadata[index.fqn]
     assert isinstance(md, TensorStorageMetadata)
     ndim, offsets, sizes, _ = chunk_columns(md)

@@ -1,12 +1,9 @@
 """The project's operating-system calls beyond ``os``: the one place for ``ctypes`` libc.
 
-Exports the calls the readers, the writer and the async writer need: mapping a file
-(:func:`map_file`, :func:`reserve`, :func:`unmap`), :func:`populate_read`
-(``MADV_POPULATE_READ``), :func:`cached` (``cachestat``), :func:`exchange`
-(``renameat2(RENAME_EXCHANGE)``), :func:`drop_cache` (``POSIX_FADV_DONTNEED``),
-:func:`malloc_trim`, and the plain-``os`` helpers every read goes through
-(:func:`tensor_bytes`, :func:`pread_exact`, :func:`readv_exact`).  Each answers ``None`` or
-``False`` where the platform or kernel lacks the call; callers then take their general path.
+Mapping (:func:`map_file`, :func:`reserve`, :func:`unmap`, :func:`populate_read`,
+:func:`cached`), :func:`exchange`, :func:`drop_cache`, :func:`malloc_trim`, and the reads
+every reader goes through (:func:`tensor_bytes`, :func:`pread_exact`, :func:`readv_exact`).
+Each answers ``None`` or ``False`` where the platform or kernel lacks the call.
 """
 
 from __future__ import annotations
@@ -23,20 +20,8 @@ from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 
 from .tuning import PREADV_MAX_BYTES
 
-__all__ = [
-    "MAPPING",
-    "cached",
-    "drop_cache",
-    "exchange",
-    "malloc_trim",
-    "map_file",
-    "populate_read",
-    "pread_exact",
-    "readv_exact",
-    "reserve",
-    "tensor_bytes",
-    "unmap",
-]
+__all__ = ["MAPPING", "cached", "drop_cache", "exchange", "malloc_trim", "map_file", "populate_read", "pread_exact",
+           "readv_exact", "reserve", "tensor_bytes", "unmap"]
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 1, 2, 0x10, 0x20, 0x4000
@@ -83,24 +68,22 @@ _cachestat = _bind("syscall", ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes
 MAPPING = _mmap is not None and _munmap is not None and _madvise is not None
 
 
-def map_file(fd: int, size: int, at: Optional[int] = None) -> Optional[int]:
-    """Map ``size`` bytes of the file open as ``fd`` read-only and shared; at address ``at``
-    (over what is there) when given.  The address, or ``None`` when refused."""
+def _map(at: Optional[int], size: int, prot: int, flags: int, fd: int) -> Optional[int]:
     if not MAPPING:
         return None
-    flags = _MAP_SHARED | (_MAP_FIXED if at is not None else 0)
-    addr = _mmap(at, size, _PROT_READ, flags, fd, 0)
+    addr = _mmap(at, size, prot, flags | (_MAP_FIXED if at is not None else 0), fd, 0)
     return None if addr is None or addr == _MAP_FAILED or (at is not None and addr != at) else addr
+
+
+def map_file(fd: int, size: int, at: Optional[int] = None) -> Optional[int]:
+    """Map ``size`` bytes of the file ``fd`` read-only and shared (at ``at``, over what is
+    there, when given): the address, or ``None`` when refused."""
+    return _map(at, size, _PROT_READ, _MAP_SHARED, fd)
 
 
 def reserve(size: int, at: Optional[int] = None) -> Optional[int]:
-    """Reserve ``size`` bytes of address space without access or memory (at ``at``, over
-    what is there, when given): the address, or ``None`` when refused."""
-    if not MAPPING:
-        return None
-    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | (_MAP_FIXED if at is not None else 0)
-    addr = _mmap(at, size, _PROT_NONE, flags, -1, 0)
-    return None if addr is None or addr == _MAP_FAILED or (at is not None and addr != at) else addr
+    """Reserve ``size`` bytes of address space (at ``at`` when given): the address, or ``None``."""
+    return _map(at, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
 
 def unmap(addr: int, size: int) -> None:
@@ -108,14 +91,14 @@ def unmap(addr: int, size: int) -> None:
 
 
 def populate_read(addr: int, length: int) -> bool:
-    """Map every page of ``[addr, addr + length)`` in one call (``MADV_POPULATE_READ``,
-    reading from disk what is not cached); ``False`` where refused (before Linux 5.14)."""
+    """Map every page of ``[addr, addr + length)`` in one call (``MADV_POPULATE_READ``);
+    ``False`` where refused (before Linux 5.14)."""
     return _madvise is not None and _madvise(addr, length, _MADV_POPULATE_READ) == 0
 
 
 def cached(fd: int, start: int, length: int) -> bool:
-    """Whether every page of the file's bytes ``[start, start + length)`` is in the page
-    cache; ``False`` where the kernel cannot tell (``cachestat`` came with Linux 6.5)."""
+    """Whether the file's bytes ``[start, start + length)`` are all in the page cache;
+    ``False`` where the kernel cannot tell (``cachestat``: Linux 6.5+)."""
     global _cachestat
     call = _cachestat
     if call is None:
@@ -128,8 +111,8 @@ def cached(fd: int, start: int, length: int) -> bool:
 
 
 def exchange(a: os.PathLike, b: os.PathLike) -> bool:
-    """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``); ``False`` where the
-    platform or filesystem has no such call.  Raises ``OSError`` for any other failure."""
+    """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``); ``False`` where there is
+    no such call, ``OSError`` for any other failure."""
     if _renameat2 is None:
         return False
     if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
@@ -141,8 +124,7 @@ def exchange(a: os.PathLike, b: os.PathLike) -> bool:
 
 
 def drop_cache(path: os.PathLike) -> None:
-    """Drop the page cache of file ``path`` (``POSIX_FADV_DONTNEED``: clean pages only, the
-    file stays whole); a missing file or a platform without ``posix_fadvise`` is skipped."""
+    """Drop the clean page cache of file ``path`` (``POSIX_FADV_DONTNEED``), where it can."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
         return
@@ -175,8 +157,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from the file's bytes at ``offset``; raises :class:`CorruptCheckpointError`
-    naming ``path`` where the file ends first."""
+    """Fill ``view`` from the file at ``offset``; :class:`CorruptCheckpointError` naming ``path`` if it ends first."""
     done, total = 0, len(view)
     while done < total:
         n = os.preadv(fd, [view[done:done + PREADV_MAX_BYTES]], offset + done)
@@ -187,8 +168,7 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
 
 
 def readv_exact(fd: int, buffers: list[memoryview], offset: int, path: str) -> None:
-    """Fill ``buffers`` in turn from the file's bytes at ``offset`` (one ``preadv`` while the
-    kernel returns everything); raises as :func:`pread_exact`."""
+    """Fill ``buffers`` in turn from the file's bytes at ``offset``; raises as :func:`pread_exact`."""
     total = sum(map(len, buffers))
     done = os.preadv(fd, buffers, offset) if total <= PREADV_MAX_BYTES else 0
     if done == total:

@@ -1,11 +1,5 @@
-"""What one rank writes for a save: its safetensors file and its objects file.
-
-Shared by every backend (a file on a filesystem, an object in a bucket): the caller
-passes ``write_file(name, data_writer) -> size``, which opens the destination, calls
-``data_writer(f)`` (``f`` needs ``write`` and ``tell``) and returns the final size, so the
-names, bytes and checksums are the same on every backend.  Exports
-:func:`write_rank_files` and :func:`with_stored_as` (the metadata every backend commits).
-"""
+"""What one rank writes for a save, on every backend: :func:`write_rank_files` (its
+safetensors file and its objects file) and :func:`with_stored_as` (the metadata committed)."""
 
 from __future__ import annotations
 
@@ -42,24 +36,20 @@ def _fetcher(resolve: Callable[[WriteItem], Any], item: WriteItem) -> Callable[[
     return lambda: to_stored(resolve(item))
 
 
-def _labeller(item: WriteItem) -> Callable[[], str]:
-    # the name in an error message, built only when one is raised
+def _labeller(item: WriteItem) -> Callable[[], str]:  # built only when an error is raised
     return lambda: f"{item.index.fqn!r} chunk at {list(item.index.offset or ())}"
 
 
 def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile, *,
                      files_written: Optional[Callable[[], None]] = None) -> list[WriteResult]:
-    """Write ``plan``'s tensor chunks (``(fqn, offset, index)`` order, each hashed) and
-    pickled objects through ``write_file``; returns one :class:`WriteResult` per item.
+    """Write ``plan``'s tensor chunks (``(fqn, offset)`` order, each hashed) and pickled
+    objects through ``write_file(name, data_writer) -> size``; one :class:`WriteResult` per item.
 
-    ``files_written()``, when given, is called once both files are written; the chunks
-    the planner keeps unchanged (``resolved_data_stable``) are hashed after it returns
-    rather than before each write (:class:`LateDigests`): a filesystem writer starts its
-    fsyncs there, and the hashing overlaps them.  Errors of ``write_file`` and of
-    ``planner.resolve_data`` propagate unchanged.
+    ``files_written()``, when given, is called once both files are written; the chunks of
+    a ``resolved_data_stable`` planner are hashed after it (:class:`LateDigests`).  Errors
+    of ``write_file`` and of ``planner.resolve_data`` propagate unchanged.
     """
-    # The storage key is the write order (its string order is the (fqn, offset) order):
-    # made once per chunk, used to sort and as the safetensors key.
+    # the storage key sorts in (fqn, offset) order: the sort key and the safetensors key
     keyed = sorted(((chunk_key(it.index.fqn, it.index.offset or ()), it) for it in plan.items
                     if it.type is WriteItemType.TENSOR), key=itemgetter(0))
     tensors = [it for _, it in keyed]
@@ -72,16 +62,9 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
         stable = planner.resolved_data_stable  # the writer may then hold chunks for aligned writes
         for key, it in keyed:
             assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
-            # a dtype safetensors cannot name goes as a same-size integer view
             stored_dtype, stored_shape = stored_layout(_dtype(it.dtype), it.sizes)
-            entries.append(TensorEntry(
-                key,
-                stored_dtype,
-                stored_shape,
-                _fetcher(resolve, it),
-                label=_labeller(it),
-                stable=stable,
-            ))
+            entries.append(TensorEntry(key, stored_dtype, stored_shape, _fetcher(resolve, it), label=_labeller(it),
+                                       stable=stable))
         placed: list[tuple[int, int, str]] = []
         header = encode_header(entries)
         late = LateDigests() if files_written is not None else None
@@ -108,8 +91,6 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
     if tensors:
         if late is not None:
             late.fill(placed)
-        # recorded in .metadata: a reader that reads these header bytes back from a file of
-        # this size skips parsing them
         header_xxh3 = header_digest(header.raw, tensors_size)
         results[:0] = [WriteResult(it.index, StorageInfo(tensors_name, offset, length, digest, tensor_entry.key),
                                    tensors_size, header_xxh3)
@@ -118,9 +99,8 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
 
 
 def with_stored_as(metadata: Metadata) -> Metadata:
-    """``metadata`` with ``properties.stored_as`` set for each tensor whose dtype the
-    safetensors files hold as another (a same-size integer view); what every backend
-    commits as ``.metadata``."""
+    """``metadata`` with ``properties.stored_as`` set for each tensor whose dtype the files
+    hold as another; what every backend commits as ``.metadata``."""
     out = None
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):

@@ -1,13 +1,6 @@
-"""The one loader of per-rank metadata (``{rank}.metadata``, a save without collectives).
-
-Every path that has no ``.metadata`` — ``load``'s fallback, ``check_complete`` /
-``verify_checkpoint``, the ``hp-dcp`` tools, the converter, every backend — reads the
-per-rank files with :func:`load_rank_metadata` and merges them with
-:func:`merge_rank_metadata`, so all of them give the same view: tensor chunks deduplicated
-across ranks, and for a non-tensor object saved by several ranks (RNG state, data-loader
-position) every rank's copy in ``Metadata.rank_objects``; :meth:`Metadata.object_storage`
-says which copy a rank loads (SPEC §4: its own, else the lowest saving rank's).
-"""
+"""The one loader of per-rank metadata (``{rank}.metadata``, a save without collectives):
+:func:`load_rank_metadata` reads the files, :func:`merge_rank_metadata` makes one view
+of them, the same for every caller (SPEC §4)."""
 
 from __future__ import annotations
 
@@ -38,12 +31,9 @@ def rank_metadata_names(entries: Iterable[tuple[str, Optional[int]]]) -> list[tu
 
 
 def load_rank_metadata(location: Location) -> dict[int, Metadata]:
-    """Parse every ``{rank}.metadata`` at ``location``: ``{rank: Metadata}``.
-
-    Raises :class:`CheckpointNotFoundError` naming the location when it is a directory that
-    does not exist or holds none, and the parse error (:class:`CheckpointFormatError`,
-    ``OSError``) of a bad file.
-    """
+    """Parse every ``{rank}.metadata`` at ``location``: ``{rank: Metadata}``.  Raises
+    :class:`CheckpointNotFoundError` naming the location when it is missing or holds none,
+    and the parse error (:class:`CheckpointFormatError`, ``OSError``) of a bad file."""
     files = as_checkpoint_files(location)
     try:
         names = rank_metadata_names(files.entries())
@@ -57,12 +47,9 @@ def load_rank_metadata(location: Location) -> dict[int, Metadata]:
 
 
 def merge_rank_metadata(parts: Mapping[int, Metadata]) -> Metadata:
-    """One view of several ranks' metadata.
-
-    Tensor chunks are deduplicated by offsets (the lowest rank's storage wins).  An object
-    FQN saved by more than one rank keeps every copy in ``rank_objects`` (saving rank →
-    storage); ``storage_data`` holds the lowest saving rank's copy.
-    """
+    """One view of several ranks' metadata: tensor chunks deduplicated by offsets (the
+    lowest rank's wins); an object saved by several ranks keeps every copy in
+    ``rank_objects`` (rank → storage), the lowest rank's in ``storage_data``."""
     sd: dict[str, Any] = {}
     chunks: dict[str, dict[tuple[int, ...], ChunkStorageMetadata]] = {}
     storage: dict[MetadataIndex, StorageInfo] = {}
@@ -72,16 +59,15 @@ def merge_rank_metadata(parts: Mapping[int, Metadata]) -> Metadata:
     for rank in sorted(parts):
         md = parts[rank]
         for fqn, entry in md.state_dict_metadata.items():
+            sd.setdefault(fqn, entry)
             if isinstance(entry, BytesStorageMetadata):
-                sd.setdefault(fqn, entry)
                 info = (md.storage_data or {}).get(MetadataIndex(fqn))
                 if info is not None:
                     copies.setdefault(fqn, {})[rank] = info
-                continue
-            sd.setdefault(fqn, entry)
-            mine = chunks.setdefault(fqn, {})
-            for chunk in entry.chunks:
-                mine.setdefault(chunk.offsets, ChunkStorageMetadata(chunk.offsets, chunk.sizes))
+            else:
+                mine = chunks.setdefault(fqn, {})
+                for chunk in entry.chunks:
+                    mine.setdefault(chunk.offsets, ChunkStorageMetadata(chunk.offsets, chunk.sizes))
         for index, info in (md.storage_data or {}).items():
             storage.setdefault(index, info)
         files.update(md.files)

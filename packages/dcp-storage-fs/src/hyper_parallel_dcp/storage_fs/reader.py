@@ -1,16 +1,13 @@
 """``FileSystemReader``: each read item's slice straight from its file into its destination.
 
-A load walks its items in the global ``(fqn, offset)`` order, which is the file order.
-For each read, the :class:`ChunkLocator` says where the stored chunk is (checked the
-first time it is read: file size and safetensors header against the metadata, with
-``verify`` its checksum), and the read goes to one of the ``sinks``: adjacent contiguous
-reads in one ``preadv``, reads into accelerator tensors through the pinned buffer, column
-slices copied from the file's mapping, anything else through ``read_slice_into``.  Reads
-are done in batches (``BATCH_ITEMS`` reads or ``BATCH_BYTES``), each handed on complete.
+Reads go in file order, in batches, to the ``sinks``; :class:`ChunkLocator` checks each
+stored chunk against the metadata on its first read.  Exports :class:`FileSystemReader`,
+:class:`ChunkLocator` and :data:`StoredChunk`.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from collections import OrderedDict
@@ -22,13 +19,7 @@ import xxhash
 
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
-from hyper_parallel_dcp.core.metadata import (
-    ChunkLocation,
-    Metadata,
-    MetadataIndex,
-    StorageInfo,
-    chunk_locator,
-)
+from hyper_parallel_dcp.core.metadata import ChunkLocation, Metadata, MetadataIndex, StorageInfo, chunk_locator
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import FILES_KEPT
@@ -54,21 +45,16 @@ __all__ = ["ChunkLocator", "FileSystemReader", "StoredChunk"]
 
 #: a stored chunk's checked location: (file, first data byte, shape, row-major strides, dtype)
 StoredChunk = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype]
-# (first element, elements spanned, contiguous, elements) of a slice of a stored chunk
-_Geometry = tuple[int, int, bool, int]
-# where a read goes: (destination, None, ()), or (tensor, storage offset, strides) of a
-# region (LoadPlanner.resolve_region); destination None for an object
+_Geometry = tuple[int, int, bool, int]  # a slice's (first element, elements spanned, contiguous, elements)
+# where a read goes: (destination or None for an object, None, ()), or a region's (tensor, offset, strides)
 _Region = tuple[Any, Optional[int], tuple[int, ...]]
 
 
 class _OpenFile:
-    """An open shard file: its header, and on first use an mmap for hashing and a
-    :class:`FileMapping` for column slices.
+    """An open shard file: its header, and on first use an mmap (hashing) and a mapping.
 
-    ``trusted``: the header bytes are those the save recorded a digest of in ``.metadata``
-    (in a file of the recorded size), so every chunk's location comes from the metadata
-    alone and the header is not parsed (2000 chunks: 4.5 ms of parsing and ~10 ms of
-    comparisons per file saved).
+    ``trusted``: the header matches the digest in ``.metadata``, so chunk locations come
+    from the metadata and the header is not parsed (docs/perf/storage.md).
     """
 
     def __init__(self, path: Path, expected_size: Optional[int], digest: Optional[str]) -> None:
@@ -112,15 +98,14 @@ class _OpenFile:
         return self._header
 
     def mapping(self, arena: Callable[[], Optional[MappingArena]]) -> Optional[FileMapping]:
-        """The file mapped for strided copies (in a slot of ``arena()`` when it has one free),
-        made on first use; ``None`` where it cannot be mapped."""
+        """The file mapped (in a slot of ``arena()`` if free), made once; ``None`` if it cannot be."""
         if not self._mapping_tried:
             self._mapping_tried = True
             self.mapped = FileMapping.open(self.fd, self.size, arena())
         return self.mapped
 
     def hash_range(self, offset: int, length: int) -> str:
-        """xxh3-64 of the file's bytes ``[offset, offset + length)``, hashed in place."""
+        """xxh3-64 of the file's bytes ``[offset, offset + length)``."""
         if length == 0:
             return xxhash.xxh3_64_hexdigest(b"")
         if self._map is None:
@@ -141,11 +126,9 @@ class _OpenFile:
 class ChunkLocator:
     """Where each stored tensor chunk of ``metadata`` is, and the geometry of each slice read.
 
-    The one answer to "where is this chunk, and is it what the metadata says": the first
-    read of a chunk locates it from the metadata's columns (``core.metadata.chunk_locator``)
-    when its file's header is trusted, else through its storage entry, its header entry
-    compared and (``verify``) its checksum checked; the result is kept for every later
-    read.  ``verified`` is the reader's set of chunks hashed already (kept across loads).
+    A chunk's first read locates it from the metadata's columns when its file's header is
+    trusted, else from its storage entry, compared with the header and (``verify``) hashed;
+    ``verified`` is the reader's set of chunks hashed already (kept across loads).
     """
 
     def __init__(self, metadata: Metadata, root: Path, verify: bool, verified: set[MetadataIndex]) -> None:
@@ -163,9 +146,7 @@ class ChunkLocator:
 
     def locate(self, item: ReadItem, open_file: Callable[[str], _OpenFile]
                ) -> tuple[StoredChunk, _OpenFile, _Geometry]:
-        """The checked location of ``item``'s stored chunk, its open file (``open_file(name)``:
-        the reader's) and the geometry of the slice: ``(first element, elements spanned,
-        contiguous, elements)`` (``core.chunks.slice_span``).  Raises
+        """``(stored chunk, its open file, slice geometry)`` of ``item``; raises
         :class:`CorruptCheckpointError` or :class:`CheckpointFormatError` naming file, FQN
         and chunk on any disagreement, or a slice outside its chunk."""
         index = item.storage_index
@@ -186,10 +167,7 @@ class ChunkLocator:
                 f"{list(item.storage_index.offset or ())}: requested region offsets={list(offsets)} "
                 f"lengths={list(lengths)} exceeds the stored chunk of size {list(sizes)}")
         first, span, contiguous = slice_span(sizes, offsets, lengths)
-        count = 1
-        for n in lengths:
-            count *= n
-        geometry = self._spans[(sizes, offsets, lengths)] = (first, span, contiguous, count)
+        geometry = self._spans[(sizes, offsets, lengths)] = (first, span, contiguous, math.prod(lengths))
         return geometry
 
     def storage_info(self, index: MetadataIndex) -> StorageInfo:
@@ -199,10 +177,6 @@ class ChunkLocator:
         except (KeyError, TypeError):
             raise CheckpointFormatError(f"{index.fqn!r}: the metadata of {self._root} has no storage entry for "
                                         f"the chunk at {index.offset}") from None
-
-    def chunk_sizes(self, index: MetadataIndex) -> tuple[int, ...]:
-        """``metadata_io.chunk_sizes`` of this locator's metadata."""
-        return chunk_sizes(self.metadata, index)
 
     def _first_read(self, index: MetadataIndex, open_file: Callable[[str], _OpenFile]
                     ) -> tuple[StoredChunk, _OpenFile]:
@@ -253,18 +227,14 @@ class ChunkLocator:
 class FileSystemReader(StorageReader):
     """Reads a checkpoint directory: each item's slice straight into its destination.
 
-    A plain load (``execute_read``) and a broadcast load (``read_stream``) read through the
-    same batches; a plain load fills the planner's regions (``LoadPlanner.resolve_region``:
-    no view per read, and a column slice one tensor takes from several files is one copy
-    from a ``MappingArena``).  Up to ``HP_DCP_FILES_KEPT`` files (default 8) stay open.
-    ``bytes_read`` counts the file bytes the reads span (a column slice spans every row it
-    touches).  ``verify`` checks the xxh3 checksum of every stored chunk a read touches
-    (the whole chunk, once per reader).  A subclass that overrides ``read_into`` or
-    ``read_object`` reads item by item through them (a throttle, a fault injection).
+    ``execute_read`` and ``read_stream`` read through the same batches; ``execute_read``
+    fills the planner's regions (``resolve_region``).  Up to ``HP_DCP_FILES_KEPT`` files
+    stay open.  ``bytes_read``: the file bytes the reads span.  ``verify``: check the xxh3
+    of every chunk read (once per reader).  A subclass overriding ``read_into`` or
+    ``read_object`` reads item by item through them.
     """
 
-    #: read item by item through ``read_into`` / ``read_object`` (set for a subclass that overrides them)
-    item_by_item = False
+    item_by_item = False  # set for a subclass that overrides read_into / read_object
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -306,7 +276,6 @@ class FileSystemReader(StorageReader):
     def location(self) -> Optional[str]:
         return None if self.path is None else str(self.path)
 
-    # -- metadata --------------------------------------------------------------------
     def load_metadata(self) -> Metadata:
         self.metadata, self._is_global = load_checkpoint_metadata(LocalFiles(self._root()))
         return self.metadata
@@ -318,9 +287,8 @@ class FileSystemReader(StorageReader):
         return stored
 
     def metadata_from_payload(self, payload: StoredMetadata) -> Metadata:
-        """Parse the coordinator's bytes, after a ``stat`` that this rank sees the same
-        checkpoint (a rank given another path, or without the shared filesystem, fails
-        here, naming its path, instead of reading nothing or the wrong files later)."""
+        """Parse the coordinator's bytes, after checking that this rank sees the checkpoint
+        (:class:`CheckpointNotFoundError` naming its path otherwise)."""
         root = self._root()
         if not root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
@@ -347,16 +315,11 @@ class FileSystemReader(StorageReader):
             locator = self._locator = ChunkLocator(self.metadata, self._root(), self.verify, self._verified)
         return locator
 
-    def _storage_info(self, index: MetadataIndex) -> StorageInfo:
-        return self.chunks().storage_info(index)
-
-    # -- files -------------------------------------------------------------------------
     def _file(self, name: str) -> _OpenFile:
         """The open file ``name``, opened (and the least recently used one closed) if needed."""
         opened = self._handles.get(name)
         if opened is not None:
-            # recency matters only once the next open evicts (a resharded load alternates
-            # between files: one lookup per read, no reordering)
+            # recency is kept only once the next open evicts: one lookup per read
             if opened is not self._latest and len(self._handles) >= self.files_kept:
                 self._handles.move_to_end(name)
                 self._latest = opened
@@ -372,9 +335,8 @@ class FileSystemReader(StorageReader):
         return opened
 
     def _arena_for_files(self) -> Optional[MappingArena]:
-        """The arena the open files are mapped in: one slot per file that can be open at once,
-        each the size of the checkpoint's largest file; ``None`` for a checkpoint of one
-        file, one whose sizes the metadata does not record, or where it cannot be reserved."""
+        """The arena the open files are mapped in (a slot the size of the largest file per
+        file kept open); ``None`` for one file, unrecorded sizes, or a refused reservation."""
         if not self._arena_tried:
             self._arena_tried = True
             sizes = self.metadata.files.values() if self.metadata is not None else ()
@@ -395,13 +357,9 @@ class FileSystemReader(StorageReader):
             self._arena = None
         self._arena_tried = False
 
-    # -- reading -----------------------------------------------------------------------
     def _read_many(self, reads: Iterable[tuple[ReadItem, _Region]]) -> None:
-        """For each ``(item, (dest, offset, dest_strides))``, start filling ``dest`` with the
-        item's slice: done, or queued in a sink that :meth:`_finish_pending` completes.
-        With ``offset``, ``dest`` is a region's tensor (``LoadPlanner.resolve_region``) and
-        the slice goes into ``dest.as_strided(item.lengths, dest_strides, offset)``, a view
-        made only where the read needs one."""
+        """Start each read (done, or queued in a sink for :meth:`_finish_pending`); with
+        ``offset``, the slice goes into ``dest.as_strided(item.lengths, dest_strides, offset)``."""
         locator, open_file = self.chunks(), self._file
         adjacent, device_reads, copies = self._reads, self._device_reads, self._copies
         spanned = 0
@@ -418,8 +376,7 @@ class FileSystemReader(StorageReader):
                             not dest.is_cpu and device_reads.add(opened.fd, opened.name, start, dest, dtype)):
                         spanned += span * itemsize
                         continue
-                # a column slice, or a row slice into a strided destination: copied from the
-                # file's mapping, which reads only the cache lines it needs
+                # a column slice, or a strided destination: copied from the file's mapping
                 if span and dest.is_cpu:
                     mapping = opened.mapped if opened.mapped is not None else opened.mapping(self._arena_for_files)
                     found = None if mapping is None else mapping.slice_at(data_offset, dtype, first, span)
@@ -443,32 +400,21 @@ class FileSystemReader(StorageReader):
         self._device_reads.wait()
 
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
-        """Fill ``dest`` (shape ``item.lengths``) with the stored slice, straight from the file.
-
-        The chunk's file size and header are checked against the metadata first (once per
-        chunk), and with ``verify`` its checksum; raises ``CorruptCheckpointError`` naming
-        file, FQN and chunk on any disagreement.
-        """
+        """Fill ``dest`` with the stored slice; ``CorruptCheckpointError`` naming file, FQN and chunk on a mismatch."""
         try:
             self._read_many(((item, (dest, None, ())),))
         finally:
             self._finish_pending()
 
     def read_stream(self, reads: Iterable[ReadDestination]) -> Iterator[tuple[ReadItem, Any]]:
-        """``read_into`` / ``read_object`` for each read in order, in batches: contiguous
-        reads of adjacent file ranges in one ``preadv``, column slices in one
-        ``torch._foreach_copy_``; each batch is yielded, in order, once complete (per read
-        this saves the system call and the copy's dispatch: 2000 small tensors, ~10 us of
-        ~25 us a read)."""
+        """``read_into`` / ``read_object`` of each read, yielded in order a batch at a time."""
         if self.item_by_item:
             yield from super().read_stream(reads)
             return
         yield from self._batched((item, (dest, None, ())) for item, dest in reads)
 
     def _batched(self, reads: Iterable[tuple[ReadItem, _Region]]) -> Iterator[tuple[ReadItem, Any]]:
-        """``read_stream`` of ``(item, (destination, region offset, region strides))``
-        (destination ``None`` for an object): yields each read but those into a region,
-        once its batch is complete."""
+        """``read_stream`` of ``(item, _Region)``: yields each read but those into a region."""
         batch: list[tuple[ReadItem, Any]] = []
         pending: list[tuple[ReadItem, _Region]] = []
         count = nbytes = 0
@@ -493,15 +439,13 @@ class FileSystemReader(StorageReader):
             self._finish_pending()
             yield from batch
         finally:
-            # a stream left early drops its queued work (the files' mappings stay valid
-            # until the reader closes them)
-            self._reads.clear()
+            self._reads.clear()  # a stream left early drops its queued work
             self._copies.clear()
             self._device_reads.clear()
 
     def read_object(self, item: ReadItem) -> Any:
         """The stored object; from a per-rank checkpoint, the copy this rank saved (SPEC §4)."""
-        info = self._storage_info(item.storage_index)
+        info = self.chunks().storage_info(item.storage_index)
         if self.metadata is not None and self.metadata.rank_objects:
             info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info
         file = self._root() / info.relative_path
@@ -520,9 +464,7 @@ class FileSystemReader(StorageReader):
         return deserialize_object(blob, fqn=item.storage_index.fqn, file=str(file))
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Read this rank's items in file order; reads into part of a plain tensor go to
-        the planner's region (``resolve_region``): no view per read, and the row blocks
-        of a column slice become one copy."""
+        """Read this rank's items in file order, into the planner's regions where it has them."""
         items = self.sort_items([it for it in plan.items if it.source is None or it.source == self.rank])
         region = getattr(planner, "resolve_region", None)
         if region is None or self.item_by_item:

@@ -1,11 +1,8 @@
 """The safetensors format as this project stores it: dtypes, headers, header digests.
 
-A file is the standard one (8-byte little-endian header length, JSON header padded to 8
-bytes, then the data), so ``safetensors.safe_open`` reads it as is.  :func:`read_header`
-is the project's only header parser (the reader, the verifier and the Hugging Face
-importer accept and refuse the same files); :func:`header_digest` is the xxh3 of a header's
-bytes and its file's size that a save records in ``.metadata``, so that a reader which
-reads the same bytes back knows the header without parsing it.
+:func:`read_header` is the project's only header parser; :func:`header_digest` is what a
+save records in ``.metadata`` so that a reader knows a header without parsing it; the
+``stored_layout`` family maps dtypes the format lacks onto ones it has.
 """
 
 from __future__ import annotations
@@ -20,21 +17,9 @@ import xxhash
 
 from hyper_parallel_dcp.core.chunks import row_major_strides
 
-__all__ = [
-    "MAX_HEADER_BYTES",
-    "SAFETENSORS_DTYPES",
-    "HeaderEntry",
-    "SafetensorsHeaderError",
-    "entry_mismatch",
-    "from_stored",
-    "header_digest",
-    "header_layout",
-    "parse_header",
-    "read_header",
-    "read_header_bytes",
-    "stored_layout",
-    "to_stored",
-]
+__all__ = ["MAX_HEADER_BYTES", "SAFETENSORS_DTYPES", "HeaderEntry", "SafetensorsHeaderError", "entry_mismatch",
+           "from_stored", "header_digest", "header_layout", "parse_header", "read_header", "read_header_bytes",
+           "stored_layout", "to_stored"]
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -65,14 +50,9 @@ MAX_HEADER_BYTES = 100_000_000
 
 
 def stored_layout(dtype: torch.dtype, shape: Sequence[int]) -> tuple[torch.dtype, tuple[int, ...]]:
-    """The safetensors dtype and shape a chunk of ``dtype`` and ``shape`` is stored as.
-
-    A dtype the format names is stored as itself; any other (``float8_e8m0fnu``,
-    ``float4_e2m1fn_x2``, ``bits16``, ``complex32``, sub-byte ints, ...) as the unsigned
-    integer of its size, same shape and bytes; ``complex128`` as ``float64`` with a
-    trailing dim of 2.  The true dtype is in ``.metadata``.  Raises ``TypeError`` for
-    quantized dtypes (their scale and zero point are not in the bytes).
-    """
+    """The safetensors dtype and shape a chunk of ``dtype`` and ``shape`` is stored as:
+    itself where the format names it, ``complex128`` as ``float64`` with a trailing dim of
+    2, any other as the unsigned integer of its size.  ``TypeError`` for quantized dtypes."""
     if dtype in SAFETENSORS_DTYPES:  # every common dtype: once per chunk of a save, kept cheap
         return dtype, shape if type(shape) is tuple else tuple(int(d) for d in shape)
     shape = tuple(int(d) for d in shape)
@@ -92,8 +72,6 @@ def to_stored(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype in SAFETENSORS_DTYPES:
         return tensor
     dtype, _ = stored_layout(tensor.dtype, tensor.shape)
-    if dtype == tensor.dtype:
-        return tensor
     if tensor.dtype == torch.complex128:
         return torch.view_as_real(tensor)
     return tensor.view(dtype)
@@ -121,9 +99,7 @@ def header_layout(dtype: torch.dtype, sizes: tuple[int, ...]) -> Optional[tuple[
 
 
 def header_digest(raw: bytes, file_size: int) -> str:
-    """xxh3-64 hex digest of a header's bytes (length field and JSON) followed by the
-    file's size (8 bytes, little-endian): equal digests mean the same header in a file
-    of the size it was written with, so its data ranges still lie inside the file."""
+    """xxh3-64 hex digest of a header's bytes (length field and JSON) and the file's size (8 bytes LE)."""
     digest = xxhash.xxh3_64(raw)
     digest.update(struct.pack("<Q", file_size))
     return digest.hexdigest()
@@ -143,9 +119,8 @@ class HeaderEntry(NamedTuple):
 
 
 def read_header_bytes(f: BinaryIO, file_size: int) -> bytes:
-    """The header bytes (length field and JSON) of the safetensors file open as ``f``
-    (``file_size`` bytes); raises :class:`SafetensorsHeaderError` where the length field
-    does not fit the file."""
+    """The header bytes (length field and JSON) of the safetensors file ``f``;
+    :class:`SafetensorsHeaderError` where the length field does not fit the file."""
     f.seek(0)
     raw_len = f.read(8)
     if len(raw_len) != 8:
@@ -160,12 +135,9 @@ def read_header_bytes(f: BinaryIO, file_size: int) -> bytes:
 
 
 def read_header(f: BinaryIO, file_size: int) -> dict[str, HeaderEntry]:
-    """Parse and check the header of the safetensors file open as ``f`` (``file_size`` bytes).
-
-    Reads only the header.  The length field, JSON, dtypes, shapes and data ranges must be
-    consistent and tile the data section; raises :class:`SafetensorsHeaderError` saying
-    what is wrong otherwise.  Offsets in the result are absolute file offsets.
-    """
+    """Parse and check the header of the safetensors file ``f`` (``file_size`` bytes): its
+    entries with absolute file offsets.  Raises :class:`SafetensorsHeaderError` saying
+    what is wrong unless dtypes, shapes and data ranges agree and tile the data section."""
     return parse_header(read_header_bytes(f, file_size), file_size)
 
 

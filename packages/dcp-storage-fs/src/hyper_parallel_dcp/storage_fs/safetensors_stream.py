@@ -1,10 +1,9 @@
 """The streaming safetensors writer: chunks in the order given, hashed as they pass.
 
-The ``safetensors`` library serialises a whole dict at once and orders tensors by dtype;
-a checkpoint needs chunks in the global ``(fqn, offset)`` order (a load then reads each
-file sequentially), written straight from tensor memory, and a checksum of the bytes as
-they pass.  :func:`write_safetensors` does that; the format itself (dtypes, the header
-parser, header digests) is in ``safetensors_header``, whose names this module re-exports.
+:func:`write_safetensors` writes chunks in the global ``(fqn, offset)`` order straight
+from tensor memory, with an xxh3 of each (the ``safetensors`` library orders by dtype and
+serialises a whole dict).  The format itself is in ``safetensors_header``; the names of it
+the Hugging Face importer uses are re-exported here.
 """
 
 from __future__ import annotations
@@ -23,49 +22,19 @@ from hyper_parallel_dcp.core.layout import tensor_problem
 
 from .host_memory import PinnedBuffer, large_folio_writes
 from .posix import tensor_bytes
-from .safetensors_header import (
-    SAFETENSORS_DTYPES,
-    HeaderEntry,
-    SafetensorsHeaderError,
-    entry_mismatch,
-    from_stored,
-    header_digest,
-    parse_header,
-    read_header,
-    read_header_bytes,
-    stored_layout,
-    to_stored,
-)
+from .safetensors_header import SAFETENSORS_DTYPES, SafetensorsHeaderError, read_header
 from .tuning import BOUNCE_MIN_BYTES, IOV_MAX_BUFFERS, LARGE_FOLIO, SMALL_FOLIO
 
-__all__ = [
-    "SAFETENSORS_DTYPES",
-    "EncodedHeader",
-    "HeaderEntry",
-    "LateDigests",
-    "SafetensorsHeaderError",
-    "TensorEntry",
-    "encode_header",
-    "entry_mismatch",
-    "from_stored",
-    "header_digest",
-    "parse_header",
-    "read_header",
-    "read_header_bytes",
-    "stored_layout",
-    "tensor_bytes",
-    "to_stored",
-    "write_safetensors",
-]
+__all__ = ["SAFETENSORS_DTYPES", "EncodedHeader", "LateDigests", "SafetensorsHeaderError", "TensorEntry",
+           "encode_header", "read_header", "tensor_bytes", "write_safetensors"]
 
 
 class TensorEntry:
-    """One tensor to write: its key, and a callable producing the CPU tensor when due.
+    """One tensor to write: its key, and ``fetch`` producing the tensor when due.
 
-    ``label`` names the tensor in errors: a string, or a callable that builds it (made only
-    when something is wrong).  ``stable``: the tensor ``fetch()`` returns keeps its bytes
-    until :func:`write_safetensors` returns, so the writer may hold it and send it with
-    the next ones; a ``fetch`` that refills one buffer for each call must leave it False.
+    ``label`` names it in errors (a string, or a callable building one).  ``stable``: the
+    tensor ``fetch()`` returns keeps its bytes until :func:`write_safetensors` returns (a
+    ``fetch`` refilling one buffer must leave it False).
     """
 
     __slots__ = ("key", "dtype", "shape", "nbytes", "fetch", "_label", "stable")
@@ -90,8 +59,7 @@ class TensorEntry:
 
 
 class EncodedHeader(NamedTuple):
-    """A header as written: ``raw`` is the length field and the padded JSON, ``begins``
-    each entry's data offset relative to the data section."""
+    """A header as written: ``raw`` (length field, padded JSON), ``begins`` (data-section offsets)."""
 
     raw: bytes
     begins: list[int]
@@ -112,13 +80,8 @@ def encode_header(entries: Sequence[TensorEntry]) -> EncodedHeader:
 
 
 class LateDigests:
-    """Chunks :func:`write_safetensors` wrote without hashing them; :meth:`fill` hashes them.
-
-    A save hashes them once its files are written and their fsync has started, so the
-    hashing overlaps the disk (2 ranks saving 125 MiB each: 260 -> 240 ms).  Only a
-    ``stable`` entry's own bytes wait here; a chunk copied on the way is hashed at once,
-    so that no copy outlives its write.
-    """
+    """Chunks :func:`write_safetensors` wrote unhashed (``stable`` entries' own bytes); a
+    save calls :meth:`fill` once its fsync has started, so the hashing overlaps the disk."""
 
     def __init__(self) -> None:
         self._views: list[tuple[int, memoryview]] = []
@@ -138,13 +101,9 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Optio
                       late: Optional[LateDigests] = None) -> list[tuple[int, int, str]]:
     """Write ``entries`` in the given order; returns ``(file offset, length, xxh3 hex)`` each.
 
-    ``header`` is ``encode_header(entries)`` when the caller made it already.  ``fetch()``
-    of each entry is called just before it is written, so a device tensor is copied to the
-    host one chunk at a time (a large one through a reused pinned buffer).  A chunk may
-    wait to go out with the next ones in a write that ends on a folio boundary
-    (:class:`_AlignedWrites`) only when it stays valid until then: the entry is
-    ``stable``, or the tensor is a copy made here.  With ``late``, the digest of a
-    ``stable`` entry written from its own bytes is left empty and its bytes go to ``late``.
+    ``header``: ``encode_header(entries)`` if made already.  Each ``fetch()`` is called
+    just before its chunk is written (a large device tensor goes through a pinned buffer).
+    With ``late``, a ``stable`` entry's digest is left empty and its bytes go to ``late``.
     Raises ``ValueError`` naming the entry when its data differs from its shape or dtype.
     """
     if header is None:
@@ -189,8 +148,7 @@ def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Optio
 
 
 def _write_through(tensor: torch.Tensor, bounce: PinnedBuffer, writes: _AlignedWrites) -> str:
-    """Write the contiguous device ``tensor`` through ``bounce`` a part at a time (each
-    copied, hashed and written before the next reuses the buffer); its xxh3 hex digest."""
+    """Write the contiguous device ``tensor`` through ``bounce`` a part at a time; its xxh3."""
     flat = tensor.reshape(-1).view(torch.uint8)
     nbytes = flat.numel()
     buffer = bounce.get(nbytes)
@@ -208,15 +166,11 @@ _NOTHING = torch.empty(0)  # what a written-through view keeps alive
 
 
 class _AlignedWrites:
-    """Chunk bytes written in batches whose ends fall on ``align`` boundaries of the file.
+    """Chunk bytes written in ``writev`` batches whose ends fall on ``align`` boundaries.
 
-    The kernel sizes page-cache folios by the writes that fill them: ``align`` bytes
-    written by one call become one folio, which a reader's mapping maps with one call (a
-    2 MiB folio: one page-table entry).  Chunk by chunk most such ranges are cut by a
-    chunk boundary.  The chunks of one batch go out in one ``writev``; the batch keeps
-    its tensors alive until written, so only a chunk that stays valid is held (``add``),
-    any other goes out at once with what is pending (``add_now``).  ``f`` without a file
-    descriptor (an in-memory buffer, an upload stream) gets plain ``write`` calls.
+    The kernel makes one page-cache folio of ``align`` bytes written by one call, which a
+    reader then maps at once.  Only a chunk that stays valid is held (``add``); any other
+    goes out at once (``add_now``).  ``f`` without a file descriptor gets plain ``write``.
     """
 
     def __init__(self, f: BinaryIO, position: int, align: int = SMALL_FOLIO) -> None:
@@ -235,8 +189,7 @@ class _AlignedWrites:
         self._pending = 0
 
     def add(self, view: memoryview, tensor: torch.Tensor, owned: bool = False) -> None:
-        """Queue ``view`` (bytes of ``tensor``, kept alive until written); ``owned``: the
-        tensor is a copy made for this write (held only until its last full boundary)."""
+        """Queue ``view`` (bytes of ``tensor``, kept until written); ``owned``: a copy made for this write."""
         if self._fd is None:
             self._f.write(view)
             return
@@ -294,8 +247,7 @@ class _AlignedWrites:
         self._position += nbytes
         self._pending -= nbytes
         if views and self._owned[0] and self._keep[0].nbytes > 4 * self._align:
-            # the tail of a large copy, copied again (< align) so that the copy itself is
-            # not held while the next chunks are staged
+            # the tail of a large copy, copied (< align) so that the copy is not held
             views[0] = memoryview(bytes(views[0]))
             self._keep[0] = _NOTHING
             self._owned[0] = False

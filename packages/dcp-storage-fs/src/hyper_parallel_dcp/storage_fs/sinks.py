@@ -1,24 +1,11 @@
-"""Where the reader's bytes go: one read of a stored slice, and the three batching sinks.
+"""Where the reader's bytes go: :func:`read_slice_into` (one stored slice), the batching
+sinks, and :func:`copy_into` (a bit-for-bit copy whatever the dtype).
 
-:func:`read_slice_into` is the general read of one stored slice into its destination:
-``preadv`` straight into it when the slice is contiguous in the file and the destination
-a contiguous host tensor of the stored dtype (what row sharding reads), a strided copy
-from a :class:`~.mapping.FileMapping` for other host destinations, else the slice's byte
-span through a buffer (pinned for an accelerator).
-
-Per read, Python and dispatch cost as much as a small tensor's bytes, so the reader
-queues reads in sinks that share one protocol: ``add`` (queue, or refuse), ``flush``
-(perform what is queued), ``clear`` (forget it).  The caller flushes before a file closes
-and before it hands a destination on.
-
-- :class:`AdjacentReads`: contiguous reads of consecutive file ranges in one ``preadv``.
-- :class:`DeviceReads`: contiguous reads into accelerator tensors, through one reused
-  page-locked buffer and one non-blocking ``_foreach_copy_``.
-- :class:`PendingCopies`: copies from file mappings in one ``_foreach_copy_``; evenly
-  spaced slices of one shape viewed in one call, and the row blocks a column slice takes
-  from several files (in a ``MappingArena``) copied as one.
-
-:func:`copy_into` copies bit for bit whatever the dtype.
+The sinks share one protocol: ``add`` (queue, or refuse), ``flush`` (perform what is
+queued), ``clear`` (forget it); the caller flushes before a file closes and before it
+hands a destination on.  :class:`AdjacentReads`: consecutive contiguous reads in one
+``preadv``; :class:`DeviceReads`: reads into accelerator tensors through one pinned
+buffer; :class:`PendingCopies`: copies from file mappings in one ``_foreach_copy_``.
 """
 
 from __future__ import annotations
@@ -53,9 +40,7 @@ _PLAIN = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16,
 
 
 def copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
-    """``dest.copy_(source)``, casting when the dtypes differ; a same-dtype copy goes bit
-    for bit through an integer view (``copy_`` has no kernel for ``bits16``, ``float4``,
-    sub-byte ints, ... and the view keeps NaN payloads)."""
+    """``dest.copy_(source)``; a same-dtype copy goes bit for bit through an integer view (any dtype)."""
     view = _BITS.get(dest.dtype.itemsize) if dest.dtype == source.dtype and dest.dtype not in _BITS.values() else None
     if view is not None and dest.device.type != "meta":
         dest.view(view).copy_(source.view(view))
@@ -64,8 +49,7 @@ def copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def _copy_wide(dest: torch.Tensor, source: torch.Tensor) -> None:
-    """:func:`copy_into` as 8-byte words where both sides' rows allow it: a column slice's
-    strided copy moves 12 % faster (32 MiB of bf16 rows of 1 KiB: 7.9 vs 8.9 ms)."""
+    """:func:`copy_into` as 8-byte words where both sides' rows allow it (12 % faster)."""
     if dest.dtype == source.dtype and dest.dtype.itemsize < 8 and dest.device.type == "cpu":
         try:
             wide_dest, wide_source = dest.view(torch.int64), source.view(torch.int64)
@@ -81,12 +65,10 @@ def read_slice_into(fd: int, path: str, data_offset: int, chunk_sizes: Sequence[
                     offsets: Sequence[int], lengths: Sequence[int], dest: torch.Tensor,
                     mapping: Optional[FileMapping] = None, strides: Optional[Sequence[int]] = None) -> int:
     """Fill ``dest`` (shape ``lengths``) from the slice ``offsets + lengths`` of the stored
-    chunk whose first byte is at ``data_offset`` of the file open as ``fd``.
-
-    ``mapping`` maps the same file (a non-contiguous slice into host memory is copied from
-    it); ``strides``: the chunk's row-major strides, when known.  Returns the file bytes
-    the read spans (``core.chunks.slice_span`` × item size, what ``hp-dcp explain``
-    predicts).  Raises :class:`CorruptCheckpointError` naming ``path`` on a short file.
+    chunk at byte ``data_offset`` of the file open as ``fd``: ``preadv`` straight into a
+    contiguous host destination, a strided copy from ``mapping`` (the same file mapped),
+    else through a buffer.  ``strides``: the chunk's, when known.  Returns the file bytes
+    spanned; raises :class:`CorruptCheckpointError` naming ``path`` on a short file.
     """
     first, span, contiguous = slice_span(chunk_sizes, offsets, lengths)
     if span == 0:
@@ -109,8 +91,7 @@ def read_slice_into(fd: int, path: str, data_offset: int, chunk_sizes: Sequence[
 
 
 class AdjacentReads:
-    """Contiguous reads whose file ranges follow each other, in one ``preadv``: a
-    same-layout load reads its chunks in file order, 2000 small tensors in a few calls."""
+    """Contiguous reads whose file ranges follow each other, in one ``preadv``."""
 
     def __init__(self) -> None:
         self.clear()
@@ -121,8 +102,8 @@ class AdjacentReads:
         self.buffers: list[memoryview] = []
 
     def add(self, fd: int, path: str, start: int, dest: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Queue reading ``dest.nbytes`` bytes of ``fd`` at ``start`` into ``dest``; ``False``
-        (nothing queued) unless ``dest`` is a contiguous CPU tensor of ``dtype``."""
+        """Queue reading ``dest``'s bytes of ``fd`` at ``start``; ``False`` (nothing queued)
+        unless ``dest`` is a contiguous CPU tensor of ``dtype``."""
         if not (dest.is_cpu and dest.dtype is dtype and dest.is_contiguous()):
             return False
         nbytes = dest.nbytes
@@ -160,13 +141,9 @@ def _read_pool() -> ThreadPoolExecutor:
 class DeviceReads:
     """Contiguous reads into accelerator tensors, through one reused page-locked buffer.
 
-    The queued reads fill the buffer back to back (adjacent file ranges joined; a fill
-    over ``READ_SPLIT_BYTES`` split over threads, as ``preadv`` releases the GIL), and its
-    slices go to their destinations in one ``torch._foreach_copy_(non_blocking=True)``,
-    whose completion an event marks; the buffer is refilled only after that event.  A
-    slice larger than the buffer streams through it in parts.  :meth:`wait` returns once
-    every copy has landed.  Measured on an H200 host, 1 GiB from the page cache: 278 ms
-    one by one through fresh pinned buffers, 169 ms here.
+    The reads fill the buffer (over ``READ_SPLIT_BYTES`` on threads), then one
+    non-blocking ``_foreach_copy_`` empties it; the buffer is refilled after its event.
+    :meth:`wait` returns once every copy has landed.
     """
 
     _SPLIT = READ_SPLIT_BYTES
@@ -251,10 +228,8 @@ class DeviceReads:
 
 
 class PendingCopies:
-    """Copies from file mappings (and other host sources) into host tensors, done together
-    by :meth:`flush`: pairs of one plain dtype below ``WIDE_COPY_MIN_BYTES`` in one
-    ``torch._foreach_copy_`` (a Shard(0) -> Shard(1) load of 2000 small tensors copies
-    4000 slices a rank), the rest one by one as 8-byte words where they can be."""
+    """Copies into host tensors, done by :meth:`flush`: small ones of a plain dtype in one
+    ``torch._foreach_copy_``, the rest one by one as 8-byte words where they can be."""
 
     def __init__(self) -> None:
         self.clear()
@@ -264,12 +239,10 @@ class PendingCopies:
         self.dests: list[torch.Tensor] = []
         self.sources: list[torch.Tensor] = []
         self.others: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # mapped slices not viewed yet, by (id of the typed mapping, shape, strides):
-        # (typed mapping, element starts, destinations)
+        # (id of the typed mapping, shape, strides) -> (typed mapping, element starts, destinations)
         self.mapped: dict[tuple[int, tuple[int, ...], tuple[int, ...]],
                           tuple[torch.Tensor, list[int], list[torch.Tensor]]] = {}
-        # runs of regions of one tensor: [tensor, typed mapping, shape, destination strides,
-        # source strides, destination offsets, source starts]
+        # [tensor, typed mapping, shape, dest strides, source strides, dest offsets, source starts]
         self.runs: list[list[Any]] = []
         self._run: Optional[list[Any]] = None
 
@@ -283,16 +256,11 @@ class PendingCopies:
 
     def add_mapped(self, dest: torch.Tensor, typed: torch.Tensor, start: int, lengths: tuple[int, ...],
                    strides: tuple[int, ...], nbytes: int, region: Optional[tuple[int, tuple[int, ...]]] = None) -> None:
-        """Queue copying the slice at element ``start`` of ``typed``, a file mapping's view
-        (shape ``lengths``, ``strides``; as ``FileMapping.slice_at`` gives it) into the host
-        tensor ``dest``, or with ``region = (offset, dest_strides)`` into
-        ``dest.as_strided(lengths, dest_strides, offset)``; no view is made now.
-
-        Slices of one shape are viewed together at :meth:`flush` (the chunks of equally
-        sized tensors lie evenly spaced in a file: one ``as_strided`` + ``unbind``), and
-        consecutive regions of one tensor evenly spaced on both sides (a column slice's
-        row blocks, one from each rank's file in a ``MappingArena``) are one copy: 2000
-        copies a rank instead of 4000 for 2000 small tensors resharded on 2 ranks.
+        """Queue copying the slice at element ``start`` of ``typed`` (a mapping's view, as
+        ``FileMapping.slice_at`` gives it; shape ``lengths``, ``strides``) into ``dest``, or
+        with ``region = (offset, dest_strides)`` into ``dest.as_strided(lengths, dest_strides,
+        offset)``.  Evenly spaced slices are viewed at :meth:`flush` in one call, and evenly
+        spaced regions of one tensor copied as one.
         """
         dtype = typed.dtype
         if dest.dtype is not dtype or dtype not in _PLAIN or nbytes >= WIDE_COPY_MIN_BYTES:
@@ -321,8 +289,7 @@ class PendingCopies:
         group[2].append(dest)
 
     def _view_runs(self) -> None:
-        """One destination view for each stretch of a run evenly spaced on both sides, one
-        for each region left."""
+        """One view per stretch of a run evenly spaced on both sides, one per region left."""
         for tensor, typed, lengths, dest_strides, strides, offsets, starts in self.runs:
             count, i = len(offsets), 0
             while i < count:

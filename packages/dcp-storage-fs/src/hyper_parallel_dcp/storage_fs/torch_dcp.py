@@ -1,13 +1,5 @@
-"""``TorchDCPReader``: loads checkpoints written by ``torch.distributed.checkpoint``.
-
-The pickled ``.metadata`` is translated (safely: ``torch_dcp_format``) into this library's
-:class:`Metadata`, so the standard load planner, resharding and read-once + broadcast work
-unchanged.  Each dense little-endian chunk is read with ``preadv`` from its zip record
-straight into the destination; any other archive, and every object, with
-``torch.load(weights_only=True)``.  torch's stream transforms: ``stream.zstd`` is
-decompressed when the ``zstandard`` module is installed; any other is refused, naming it.
-:func:`storage_reader_for_path` picks this reader or :class:`FileSystemReader` for a directory.
-"""
+"""``TorchDCPReader``: loads checkpoints written by ``torch.distributed.checkpoint``, and
+:func:`storage_reader_for_path`, which picks it or :class:`FileSystemReader` for a directory."""
 
 from __future__ import annotations
 
@@ -42,12 +34,8 @@ _Transforms = dict[MetadataIndex, tuple[str, ...]]
 
 
 def storage_reader_for_path(path: Union[str, os.PathLike], verify: Optional[bool] = None) -> FileSystemReader:
-    """The reader for a local checkpoint directory: :class:`TorchDCPReader` for a torch DCP
-    checkpoint (pickled ``.metadata``), else :class:`FileSystemReader`.
-
-    ``verify`` (``None``: the reader's default) is passed on; a torch DCP checkpoint has no
-    checksums, so ``verify=True`` on one fails when its metadata is read.
-    """
+    """:class:`TorchDCPReader` for a torch DCP checkpoint (pickled ``.metadata``), else
+    :class:`FileSystemReader`; ``verify`` (``None``: the reader's default) is passed on."""
     cls = TorchDCPReader if is_torch_dcp_checkpoint(path) else FileSystemReader
     return cls(path) if verify is None else cls(path, verify=verify)
 
@@ -62,12 +50,12 @@ def _zstd_decompress(blob: bytes, where: str) -> bytes:
 
 
 class TorchDCPReader(FileSystemReader):
-    """A :class:`FileSystemReader` for torch DCP directories (see the module docstring).
+    """A :class:`FileSystemReader` for torch DCP directories, reading item by item.
 
-    Everything above the bytes is inherited; it reads item by item (``read_into`` /
-    ``read_object``).  A row-major chunk gives only the requested slice's bytes, a strided
-    one its span.  ``verify=True`` is refused: torch records no checksums (convert with
-    ``hp-dcp-convert torch-dcp-to-dcp`` to get them).
+    The pickled ``.metadata`` is translated safely (``torch_dcp_format``); a dense chunk is
+    read with ``preadv`` from its zip record, anything else through ``torch.load``
+    (``weights_only``); ``stream.zstd`` is undone with ``zstandard``.  ``verify=True`` is
+    refused (torch records no checksums).
     """
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, verify: bool = False) -> None:
@@ -75,7 +63,7 @@ class TorchDCPReader(FileSystemReader):
         self._transforms: _Transforms = {}
         self._located: dict[MetadataIndex, Optional[StoredTensor]] = {}
         self._fds: dict[str, int] = {}
-        # (stat of .metadata, its translation, its transforms): parsed again only when it changed
+        # (stat of .metadata, its translation, its transforms)
         self._parsed: Optional[tuple[tuple[int, int, int], Metadata, _Transforms]] = None
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
@@ -85,8 +73,7 @@ class TorchDCPReader(FileSystemReader):
         self._parsed = None
 
     def _parse(self) -> tuple[Metadata, _Transforms]:
-        """The translated metadata, parsed again only when ``.metadata`` changed (a
-        converter or a tool loads many small pieces through one reader)."""
+        """The translated metadata, parsed again only when ``.metadata`` changed."""
         try:
             st = os.stat(self._root() / METADATA_FILE)
             key: Optional[tuple[int, int, int]] = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -120,8 +107,7 @@ class TorchDCPReader(FileSystemReader):
         self._is_global = True
         return self.metadata
 
-    # torch's .metadata is a pickle, not our JSON: the coordinator shares the translated
-    # Metadata (the storage interface's default), not the stored bytes.
+    # the coordinator shares the translated Metadata, not the pickle's bytes
     def read_metadata_payload(self) -> Metadata:  # type: ignore[override]
         return self.read_metadata()
 
@@ -168,7 +154,7 @@ class TorchDCPReader(FileSystemReader):
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
         """Fill ``dest`` (shape ``item.lengths``) with the stored slice, casting to its dtype."""
         index = item.storage_index
-        info = self._storage_info(index)
+        info = self.chunks().storage_info(index)
         assert self.metadata is not None
         chunk_sizes = stored_chunk_sizes(self.metadata, index)
         path = str(self._root() / info.relative_path)
@@ -204,7 +190,7 @@ class TorchDCPReader(FileSystemReader):
 
     def read_object(self, item: ReadItem) -> Any:
         index = item.storage_index
-        info = self._storage_info(index)
+        info = self.chunks().storage_info(index)
         blob = self._item_bytes(index, info)
         self.bytes_read += len(blob)
         return deserialize_object(blob, fqn=index.fqn, file=str(self._root() / info.relative_path))

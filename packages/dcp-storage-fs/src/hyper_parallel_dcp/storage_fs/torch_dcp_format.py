@@ -1,15 +1,9 @@
 """The format of ``torch.distributed.checkpoint`` directories (torch 2.4 – 2.13), read safely.
 
-Such a directory holds a pickled ``.metadata`` and ``__{rank}_{n}.distcp`` files in which
-every tensor chunk is one ``torch.save`` archive (an uncompressed zip) and every object
-the ``torch.save`` bytes of it.  :func:`read_torch_dcp_metadata` translates the pickle
-into this library's :class:`Metadata` view; :func:`locate_tensor` finds a chunk's elements
-inside its archive, so the reader can ``preadv`` them straight into their destination.
-
-No code from the checkpoint runs: ``.metadata`` is unpickled with an allow-list (torch
-DCP's metadata classes, ``torch.Size``, dtypes, layouts, plain containers) whose classes
-are replaced by inert records; anything else is refused with :class:`UnsafeObjectError`
-naming the class.  A chunk's ``data.pkl`` goes through a second, smaller allow-list.
+:func:`read_torch_dcp_metadata` translates the pickled ``.metadata`` into this library's
+``Metadata``; :func:`locate_tensor` finds a chunk's elements inside its ``torch.save``
+archive.  No code from the checkpoint runs: both pickles go through allow-lists of inert
+records, anything else is refused (:class:`UnsafeObjectError` naming the class).
 """
 
 from __future__ import annotations
@@ -27,17 +21,9 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from hyper_parallel_dcp.core import metadata as schema
 from hyper_parallel_dcp.core.chunks import row_major_strides
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeObjectError
-from hyper_parallel_dcp.core.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageInfo,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from .layout import METADATA_FILE
 
@@ -46,17 +32,10 @@ __all__ = ["StoredTensor", "extent", "is_row_major", "is_torch_dcp_checkpoint", 
 
 _DCP = "torch.distributed.checkpoint"
 #: torch DCP classes a ``.metadata`` pickle may name (module, class) → inert record.
-_RECORD_CLASSES = {
-    (f"{_DCP}.metadata", "Metadata"),
-    (f"{_DCP}.metadata", "TensorStorageMetadata"),
-    (f"{_DCP}.metadata", "BytesStorageMetadata"),
-    (f"{_DCP}.metadata", "ChunkStorageMetadata"),
-    (f"{_DCP}.metadata", "TensorProperties"),
-    (f"{_DCP}.metadata", "MetadataIndex"),
-    (f"{_DCP}.metadata", "StorageMeta"),
-    (f"{_DCP}.filesystem", "_StorageInfo"),
-    (f"{_DCP}._fsspec_filesystem", "_StorageInfo"),
-}
+_RECORD_CLASSES = {(f"{_DCP}.metadata", name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta")}
+_RECORD_CLASSES |= {(f"{_DCP}.{module}", "_StorageInfo") for module in ("filesystem", "_fsspec_filesystem")}
 _PATH_CLASSES = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}
 
 
@@ -65,10 +44,8 @@ class _Record:
 
     kind = ""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Record:
-        obj = object.__new__(cls)
-        obj.__dict__["_args"] = args
-        return obj
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Record:  # takes the pickled arguments, runs nothing
+        return object.__new__(cls)
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) and (
@@ -82,9 +59,7 @@ class _Record:
             self.__dict__["_state"] = state
 
 
-_RECORDS: dict[tuple[str, str], type] = {
-    key: type(key[1], (_Record,), {"kind": key[1]}) for key in _RECORD_CLASSES
-}
+_RECORDS: dict[tuple[str, str], type] = {key: type(key[1], (_Record,), {"kind": key[1]}) for key in _RECORD_CLASSES}
 
 
 def _layout_from_name(name: str) -> Any:
@@ -144,24 +119,21 @@ def _kind(obj: Any) -> str:
 
 
 def _dtype_of(props: Any, where: str) -> torch.dtype:
-    if isinstance(props, _Record):
-        state = props.__dict__.get("_state")
-        dtype = state[0] if isinstance(state, tuple) and state else props.__dict__.get("dtype")
-    else:
-        dtype = None
+    fields = props.__dict__ if isinstance(props, _Record) else {}
+    state = fields.get("_state")
+    dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
     if not isinstance(dtype, torch.dtype):
         raise CheckpointFormatError(f"{where}: tensor properties without a dtype ({dtype!r})")
     return dtype
 
 
-def read_torch_dcp_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, dict[MetadataIndex, tuple[str, ...]]]:
-    """Parse the pickled ``.metadata`` of a torch DCP checkpoint into this library's view.
+def read_torch_dcp_metadata(path: Union[str, os.PathLike]
+                            ) -> tuple[schema.Metadata, dict[schema.MetadataIndex, tuple[str, ...]]]:
+    """Parse the pickled ``.metadata`` of a torch DCP checkpoint: ``(metadata, transforms)``,
+    ``transforms`` the stream-transform descriptors of the items that have any.
 
-    Returns ``(metadata, transforms)``: ``metadata.storage_data`` gives each item's file and
-    byte range (no checksums: torch records none), ``transforms`` the stream-transform
-    descriptors of the items that have any.  Raises :class:`CheckpointNotFoundError` when
-    the file is missing, :class:`UnsafeObjectError` naming a class outside the allow-list
-    (nothing is executed), :class:`CheckpointFormatError` for anything else unexpected.
+    Raises :class:`CheckpointNotFoundError` when the file is missing, :class:`UnsafeObjectError`
+    naming a class outside the allow-list, :class:`CheckpointFormatError` for anything else.
     """
     file = Path(path) / METADATA_FILE
     try:
@@ -187,7 +159,7 @@ def read_torch_dcp_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, di
         where = f"{source}: {fqn!r}"
         kind = _kind(entry)
         if kind == "BytesStorageMetadata":
-            sd[fqn] = BytesStorageMetadata()
+            sd[fqn] = schema.BytesStorageMetadata()
         elif kind == "TensorStorageMetadata":
             e = entry.__dict__
             size = _ints(e.get("size"), f"{where} size")
@@ -199,28 +171,28 @@ def read_torch_dcp_metadata(path: Union[str, os.PathLike]) -> tuple[Metadata, di
                         o + s > d for o, s, d in zip(offsets, sizes, size)):
                     raise CheckpointFormatError(f"{where}: chunk offsets={list(offsets)} sizes={list(sizes)} "
                                                 f"does not fit the global size {list(size)}")
-                chunks.append(ChunkStorageMetadata(offsets, sizes))
+                chunks.append(schema.ChunkStorageMetadata(offsets, sizes))
             chunks.sort(key=lambda c: c.offsets)
-            sd[fqn] = TensorStorageMetadata(TensorProperties(_dtype_of(e.get("properties"), where)),
-                                            torch.Size(size), chunks)
+            sd[fqn] = schema.TensorStorageMetadata(schema.TensorProperties(_dtype_of(e.get("properties"), where)),
+                                                   torch.Size(size), chunks)
         else:
             raise CheckpointFormatError(f"{where}: unknown item type {kind}")
-    storage: dict[MetadataIndex, StorageInfo] = {}
-    transforms: dict[MetadataIndex, tuple[str, ...]] = {}
+    storage: dict[schema.MetadataIndex, schema.StorageInfo] = {}
+    transforms: dict[schema.MetadataIndex, tuple[str, ...]] = {}
     for index, info in (state.get("storage_data") or {}).items():
         i, s = index.__dict__, info.__dict__
         fqn = i.get("fqn")
         offset = i.get("offset")
-        key = MetadataIndex(str(fqn), None if offset is None else _ints(offset, f"{source}: {fqn!r} offsets"))
+        key = schema.MetadataIndex(str(fqn), None if offset is None else _ints(offset, f"{source}: {fqn!r} offsets"))
         name = s.get("relative_path")
         if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
             raise CheckpointFormatError(f"{source}: invalid file name {name!r} for {fqn!r}")
         start, length = _ints([s.get("offset"), s.get("length")], f"{source}: byte range of {fqn!r}")
-        storage[key] = StorageInfo(name, start, length)
+        storage[key] = schema.StorageInfo(name, start, length)
         descriptors = s.get("transform_descriptors")
         if descriptors:
             transforms[key] = tuple(str(d) for d in descriptors)
-    return Metadata(state_dict_metadata=sd, storage_data=storage), transforms
+    return schema.Metadata(state_dict_metadata=sd, storage_data=storage), transforms
 
 
 def is_torch_dcp_checkpoint(path: Union[str, os.PathLike]) -> bool:
@@ -287,8 +259,7 @@ def _rebuild(storage: Any, storage_offset: int, size: Any, stride: Any, *_rest: 
 
 
 class _TensorPickleUnpickler(pickle.Unpickler):
-    """Reads a chunk archive's ``data.pkl`` as plain description; refuses anything but a
-    plain dense tensor (the caller then falls back to ``torch.load(weights_only=True)``)."""
+    """Reads a chunk archive's ``data.pkl`` as plain description of a dense tensor, or refuses."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):

@@ -1,30 +1,11 @@
-"""Every internal size and threshold of the filesystem backend, in one place.
-
-Users tune ``core.settings`` (``HP_DCP_FILES_KEPT``, ``HP_DCP_ALIGNED_WRITES``); these are
-the constants behind them, each with its unit.  The measurements that set them are in
-``docs/perf/storage.md``.
-"""
+"""Every internal size and threshold of the filesystem backend, each with its unit (users
+tune ``core.settings``; the measurements are in ``docs/perf/storage.md``)."""
 
 from __future__ import annotations
 
-__all__ = [
-    "AHEAD_MAX_BYTES",
-    "ARENA_MAX_BYTES",
-    "BATCH_BYTES",
-    "BATCH_ITEMS",
-    "BLOCK_SHIFT",
-    "BOUNCE_MIN_BYTES",
-    "FOLIO_ALIGN",
-    "IOV_MAX_BUFFERS",
-    "LARGE_FOLIO",
-    "PINNED_BUFFER_BYTES",
-    "PREADV_MAX_BYTES",
-    "READ_SPLIT_BYTES",
-    "READ_THREADS",
-    "SMALL_FOLIO",
-    "VERIFY_BLOCK_BYTES",
-    "WIDE_COPY_MIN_BYTES",
-]
+__all__ = ["AHEAD_MAX_BYTES", "ARENA_MAX_BYTES", "BATCH_BYTES", "BATCH_ITEMS", "BLOCK_SHIFT", "BOUNCE_MIN_BYTES",
+           "FOLIO_ALIGN", "IOV_MAX_BUFFERS", "LARGE_FOLIO", "PINNED_BUFFER_BYTES", "PREADV_MAX_BYTES",
+           "READ_SPLIT_BYTES", "READ_THREADS", "SMALL_FOLIO", "VERIFY_BLOCK_BYTES", "WIDE_COPY_MIN_BYTES"]
 
 #: bytes per ``preadv`` call (Linux caps one call near 2 GiB)
 PREADV_MAX_BYTES = 1 << 30

@@ -1,12 +1,4 @@
-"""``FileSystemWriter``: one safetensors file and one objects file per writing rank.
-
-A save with a global view (collectives on, or one process) is atomic: each rank writes
-into a staging directory beside the target, and the coordinator writes ``.metadata``
-there last and swaps the directory into place (``commit``).  A multi-rank save with
-``use_collectives=False`` writes in place, ``{rank}.metadata`` each.  Each rank's files
-are fsynced and renamed on a thread while the chunks are hashed and the metadata is
-exchanged (:meth:`FileSystemWriter.sync_written` waits for them).
-"""
+"""``FileSystemWriter``: one safetensors file and one objects file per writing rank."""
 
 from __future__ import annotations
 
@@ -23,14 +15,7 @@ from hyper_parallel_dcp.core.storage import StorageWriter, WriteResult
 from . import posix
 from .atomic import PendingFile, fsync_dir, write_file_atomic, write_file_pending
 from .commit import SaveLock, commit_directory, remove_stale_staging
-from .layout import (
-    METADATA_FILE,
-    RANK_METADATA,
-    objects_file_name,
-    rank_metadata_file,
-    staging_dir,
-    tensors_file_name,
-)
+from .layout import METADATA_FILE, RANK_METADATA, objects_file_name, rank_metadata_file, staging_dir, tensors_file_name
 from .rank_files import with_stored_as, write_rank_files
 
 __all__ = ["FileSystemWriter"]
@@ -39,11 +24,11 @@ __all__ = ["FileSystemWriter"]
 class FileSystemWriter(StorageWriter):
     """Writes a checkpoint directory on a (local or shared) filesystem.
 
-    A save with a global view (collectives on, or a single process) is atomic: data goes
-    to a staging directory beside the target and is swapped in when ``.metadata`` is
-    written; an older checkpoint at the target stays loadable until then.  A multi-rank
-    save with ``use_collectives=False`` writes in place (``{rank}.metadata`` each).
-    ``sync_files`` fsyncs every file (turn off only for throwaway checkpoints).
+    A save with a global view (collectives on, or one process) is atomic: data goes to a
+    staging directory beside the target, swapped in once ``.metadata`` is written there.
+    A multi-rank save with ``use_collectives=False`` writes in place, ``{rank}.metadata``
+    each.  Each rank's files are fsynced on a thread (:meth:`sync_written` waits);
+    ``sync_files=False`` skips the fsyncs (throwaway checkpoints only).
     """
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, sync_files: bool = True) -> None:
@@ -59,7 +44,6 @@ class FileSystemWriter(StorageWriter):
         # (metadata, its JSON, the .metadata written but not committed) from prepare_finalize
         self._prepared: Optional[tuple[Metadata, bytes, Optional[PendingFile]]] = None
 
-    # -- set-up ----------------------------------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
@@ -82,11 +66,8 @@ class FileSystemWriter(StorageWriter):
         self._release_lock()
 
     def _ensure_lock(self) -> None:
-        """Take the save lock (coordinator of an atomic save), once per save.
-
-        Called inside the pipeline's failure-propagating steps, so a refused concurrent
-        save is raised on every rank rather than leaving the others waiting.
-        """
+        """Take the save lock (coordinator of an atomic save), once per save; called inside
+        the pipeline's failure-propagating steps, so a refusal is raised on every rank."""
         if not (self.atomic and self.is_coordinator) or self._lock is not None:
             return
         lock = SaveLock(self._target())
@@ -111,7 +92,6 @@ class FileSystemWriter(StorageWriter):
             raise RuntimeError("FileSystemWriter: the plan carries no save_id")
         return staging_dir(target, self._save_id)
 
-    # -- writing ---------------------------------------------------------------------
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         self._save_id = plan.save_id or "local"
         self._ensure_lock()  # a cached plan skips prepare_local_plan
@@ -119,9 +99,7 @@ class FileSystemWriter(StorageWriter):
         out_dir.mkdir(parents=True, exist_ok=True)
         if not self.atomic:
             stale_files = [out_dir / METADATA_FILE, out_dir / rank_metadata_file(self.rank)]
-            if self.rank == 0:
-                # Per-rank metadata of ranks this save does not have (an earlier save on
-                # more ranks) would be merged into this checkpoint by a loader.
+            if self.rank == 0:  # an earlier save on more ranks left {rank}.metadata a load would merge
                 for entry in os.scandir(out_dir):
                     match = RANK_METADATA.match(entry.name)
                     if match and int(match.group(1)) >= self.world_size:
@@ -131,9 +109,8 @@ class FileSystemWriter(StorageWriter):
                     stale.unlink()  # the directory no longer holds that checkpoint
                 except FileNotFoundError:
                     pass
-        # The page cache of the files this save replaces is freed first, to be the memory it
-        # writes into (2 x 505 MiB next to their cached predecessors: 1.3-4.1 s, dropped
-        # first 0.3-0.8 s).  Only the cache: the old files stay whole until the swap.
+        # the page cache of the files this save replaces is freed to write into (the files
+        # stay whole until the swap; docs/perf/storage.md)
         for name in (tensors_file_name(self.rank), objects_file_name(self.rank)):
             posix.drop_cache(self._target() / name)
         pending: list[PendingFile] = []
@@ -145,10 +122,7 @@ class FileSystemWriter(StorageWriter):
 
         started: list[_BackgroundSync] = []
 
-        def start_sync() -> None:
-            # The fsyncs run while the chunks are hashed, the results travel to the
-            # coordinator and it builds the metadata; sync_written() waits for them before
-            # this rank confirms.
+        def start_sync() -> None:  # the fsyncs overlap the hashing and the metadata exchange
             started.append(_BackgroundSync(pending))
             self._syncing = started[0]
 
@@ -166,15 +140,13 @@ class FileSystemWriter(StorageWriter):
         return results
 
     def sync_written(self) -> None:
-        """Wait until the files of ``execute_write`` are fsynced and in place; raises the
-        first ``OSError`` of that, naming the file."""
+        """Wait until ``execute_write``'s files are in place; raises the first ``OSError``, naming the file."""
         syncing, self._syncing = self._syncing, None
         if syncing is not None:
             syncing.wait()
 
     def prepare_finalize(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Serialise the metadata; in a staging directory (invisible until the commit) also
-        write it there, not yet fsynced nor renamed."""
+        """Serialise the metadata; in a staging directory also write it, not yet in place."""
         self._discard_prepared()
         text = metadata_to_json(with_stored_as(metadata)).encode()
         written = None
