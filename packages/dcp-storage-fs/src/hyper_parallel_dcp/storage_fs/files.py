@@ -3,17 +3,49 @@
 :class:`CheckpointFiles` lists, sizes, reads and deletes them (what the integrity checks,
 the tools and retention need); :class:`LocalFiles` is the directory; object stores
 register theirs with their backend (:func:`as_checkpoint_files` finds it).
+:class:`RangeReader` is a seekable reader over a byte range, read by a given function.
 """
 
 from __future__ import annotations
 
 import abc
+import io
 import os
 import shutil
 from pathlib import Path
-from typing import BinaryIO, Optional, Union
+from typing import Any, BinaryIO, Callable, Optional, Union
 
-__all__ = ["CheckpointFiles", "LocalFiles", "Location", "as_checkpoint_files"]
+__all__ = ["CheckpointFiles", "LocalFiles", "Location", "RangeReader", "as_checkpoint_files"]
+
+
+class RangeReader(io.RawIOBase):
+    """A read-only, seekable file of ``length`` bytes; ``read_at(position, view)`` fills as
+    much of the memoryview as it can from that position and returns how many bytes it read."""
+
+    def __init__(self, length: int, read_at: Callable[[int, memoryview], int]) -> None:
+        self.length, self.read_at, self.pos = length, read_at, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.length - self.pos))
+        if n:
+            n = self.read_at(self.pos, view[:n])
+            self.pos += n
+        return n
 
 
 class CheckpointFiles(abc.ABC):

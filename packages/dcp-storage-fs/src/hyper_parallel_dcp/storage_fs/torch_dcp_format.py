@@ -25,6 +25,7 @@ from hyper_parallel_dcp.core import metadata as schema
 from hyper_parallel_dcp.core.chunks import row_major_strides
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeObjectError
 
+from .files import RangeReader
 from .layout import METADATA_FILE
 
 __all__ = ["StoredTensor", "extent", "is_row_major", "is_torch_dcp_checkpoint", "locate_tensor",
@@ -204,36 +205,6 @@ def is_torch_dcp_checkpoint(path: Union[str, os.PathLike]) -> bool:
         return False
 
 
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``[start, start + length)`` of an open file."""
-
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        if n == 0:
-            return 0
-        data = os.pread(self.fd, n, self.start + self.pos)
-        b[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
 @dataclass(frozen=True)
 class StoredTensor:
     """Where a chunk's elements are: file offset of storage element 0, dtype, size, stride."""
@@ -281,7 +252,7 @@ def locate_tensor(fd: int, start: int, length: int) -> Optional[StoredTensor]:
     """Parse one ``torch.save`` archive in place; ``None`` when it is not a plain dense
     little-endian tensor in a stored (uncompressed) record."""
     try:
-        zf = zipfile.ZipFile(_Window(fd, start, length))
+        zf = zipfile.ZipFile(RangeReader(length, lambda pos, view: os.preadv(fd, [view], start + pos)))
     except zipfile.BadZipFile:
         return None
     names = zf.namelist()

@@ -9,43 +9,14 @@ deletes ``.metadata`` first so a half-deleted checkpoint never looks complete).
 from __future__ import annotations
 
 import io
-from typing import Any, BinaryIO, Optional
+from typing import BinaryIO, Optional
 
-from hyper_parallel_dcp.storage_fs.files import CheckpointFiles
+from hyper_parallel_dcp.storage_fs.files import CheckpointFiles, RangeReader
 from hyper_parallel_dcp.storage_fs.layout import METADATA_FILE
 
 from .client import ObjectStore, ObjectStoreSettings, parse_url
 
 __all__ = ["ObjectFiles"]
-
-
-class _RangeReader(io.RawIOBase):
-    """A seekable reader of one object, each read a ranged GET."""
-
-    def __init__(self, store: ObjectStore, key: str, size: int) -> None:
-        self.store, self.key, self.length, self.pos = store, key, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(len(view), self.length - self.pos))
-        if n:
-            self.store.get_range_into(self.key, self.pos, view[:n])
-            self.pos += n
-        return n
 
 
 class ObjectFiles(CheckpointFiles):
@@ -88,7 +59,13 @@ class ObjectFiles(CheckpointFiles):
         size = self.size(name)
         if size is None:
             raise FileNotFoundError(f"{self.where(name)} does not exist")
-        return io.BufferedReader(_RangeReader(self.store, self.key(name), size), buffer_size=1 << 20)  # type: ignore[return-value]
+        key = self.key(name)
+
+        def ranged_get(position: int, view: memoryview) -> int:
+            self.store.get_range_into(key, position, view)
+            return len(view)
+
+        return io.BufferedReader(RangeReader(size, ranged_get), buffer_size=1 << 20)  # type: ignore[return-value]
 
     def read(self, name: str) -> bytes:
         return self.store.get(self.key(name))
