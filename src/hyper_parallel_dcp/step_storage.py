@@ -1,26 +1,16 @@
 """Every storage operation of :class:`CheckpointManager`, ``hp-dcp ls`` and ``hp-dcp clean``.
 
-A manager root holds one checkpoint per saved step, ``root/step_N`` (``N`` written as
-``str(N)``: ``step_007`` is not a step), beside whatever else the user keeps there.
-:class:`FileSystemSteps` is the ``core.steps.StepStorage`` of a filesystem root: which
-steps exist and are complete (``.metadata`` present), their size, age and stored info,
-crash-safe removal, and what dead saves left.  An object store's package registers its
-own class (:func:`step_storage_for` picks one by URL scheme).
-
-What a killed save leaves on a filesystem:
-
-- ``.step_N.hp-dcp-staging-<id>/`` beside the step: the data written so far;
-- ``.step_N.hp-dcp-old-<id>/``: a replaced (or retired) checkpoint whose removal was cut;
-- ``.step_N.hp-dcp-lock``: the save lock file (its ``flock`` died with the process);
-- ``step_N/`` without ``.metadata``, holding ``LOCAL_PLAN_r.pkl``, ``STORAGE_DATA_r.pkl``,
-  ``.hp-dcp-mailbox-*`` files of an ``async_save`` and the manager's ``hp-dcp-step.json``;
-- ``*.hp-dcp-tmp`` files inside either.
-
-A running save holds the ``flock`` of ``.step_N.hp-dcp-lock`` (its coordinator, from
-planning to commit); nothing of a step whose lock is held is touched.  The moments a live
-save has files but no lock (other ranks' mailbox files before the coordinator locks, the
-acknowledgements after the commit) are covered by ``grace``: entries modified in the
-last ``grace`` seconds are left alone.
+A manager root holds ``root/step_N`` per saved step (``N`` as ``str(N)``: ``step_007`` is not
+a step) beside whatever else the user keeps there.  :class:`FileSystemSteps` is the
+``core.steps.StepStorage`` of a filesystem root; an object store's package registers its own
+(:func:`step_storage_for` picks one by URL scheme).  What a killed save leaves:
+``.step_N.hp-dcp-staging-<id>/`` (the data written so far), ``.step_N.hp-dcp-old-<id>/`` (a
+replaced checkpoint whose removal was cut), ``.step_N.hp-dcp-lock`` (the save lock file),
+``step_N/`` without ``.metadata`` (plan/mailbox files, ``hp-dcp-step.json``) and
+``*.hp-dcp-tmp`` files.  A running save holds the ``flock`` of its lock file (its
+coordinator, from planning to commit), and nothing of such a step is touched; the moments a
+live save has files but no lock are covered by ``grace`` (entries modified in the last
+``grace`` seconds are left alone).
 """
 
 from __future__ import annotations
@@ -33,13 +23,14 @@ import os
 import re
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 from hyper_parallel_dcp.core.backends import backend_for, url_scheme
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
 from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, StepStorage, parse_step_name, step_name
+from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.backend import local_path
 from hyper_parallel_dcp.storage_fs.commit import SaveLock
 
@@ -62,10 +53,8 @@ def _tree_bytes(path: str) -> int:
     total = 0
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
-            try:
+            with suppress(FileNotFoundError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                pass
     return total
 
 
@@ -75,10 +64,8 @@ def _newest_mtime(path: str) -> float:
         newest = os.lstat(path).st_mtime
         if os.path.isdir(path) and not os.path.islink(path):
             for entry in os.scandir(path):
-                try:
+                with suppress(FileNotFoundError):
                     newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
-                except FileNotFoundError:
-                    pass
     except FileNotFoundError:
         return 0.0
     return newest
@@ -100,8 +87,7 @@ def _lock_free(path: Path) -> bool:
 
 
 def _move_away(path: Union[str, Path], trash: Path) -> bool:
-    """Rename ``path`` to the hidden ``trash`` in one step, so it is never seen half deleted
-    (a crash while ``trash`` is deleted leaves a leftover); False when ``path`` is gone."""
+    """Rename ``path`` to the hidden ``trash``, so it is never seen half deleted; False when it is gone."""
     try:
         os.rename(path, trash)
         return True
@@ -110,11 +96,8 @@ def _move_away(path: Union[str, Path], trash: Path) -> bool:
 
 
 class FileSystemSteps:
-    """The step directories under a filesystem ``root`` (see the module docstring).
-
-    Never touches an entry of ``root`` that is not ``step_N`` or one of the hidden
-    ``.step_N.hp-dcp-*`` names the save machinery creates.
-    """
+    """The step directories under a filesystem ``root``; never touches an entry of ``root`` that
+    is not ``step_N`` or one of the hidden ``.step_N.hp-dcp-*`` names the save machinery creates."""
 
     def __init__(self, root: Union[str, os.PathLike]):
         self.root = Path(root)
@@ -160,10 +143,8 @@ class FileSystemSteps:
     def saved_at(self, step: int) -> Optional[float]:
         """When the step was committed (``.metadata``'s mtime), else the directory's mtime."""
         for p in (os.path.join(self.location(step), _METADATA), self.location(step)):
-            try:
+            with suppress(FileNotFoundError):
                 return os.stat(p).st_mtime
-            except FileNotFoundError:
-                continue
         return None
 
     def read_info(self, step: int) -> Optional[dict[str, Any]]:
@@ -179,9 +160,8 @@ class FileSystemSteps:
         it into the new checkpoint); creates ``root`` and the step directory as needed."""
         directory = Path(self.location(step))
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f"{INFO_FILE}.{os.getpid()}.hp-dcp-tmp"
-        tmp.write_text(json.dumps(info, sort_keys=True))
-        os.replace(tmp, directory / INFO_FILE)
+        text = json.dumps(info, sort_keys=True).encode()
+        write_file_atomic(directory / INFO_FILE, lambda f: f.write(text), sync=False, unique_temp=True)
 
     def remove_step(self, step: int) -> bool:
         """Delete ``step`` crash-safely (renamed to a hidden ``.step_N.hp-dcp-old-*`` name
@@ -220,11 +200,9 @@ class FileSystemSteps:
                 yield
                 return
             fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
+            with suppress(FileNotFoundError):
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
                     break
-            except FileNotFoundError:
-                pass
             os.close(fd)  # a remover unlinked it meanwhile: lock the new file
         try:
             if not self.is_complete(step):
@@ -257,10 +235,8 @@ class FileSystemSteps:
                     raise
                 yield False
                 return
-            try:
+            with suppress(FileNotFoundError):
                 os.unlink(path)  # while locked: a reader that opened it re-opens the new file
-            except FileNotFoundError:
-                pass
             yield True
         finally:
             os.close(fd)
@@ -350,10 +326,8 @@ class FileSystemSteps:
                 return True  # release() below unlinks the lock file
             if item.kind == "mailbox":
                 for p in item.paths:
-                    try:
+                    with suppress(FileNotFoundError):
                         os.unlink(p)
-                    except FileNotFoundError:
-                        pass
                 return True
             if item.kind == "incomplete":
                 if os.path.exists(os.path.join(item.location, _METADATA)):
