@@ -30,17 +30,9 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
     and ``stat`` only, never tensor data; never raises for a bad checkpoint.
     """
     report = check_complete(path)
-    doc: dict[str, Any] = {
-        "complete": report.complete,
-        "format": report.format,
-        "format_version": report.format_version,
-        "tensors": {},
-        "objects": [],
-        "path": str(path),
-        "problems": list(report.problems),
-        "files": {},
-        "ranks": [],
-    }
+    doc: dict[str, Any] = {"complete": report.complete, "format": report.format,
+                           "format_version": report.format_version, "tensors": {}, "objects": [], "path": str(path),
+                           "problems": list(report.problems), "files": {}, "ranks": []}
     md = report.metadata
     if md is None:
         return doc
@@ -53,12 +45,9 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
                 doc.setdefault("rank_local_objects", {})[fqn] = sorted(md.rank_objects[fqn])
             continue
         itemsize = entry.properties.dtype.itemsize
-        tensor: dict[str, Any] = {
-            "shape": list(entry.size),
-            "dtype": dtype_name(entry.properties.dtype),
-            "chunks": len(entry.chunks),
-            "bytes": sum(math.prod(c.sizes) for c in entry.chunks) * itemsize,
-        }
+        tensor: dict[str, Any] = {"shape": list(entry.size), "dtype": dtype_name(entry.properties.dtype),
+                                  "chunks": len(entry.chunks),
+                                  "bytes": sum(math.prod(c.sizes) for c in entry.chunks) * itemsize}
         if with_chunks:
             infos = [(c, storage.get(MetadataIndex(fqn, c.offsets))) for c in entry.chunks]
             tensor["chunk_list"] = [{"offsets": list(c.offsets), "sizes": list(c.sizes),
@@ -97,23 +86,17 @@ def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
     print(f"files           {len(doc['files'])} ({format_bytes(total_files)})")
     if tensors:
         print()
-        print_table(
-            ["FQN", "shape", "dtype", "chunks", "bytes"],
-            [[fqn, "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["chunks"], t["bytes"]]
-             for fqn, t in tensors.items()],
-            right=(3, 4),
-        )
+        print_table(["FQN", "shape", "dtype", "chunks", "bytes"],
+                    [[fqn, "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["chunks"], t["bytes"]]
+                     for fqn, t in tensors.items()], right=(3, 4))
         if with_chunks:
             for fqn, t in tensors.items():
                 print(f"\n{fqn}")
-                print_table(
-                    ["offsets", "sizes", "file", "byte offset", "xxh3"],
-                    [[c["offsets"], c["sizes"], c["file"], c["byte_offset"], c["checksum"]] for c in t["chunk_list"]],
-                    right=(3,),
-                )
+                print_table(["offsets", "sizes", "file", "byte offset", "xxh3"],
+                            [[c["offsets"], c["sizes"], c["file"], c["byte_offset"], c["checksum"]]
+                             for c in t["chunk_list"]], right=(3,))
     if doc["objects"]:
-        print()
-        print(f"objects ({len(doc['objects'])}):")
+        print(f"\nobjects ({len(doc['objects'])}):")
         for fqn in doc["objects"]:
             print(f"  {fqn}")
     if doc["ranks"]:

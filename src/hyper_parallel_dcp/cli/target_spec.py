@@ -125,11 +125,7 @@ class TargetSpec:
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """Row-major mesh coordinate of ``rank`` (the order ``init_device_mesh`` uses)."""
-        coord = []
-        for size in reversed(self.mesh_shape):
-            coord.append(rank % size)
-            rank //= size
-        return tuple(reversed(coord))
+        return tuple(rank // math.prod(self.mesh_shape[i + 1:]) % size for i, size in enumerate(self.mesh_shape))
 
     def rule_for(self, fqn: str) -> Optional[PlacementRule]:
         return next((rule for rule in self.rules if fnmatch.fnmatchcase(fqn, rule.pattern)), None)
@@ -276,18 +272,15 @@ def load_target_spec(path: str | Path) -> TargetSpec:
         text = p.read_text()
     except OSError as exc:
         raise UsageError(f"cannot read target spec {p}: {exc.strerror or exc}") from None
-    if p.suffix.lower() not in (".yaml", ".yml"):
+    kind, loads, syntax_error = "JSON", json.loads, ValueError
+    if p.suffix.lower() in (".yaml", ".yml"):
         try:
-            doc = json.loads(text)
-        except ValueError as exc:
-            raise UsageError(f"{p} is not valid JSON: {exc}") from None
-        return parse_target_spec(doc, source=str(p))
+            import yaml
+        except ImportError:
+            raise UsageError(f"{p}: reading YAML needs PyYAML (pip install pyyaml); or write the spec as JSON") from None
+        kind, loads, syntax_error = "YAML", yaml.safe_load, yaml.YAMLError
     try:
-        import yaml
-    except ImportError:
-        raise UsageError(f"{p}: reading YAML needs PyYAML (pip install pyyaml); or write the spec as JSON") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"{p} is not valid YAML: {exc}") from None
+        doc = loads(text)
+    except syntax_error as exc:
+        raise UsageError(f"{p} is not valid {kind}: {exc}") from None
     return parse_target_spec(doc, source=str(p))
