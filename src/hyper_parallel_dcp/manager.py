@@ -44,9 +44,6 @@ __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
 
-_MODES = ("min", "max")
-
-
 def _positive_or_none(name: str, value: Any) -> Optional[int]:
     if value is None:
         return None
@@ -79,17 +76,14 @@ def _check_metrics(metrics: Any) -> dict[str, Any]:
     return out
 
 
-def _stored_metrics(info: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+def _stored_metrics(info: Optional[dict[str, Any]]) -> Optional[dict[Any, Any]]:
     metrics = info.get("metrics") if info else None
     return metrics if isinstance(metrics, dict) else None
 
 
 def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
-    """``None`` for a load that worked, else (whether the step is damaged, what failed).
-
-    Damage is what ``hp-dcp verify`` finds: a checksum or header that does not match, metadata
-    that does not parse, a file missing, short or unreadable; a missing key is not.
-    """
+    """``None`` for a load that worked, else (whether the step is damaged, what failed); damage is
+    what ``hp-dcp verify`` finds (a checksum, a header, metadata, a file), a missing key is not."""
     if error is None:
         return None
     damaged = isinstance(error, (CorruptCheckpointError, CheckpointFormatError, OSError)) and not isinstance(
@@ -136,7 +130,7 @@ class CheckpointManager:
             raise ValueError("save_interval_steps must be an integer >= 1, got None")
         self.save_interval_steps = interval
         self.keep_best = _positive_or_none("keep_best", keep_best)
-        if best_mode not in _MODES:
+        if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
         if self.keep_best is not None and not (isinstance(best_metric, str) and best_metric):
             raise ValueError("keep_best needs best_metric, the name of a metric passed to save(metrics=...)")

@@ -1,9 +1,8 @@
 """Which complete checkpoints a :class:`CheckpointManager` keeps: a pure function of step numbers.
 
-Kept: the newest ``keep_last`` complete steps (all with ``None``), every multiple of
-``keep_every``, the best ``keep_best`` by a metric, the newest complete step whatever the
-settings, and every ``protected`` step (being written or read).  Everything else that is
-complete is deleted.  The union is deliberate: a step kept for any reason stays.
+Kept, the union of: the newest ``keep_last`` complete steps (all with ``None``), every multiple
+of ``keep_every``, the best ``keep_best`` by a metric, the newest complete step and every
+``protected`` step (being written or read).  Everything else that is complete is deleted.
 """
 
 from __future__ import annotations

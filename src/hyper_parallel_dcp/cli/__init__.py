@@ -1,11 +1,9 @@
 """``hp-dcp``: inspect, verify, explain, diff, find, list and clean checkpoints; convert to/from Hugging Face.
 
-Exit codes: 0 nothing wrong, 1 a problem was found (incomplete or corrupt checkpoint, a
-load that would fail, checkpoints that differ, no complete checkpoint), 2 usage error.
-Human-readable output by default; ``--json`` prints one JSON object on stdout.  Progress
-bars go to stderr, and only when it is a terminal.  The commands are one table,
-:data:`COMMANDS`; importing this module imports nothing heavy, each command's module is
-imported when it runs.  Exports :func:`build_parser` and :func:`main`.
+Exit codes: 0 nothing wrong, 1 a problem found, 2 usage error.  ``--json`` prints one JSON
+object on stdout; progress bars go to a terminal's stderr only.  The commands are one table,
+:data:`COMMANDS`, each command's module imported when it runs.  Exports :func:`build_parser`
+and :func:`main`.
 """
 
 from __future__ import annotations
@@ -155,9 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert(argv: Sequence[str]) -> int:
-    """``hp-dcp convert``: ``argv`` verbatim (its ``--help`` included) to
-    ``offline_transform.cli.main``, whose exit code is ours; 2 with an install hint when
-    the conversion package is missing."""
+    """``hp-dcp convert``: ``argv`` verbatim to ``offline_transform.cli.main``, whose exit code is
+    ours; 2 with an install hint when the conversion package is missing."""
     try:
         from hyper_parallel_dcp.offline_transform.cli import main as convert_main
     except ImportError:
@@ -171,11 +168,8 @@ def _convert(argv: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``hp-dcp`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
-
-    A checkpoint error or ``OSError`` of a command is printed and exits 1; a
-    :class:`UsageError` exits 2.
-    """
+    """Run ``hp-dcp`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code (a checkpoint
+    error or ``OSError`` of a command is printed and exits 1; a :class:`UsageError` exits 2)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "convert":
         return _convert(args_list[1:])

@@ -1,9 +1,8 @@
 """The ``hp-dcp`` commands over a root of step directories: ``latest``, ``ls`` and ``clean``.
 
-Storage access goes through :mod:`hyper_parallel_dcp.step_storage` (``ls``, ``clean``) and
-``storage_fs.integrity.find_latest_checkpoint`` (``latest``).  ``ls`` lists exactly the
-leftovers ``clean --dry-run`` lists with the same ``--grace``.  Exports the three ``run_*``
-functions and :func:`format_age`.
+``ls`` and ``clean`` go through :mod:`hyper_parallel_dcp.step_storage` (``ls`` lists what
+``clean --dry-run`` lists), ``latest`` through ``storage_fs.integrity``.  Exports the three
+``run_*`` functions and :func:`format_age`.
 """
 
 from __future__ import annotations
