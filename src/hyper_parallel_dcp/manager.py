@@ -99,24 +99,20 @@ def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
 class CheckpointManager:
     """Checkpoints of a training loop under ``root``: ``root/step_N`` per saved step.
 
-    ``keep_last``: how many of the newest complete checkpoints retention keeps (``None``:
-    all); ``keep_every``: also keep every step that is a multiple of it; ``keep_best`` with
-    ``best_metric`` (and ``best_mode`` ``"min"``/``"max"``): also keep the best that many by
-    the metric given to :meth:`save`.  ``save_interval_steps``: :meth:`save` saves when
-    ``step % save_interval_steps == 0`` (or ``force``).  ``async_save``: save through
-    :func:`hyper_parallel_dcp.async_save` (``save`` returns once staged).
-    ``save_on_preemption``: install a SIGTERM handler; the next :meth:`save` after a SIGTERM
-    reached any rank saves (whatever the interval), waits until it has landed, and sets
-    :attr:`preempted` (costs one small collective per ``save`` call; must be constructed
-    in the main thread).
+    Retention keeps the newest ``keep_last`` complete steps (``None``: all), every multiple of
+    ``keep_every``, and the best ``keep_best`` by ``best_metric`` (``best_mode`` ``"min"`` or
+    ``"max"``) of the metrics given to :meth:`save`, which saves when ``step %
+    save_interval_steps == 0`` (or ``force``).  ``async_save``: save through
+    :func:`hyper_parallel_dcp.async_save` (returns once staged).  ``save_on_preemption``
+    installs a SIGTERM handler (from the main thread): the next :meth:`save` after a SIGTERM
+    reached any rank saves, waits until it has landed and sets :attr:`preempted` (one small
+    collective per ``save`` call).
 
-    Every rank of the default process group must call :meth:`save`, :meth:`restore`,
-    :meth:`wait` and :meth:`close` (they are collective, like ``save``/``load``); leaving a
-    ``with`` block on an exception closes without a collective (see :meth:`__exit__`).
-    :meth:`latest_step`, :meth:`all_steps` and :meth:`metrics` only read storage.
-
-    Raises ``ValueError`` for a setting out of range, ``NotADirectoryError`` naming
-    ``root`` when it is an existing regular file.  A missing ``root`` is an empty one.
+    :meth:`save`, :meth:`restore`, :meth:`wait` and :meth:`close` are collective over the
+    default process group; leaving a ``with`` block on an exception closes without a
+    collective.  :meth:`latest_step`, :meth:`all_steps` and :meth:`metrics` only read storage.
+    Raises ``ValueError`` for a setting out of range, ``NotADirectoryError`` naming ``root``
+    when it is an existing regular file; a missing ``root`` is an empty one.
     """
 
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = 3,
@@ -165,11 +161,8 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """The complete steps under ``root``, ascending (an async save counts once landed).
-
-        With ``async_save=True`` the retention of a landed step runs at the next
-        ``save``/``wait``/``close``: call :meth:`wait` first to see only what retention keeps.
-        """
+        """The complete steps under ``root``, ascending (an async save counts once landed; its
+        retention runs at the next ``save``/``wait``/``close``)."""
         return [e.step for e in self._steps.list_steps() if e.complete]
 
     def metrics(self, step: int) -> Optional[dict[str, Any]]:
@@ -178,19 +171,16 @@ class CheckpointManager:
 
     def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
              metrics: Optional[dict[str, Any]] = None) -> bool:
-        """Save ``state_dict`` as ``step`` when ``step % save_interval_steps == 0`` or ``force``.
+        """Save ``state_dict`` as ``step`` when ``step % save_interval_steps == 0`` or ``force``;
+        True when this call saved.  Collective: every rank calls with the same ``step``.
 
-        Returns True when this call saved.  Synchronous: the checkpoint is committed and its
-        retention decided when this returns.  With ``async_save=True``: returns once staged,
-        after waiting for the previous async save to land (its error is raised on every rank,
-        once, and this step is not saved) and running that save's retention.  An error of
-        this step on any rank (a ``Stateful``'s ``state_dict()``, staging) is raised here on
-        every rank.  ``metrics`` (small JSON values; rank 0's are kept) are stored with the
-        step (``hp-dcp-step.json``) for ``keep_best``.  Saving a step that exists replaces it
-        atomically.  Collective: every rank calls with the same ``step``.
-
-        Raises ``ValueError`` for a negative or non-integer step or bad metrics,
-        ``RuntimeError`` after :meth:`close`, and what ``save``/``async_save`` raise.
+        Synchronous: committed and its retention done when this returns.  ``async_save=True``:
+        returns once staged, after the previous async save landed (its error is raised on every
+        rank, once, and this step is not saved) and its retention ran.  An error of this step on
+        any rank is raised on every rank.  ``metrics`` (small JSON values, rank 0's) are stored
+        with the step for ``keep_best``.  A step that exists is replaced atomically.  Raises
+        ``ValueError`` for a bad step or metrics, ``RuntimeError`` after :meth:`close`, and what
+        ``save``/``async_save`` raise.
         """
         self._check_open()
         step = _check_step(step)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -184,11 +185,8 @@ class FileSystemSteps:
 
     @contextmanager
     def reading(self, step: int) -> Iterator[None]:
-        """Hold ``step`` against :meth:`remove_step` (a shared ``flock``) while it is loaded.
-
-        Raises :class:`CheckpointNotFoundError` when the step is no longer complete once
-        the lock is held (it was removed meanwhile).
-        """
+        """Hold ``step`` against :meth:`remove_step` (a shared ``flock``) while it is loaded;
+        :class:`CheckpointNotFoundError` when it is no longer complete once the lock is held."""
         path = self._hidden(step, "readlock")
         while True:
             try:
@@ -244,34 +242,26 @@ class FileSystemSteps:
     def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
                        max_step: Optional[int] = None, grace: float = 0.0,
                        check_running: bool = True) -> list[Leftover]:
-        """What dead saves left under ``root``, for steps not in ``protected``.
-
-        Hidden staging/old directories, lock files nobody holds and mailbox/temp files in
-        complete step directories are always candidates; a step directory without
-        ``.metadata`` only when its step is below ``older_than`` (the newest complete step),
-        whatever files it holds (``step_N`` names are the manager's), unless it holds
-        ``{rank}.metadata`` files: a checkpoint saved without collectives loads, and is
-        left alone (logged).  A step whose save lock is held and entries modified in the
-        last ``grace`` seconds are skipped, and with ``max_step`` everything of a higher
-        step.  ``check_running=False`` probes no lock (changes nothing, lists no lock
-        files) and so also lists the files of a running save.
-        """
+        """What dead saves left under ``root``, for steps not in ``protected``: hidden staging/old
+        directories, lock files nobody holds, mailbox/temp files in complete step directories,
+        and step directories without ``.metadata`` below ``older_than`` (the newest complete
+        step) unless they hold ``{rank}.metadata`` files (a save without collectives: left
+        alone, logged).  Skipped: a step whose save lock is held, entries modified in the last
+        ``grace`` seconds, steps above ``max_step``.  ``check_running=False`` probes no lock (lists
+        no lock files, and so also the files of a running save)."""
         try:
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
             return []
         now = time.time()
-        running: dict[int, bool] = {}
 
+        @functools.cache
         def save_running(step: int) -> bool:
-            if step not in running:
-                running[step] = not _lock_free(self._hidden(step, "lock"))
-            return running[step]
+            return not _lock_free(self._hidden(step, "lock"))
 
         def busy(step: int, path: str) -> bool:
-            if step in protected or (grace > 0 and now - _newest_mtime(path) < grace):
-                return True
-            return check_running and save_running(step)
+            return (step in protected or (grace > 0 and now - _newest_mtime(path) < grace)
+                    or (check_running and save_running(step)))
 
         out: list[Leftover] = []
         for entry in entries:
@@ -344,12 +334,10 @@ class FileSystemSteps:
 
 
 def step_storage_for(root: Union[str, os.PathLike]) -> StepStorage:
-    """The step storage of a manager root: :class:`FileSystemSteps` for a path, else the one
-    the storage backend of the URL's scheme registers (``s3://``: the storage-object package).
-
-    Raises ``UnknownSchemeError`` (a ``ValueError``) naming the package to install for a
-    scheme without a backend, ``ValueError`` for a backend without step storage.
-    """
+    """The step storage of a manager root: :class:`FileSystemSteps` for a path, else the one the
+    backend of the URL's scheme registers.  Raises ``UnknownSchemeError`` (a ``ValueError``)
+    naming the package to install for a scheme without a backend, ``ValueError`` for a backend
+    without step storage."""
     text = os.fspath(root)
     if url_scheme(text) == "file":
         return FileSystemSteps(local_path(text))

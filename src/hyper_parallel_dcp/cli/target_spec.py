@@ -277,7 +277,8 @@ def load_target_spec(path: str | Path) -> TargetSpec:
         try:
             import yaml
         except ImportError:
-            raise UsageError(f"{p}: reading YAML needs PyYAML (pip install pyyaml); or write the spec as JSON") from None
+            hint = "reading YAML needs PyYAML (pip install pyyaml); or write the spec as JSON"
+            raise UsageError(f"{p}: {hint}") from None
         kind, loads, syntax_error = "YAML", yaml.safe_load, yaml.YAMLError
     try:
         doc = loads(text)
