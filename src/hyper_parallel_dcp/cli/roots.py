@@ -60,9 +60,7 @@ def run_latest(args: Any) -> int:
     return EXIT_OK if latest is not None else EXIT_PROBLEM
 
 
-def _metrics_text(metrics: Any) -> str:
-    if not isinstance(metrics, dict):
-        return ""
+def _metrics_text(metrics: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items()))
 
 
@@ -82,15 +80,10 @@ def run_ls(args: Any) -> int:
     for entry in steps.list_steps():
         info = steps.read_info(entry.step) or {}
         saved_at = steps.saved_at(entry.step)
-        rows.append({
-            "step": entry.step,
-            "path": entry.location,
-            "complete": entry.complete,
-            "bytes": steps.size_bytes(entry.step),
-            "saved_at": saved_at,
-            "age_s": None if saved_at is None else round(now - saved_at, 3),
-            "metrics": info.get("metrics") if isinstance(info.get("metrics"), dict) else {},
-        })
+        rows.append({"step": entry.step, "path": entry.location, "complete": entry.complete,
+                     "bytes": steps.size_bytes(entry.step), "saved_at": saved_at,
+                     "age_s": None if saved_at is None else round(now - saved_at, 3),
+                     "metrics": info.get("metrics") if isinstance(info.get("metrics"), dict) else {}})
     complete = [r["step"] for r in rows if r["complete"]]
     latest = complete[-1] if complete else None
     # what clean removes: leftovers of dead saves not touched for --grace, of steps whose
