@@ -51,11 +51,8 @@ def _tp_placement(name: str, layout: str) -> Any:
     if name.endswith("norm.weight"):
         return Replicate()
     if layout == "tp":
-        if ".out." in name or ".down." in name:
-            return Shard(1)
-        return Shard(0)
-    # the "other" layout used for the resharded load: everything split the other way
-    return Shard(1) if name != "embed.weight" else Shard(0)
+        return Shard(1) if ".out." in name or ".down." in name else Shard(0)
+    return Shard(1) if name != "embed.weight" else Shard(0)  # "other", the resharded load's: the other way
 
 
 def _sharded(reference: dict[str, torch.Tensor], world_size: int, layout: str, zeros: bool) -> dict[str, Any]:
@@ -143,8 +140,7 @@ def _load_worker(rank: int, world_size: int, sync_root: str, async_root: str) ->
         if step != TRAIN_STEPS:
             raise AssertionError(f"restore of the {label} run picked step {step}, expected {TRAIN_STEPS}")
         for name, full in reference.items():
-            got = sd["model"][name].full_tensor()
-            if not torch.equal(got, full):
+            if not torch.equal(sd["model"][name].full_tensor(), full):
                 raise AssertionError(f"{name} differs after the resharded restore of the {label} run")
             if not torch.equal(sd["optim"]["state"][name]["exp_avg"].full_tensor(), full.float() * 0.5):
                 raise AssertionError(f"optimizer state of {name} differs ({label} run)")

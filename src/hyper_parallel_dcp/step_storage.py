@@ -1,16 +1,12 @@
 """Every storage operation of :class:`CheckpointManager`, ``hp-dcp ls`` and ``hp-dcp clean``.
 
-A manager root holds ``root/step_N`` per saved step (``N`` as ``str(N)``: ``step_007`` is not
-a step) beside whatever else the user keeps there.  :class:`FileSystemSteps` is the
-``core.steps.StepStorage`` of a filesystem root; an object store's package registers its own
-(:func:`step_storage_for` picks one by URL scheme).  What a killed save leaves:
-``.step_N.hp-dcp-staging-<id>/`` (the data written so far), ``.step_N.hp-dcp-old-<id>/`` (a
-replaced checkpoint whose removal was cut), ``.step_N.hp-dcp-lock`` (the save lock file),
-``step_N/`` without ``.metadata`` (plan/mailbox files, ``hp-dcp-step.json``) and
-``*.hp-dcp-tmp`` files.  A running save holds the ``flock`` of its lock file (its
-coordinator, from planning to commit), and nothing of such a step is touched; the moments a
-live save has files but no lock are covered by ``grace`` (entries modified in the last
-``grace`` seconds are left alone).
+A manager root holds ``root/step_N`` per saved step (``step_007`` is not a step) beside the
+user's own files.  :class:`FileSystemSteps` is the ``core.steps.StepStorage`` of a filesystem
+root; :func:`step_storage_for` picks an object store's by URL scheme.  A killed save leaves
+hidden ``.step_N.hp-dcp-staging-*``/``-old-*`` directories and ``.step_N.hp-dcp-lock``, a
+``step_N/`` without ``.metadata`` and ``*.hp-dcp-tmp`` files.  Nothing of a step whose lock a
+running save holds (an ``flock``, from planning to commit) is touched, nor, with ``grace``,
+anything modified in the last ``grace`` seconds (a live save's files before it locks).
 """
 
 from __future__ import annotations

@@ -132,14 +132,10 @@ def _diff_object(fqn: str, sa: CheckpointBlocks, sb: CheckpointBlocks) -> Tensor
 
 def diff_checkpoints(a: Any, b: Any, *, atol: float = 0.0, rtol: float = 0.0,
                      block_bytes: int = DEFAULT_BLOCK_BYTES, show_progress: bool = True) -> DiffResult:
-    """Compare every key of the checkpoints at ``a`` and ``b``.
-
-    Tensors are equal when every element satisfies ``|a-b| <= atol + rtol*|b|`` (NaN
-    equal to NaN) and shape and dtype match; objects when their stored bytes or their
-    loaded values are equal.  Reads at most ``block_bytes`` per side at a time.  Raises
-    the load path's errors (:class:`CheckpointNotFoundError`, :class:`CheckpointFormatError`,
-    :class:`CorruptCheckpointError`) for an unreadable checkpoint.
-    """
+    """Compare every key of the checkpoints at ``a`` and ``b``, reading at most ``block_bytes`` per
+    side at a time.  Tensors are equal when shape and dtype match and every element satisfies
+    ``|a-b| <= atol + rtol*|b|`` (NaN equal to NaN); objects when their stored bytes or loaded
+    values are equal.  Raises the load path's errors for an unreadable checkpoint."""
     sa, sb = CheckpointBlocks(a), CheckpointBlocks(b)
     ka, kb = sa.metadata.state_dict_metadata, sb.metadata.state_dict_metadata
     result = DiffResult(a, b, only_in_a=sorted(set(ka) - set(kb)), only_in_b=sorted(set(kb) - set(ka)))

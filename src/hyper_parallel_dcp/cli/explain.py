@@ -266,15 +266,11 @@ def _stored_bytes(metadata: Metadata, tensors: _Layouts, objects: list[str]) -> 
 
 
 def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) -> LoadExplanation:
-    """Simulate loading the checkpoint described by ``metadata`` into the ``spec`` layout.
-
-    Runs the load planner (local plan per simulated rank, reader assignment over all of
-    them) and counts bytes and files per rank, with and without read-once + broadcast.
-    Keys the planner rejects (missing, shape/dtype mismatch, uncovered region, a placement
-    that does not fit) are reported in ``problems`` and left out of the byte counts.
-    ``progress``, when given, wraps the iteration over ranks (e.g. a tqdm factory).
-    Neither argument is modified.
-    """
+    """Simulate loading the checkpoint described by ``metadata`` into the ``spec`` layout: bytes and
+    files per rank, with and without read-once + broadcast.  Keys the planner rejects (missing,
+    mismatched, an uncovered region, a placement that does not fit) are reported in ``problems``
+    and left out of the counts.  ``progress`` (e.g. a tqdm factory) wraps the iteration over
+    ranks.  Neither argument is modified."""
     problems = _Problems()
     tensors, objects, keys = _target_layouts(metadata, spec, problems)
     ranks = range(spec.world_size) if progress is None else progress(range(spec.world_size))

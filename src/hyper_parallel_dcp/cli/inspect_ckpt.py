@@ -21,14 +21,10 @@ _RANK_FILE = re.compile(r"^(?:_rank(\d+)_\.|__(\d+)_\d+\.distcp$)")
 
 
 def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, Any]:
-    """The ``inspect --json`` document of the checkpoint at ``path`` (SPEC §9 keys first).
-
-    ``complete``/``format_version``/``tensors``/``objects`` as the spec states, plus
-    ``path``, ``problems`` (why it is not complete), ``files`` (name → bytes, writing
-    rank) and ``ranks`` (files and bytes per writing rank).  ``with_chunks`` adds each
-    tensor's ``chunk_list`` (offsets, sizes, file, byte offset, checksum).  Reads metadata
-    and ``stat`` only, never tensor data; never raises for a bad checkpoint.
-    """
+    """The ``inspect --json`` document of the checkpoint at ``path``: SPEC §9's keys, then ``path``,
+    ``problems`` (why it is not complete), ``files`` (name → bytes, writing rank) and ``ranks``
+    (files and bytes per writing rank); ``with_chunks`` adds each tensor's ``chunk_list``.  Reads
+    metadata and ``stat`` only; never raises for a bad checkpoint."""
     report = check_complete(path)
     doc: dict[str, Any] = {"complete": report.complete, "format": report.format,
                            "format_version": report.format_version, "tensors": {}, "objects": [], "path": str(path),

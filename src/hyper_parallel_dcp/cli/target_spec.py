@@ -76,11 +76,8 @@ def _replicate() -> Any:
 
 
 def parse_placement(text: Any) -> Any:
-    """A torch placement from its written form (``"Shard(0)"``, ``"Replicate"``, ...).
-
-    Raises :class:`UsageError` for anything else, ``Partial`` included (a partial sum
-    cannot be loaded from a checkpoint).
-    """
+    """A torch placement from its written form (``"Shard(0)"``, ``"Replicate"``, ...); :class:`UsageError`
+    for anything else, ``Partial`` included (a partial sum cannot be loaded from a checkpoint)."""
     from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
     if not isinstance(text, str):
@@ -136,11 +133,8 @@ class TargetSpec:
         return any(fnmatch.fnmatchcase(fqn, p) for p in self.load) and (rule is None or not rule.skip)
 
     def placements_for(self, fqn: str, ndim: int) -> tuple[tuple[Any, ...], Optional[str]]:
-        """The placements of ``fqn`` (a tensor with ``ndim`` dims) and the rule pattern used.
-
-        A default ``Shard(d)`` that does not fit the tensor becomes ``Replicate``; a rule's
-        placements are returned as written (the caller reports a misfit).
-        """
+        """The placements of ``fqn`` (a tensor with ``ndim`` dims) and the rule pattern used: a default
+        ``Shard(d)`` that does not fit becomes ``Replicate``, a rule's placements are as written."""
         rule = self.rule_for(fqn)
         if rule is not None and rule.placements is not None:
             return rule.placements, rule.pattern
@@ -263,10 +257,8 @@ def parse_target_spec(doc: Any, *, source: str = "target spec") -> TargetSpec:
 
 
 def load_target_spec(path: str | Path) -> TargetSpec:
-    """Read and parse a spec file (``.json``, or ``.yaml``/``.yml`` with PyYAML installed).
-
-    Raises :class:`UsageError` for a missing file, a syntax error or an invalid spec.
-    """
+    """Read and parse a spec file (``.json``, or ``.yaml``/``.yml`` with PyYAML installed);
+    :class:`UsageError` for a missing file, a syntax error or an invalid spec."""
     p = Path(path)
     try:
         text = p.read_text()
