@@ -152,9 +152,8 @@ def diff_checkpoints(a: Any, b: Any, *, atol: float = 0.0, rtol: float = 0.0,
 
 
 def _num(x: Optional[float]) -> Any:
-    if x is None or math.isfinite(x):
-        return x
-    return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
+    """``x`` as JSON: ``inf``, ``-inf`` and ``nan`` as strings."""
+    return x if x is None or math.isfinite(x) else str(x)
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -178,8 +177,7 @@ def run(args: Any) -> int:
                                      "max_rel": _num(k.max_rel), "differing": k.differing, "numel": k.numel}
                              for k in result.keys}})
     else:
-        print(f"A  {a}")
-        print(f"B  {b}")
+        print(f"A  {a}\nB  {b}")
         shown = result.keys if args.all else [k for k in result.keys if not k.equal]
         if shown:
             print()

@@ -66,7 +66,6 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
 
 def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
     tensors = doc["tensors"]
-    stored = sum(t["bytes"] for t in tensors.values())
     print(f"checkpoint      {doc['path']}")
     if doc["format"] == "torch-dcp":
         print("format          torch.distributed.checkpoint (pickled .metadata, .distcp files)")
@@ -75,15 +74,14 @@ def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
     print(f"complete        {'yes' if doc['complete'] else 'NO'}")
     for problem in doc["problems"]:
         print(f"  - {problem}")
-    chunks = sum(t["chunks"] for t in tensors.values())
-    print(f"tensors         {len(tensors)} ({format_bytes(stored)} in {chunks} chunks)")
+    print(f"tensors         {len(tensors)} ({format_bytes(sum(t['bytes'] for t in tensors.values()))} in "
+          f"{sum(t['chunks'] for t in tensors.values())} chunks)")
     print(f"objects         {len(doc['objects'])}")
-    total_files = sum(f["bytes"] for f in doc["files"].values())
-    print(f"files           {len(doc['files'])} ({format_bytes(total_files)})")
+    print(f"files           {len(doc['files'])} ({format_bytes(sum(f['bytes'] for f in doc['files'].values()))})")
     if tensors:
         print()
         print_table(["FQN", "shape", "dtype", "chunks", "bytes"],
-                    [[fqn, "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["chunks"], t["bytes"]]
+                    [[fqn, str(t["shape"]), t["dtype"], t["chunks"], t["bytes"]]
                      for fqn, t in tensors.items()], right=(3, 4))
         if with_chunks:
             for fqn, t in tensors.items():
