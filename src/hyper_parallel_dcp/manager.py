@@ -157,8 +157,7 @@ class CheckpointManager:
 
     def latest_step(self) -> Optional[int]:
         """The newest complete step under ``root`` (``None`` if there is none)."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return max(self.all_steps(), default=None)
 
     def all_steps(self) -> list[int]:
         """The complete steps under ``root``, ascending (an async save counts once landed; its
@@ -500,10 +499,8 @@ class CheckpointManager:
         The exception is often this rank's alone while the others train on: a collective would
         hang it until ``HP_DCP_COLLECTIVE_TIMEOUT``.  So this rank's writer only finishes its part
         of the save in flight, and the retention due is left to the next job's first save."""
-        if exc_type is None:
+        if exc_type is None or self._closed:  # close() does nothing once closed
             self.close()
-            return
-        if self._closed:
             return
         inflight, self._inflight = self._inflight, None
         if inflight is not None or self._retention_due:

@@ -253,16 +253,11 @@ class _Bytes:
                 total += span_elements(sizes, item.storage_offsets, item.lengths) * self.itemsize[index.fqn]
         return total, sorted(files)
 
-
-def _stored_bytes(metadata: Metadata, tensors: _Layouts, objects: list[str]) -> int:
-    sd = metadata.state_dict_metadata
-    total = 0
-    for fqn in tensors:
-        md = sd[fqn]
-        assert isinstance(md, TensorStorageMetadata)
-        total += sum(math.prod(c.sizes) for c in md.chunks) * md.properties.dtype.itemsize
-    object_bytes = {i.fqn: info.length for i, info in (metadata.storage_data or {}).items() if i.offset is None}
-    return total + sum(object_bytes.get(fqn, 0) for fqn in objects)
+    def stored(self, tensors: _Layouts, objects: list[str]) -> int:
+        """Bytes stored for the loaded ``tensors`` and ``objects``."""
+        object_bytes = {i.fqn: info.length for i, info in self.storage.items() if i.offset is None}
+        return (sum(math.prod(sizes) * self.itemsize[fqn] for (fqn, _), sizes in self.chunk_sizes.items()
+                    if fqn in tensors) + sum(object_bytes.get(fqn, 0) for fqn in objects))
 
 
 def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) -> LoadExplanation:
@@ -305,7 +300,7 @@ def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) 
                 rank_loads[rank].broadcast_received += nbytes
             groups[(group.dest_index, tuple(group.ranks))] = nbytes
     return LoadExplanation(
-        target=spec, tensors=len(tensors), objects=len(objects), stored_bytes=_stored_bytes(metadata, tensors, objects),
+        target=spec, tensors=len(tensors), objects=len(objects), stored_bytes=count.stored(tensors, objects),
         ranks=rank_loads, keys=keys, broadcast_groups=len(groups), broadcast_bytes=sum(groups.values()),
         broadcast_delivered_bytes=sum(b * (len(members) - 1) for (_, members), b in groups.items()),
         problems=problems.all())
