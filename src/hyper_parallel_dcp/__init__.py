@@ -15,34 +15,19 @@ from typing import Any
 __path__ = extend_path(__path__, __name__)
 __version__ = "0.1.0"
 
-_EXPORTS: dict[str, str] = {
-    "save": "hyper_parallel_dcp.api",
-    "load": "hyper_parallel_dcp.api",
-    "async_save": "hyper_parallel_dcp.async_persist",
-    "Metadata": "hyper_parallel_dcp.core.metadata",
-    "TensorStorageMetadata": "hyper_parallel_dcp.core.metadata",
-    "BytesStorageMetadata": "hyper_parallel_dcp.core.metadata",
-    "ChunkStorageMetadata": "hyper_parallel_dcp.core.metadata",
-    "MetadataIndex": "hyper_parallel_dcp.core.metadata",
-    "SavePlanner": "hyper_parallel_dcp.core.planner",
-    "LoadPlanner": "hyper_parallel_dcp.core.planner",
-    "SavePlan": "hyper_parallel_dcp.core.planner",
-    "LoadPlan": "hyper_parallel_dcp.core.planner",
-    "WriteItem": "hyper_parallel_dcp.core.planner",
-    "ReadItem": "hyper_parallel_dcp.core.planner",
-    "StandardSavePlanner": "hyper_parallel_dcp.core.standard_planner",
-    "StandardLoadPlanner": "hyper_parallel_dcp.core.standard_planner",
-    "StorageWriter": "hyper_parallel_dcp.core.storage",
-    "StorageReader": "hyper_parallel_dcp.core.storage",
-    "RaggedShard": "hyper_parallel_dcp.core.ragged",
-    "CheckpointError": "hyper_parallel_dcp.core.errors",
-    "CheckpointException": "hyper_parallel_dcp.core.errors",
-    "FileSystemWriter": "hyper_parallel_dcp.storage_fs",
-    "FileSystemReader": "hyper_parallel_dcp.storage_fs",
-    "AsyncSaveResponse": "hyper_parallel_dcp.async_persist",
-    "DataCopier": "hyper_parallel_dcp.async_persist",
-    "CheckpointManager": "hyper_parallel_dcp.manager",
-}
+_EXPORTS: dict[str, str] = {name: f"hyper_parallel_dcp.{module}" for module, names in {
+    "api": ("save", "load"),
+    "async_persist": ("async_save", "AsyncSaveResponse", "DataCopier"),
+    "core.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                      "MetadataIndex"),
+    "core.planner": ("SavePlanner", "LoadPlanner", "SavePlan", "LoadPlan", "WriteItem", "ReadItem"),
+    "core.standard_planner": ("StandardSavePlanner", "StandardLoadPlanner"),
+    "core.storage": ("StorageWriter", "StorageReader"),
+    "core.ragged": ("RaggedShard",),
+    "core.errors": ("CheckpointError", "CheckpointException"),
+    "storage_fs": ("FileSystemWriter", "FileSystemReader"),
+    "manager": ("CheckpointManager",),
+}.items() for name in names}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

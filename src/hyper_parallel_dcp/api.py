@@ -29,14 +29,12 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = 
 
     ``state_dict`` is a nested dict whose leaves are DTensors, tensors (treated as
     replicated), :class:`RaggedShard` or picklable objects; it is not modified.  With
-    ``use_collectives=True`` (default) every rank of the default group must call; the
-    plans are exchanged, replicated chunks are written once, and the coordinator commits
-    ``.metadata`` last (the returned global :class:`Metadata` is the same on every rank).
-    With ``use_collectives=False`` each rank writes ``{rank}.metadata`` on its own.
-    ``no_dist=True`` saves from this process alone.  ``process_group`` (default: the
-    default group) checkpoints a sub-group: only its ranks call, and they write as their
-    ranks in that group.  A leaf with ``state_dict()`` and ``load_state_dict()`` (torch's
-    ``Stateful``: a module, an optimizer, an ``AppState``) is saved as its ``state_dict()``.
+    ``use_collectives=True`` (default) every rank of the default group must call; replicated
+    chunks are written once, and the coordinator commits ``.metadata`` last (the returned
+    global :class:`Metadata` is the same on every rank).  With ``use_collectives=False`` each
+    rank writes ``{rank}.metadata`` on its own; ``no_dist=True`` saves from this process
+    alone.  ``process_group`` checkpoints a sub-group (only its ranks call).  A ``Stateful``
+    leaf (a module, an optimizer) is saved as its ``state_dict()``.
 
     Raises ``ValueError`` without a destination, :class:`UnsupportedPlacementError` for a
     ``Partial`` DTensor, :class:`ConcurrentSaveError` when another save into the same
@@ -54,28 +52,24 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = 
          verify: Optional[bool] = None, allow_partial_load: bool = False, process_group: Optional[Any] = None) -> None:
     """Load a checkpoint into ``state_dict`` in place; returns ``None``.
 
-    Tensors (DTensor local shards, plain tensors, :class:`RaggedShard`) are filled in
-    place and must already have the target shape; a stored dtype other than the target's
-    is cast by the copy (as torch DCP does: an f32 checkpoint loads into bf16 targets).
-    The layout may differ from the one saved (the stored chunks are intersected with the
-    target shards).  Only keys present in ``state_dict`` are loaded; a key the checkpoint
-    lacks raises :class:`MissingKeyError` unless ``allow_partial_load=True``, which leaves
-    it untouched.  Non-tensor leaves are replaced in the nested dict; a ``Stateful`` leaf
-    (``state_dict()`` + ``load_state_dict()``) gets its state dict filled and passed to
-    its ``load_state_dict``.  ``process_group`` loads on a sub-group (only its ranks
-    call; read-once + broadcast is then off).  A torch.distributed.checkpoint directory
-    (pickled ``.metadata``) is recognised and read as is.  With collectives, replicated
+    Tensors (DTensor local shards, plain tensors, :class:`RaggedShard`) are filled in place
+    and must already have the target shape; a stored dtype other than the target's is cast
+    by the copy (as torch DCP does).  The layout may differ from the one saved.  Only keys
+    present in ``state_dict`` are loaded; a key the checkpoint lacks raises
+    :class:`MissingKeyError` unless ``allow_partial_load=True``, which leaves it untouched.
+    Non-tensor leaves are replaced in the nested dict; a ``Stateful`` leaf gets its state
+    dict filled and passed to its ``load_state_dict``.  ``process_group`` loads on a
+    sub-group (only its ranks call; read-once + broadcast is then off).  A
+    torch.distributed.checkpoint directory is read as is.  With collectives, replicated
     shards are read by one rank of their replica group and broadcast to the others
-    (``broadcast_replicated_tensors``; the pipeline decides whether it runs); shards below
-    ``broadcast_batch_bytes`` are batched (must be equal on all ranks; 0 disables).
-    ``verify=True`` checks the recorded xxh3 checksum of every stored chunk the load reads
-    (the whole chunk, once); ``None`` keeps the reader's default (off for
-    :class:`FileSystemReader`, see the dcp-storage-fs README for the measured cost).
+    (``broadcast_replicated_tensors``); shards below ``broadcast_batch_bytes`` are batched
+    (equal on all ranks; 0 disables).  ``verify=True`` checks the recorded xxh3 checksum of
+    every stored chunk the load reads; ``None`` keeps the reader's default (off for
+    :class:`FileSystemReader`).
 
-    Raises ``ValueError`` for ``broadcast_groups`` without
-    ``broadcast_replicated_tensors`` or a negative batch size;
-    :class:`CheckpointNotFoundError` for a missing checkpoint; :class:`MissingKeyError`,
-    :class:`MismatchError`, :class:`CorruptCheckpointError` and
+    Raises ``ValueError`` for ``broadcast_groups`` without ``broadcast_replicated_tensors``
+    or a negative batch size; :class:`CheckpointNotFoundError` for a missing checkpoint;
+    :class:`MissingKeyError`, :class:`MismatchError`, :class:`CorruptCheckpointError` and
     :class:`CheckpointFormatError` naming the key or file.
     """
     if broadcast_groups is not None and not broadcast_replicated_tensors:

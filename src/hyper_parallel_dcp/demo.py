@@ -1,15 +1,11 @@
 """End-to-end demo on CPU: ``python -m hyper_parallel_dcp``.
 
-A tiny language model is sharded tensor-parallel over 4 gloo processes whose training
-loop checkpoints through :class:`CheckpointManager` (every 250 steps, keeping the last 2),
-once with synchronous and once with asynchronous saves; 2 processes with a different
-layout ``restore`` the newest step of both runs and check every value; the model's weights
-of that checkpoint are exported to Hugging Face safetensors in one process and checked
-again.  Each phase prints its wall time; a save's row is what ``save`` blocks training for
-(the sync save's whole write, the async save's host copy), and the async saves also say
-when their checkpoint had landed.  ``--keep DIR`` writes the checkpoints under ``DIR`` and
-keeps them (the last lines say where); without it they go to a temporary directory that is
-removed at the end.
+A tiny language model, tensor-parallel over 4 gloo processes, trains and checkpoints through
+:class:`CheckpointManager` (every 250 steps, keeping the last 2), with sync and with async
+saves; 2 processes with another layout ``restore`` both runs and check every value; the
+weights are exported to Hugging Face safetensors and checked again.  Each phase prints its
+wall time (a save's row is what ``save`` blocks training for).  ``--keep DIR`` keeps the
+checkpoints under ``DIR``; otherwise they go to a temporary directory, removed at the end.
 """
 
 from __future__ import annotations
@@ -55,11 +51,8 @@ def _tp_placement(name: str, layout: str) -> Any:
     if name.endswith("norm.weight"):
         return Replicate()
     if layout == "tp":
-        if ".out." in name or ".down." in name:
-            return Shard(1)
-        return Shard(0)
-    # the "other" layout used for the resharded load: everything split the other way
-    return Shard(1) if name != "embed.weight" else Shard(0)
+        return Shard(1) if ".out." in name or ".down." in name else Shard(0)
+    return Shard(1) if name != "embed.weight" else Shard(0)  # "other", the resharded load's: the other way
 
 
 def _sharded(reference: dict[str, torch.Tensor], world_size: int, layout: str, zeros: bool) -> dict[str, Any]:
@@ -91,13 +84,9 @@ TRAIN_STEPS, SAVE_EVERY, KEEP = 1000, 250, 2
 
 
 def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -> dict[str, float]:
-    """Two training loops that checkpoint through a CheckpointManager (sync, then async).
-
-    Each row is the slowest save of its kind: what ``save`` blocks training for and, for the
-    async loop, how long after the call the checkpoint has landed.  A real loop trains
-    while an async save lands; this one has no compute, so it waits for the landing right
-    after the save (timed as "landed after"), and the next save does not wait for it.
-    """
+    """Two training loops checkpointing through a CheckpointManager (sync, then async): the slowest
+    save of each kind, what it blocks training for and (async) when it had landed; with no compute
+    to overlap, the loop waits for each landing right after the save."""
     import hyper_parallel_dcp as dcp
 
     reference = reference_state_dict()
@@ -106,12 +95,11 @@ def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -
         sd = _sharded(reference, world_size, "tp", zeros=False)
         shards = {name: leaf.to_local() for name, leaf in sd["model"].items()}
         trained = {name: shard.clone() for name, shard in shards.items()}
-        # Keep the last 2 checkpoints, save every 250 steps; the async one returns once staged.
         with dcp.CheckpointManager(root, keep_last=KEEP, save_interval_steps=SAVE_EVERY,
                                    async_save=use_async) as mgr:
             saves = 0
             for step in range(1, TRAIN_STEPS + 1):
-                # (forward, backward and optimizer step would be here; the weights stay the reference's)
+                # (forward, backward and optimizer step here; the weights stay the reference's)
                 if use_async and step % SAVE_EVERY == 0:
                     for name, shard in shards.items():
                         shard.copy_(trained[name])
@@ -124,9 +112,7 @@ def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -
                 kind = (f"save #1 (plans{', starts the writer' if use_async else ''})" if saves == 1
                         else "save, later (plan cache)")
                 _slowest(timings, f"{label} {kind}: blocks training", blocked)
-                if use_async:
-                    # training goes on at once: the staged copy is independent of these tensors
-                    # (the checkpoint lands while they are zero)
+                if use_async:  # the staged copy is independent of these tensors: they may change at once
                     for shard in shards.values():
                         shard.zero_()
                     mgr.wait()
@@ -154,8 +140,7 @@ def _load_worker(rank: int, world_size: int, sync_root: str, async_root: str) ->
         if step != TRAIN_STEPS:
             raise AssertionError(f"restore of the {label} run picked step {step}, expected {TRAIN_STEPS}")
         for name, full in reference.items():
-            got = sd["model"][name].full_tensor()
-            if not torch.equal(got, full):
+            if not torch.equal(sd["model"][name].full_tensor(), full):
                 raise AssertionError(f"{name} differs after the resharded restore of the {label} run")
             if not torch.equal(sd["optim"]["state"][name]["exp_avg"].full_tensor(), full.float() * 0.5):
                 raise AssertionError(f"optimizer state of {name} differs ({label} run)")
@@ -177,14 +162,12 @@ def _hf_export(sync_dir: str, hf_dir: str) -> dict[str, float]:
     # what `hp-dcp-convert dcp-to-hf` does with a trainer checkpoint: the model's weights, 'model.' stripped
     _timed(timings, "HF export of the model (streaming, shards)", convert_dcp_to_huggingface, sync_dir, hf_dir,
            "64KB", model_only=True)
-    exported: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(hf_dir)):
-        if name.endswith(".safetensors"):
-            exported.update(load_file(os.path.join(hf_dir, name)))
+    files = sorted(name for name in os.listdir(hf_dir) if name.endswith(".safetensors"))
+    exported = {k: v for name in files for k, v in load_file(os.path.join(hf_dir, name)).items()}
     reference = reference_state_dict()
     if exported.keys() != reference.keys() or any(not torch.equal(exported[k], v) for k, v in reference.items()):
         raise AssertionError("the Hugging Face export differs from the model")
-    timings["HF files written"] = float(len([n for n in os.listdir(hf_dir) if n.endswith(".safetensors")]))
+    timings["HF files written"] = float(len(files))
     return timings
 
 

@@ -1,24 +1,12 @@
 """``CheckpointManager``: save every N steps, keep the last K, resume from the newest complete.
 
-Step ``N`` lives at ``root/step_N`` (so ``hp-dcp latest root`` finds it).  What keeps it
-crash-safe at every moment:
-
-- A checkpoint counts once its ``.metadata`` is committed (the save's last, atomic act);
-  ``restore`` and retention look at nothing else, so a killed save is never a candidate.
-- Retention runs only after a save is durable, on the coordinator, inside a collective
-  step: every rank waits until it is decided, and an error there is raised on every rank.
-  It never deletes the newest complete step, a step being written or read, or anything in
-  ``root`` that is not ``step_N`` or a leftover of a save.
-- With ``async_save=True`` a save returns once staged; the next ``save``/``wait``/``close``
-  waits for it to land (one collective: a failure on any rank is raised on all, once) and
-  then runs the retention that landing triggers, while the next save is in flight; so
-  ``keep_last + 1`` complete steps can be on disk between a ``save`` and the next call.
-- A save that fails on one rank is raised by that call on every rank, once; the next works.
-- ``restore`` loads with checksums checked; a damaged step (on any rank) is skipped on every
-  rank, with a warning, for the next older one: the ranks agree after each attempt.
-
-All storage access goes through :mod:`hyper_parallel_dcp.step_storage`.  Exports
-:class:`CheckpointManager`.
+Step ``N`` lives at ``root/step_N`` (so ``hp-dcp latest root`` finds it) and counts once its
+``.metadata`` is committed, the save's last, atomic act: a killed save is never a candidate.
+Retention runs on the coordinator inside a collective step once a save is durable; it never
+deletes the newest complete step, a step being written or read, or anything in ``root`` that
+is not ``step_N`` or a leftover of a save.  A failure on any rank (a save, an async save's
+landing, a restore) is raised on every rank, once.  All storage access goes through
+:mod:`hyper_parallel_dcp.step_storage`.  Exports :class:`CheckpointManager`.
 """
 
 from __future__ import annotations
@@ -56,9 +44,6 @@ __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
 
-_MODES = ("min", "max")
-
-
 def _positive_or_none(name: str, value: Any) -> Optional[int]:
     if value is None:
         return None
@@ -91,12 +76,14 @@ def _check_metrics(metrics: Any) -> dict[str, Any]:
     return out
 
 
-def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
-    """``None`` for a load that worked, else (whether the step is damaged, what failed).
+def _stored_metrics(info: Optional[dict[str, Any]]) -> Optional[dict[Any, Any]]:
+    metrics = info.get("metrics") if info else None
+    return metrics if isinstance(metrics, dict) else None
 
-    Damage is what ``hp-dcp verify`` finds: a checksum or header that does not match, metadata
-    that does not parse, a file missing, short or unreadable; a missing key is not.
-    """
+
+def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
+    """``None`` for a load that worked, else (whether the step is damaged, what failed); damage is
+    what ``hp-dcp verify`` finds (a checksum, a header, metadata, a file), a missing key is not."""
     if error is None:
         return None
     damaged = isinstance(error, (CorruptCheckpointError, CheckpointFormatError, OSError)) and not isinstance(
@@ -112,24 +99,20 @@ def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
 class CheckpointManager:
     """Checkpoints of a training loop under ``root``: ``root/step_N`` per saved step.
 
-    ``keep_last``: how many of the newest complete checkpoints retention keeps (``None``:
-    all); ``keep_every``: also keep every step that is a multiple of it; ``keep_best`` with
-    ``best_metric`` (and ``best_mode`` ``"min"``/``"max"``): also keep the best that many by
-    the metric given to :meth:`save`.  ``save_interval_steps``: :meth:`save` saves when
-    ``step % save_interval_steps == 0`` (or ``force``).  ``async_save``: save through
-    :func:`hyper_parallel_dcp.async_save` (``save`` returns once staged).
-    ``save_on_preemption``: install a SIGTERM handler; the next :meth:`save` after a SIGTERM
-    reached any rank saves (whatever the interval), waits until it has landed, and sets
-    :attr:`preempted` (costs one small collective per ``save`` call; must be constructed
-    in the main thread).
+    Retention keeps the newest ``keep_last`` complete steps (``None``: all), every multiple of
+    ``keep_every``, and the best ``keep_best`` by ``best_metric`` (``best_mode`` ``"min"`` or
+    ``"max"``) of the metrics given to :meth:`save`, which saves when ``step %
+    save_interval_steps == 0`` (or ``force``).  ``async_save``: save through
+    :func:`hyper_parallel_dcp.async_save` (returns once staged).  ``save_on_preemption``
+    installs a SIGTERM handler (from the main thread): the next :meth:`save` after a SIGTERM
+    reached any rank saves, waits until it has landed and sets :attr:`preempted` (one small
+    collective per ``save`` call).
 
-    Every rank of the default process group must call :meth:`save`, :meth:`restore`,
-    :meth:`wait` and :meth:`close` (they are collective, like ``save``/``load``); leaving a
-    ``with`` block on an exception closes without a collective (see :meth:`__exit__`).
-    :meth:`latest_step`, :meth:`all_steps` and :meth:`metrics` only read storage.
-
-    Raises ``ValueError`` for a setting out of range, ``NotADirectoryError`` naming
-    ``root`` when it is an existing regular file.  A missing ``root`` is an empty one.
+    :meth:`save`, :meth:`restore`, :meth:`wait` and :meth:`close` are collective over the
+    default process group; leaving a ``with`` block on an exception closes without a
+    collective.  :meth:`latest_step`, :meth:`all_steps` and :meth:`metrics` only read storage.
+    Raises ``ValueError`` for a setting out of range, ``NotADirectoryError`` naming ``root``
+    when it is an existing regular file; a missing ``root`` is an empty one.
     """
 
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = 3,
@@ -143,7 +126,7 @@ class CheckpointManager:
             raise ValueError("save_interval_steps must be an integer >= 1, got None")
         self.save_interval_steps = interval
         self.keep_best = _positive_or_none("keep_best", keep_best)
-        if best_mode not in _MODES:
+        if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
         if self.keep_best is not None and not (isinstance(best_metric, str) and best_metric):
             raise ValueError("keep_best needs best_metric, the name of a metric passed to save(metrics=...)")
@@ -159,7 +142,6 @@ class CheckpointManager:
         self._retention_due = False
         self._retained_once = False
         self._landed_step: Optional[int] = None  # the step whose retention is due
-        self._used_async = False
         self._closed = False
         self._info_cache: dict[int, Optional[dict[str, Any]]] = {}
         self._signal_received = False
@@ -170,54 +152,40 @@ class CheckpointManager:
             if threading.current_thread() is not threading.main_thread():
                 raise ValueError("save_on_preemption=True installs a SIGTERM handler and needs the main thread")
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        if self.async_save:
-            # started now, in the background (it imports torch: 1-2 s), so the first
-            # checkpoint's time to landed does not include it
+        if self.async_save:  # started now (it imports torch: 1-2 s), not in the first save's time
             async_persist.start_writer()
-            self._used_async = True
 
     def latest_step(self) -> Optional[int]:
         """The newest complete step under ``root`` (``None`` if there is none)."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return max(self.all_steps(), default=None)
 
     def all_steps(self) -> list[int]:
-        """The complete steps under ``root``, ascending (an async save counts once landed).
-
-        With ``async_save=True`` the retention of a landed step runs at the next
-        ``save``/``wait``/``close``: call :meth:`wait` first to see only what retention keeps.
-        """
+        """The complete steps under ``root``, ascending (an async save counts once landed; its
+        retention runs at the next ``save``/``wait``/``close``)."""
         return [e.step for e in self._steps.list_steps() if e.complete]
 
     def metrics(self, step: int) -> Optional[dict[str, Any]]:
         """The metrics saved with ``step`` (rank 0's ``save(metrics=...)``), ``None`` if none were stored."""
-        info = self._steps.read_info(_check_step(step))
-        metrics = info.get("metrics") if info else None
-        return metrics if isinstance(metrics, dict) else None
+        return _stored_metrics(self._steps.read_info(_check_step(step)))
 
     def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
              metrics: Optional[dict[str, Any]] = None) -> bool:
-        """Save ``state_dict`` as ``step`` when ``step % save_interval_steps == 0`` or ``force``.
+        """Save ``state_dict`` as ``step`` when ``step % save_interval_steps == 0`` or ``force``;
+        True when this call saved.  Collective: every rank calls with the same ``step``.
 
-        Returns True when this call saved.  Synchronous: the checkpoint is committed and its
-        retention decided when this returns.  With ``async_save=True``: returns once staged,
-        after waiting for the previous async save to land (its error is raised on every rank,
-        once, and this step is not saved) and running that save's retention.  An error of
-        this step on any rank (a ``Stateful``'s ``state_dict()``, staging) is raised here on
-        every rank.  ``metrics`` (small JSON values; rank 0's are kept) are stored with the
-        step (``hp-dcp-step.json``) for ``keep_best``.  Saving a step that exists replaces it
-        atomically.  Collective: every rank calls with the same ``step``.
-
-        Raises ``ValueError`` for a negative or non-integer step or bad metrics,
-        ``RuntimeError`` after :meth:`close`, and what ``save``/``async_save`` raise.
+        Synchronous: committed and its retention done when this returns.  ``async_save=True``:
+        returns once staged, after the previous async save landed (its error is raised on every
+        rank, once, and this step is not saved) and its retention ran.  An error of this step on
+        any rank is raised on every rank.  ``metrics`` (small JSON values, rank 0's) are stored
+        with the step for ``keep_best``.  A step that exists is replaced atomically.  Raises
+        ``ValueError`` for a bad step or metrics, ``RuntimeError`` after :meth:`close`, and what
+        ``save``/``async_save`` raise.
         """
         self._check_open()
         step = _check_step(step)
         dw = DistWrapper(None, use_dist=True)
-        preempting = False
-        if self.save_on_preemption:
-            flags = dw.all_gather("checkpoint manager: preemption check", lambda: self._signal_received)
-            preempting = any(flags)
+        preempting = self.save_on_preemption and any(
+            dw.all_gather("checkpoint manager: preemption check", lambda: self._signal_received))
         if not (force or preempting or step % self.save_interval_steps == 0):
             return False
 
@@ -231,10 +199,9 @@ class CheckpointManager:
         expanded: list[Any] = [state_dict]
 
         def expand() -> None:
-            # A sync save asks its Stateful leaves for their state_dict() inside this
-            # collective step: one failing on one rank is then raised on every rank (left to
-            # save(), a trainer that caught it went on into another collective: deadlock).
-            # An async save's staging errors are exchanged by the retention step below.
+            # a Stateful's state_dict() failing on one rank is raised on every rank by this step
+            # (a trainer catching it alone would walk into the next collective: deadlock); an
+            # async save's staging errors are exchanged by the retention step below
             if not self.async_save:
                 expanded[0], _ = expand_stateful(state_dict)
 
@@ -242,11 +209,12 @@ class CheckpointManager:
         location = self._steps.location(step)
         started = time.perf_counter()
         if self.async_save:
-            self._used_async = True
             staging_error: Optional[BaseException] = None
             try:
-                response = async_persist.async_save(state_dict, checkpoint_id=location,
-                                                    use_gloo=self._async_needs_gloo(location))
+                # several ranks saving to a URL exchange plans through a gloo group (the default
+                # exchanges files in the checkpoint directory, which a bucket is not)
+                use_gloo = url_scheme(location) != "file" and dist.is_initialized() and dist.get_world_size() > 1
+                response = async_persist.async_save(state_dict, checkpoint_id=location, use_gloo=use_gloo)
                 self._inflight = (step, response)
                 if dw.is_coordinator:
                     staged = response.staging.staged_bytes
@@ -255,9 +223,8 @@ class CheckpointManager:
                                 time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
                 staging_error = exc
-            # One collective: a staging error on any rank is raised on all of them (none is left
-            # waiting here), else the previous save's retention runs while this one is in flight
-            # (the first save of a job also tidies what an earlier, killed job left).
+            # one collective: a staging error on any rank is raised on all, else the previous
+            # save's retention runs while this one is in flight (a job's first save also tidies)
             try:
                 self._retain(dw, protected=frozenset({step}), local_error=staging_error,
                              run=self._retention_due or not self._retained_once,
@@ -282,9 +249,8 @@ class CheckpointManager:
         return True
 
     def _land(self, dw: DistWrapper, label: str, then: Any = None, local: Any = None) -> None:
-        """Wait until the async save in flight (if any) landed on every rank and run
-        ``local()`` on every rank, then run ``then`` on the coordinator; a failure anywhere is
-        raised on every rank."""
+        """One collective step: the save in flight lands and ``local()`` runs on every rank, then
+        ``then`` on the coordinator; a failure anywhere is raised on every rank."""
         inflight, self._inflight = self._inflight, None
 
         def land() -> None:
@@ -301,13 +267,8 @@ class CheckpointManager:
             self._landed_step = inflight[0]
 
     def _settle_failed_step(self) -> None:
-        """After the step just started failed on some rank (its error is being raised on
-        every rank): wait for this rank's own async save of it, if it started one.
-
-        That save fails too, or (when only the retention step failed) lands; either way the
-        next ``save``/``wait`` does not raise the same failure again, and every rank runs
-        the retention at the next save.
-        """
+        """The step just started failed on some rank: wait for this rank's own async save of it
+        (it fails too, or lands), so the next ``save``/``wait`` does not raise it again."""
         inflight, self._inflight = self._inflight, None
         self._retention_due = True
         if inflight is None:
@@ -321,11 +282,8 @@ class CheckpointManager:
 
     def _retain(self, dw: DistWrapper, protected: frozenset[int], local_error: Optional[BaseException] = None,
                 run: bool = True, label: str = "checkpoint manager: retention") -> list[int]:
-        """Retention, decided and done by the coordinator; every rank returns once it is done.
-
-        ``local_error`` (this rank's failure just before) is raised on every rank instead,
-        under the phase ``label``; ``run=False`` only exchanges that.
-        """
+        """Retention by the coordinator, every rank returning once it is done; ``local_error`` (this
+        rank's failure just before) is raised on every rank instead; ``run=False`` only exchanges it."""
         def check() -> None:
             if local_error is not None:
                 raise local_error
@@ -339,7 +297,7 @@ class CheckpointManager:
         return deleted
 
     def _apply_retention(self, protected: frozenset[int]) -> list[int]:
-        complete = [e.step for e in self._steps.list_steps() if e.complete]
+        complete = self.all_steps()
         if not complete:
             return []
         best: frozenset[int] = frozenset()
@@ -348,11 +306,10 @@ class CheckpointManager:
         doomed = steps_to_delete(complete, keep_last=self.keep_last, keep_every=self.keep_every, best=best,
                                  protected=protected)
         saved = self._landed_step
-        # the step in flight (protected) is this job's own, and may have landed by now
+        # newer steps than the one just saved (the protected one in flight is this job's own):
+        # a trainer went back with restore(step=K), and retention and restore go by number
         newer = [s for s in complete if saved is not None and s > saved and s not in protected]
         if saved is not None and saved in complete and newer:
-            # a trainer that went back with restore(step=K) and trained on: its new steps are
-            # older by number than the abandoned run's, which retention and restore prefer
             logger.warning("checkpoint manager: step %d was just saved under %s, but newer step(s) %s exist: "
                            "retention and restore go by step number, so %s; to go back to an older step, "
                            "remove the newer steps or save into a new root", saved, self.root, newer[:5],
@@ -388,9 +345,7 @@ class CheckpointManager:
         for step in complete:
             if step not in self._info_cache:
                 self._info_cache[step] = self._steps.read_info(step)
-            info = self._info_cache[step]
-            metrics = info.get("metrics") if info else None
-            value = metrics.get(self.best_metric) if isinstance(metrics, dict) else None
+            value = (_stored_metrics(self._info_cache[step]) or {}).get(self.best_metric)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
                 values[step] = float(value)
         return values
@@ -403,26 +358,22 @@ class CheckpointManager:
                 required: bool = False, **load_kwargs: Any) -> Optional[int]:
         """Load the newest complete, intact step (or ``step``) into ``state_dict`` in place; returns it.
 
-        Candidates are the steps with a committed ``.metadata``, newest first; one whose
-        metadata or file sizes are wrong is skipped before any data is read, the chosen one
-        is loaded with ``verify`` (checksums checked as the bytes are read).  A step damaged
-        on any rank (:class:`CorruptCheckpointError`, :class:`CheckpointFormatError`,
-        ``OSError``: a checksum, a header, a missing or short file) is skipped on every rank
-        with a warning naming the step, the file and the failure, and the next older step
-        is loaded instead.  The state dict may then hold values of the damaged step; every
-        key the loaded step holds is overwritten, and with ``allow_partial_load=True`` a key
-        it lacks keeps what it held, possibly the damaged step's value.  ``load_kwargs`` go
-        to :func:`hyper_parallel_dcp.load` (``allow_partial_load``, ``planner``, broadcast
-        settings).  The step is held against deletion while it loads; a save in flight is
-        waited for first.  Collective, like ``load``; any target layout.
+        Candidates are the steps with a committed ``.metadata``, newest first; one whose metadata
+        or file sizes are wrong is skipped before any data is read, and the chosen one is loaded
+        with ``verify`` (checksums checked as the bytes are read).  A step damaged on any rank
+        (:class:`CorruptCheckpointError`, :class:`CheckpointFormatError`, ``OSError``) is skipped
+        on every rank with a warning naming the step, the file and the failure, and the next
+        older one is loaded (with ``allow_partial_load=True`` a key it lacks may keep the damaged
+        step's value).  ``load_kwargs`` go to :func:`hyper_parallel_dcp.load`.  The step is held
+        against deletion while it loads; a save in flight is waited for first.  Collective, like
+        ``load``; any target layout.
 
-        Returns ``None`` when there is nothing to resume (a missing root, no complete step,
-        every step damaged), after logging one line naming the root; with ``required=True``
-        raises :class:`CheckpointNotFoundError` naming it instead.  ``step=K`` loads that
-        step or raises: :class:`CheckpointNotFoundError` when it is not complete, the
-        load's error (naming the file) when it is damaged.  A failure that is not damage
-        (a key the step lacks, a shape that differs) is raised as ``load`` raises it, on
-        every rank.  ``ValueError`` for a bad ``step``.
+        Returns ``None`` when there is nothing to resume (a missing root, no complete step, every
+        step damaged), after logging one line naming the root; ``required=True`` raises
+        :class:`CheckpointNotFoundError` naming it instead.  ``step=K`` loads that step or raises
+        (:class:`CheckpointNotFoundError` when it is not complete, the load's error naming the
+        file when it is damaged).  A failure that is not damage (a missing key, a shape) is
+        raised as ``load`` raises it, on every rank; ``ValueError`` for a bad ``step``.
         """
         self._check_open()
         wanted = None if step is None else _check_step(step)
@@ -444,9 +395,8 @@ class CheckpointManager:
                     raise  # a rank is gone: the step below would only wait for it
                 except Exception as exc:  # noqa: BLE001 - every rank decides alike below
                     error = exc
-                # with collectives load raised the same error on every rank, without them only
-                # where it happened: this step makes every rank take the same decision, and
-                # the coordinator holds the step until every rank has read it
+                # every rank takes the same decision (without collectives load raised only where
+                # it failed); the coordinator holds the step until every rank has read it
                 outcomes = dw.all_gather(f"checkpoint manager: restore step {chosen}",
                                          functools.partial(_load_outcome, error))
             failed = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
@@ -509,11 +459,10 @@ class CheckpointManager:
             logger.warning("checkpoint manager: nothing to resume under %s: %s; starting from scratch", self.root, why)
 
     def wait(self) -> None:
-        """Return once every save in flight has landed and its retention is done.
+        """Return once every save in flight has landed and its retention is done; collective then.
 
-        Re-raises (on every rank, once) the error of an async save that failed; that step
-        counts as an interrupted save.  Collective when a save is in flight.
-        """
+        Re-raises (on every rank, once) the error of an async save that failed; that step counts
+        as an interrupted save."""
         self._check_open()
         if self._inflight is None and not self._retention_due:
             return
@@ -523,10 +472,8 @@ class CheckpointManager:
             self._retain(dw, protected=frozenset())
 
     def close(self) -> None:
-        """:meth:`wait`, then release the async writer process and the SIGTERM handler.
-
-        Idempotent; the manager cannot save or restore afterwards.
-        """
+        """:meth:`wait`, then release the async writer process and the SIGTERM handler (idempotent;
+        the manager cannot save or restore afterwards)."""
         if self._closed:
             return
         try:
@@ -535,13 +482,12 @@ class CheckpointManager:
             self._release()
 
     def _release(self) -> None:
-        """Close without a collective: restore the SIGTERM handler and stop the writer
-        process, once this rank's part of the async save in flight is written."""
+        """Close without a collective: the SIGTERM handler back, the writer stopped (once its part is written)."""
         self._closed = True
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
-        if self._used_async:
+        if self.async_save:
             async_persist.shutdown_writer()
 
     def __enter__(self) -> CheckpointManager:
@@ -550,15 +496,11 @@ class CheckpointManager:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """:meth:`close`; when leaving on an exception, without its collective.
 
-        An exception is often this rank's alone (a bad batch, out of memory) while the
-        others train on: a collective would hang it until ``HP_DCP_COLLECTIVE_TIMEOUT``, and
-        with it the launcher's restart.  So this rank's writer only finishes its part of
-        the save in flight (it commits if every rank's part is written), and the retention
-        due is left to the next job's first save."""
-        if exc_type is None:
+        The exception is often this rank's alone while the others train on: a collective would
+        hang it until ``HP_DCP_COLLECTIVE_TIMEOUT``.  So this rank's writer only finishes its part
+        of the save in flight, and the retention due is left to the next job's first save."""
+        if exc_type is None or self._closed:  # close() does nothing once closed
             self.close()
-            return
-        if self._closed:
             return
         inflight, self._inflight = self._inflight, None
         if inflight is not None or self._retention_due:
@@ -571,13 +513,6 @@ class CheckpointManager:
             self._release()
         except Exception:  # noqa: BLE001 - do not hide the exception that is already propagating
             logger.exception("checkpoint manager: closing failed while handling another exception")
-
-    @staticmethod
-    def _async_needs_gloo(location: str) -> bool:
-        """Several ranks saving asynchronously to a URL (``s3://``): the writers exchange
-        plans through their own gloo group (the default exchanges files in the checkpoint
-        directory, which a bucket is not)."""
-        return url_scheme(location) != "file" and dist.is_initialized() and dist.get_world_size() > 1
 
     def _check_open(self) -> None:
         if self._closed:

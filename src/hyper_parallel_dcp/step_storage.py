@@ -1,45 +1,33 @@
 """Every storage operation of :class:`CheckpointManager`, ``hp-dcp ls`` and ``hp-dcp clean``.
 
-A manager root holds one checkpoint per saved step, ``root/step_N`` (``N`` written as
-``str(N)``: ``step_007`` is not a step), beside whatever else the user keeps there.
-:class:`FileSystemSteps` is the ``core.steps.StepStorage`` of a filesystem root: which
-steps exist and are complete (``.metadata`` present), their size, age and stored info,
-crash-safe removal, and what dead saves left.  An object store's package registers its
-own class (:func:`step_storage_for` picks one by URL scheme).
-
-What a killed save leaves on a filesystem:
-
-- ``.step_N.hp-dcp-staging-<id>/`` beside the step: the data written so far;
-- ``.step_N.hp-dcp-old-<id>/``: a replaced (or retired) checkpoint whose removal was cut;
-- ``.step_N.hp-dcp-lock``: the save lock file (its ``flock`` died with the process);
-- ``step_N/`` without ``.metadata``, holding ``LOCAL_PLAN_r.pkl``, ``STORAGE_DATA_r.pkl``,
-  ``.hp-dcp-mailbox-*`` files of an ``async_save`` and the manager's ``hp-dcp-step.json``;
-- ``*.hp-dcp-tmp`` files inside either.
-
-A running save holds the ``flock`` of ``.step_N.hp-dcp-lock`` (its coordinator, from
-planning to commit); nothing of a step whose lock is held is touched.  The moments a live
-save has files but no lock (other ranks' mailbox files before the coordinator locks, the
-acknowledgements after the commit) are covered by ``grace``: entries modified in the
-last ``grace`` seconds are left alone.
+A manager root holds ``root/step_N`` per saved step (``step_007`` is not a step) beside the
+user's own files.  :class:`FileSystemSteps` is the ``core.steps.StepStorage`` of a filesystem
+root; :func:`step_storage_for` picks an object store's by URL scheme.  A killed save leaves
+hidden ``.step_N.hp-dcp-staging-*``/``-old-*`` directories and ``.step_N.hp-dcp-lock``, a
+``step_N/`` without ``.metadata`` and ``*.hp-dcp-tmp`` files.  Nothing of a step whose lock a
+running save holds (an ``flock``, from planning to commit) is touched, nor, with ``grace``,
+anything modified in the last ``grace`` seconds (a live save's files before it locks).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
 import re
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 from hyper_parallel_dcp.core.backends import backend_for, url_scheme
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
 from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, StepStorage, parse_step_name, step_name
+from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.backend import local_path
 from hyper_parallel_dcp.storage_fs.commit import SaveLock
 
@@ -62,10 +50,8 @@ def _tree_bytes(path: str) -> int:
     total = 0
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
-            try:
+            with suppress(FileNotFoundError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                pass
     return total
 
 
@@ -75,10 +61,8 @@ def _newest_mtime(path: str) -> float:
         newest = os.lstat(path).st_mtime
         if os.path.isdir(path) and not os.path.islink(path):
             for entry in os.scandir(path):
-                try:
+                with suppress(FileNotFoundError):
                     newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
-                except FileNotFoundError:
-                    pass
     except FileNotFoundError:
         return 0.0
     return newest
@@ -100,8 +84,7 @@ def _lock_free(path: Path) -> bool:
 
 
 def _move_away(path: Union[str, Path], trash: Path) -> bool:
-    """Rename ``path`` to the hidden ``trash`` in one step, so it is never seen half deleted
-    (a crash while ``trash`` is deleted leaves a leftover); False when ``path`` is gone."""
+    """Rename ``path`` to the hidden ``trash``, so it is never seen half deleted; False when it is gone."""
     try:
         os.rename(path, trash)
         return True
@@ -110,11 +93,8 @@ def _move_away(path: Union[str, Path], trash: Path) -> bool:
 
 
 class FileSystemSteps:
-    """The step directories under a filesystem ``root`` (see the module docstring).
-
-    Never touches an entry of ``root`` that is not ``step_N`` or one of the hidden
-    ``.step_N.hp-dcp-*`` names the save machinery creates.
-    """
+    """The step directories under a filesystem ``root``; never touches an entry of ``root`` that
+    is not ``step_N`` or one of the hidden ``.step_N.hp-dcp-*`` names the save machinery creates."""
 
     def __init__(self, root: Union[str, os.PathLike]):
         self.root = Path(root)
@@ -160,10 +140,8 @@ class FileSystemSteps:
     def saved_at(self, step: int) -> Optional[float]:
         """When the step was committed (``.metadata``'s mtime), else the directory's mtime."""
         for p in (os.path.join(self.location(step), _METADATA), self.location(step)):
-            try:
+            with suppress(FileNotFoundError):
                 return os.stat(p).st_mtime
-            except FileNotFoundError:
-                continue
         return None
 
     def read_info(self, step: int) -> Optional[dict[str, Any]]:
@@ -179,9 +157,8 @@ class FileSystemSteps:
         it into the new checkpoint); creates ``root`` and the step directory as needed."""
         directory = Path(self.location(step))
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f"{INFO_FILE}.{os.getpid()}.hp-dcp-tmp"
-        tmp.write_text(json.dumps(info, sort_keys=True))
-        os.replace(tmp, directory / INFO_FILE)
+        text = json.dumps(info, sort_keys=True).encode()
+        write_file_atomic(directory / INFO_FILE, lambda f: f.write(text), sync=False, unique_temp=True)
 
     def remove_step(self, step: int) -> bool:
         """Delete ``step`` crash-safely (renamed to a hidden ``.step_N.hp-dcp-old-*`` name
@@ -204,11 +181,8 @@ class FileSystemSteps:
 
     @contextmanager
     def reading(self, step: int) -> Iterator[None]:
-        """Hold ``step`` against :meth:`remove_step` (a shared ``flock``) while it is loaded.
-
-        Raises :class:`CheckpointNotFoundError` when the step is no longer complete once
-        the lock is held (it was removed meanwhile).
-        """
+        """Hold ``step`` against :meth:`remove_step` (a shared ``flock``) while it is loaded;
+        :class:`CheckpointNotFoundError` when it is no longer complete once the lock is held."""
         path = self._hidden(step, "readlock")
         while True:
             try:
@@ -220,11 +194,9 @@ class FileSystemSteps:
                 yield
                 return
             fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
+            with suppress(FileNotFoundError):
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
                     break
-            except FileNotFoundError:
-                pass
             os.close(fd)  # a remover unlinked it meanwhile: lock the new file
         try:
             if not self.is_complete(step):
@@ -257,10 +229,8 @@ class FileSystemSteps:
                     raise
                 yield False
                 return
-            try:
+            with suppress(FileNotFoundError):
                 os.unlink(path)  # while locked: a reader that opened it re-opens the new file
-            except FileNotFoundError:
-                pass
             yield True
         finally:
             os.close(fd)
@@ -268,34 +238,26 @@ class FileSystemSteps:
     def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
                        max_step: Optional[int] = None, grace: float = 0.0,
                        check_running: bool = True) -> list[Leftover]:
-        """What dead saves left under ``root``, for steps not in ``protected``.
-
-        Hidden staging/old directories, lock files nobody holds and mailbox/temp files in
-        complete step directories are always candidates; a step directory without
-        ``.metadata`` only when its step is below ``older_than`` (the newest complete step),
-        whatever files it holds (``step_N`` names are the manager's), unless it holds
-        ``{rank}.metadata`` files: a checkpoint saved without collectives loads, and is
-        left alone (logged).  A step whose save lock is held and entries modified in the
-        last ``grace`` seconds are skipped, and with ``max_step`` everything of a higher
-        step.  ``check_running=False`` probes no lock (changes nothing, lists no lock
-        files) and so also lists the files of a running save.
-        """
+        """What dead saves left under ``root``, for steps not in ``protected``: hidden staging/old
+        directories, lock files nobody holds, mailbox/temp files in complete step directories,
+        and step directories without ``.metadata`` below ``older_than`` (the newest complete
+        step) unless they hold ``{rank}.metadata`` files (a save without collectives: left
+        alone, logged).  Skipped: a step whose save lock is held, entries modified in the last
+        ``grace`` seconds, steps above ``max_step``.  ``check_running=False`` probes no lock (lists
+        no lock files, and so also the files of a running save)."""
         try:
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
             return []
         now = time.time()
-        running: dict[int, bool] = {}
 
+        @functools.cache
         def save_running(step: int) -> bool:
-            if step not in running:
-                running[step] = not _lock_free(self._hidden(step, "lock"))
-            return running[step]
+            return not _lock_free(self._hidden(step, "lock"))
 
         def busy(step: int, path: str) -> bool:
-            if step in protected or (grace > 0 and now - _newest_mtime(path) < grace):
-                return True
-            return check_running and save_running(step)
+            return (step in protected or (grace > 0 and now - _newest_mtime(path) < grace)
+                    or (check_running and save_running(step)))
 
         out: list[Leftover] = []
         for entry in entries:
@@ -350,10 +312,8 @@ class FileSystemSteps:
                 return True  # release() below unlinks the lock file
             if item.kind == "mailbox":
                 for p in item.paths:
-                    try:
+                    with suppress(FileNotFoundError):
                         os.unlink(p)
-                    except FileNotFoundError:
-                        pass
                 return True
             if item.kind == "incomplete":
                 if os.path.exists(os.path.join(item.location, _METADATA)):
@@ -370,12 +330,10 @@ class FileSystemSteps:
 
 
 def step_storage_for(root: Union[str, os.PathLike]) -> StepStorage:
-    """The step storage of a manager root: :class:`FileSystemSteps` for a path, else the one
-    the storage backend of the URL's scheme registers (``s3://``: the storage-object package).
-
-    Raises ``UnknownSchemeError`` (a ``ValueError``) naming the package to install for a
-    scheme without a backend, ``ValueError`` for a backend without step storage.
-    """
+    """The step storage of a manager root: :class:`FileSystemSteps` for a path, else the one the
+    backend of the URL's scheme registers.  Raises ``UnknownSchemeError`` (a ``ValueError``)
+    naming the package to install for a scheme without a backend, ``ValueError`` for a backend
+    without step storage."""
     text = os.fspath(root)
     if url_scheme(text) == "file":
         return FileSystemSteps(local_path(text))

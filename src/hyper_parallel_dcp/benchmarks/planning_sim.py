@@ -47,30 +47,31 @@ class TensorSpec:
     placements: tuple[Any, ...]
 
 
-def _dense_specs(tp_dim: int = 1, layers: int = 32, hidden: int = 4096, inter: int = 11008,
-                 vocab: int = 32000) -> list[TensorSpec]:
+def _decoder_specs(layers: int, hidden: int, vocab: int, embed: tuple[Any, ...], attn: Sequence[tuple[Any, ...]],
+                   norm: tuple[Any, ...], mlp: Callable[[str], list[TensorSpec]]) -> list[TensorSpec]:
+    """Embedding, per layer the q/k/v/o projections (placed by ``attn``), ``mlp(prefix)`` and
+    the two norms, then the final norm and the LM head (placed as the embedding)."""
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), embed)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [TensorSpec(f"{p}self_attn.{name}_proj.weight", (hidden, hidden), placements)
+                  for name, placements in zip("qkvo", attn)]
+        specs += mlp(p)
+        specs += [TensorSpec(p + name, (hidden,), norm) for name in ("input_layernorm.weight",
+                                                                     "post_attention_layernorm.weight")]
+    specs += [TensorSpec("model.norm.weight", (hidden,), norm), TensorSpec("lm_head.weight", (vocab, hidden), embed)]
+    return specs
+
+
+def _dense_specs(layers: int = 32, hidden: int = 4096, inter: int = 11008, vocab: int = 32000) -> list[TensorSpec]:
     """A Llama-7B-like decoder; mesh ``(dp, tp)``, Replicate over dp, TP over tp."""
     from torch.distributed.tensor import Replicate, Shard
 
-    rep = (Replicate(), Replicate())
-    col = (Replicate(), Shard(0))
-    row = (Replicate(), Shard(1))
-    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), col)]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        specs += [
-            TensorSpec(p + "self_attn.q_proj.weight", (hidden, hidden), col),
-            TensorSpec(p + "self_attn.k_proj.weight", (hidden, hidden), col),
-            TensorSpec(p + "self_attn.v_proj.weight", (hidden, hidden), col),
-            TensorSpec(p + "self_attn.o_proj.weight", (hidden, hidden), row),
-            TensorSpec(p + "mlp.gate_proj.weight", (inter, hidden), col),
-            TensorSpec(p + "mlp.up_proj.weight", (inter, hidden), col),
-            TensorSpec(p + "mlp.down_proj.weight", (hidden, inter), row),
-            TensorSpec(p + "input_layernorm.weight", (hidden,), rep),
-            TensorSpec(p + "post_attention_layernorm.weight", (hidden,), rep),
-        ]
-    specs += [TensorSpec("model.norm.weight", (hidden,), rep), TensorSpec("lm_head.weight", (vocab, hidden), col)]
-    return specs
+    col, row = (Replicate(), Shard(0)), (Replicate(), Shard(1))
+    return _decoder_specs(layers, hidden, vocab, col, (col, col, col, row), (Replicate(), Replicate()), lambda p: [
+        TensorSpec(p + "mlp.gate_proj.weight", (inter, hidden), col),
+        TensorSpec(p + "mlp.up_proj.weight", (inter, hidden), col),
+        TensorSpec(p + "mlp.down_proj.weight", (hidden, inter), row)])
 
 
 def _moe_specs(layers: int = 24, hidden: int = 2048, experts: int = 64, inter: int = 1408,
@@ -78,26 +79,12 @@ def _moe_specs(layers: int = 24, hidden: int = 2048, experts: int = 64, inter: i
     """An MoE decoder; mesh ``(dp, ep)``: FSDP over dp for everything, experts over ep."""
     from torch.distributed.tensor import Replicate, Shard
 
-    fsdp = (Shard(0), Replicate())
-    rep = (Replicate(), Replicate())
-    expert = (Shard(1), Shard(0))
-    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), fsdp)]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        specs += [
-            TensorSpec(p + "self_attn.q_proj.weight", (hidden, hidden), fsdp),
-            TensorSpec(p + "self_attn.k_proj.weight", (hidden, hidden), fsdp),
-            TensorSpec(p + "self_attn.v_proj.weight", (hidden, hidden), fsdp),
-            TensorSpec(p + "self_attn.o_proj.weight", (hidden, hidden), fsdp),
-            TensorSpec(p + "mlp.gate.weight", (experts, hidden), rep),
-            TensorSpec(p + "mlp.experts.w1", (experts, inter, hidden), expert),
-            TensorSpec(p + "mlp.experts.w2", (experts, hidden, inter), expert),
-            TensorSpec(p + "mlp.experts.w3", (experts, inter, hidden), expert),
-            TensorSpec(p + "input_layernorm.weight", (hidden,), rep),
-            TensorSpec(p + "post_attention_layernorm.weight", (hidden,), rep),
-        ]
-    specs += [TensorSpec("model.norm.weight", (hidden,), rep), TensorSpec("lm_head.weight", (vocab, hidden), fsdp)]
-    return specs
+    fsdp, rep, expert = (Shard(0), Replicate()), (Replicate(), Replicate()), (Shard(1), Shard(0))
+    return _decoder_specs(layers, hidden, vocab, fsdp, (fsdp,) * 4, rep, lambda p: [
+        TensorSpec(p + "mlp.gate.weight", (experts, hidden), rep),
+        TensorSpec(p + "mlp.experts.w1", (experts, inter, hidden), expert),
+        TensorSpec(p + "mlp.experts.w2", (experts, hidden, inter), expert),
+        TensorSpec(p + "mlp.experts.w3", (experts, inter, hidden), expert)])
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,9 @@
 """``hp-dcp``: inspect, verify, explain, diff, find, list and clean checkpoints; convert to/from Hugging Face.
 
-Exit codes: 0 nothing wrong, 1 a problem was found (incomplete or corrupt checkpoint, a
-load that would fail, checkpoints that differ, no complete checkpoint), 2 usage error.
-Human-readable output by default; ``--json`` prints one JSON object on stdout.  Progress
-bars go to stderr, and only when it is a terminal.  The commands are one table,
-:data:`COMMANDS`; importing this module imports nothing heavy, each command's module is
-imported when it runs.  Exports :func:`build_parser` and :func:`main`.
+Exit codes: 0 nothing wrong, 1 a problem found, 2 usage error.  ``--json`` prints one JSON
+object on stdout; progress bars go to a terminal's stderr only.  The commands are one table,
+:data:`COMMANDS`, each command's module imported when it runs.  Exports :func:`build_parser`
+and :func:`main`.
 """
 
 from __future__ import annotations
@@ -68,12 +66,10 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "explain", "explain:run",
         "dry-run a resharded load into a target layout: bytes and files per rank, problems",
-        "Simulate loading CKPT into the layout described by --target, without processes or accelerators, "
-        "using the same planner code as hyper_parallel_dcp.load.  Reports per rank: bytes its targets need, "
-        "bytes it reads from storage and files it opens (when every rank reads for itself, and with read-once + "
-        "broadcast), broadcast bytes sent and received; the over-read factor (bytes read by all ranks / bytes "
-        "stored); keys that are missing, mismatched or not covered by the stored chunks.  Bytes are counted as "
-        "FileSystemReader.bytes_read counts them (a column slice spans the rows it touches).",
+        "Simulate loading CKPT into the layout described by --target with the planner code of "
+        "hyper_parallel_dcp.load, without processes or accelerators: per rank the bytes needed, read and "
+        "broadcast and the files opened (with and without read-once + broadcast), the over-read factor, and the "
+        "keys that are missing, mismatched or not covered by the stored chunks.",
         "hp-dcp explain /ckpt/step_1000 --target tp2.json", "",
         (_CKPT, (("--target", "-t"), {"metavar": "SPEC", "required": True,
                                       "help": "target layout file (.json, .yaml)"}),
@@ -81,10 +77,9 @@ COMMANDS: tuple[Command, ...] = (
         epilog_head=target_spec.format_help()),
     Command(
         "diff", "diff:run", "per-tensor max abs / relative difference between two checkpoints",
-        "Compare two checkpoints key by key (they may have been saved with different layouts).  For each "
-        "tensor: the max absolute difference, the max relative difference |a-b|/max(|a|,|b|), and how many "
-        "elements differ by more than atol + rtol*|b|; objects are compared by value; keys present in only one "
-        "are listed.  Tensors are streamed in row blocks, never both checkpoints in memory.",
+        "Compare two checkpoints key by key, whatever their layouts: per tensor the max absolute and relative "
+        "(|a-b|/max(|a|,|b|)) difference and how many elements differ by more than atol + rtol*|b|; objects by "
+        "value; keys in only one.  Tensors are streamed in row blocks.",
         "hp-dcp diff /ckpt/step_1000 /ckpt/step_1000_resumed --rtol 1e-6", " (1: they differ)",
         ((("a",), {"metavar": "A", "help": "first checkpoint (directory or s3:// URL)"}),
          (("b",), {"metavar": "B", "help": "second checkpoint (directory or s3:// URL)"}),
@@ -96,30 +91,23 @@ COMMANDS: tuple[Command, ...] = (
          _JSON)),
     Command(
         "latest", "roots:run_latest", "print the newest complete checkpoint under a root of step directories",
-        "Among the subdirectories of ROOT whose names end in an integer step (step_100, global_step2000, 300), "
-        "print the path of the one with the highest step that is complete.  When ROOT has step_N subdirectories "
-        "(a CheckpointManager root) only those count, so a sibling directory such as fsdp4 is not taken for "
-        "step 4.  Incomplete (interrupted) saves are skipped.",
+        "Print the path of the complete subdirectory of ROOT with the highest step in its name (step_100, "
+        "global_step2000, 300; only step_N ones when ROOT has any).  Incomplete saves are skipped.",
         "CKPT=$(hp-dcp latest /ckpt) && echo resuming from $CKPT", " (1: no complete checkpoint)",
         ((("root",), {"metavar": "ROOT",
                       "help": "directory (or s3:// prefix) holding one subdirectory per saved step"}), _JSON)),
     Command(
         "ls", "roots:run_ls", "list the steps of a CheckpointManager root: complete or not, size, age, metrics",
-        "List every step_N directory under ROOT (as written by CheckpointManager), complete (.metadata "
-        "committed) or not, with its size on disk, its age and the metrics saved with it; then what dead saves "
-        "left behind: exactly what 'hp-dcp clean --dry-run' lists with the same --grace.  Reads only; changes "
-        "nothing.",
+        "List every step_N directory under ROOT, complete or not, with its size, age and metrics; then what "
+        "dead saves left behind (what 'hp-dcp clean --dry-run' lists with the same --grace).  Changes nothing.",
         "hp-dcp ls /ckpt --json", "", (_ROOT, _GRACE, _JSON)),
     Command(
         "clean", "roots:run_clean", "remove what dead saves left under a CheckpointManager root",
-        "Remove what saves that died left under ROOT: hidden staging and old directories "
-        "(.step_N.hp-dcp-staging-*, .step_N.hp-dcp-old-*), lock files nobody holds, async-save mailbox files, "
-        "and step_N directories without .metadata older than the newest complete step (whatever they hold, "
-        "except {rank}.metadata files: a save without collectives, which loads).  A save that is still running "
-        "(it holds its lock) is never touched, nor anything modified in the last --grace seconds, nor anything "
-        "in ROOT that is not a step_N directory or one of those hidden names.  On an s3:// root: step_N/ prefixes without .metadata "
-        "older than the newest complete step, and lock objects not renewed for HP_DCP_OBJECT_LOCK_STALE_AFTER "
-        "seconds (or whose holder ran here and is gone).",
+        "Remove what saves that died left under ROOT: hidden .step_N.hp-dcp-staging-*/-old-* directories, lock "
+        "files nobody holds, async-save mailbox files, and step_N directories without .metadata older than the "
+        "newest complete step.  A running save (it holds its lock), anything modified in the last --grace "
+        "seconds and anything that is not a step_N directory or one of those names are never touched.  On an "
+        "s3:// root: incomplete step_N/ prefixes and lock objects not renewed (HP_DCP_OBJECT_LOCK_STALE_AFTER).",
         "hp-dcp clean /ckpt --dry-run", " (1: something was in use and kept)",
         (_ROOT, (("--dry-run", "-n"), {"action": "store_true", "help": "only list what would be removed"}),
          _GRACE, _JSON)),
@@ -155,9 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert(argv: Sequence[str]) -> int:
-    """``hp-dcp convert``: ``argv`` verbatim (its ``--help`` included) to
-    ``offline_transform.cli.main``, whose exit code is ours; 2 with an install hint when
-    the conversion package is missing."""
+    """``hp-dcp convert``: ``argv`` verbatim to ``offline_transform.cli.main``, whose exit code is
+    ours; 2 with an install hint when the conversion package is missing."""
     try:
         from hyper_parallel_dcp.offline_transform.cli import main as convert_main
     except ImportError:
@@ -171,11 +158,8 @@ def _convert(argv: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``hp-dcp`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
-
-    A checkpoint error or ``OSError`` of a command is printed and exits 1; a
-    :class:`UsageError` exits 2.
-    """
+    """Run ``hp-dcp`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code (a checkpoint
+    error or ``OSError`` of a command is printed and exits 1; a :class:`UsageError` exits 2)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "convert":
         return _convert(args_list[1:])

@@ -7,26 +7,12 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence, TypeVar
 
-__all__ = [
-    "CLEAN_GRACE_S",
-    "EXIT_OK",
-    "EXIT_PROBLEM",
-    "EXIT_USAGE",
-    "UsageError",
-    "existing_dir",
-    "format_bytes",
-    "print_json",
-    "print_table",
-    "progress",
-    "progress_bar",
-]
+__all__ = ["CLEAN_GRACE_S", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "UsageError", "existing_dir", "format_bytes",
+           "print_json", "print_table", "progress", "progress_bar"]
 
-#: Nothing wrong was found.
-EXIT_OK = 0
-#: The command ran and found a problem (incomplete or corrupt checkpoint, a difference, ...).
-EXIT_PROBLEM = 1
-#: The command line or an input file given on it is wrong (argparse uses 2 as well).
-EXIT_USAGE = 2
+#: Exit codes: nothing wrong found; a problem found (incomplete, corrupt, different, ...); a wrong
+#: command line or input file (argparse uses 2 as well).
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 #: ``hp-dcp ls`` and ``clean`` leave alone what was modified this recently (a save may be writing it).
 CLEAN_GRACE_S = 60.0
@@ -40,9 +26,8 @@ class UsageError(Exception):
 
 
 def existing_dir(path: str, what: str = "checkpoint") -> Any:
-    """``path`` as a :class:`Path`, or as is when it is a URL (``s3://...``: its backend
-    checks it).  Raises :class:`UsageError` when a path is not a directory or no backend
-    handles the URL's scheme."""
+    """``path`` as a :class:`Path`, or as is when it is a URL (its backend checks it); :class:`UsageError`
+    when a path is not a directory or no backend handles the URL's scheme."""
     from hyper_parallel_dcp.core.backends import UnknownSchemeError, backend_for, url_scheme
     from hyper_parallel_dcp.storage_fs.backend import local_path
 

@@ -1,10 +1,9 @@
 """``hp-dcp diff``: per-tensor differences between two checkpoints, streamed.
 
-Tensors are compared one at a time, in row blocks of at most ``block_bytes`` per side,
-each block read through the load path (``offline_transform.blocks.CheckpointBlocks``: any
-backend, either format) into a buffer of just that block, so memory stays near two
-blocks whatever the checkpoint size, and the two may have been saved with different
-layouts.  Exports :func:`diff_checkpoints`, its result types and ``run``.
+Tensors are compared one at a time in row blocks of at most ``block_bytes`` per side, each
+read through the load path (``offline_transform.blocks.CheckpointBlocks``: any backend, any
+layout), so memory stays near two blocks.  Exports :func:`diff_checkpoints`, its result
+types and ``run``.
 """
 
 from __future__ import annotations
@@ -30,10 +29,9 @@ DEFAULT_BLOCK_BYTES = 256 * 1024 * 1024
 
 @dataclass
 class TensorDiff:
-    """Comparison of one key.  ``max_abs``/``max_rel`` are over all elements (``None`` when
-    not compared); the relative difference of an element is ``|a-b| / max(|a|, |b|)``
-    (0 where both are 0; NaN equals NaN; NaN against a number is ``inf``).
-    ``differing`` counts elements with ``|a-b| > atol + rtol * |b|``."""
+    """Comparison of one key: ``max_abs``/``max_rel`` over all elements (``None``: not compared), an
+    element's relative difference being ``|a-b| / max(|a|, |b|)`` (0 where both are 0; NaN equals
+    NaN; NaN against a number is ``inf``); ``differing`` counts ``|a-b| > atol + rtol * |b|``."""
 
     fqn: str
     equal: bool
@@ -61,8 +59,7 @@ class DiffResult:
 
 def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, float, int]:
     wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
-    a = a.to(wide)
-    b = b.to(wide)
+    a, b = a.to(wide), b.to(wide)
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
     diff = torch.where(same, torch.zeros((), dtype=torch.float64), (a - b).abs().to(torch.float64))
     diff = torch.nan_to_num(diff, nan=math.inf)
@@ -98,12 +95,9 @@ def _diff_tensor(fqn: str, sa: CheckpointBlocks, sb: CheckpointBlocks, atol: flo
             ba, br, bd = _compare_blocks(a, b, atol, rtol)
             max_abs, max_rel, differing = max(max_abs, ba), max(max_rel, br), differing + bd
             del a, b
-    equal = differing == 0 and not reason
-    if differing and not reason:
-        reason = f"{differing} of {numel} elements differ"
-    elif differing:
-        reason += f"; {differing} of {numel} elements differ"
-    return TensorDiff(fqn, equal, reason, max_abs, max_rel, differing, numel)
+    if differing:
+        reason = "; ".join(filter(None, (reason, f"{differing} of {numel} elements differ")))
+    return TensorDiff(fqn, not reason, reason, max_abs, max_rel, differing, numel)
 
 
 def _objects_equal(a: Any, b: Any) -> bool:
@@ -138,24 +132,18 @@ def _diff_object(fqn: str, sa: CheckpointBlocks, sb: CheckpointBlocks) -> Tensor
 
 def diff_checkpoints(a: Any, b: Any, *, atol: float = 0.0, rtol: float = 0.0,
                      block_bytes: int = DEFAULT_BLOCK_BYTES, show_progress: bool = True) -> DiffResult:
-    """Compare every key of the checkpoints at ``a`` and ``b``.
-
-    Tensors are equal when every element satisfies ``|a-b| <= atol + rtol*|b|`` (NaN
-    equal to NaN) and shape and dtype match; objects when their stored bytes or their
-    loaded values are equal.  Reads at most ``block_bytes`` per side at a time.  Raises
-    the load path's errors (:class:`CheckpointNotFoundError`, :class:`CheckpointFormatError`,
-    :class:`CorruptCheckpointError`) for an unreadable checkpoint.
-    """
+    """Compare every key of the checkpoints at ``a`` and ``b``, reading at most ``block_bytes`` per
+    side at a time.  Tensors are equal when shape and dtype match and every element satisfies
+    ``|a-b| <= atol + rtol*|b|`` (NaN equal to NaN); objects when their stored bytes or loaded
+    values are equal.  Raises the load path's errors for an unreadable checkpoint."""
     sa, sb = CheckpointBlocks(a), CheckpointBlocks(b)
     ka, kb = sa.metadata.state_dict_metadata, sb.metadata.state_dict_metadata
     result = DiffResult(a, b, only_in_a=sorted(set(ka) - set(kb)), only_in_b=sorted(set(kb) - set(ka)))
     common = sorted(set(ka) & set(kb))
     for fqn in progress(common, total=len(common), desc="diff", unit="key", enabled=show_progress):
-        ta = isinstance(ka[fqn], TensorStorageMetadata)
-        tb = isinstance(kb[fqn], TensorStorageMetadata)
+        ta, tb = (isinstance(side[fqn], TensorStorageMetadata) for side in (ka, kb))
         if ta != tb:
-            kinds = ("tensor" if ta else "object", "tensor" if tb else "object")
-            result.keys.append(TensorDiff(fqn, False, f"{kinds[0]} vs {kinds[1]}"))
+            result.keys.append(TensorDiff(fqn, False, " vs ".join("tensor" if t else "object" for t in (ta, tb))))
         elif ta:
             result.keys.append(_diff_tensor(fqn, sa, sb, atol, rtol, block_bytes))
         else:
@@ -164,9 +152,8 @@ def diff_checkpoints(a: Any, b: Any, *, atol: float = 0.0, rtol: float = 0.0,
 
 
 def _num(x: Optional[float]) -> Any:
-    if x is None or math.isfinite(x):
-        return x
-    return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
+    """``x`` as JSON: ``inf``, ``-inf`` and ``nan`` as strings."""
+    return x if x is None or math.isfinite(x) else str(x)
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -184,19 +171,13 @@ def run(args: Any) -> int:
     result = diff_checkpoints(a, b, atol=args.atol, rtol=args.rtol, block_bytes=int(args.block_mib * 1024 * 1024),
                               show_progress=not args.json)
     if args.json:
-        print_json({
-            "a": str(a),
-            "b": str(b),
-            "identical": result.identical,
-            "only_in_a": result.only_in_a,
-            "only_in_b": result.only_in_b,
-            "keys": {k.fqn: {"equal": k.equal, "reason": k.reason, "max_abs": _num(k.max_abs),
-                             "max_rel": _num(k.max_rel), "differing": k.differing, "numel": k.numel}
-                     for k in result.keys},
-        })
+        print_json({"a": str(a), "b": str(b), "identical": result.identical, "only_in_a": result.only_in_a,
+                    "only_in_b": result.only_in_b,
+                    "keys": {k.fqn: {"equal": k.equal, "reason": k.reason, "max_abs": _num(k.max_abs),
+                                     "max_rel": _num(k.max_rel), "differing": k.differing, "numel": k.numel}
+                             for k in result.keys}})
     else:
-        print(f"A  {a}")
-        print(f"B  {b}")
+        print(f"A  {a}\nB  {b}")
         shown = result.keys if args.all else [k for k in result.keys if not k.equal]
         if shown:
             print()

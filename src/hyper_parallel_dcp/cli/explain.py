@@ -1,20 +1,17 @@
 """``hp-dcp explain``: a dry run of a resharded load, without processes or accelerators.
 
-For every simulated rank of the target layout the target leaves are built as
-:class:`~hyper_parallel_dcp.core.layout.TensorShards` over meta-device views (from
-:func:`~hyper_parallel_dcp.core.layout.placement_boxes`); then the load planner's own
-functions run on them, as ``load`` runs them after its all-gather:
-:func:`~hyper_parallel_dcp.core.load_planning.create_local_load_plan` per rank and
-:func:`~hyper_parallel_dcp.core.reader_assignment.assign_readers` over all ranks.  Bytes
-are counted as ``FileSystemReader.bytes_read`` counts them: the span of each stored chunk
-a read touches (:func:`~hyper_parallel_dcp.core.chunks.span_elements`), plus the whole
-blob of each object.  Exports :func:`explain_load`, its result types and ``run``.
+Each simulated rank's target leaves are :class:`~hyper_parallel_dcp.core.layout.TensorShards`
+over meta-device views; the load planner's own functions run on them as ``load`` runs them
+(``create_local_load_plan`` per rank, ``assign_readers`` over all ranks).  Bytes are counted as
+``FileSystemReader.bytes_read`` counts them (the span of each stored chunk a read touches,
+plus the whole blob of each object).  Exports :func:`explain_load`, its result types and ``run``.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -66,13 +63,9 @@ class KeyLayout:
 
 @dataclass
 class RankLoad:
-    """What one simulated rank reads.
-
-    ``bytes_needed``: bytes of the regions its targets need; ``bytes_read`` / ``files``:
-    what it reads from storage when every rank reads for itself; ``read_once_*``: the same
-    with read-once + broadcast; ``broadcast_sent`` / ``broadcast_received``: shard bytes it
-    broadcasts as a group's reader / receives from another reader.
-    """
+    """What one simulated rank reads: ``bytes_needed`` by its targets; ``bytes_read``/``files`` when
+    every rank reads for itself, ``read_once_*`` with read-once + broadcast; ``broadcast_sent``/
+    ``broadcast_received``: shard bytes it broadcasts as a group's reader / receives."""
 
     rank: int
     coordinate: tuple[int, ...]
@@ -158,11 +151,8 @@ class _Problems:
 
 
 def _kind(exc: CheckpointError) -> str:
-    for cls, kind in ((MissingKeyError, "missing_key"), (MissingRegionError, "missing_region"),
-                      (MismatchError, "mismatch")):
-        if isinstance(exc, cls):
-            return kind
-    return "placement"
+    kinds = ((MissingKeyError, "missing_key"), (MissingRegionError, "missing_region"), (MismatchError, "mismatch"))
+    return next((kind for cls, kind in kinds if isinstance(exc, cls)), "placement")
 
 
 def _plan_rank(flat: dict[str, Any], metadata: Metadata, rank: int, problems: _Problems) -> LoadPlan:
@@ -263,28 +253,19 @@ class _Bytes:
                 total += span_elements(sizes, item.storage_offsets, item.lengths) * self.itemsize[index.fqn]
         return total, sorted(files)
 
-
-def _stored_bytes(metadata: Metadata, tensors: _Layouts, objects: list[str]) -> int:
-    sd = metadata.state_dict_metadata
-    total = 0
-    for fqn in tensors:
-        md = sd[fqn]
-        assert isinstance(md, TensorStorageMetadata)
-        total += sum(math.prod(c.sizes) for c in md.chunks) * md.properties.dtype.itemsize
-    object_bytes = {i.fqn: info.length for i, info in (metadata.storage_data or {}).items() if i.offset is None}
-    return total + sum(object_bytes.get(fqn, 0) for fqn in objects)
+    def stored(self, tensors: _Layouts, objects: list[str]) -> int:
+        """Bytes stored for the loaded ``tensors`` and ``objects``."""
+        object_bytes = {i.fqn: info.length for i, info in self.storage.items() if i.offset is None}
+        return (sum(math.prod(sizes) * self.itemsize[fqn] for (fqn, _), sizes in self.chunk_sizes.items()
+                    if fqn in tensors) + sum(object_bytes.get(fqn, 0) for fqn in objects))
 
 
 def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) -> LoadExplanation:
-    """Simulate loading the checkpoint described by ``metadata`` into the ``spec`` layout.
-
-    Runs the load planner (local plan per simulated rank, reader assignment over all of
-    them) and counts bytes and files per rank, with and without read-once + broadcast.
-    Keys the planner rejects (missing, shape/dtype mismatch, uncovered region, a placement
-    that does not fit) are reported in ``problems`` and left out of the byte counts.
-    ``progress``, when given, wraps the iteration over ranks (e.g. a tqdm factory).
-    Neither argument is modified.
-    """
+    """Simulate loading the checkpoint described by ``metadata`` into the ``spec`` layout: bytes and
+    files per rank, with and without read-once + broadcast.  Keys the planner rejects (missing,
+    mismatched, an uncovered region, a placement that does not fit) are reported in ``problems``
+    and left out of the counts.  ``progress`` (e.g. a tqdm factory) wraps the iteration over
+    ranks.  Neither argument is modified."""
     problems = _Problems()
     tensors, objects, keys = _target_layouts(metadata, spec, problems)
     ranks = range(spec.world_size) if progress is None else progress(range(spec.world_size))
@@ -298,16 +279,15 @@ def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) 
     once_plans = assign_readers(plans, metadata) if spec.world_size > 1 else plans
     count = _Bytes(metadata, problems)
     rank_loads = []
-    shard_bytes: list[dict[Any, int]] = []
+    shard_bytes: list[Counter[Any]] = []
     for rank, (plan, once) in enumerate(zip(plans, once_plans)):
         load = RankLoad(rank, spec.coordinate(rank), bytes_needed=sum(count.item_needed(it) for it in plan.items))
         load.bytes_read, load.files = count.read_by(plan, rank)
         load.read_once_bytes_read, load.read_once_files = count.read_by(once, rank)
-        per_dest: dict[Any, int] = {}
+        shard_bytes.append(Counter())
         for item in plan.items:
             if item.type is LoadItemType.TENSOR:
-                per_dest[item.dest_index] = per_dest.get(item.dest_index, 0) + count.item_needed(item)
-        shard_bytes.append(per_dest)
+                shard_bytes[-1][item.dest_index] += count.item_needed(item)
         rank_loads.append(load)
     groups: dict[tuple[Any, tuple[int, ...]], int] = {}
     for rank, once in enumerate(once_plans):
@@ -320,7 +300,7 @@ def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) 
                 rank_loads[rank].broadcast_received += nbytes
             groups[(group.dest_index, tuple(group.ranks))] = nbytes
     return LoadExplanation(
-        target=spec, tensors=len(tensors), objects=len(objects), stored_bytes=_stored_bytes(metadata, tensors, objects),
+        target=spec, tensors=len(tensors), objects=len(objects), stored_bytes=count.stored(tensors, objects),
         ranks=rank_loads, keys=keys, broadcast_groups=len(groups), broadcast_bytes=sum(groups.values()),
         broadcast_delivered_bytes=sum(b * (len(members) - 1) for (_, members), b in groups.items()),
         problems=problems.all())

@@ -21,26 +21,14 @@ _RANK_FILE = re.compile(r"^(?:_rank(\d+)_\.|__(\d+)_\d+\.distcp$)")
 
 
 def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, Any]:
-    """The ``inspect --json`` document of the checkpoint at ``path`` (SPEC §9 keys first).
-
-    ``complete``/``format_version``/``tensors``/``objects`` as the spec states, plus
-    ``path``, ``problems`` (why it is not complete), ``files`` (name → bytes, writing
-    rank) and ``ranks`` (files and bytes per writing rank).  ``with_chunks`` adds each
-    tensor's ``chunk_list`` (offsets, sizes, file, byte offset, checksum).  Reads metadata
-    and ``stat`` only, never tensor data; never raises for a bad checkpoint.
-    """
+    """The ``inspect --json`` document of the checkpoint at ``path``: SPEC §9's keys, then ``path``,
+    ``problems`` (why it is not complete), ``files`` (name → bytes, writing rank) and ``ranks``
+    (files and bytes per writing rank); ``with_chunks`` adds each tensor's ``chunk_list``.  Reads
+    metadata and ``stat`` only; never raises for a bad checkpoint."""
     report = check_complete(path)
-    doc: dict[str, Any] = {
-        "complete": report.complete,
-        "format": report.format,
-        "format_version": report.format_version,
-        "tensors": {},
-        "objects": [],
-        "path": str(path),
-        "problems": list(report.problems),
-        "files": {},
-        "ranks": [],
-    }
+    doc: dict[str, Any] = {"complete": report.complete, "format": report.format,
+                           "format_version": report.format_version, "tensors": {}, "objects": [], "path": str(path),
+                           "problems": list(report.problems), "files": {}, "ranks": []}
     md = report.metadata
     if md is None:
         return doc
@@ -53,12 +41,9 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
                 doc.setdefault("rank_local_objects", {})[fqn] = sorted(md.rank_objects[fqn])
             continue
         itemsize = entry.properties.dtype.itemsize
-        tensor: dict[str, Any] = {
-            "shape": list(entry.size),
-            "dtype": dtype_name(entry.properties.dtype),
-            "chunks": len(entry.chunks),
-            "bytes": sum(math.prod(c.sizes) for c in entry.chunks) * itemsize,
-        }
+        tensor: dict[str, Any] = {"shape": list(entry.size), "dtype": dtype_name(entry.properties.dtype),
+                                  "chunks": len(entry.chunks),
+                                  "bytes": sum(math.prod(c.sizes) for c in entry.chunks) * itemsize}
         if with_chunks:
             infos = [(c, storage.get(MetadataIndex(fqn, c.offsets))) for c in entry.chunks]
             tensor["chunk_list"] = [{"offsets": list(c.offsets), "sizes": list(c.sizes),
@@ -81,7 +66,6 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
 
 def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
     tensors = doc["tensors"]
-    stored = sum(t["bytes"] for t in tensors.values())
     print(f"checkpoint      {doc['path']}")
     if doc["format"] == "torch-dcp":
         print("format          torch.distributed.checkpoint (pickled .metadata, .distcp files)")
@@ -90,30 +74,23 @@ def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
     print(f"complete        {'yes' if doc['complete'] else 'NO'}")
     for problem in doc["problems"]:
         print(f"  - {problem}")
-    chunks = sum(t["chunks"] for t in tensors.values())
-    print(f"tensors         {len(tensors)} ({format_bytes(stored)} in {chunks} chunks)")
+    print(f"tensors         {len(tensors)} ({format_bytes(sum(t['bytes'] for t in tensors.values()))} in "
+          f"{sum(t['chunks'] for t in tensors.values())} chunks)")
     print(f"objects         {len(doc['objects'])}")
-    total_files = sum(f["bytes"] for f in doc["files"].values())
-    print(f"files           {len(doc['files'])} ({format_bytes(total_files)})")
+    print(f"files           {len(doc['files'])} ({format_bytes(sum(f['bytes'] for f in doc['files'].values()))})")
     if tensors:
         print()
-        print_table(
-            ["FQN", "shape", "dtype", "chunks", "bytes"],
-            [[fqn, "[" + ", ".join(map(str, t["shape"])) + "]", t["dtype"], t["chunks"], t["bytes"]]
-             for fqn, t in tensors.items()],
-            right=(3, 4),
-        )
+        print_table(["FQN", "shape", "dtype", "chunks", "bytes"],
+                    [[fqn, str(t["shape"]), t["dtype"], t["chunks"], t["bytes"]]
+                     for fqn, t in tensors.items()], right=(3, 4))
         if with_chunks:
             for fqn, t in tensors.items():
                 print(f"\n{fqn}")
-                print_table(
-                    ["offsets", "sizes", "file", "byte offset", "xxh3"],
-                    [[c["offsets"], c["sizes"], c["file"], c["byte_offset"], c["checksum"]] for c in t["chunk_list"]],
-                    right=(3,),
-                )
+                print_table(["offsets", "sizes", "file", "byte offset", "xxh3"],
+                            [[c["offsets"], c["sizes"], c["file"], c["byte_offset"], c["checksum"]]
+                             for c in t["chunk_list"]], right=(3,))
     if doc["objects"]:
-        print()
-        print(f"objects ({len(doc['objects'])}):")
+        print(f"\nobjects ({len(doc['objects'])}):")
         for fqn in doc["objects"]:
             print(f"  {fqn}")
     if doc["ranks"]:

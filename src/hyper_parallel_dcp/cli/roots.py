@@ -1,9 +1,8 @@
 """The ``hp-dcp`` commands over a root of step directories: ``latest``, ``ls`` and ``clean``.
 
-Storage access goes through :mod:`hyper_parallel_dcp.step_storage` (``ls``, ``clean``) and
-``storage_fs.integrity.find_latest_checkpoint`` (``latest``).  ``ls`` lists exactly the
-leftovers ``clean --dry-run`` lists with the same ``--grace``.  Exports the three ``run_*``
-functions and :func:`format_age`.
+``ls`` and ``clean`` go through :mod:`hyper_parallel_dcp.step_storage` (``ls`` lists what
+``clean --dry-run`` lists), ``latest`` through ``storage_fs.integrity``.  Exports the three
+``run_*`` functions and :func:`format_age`.
 """
 
 from __future__ import annotations
@@ -61,41 +60,35 @@ def run_latest(args: Any) -> int:
     return EXIT_OK if latest is not None else EXIT_PROBLEM
 
 
-def _metrics_text(metrics: Any) -> str:
-    if not isinstance(metrics, dict):
-        return ""
+def _metrics_text(metrics: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items()))
 
 
-def _leftovers(steps: Any, newest: Any, grace: float) -> list[Any]:
-    """What ``clean`` removes (and ``ls`` lists): leftovers of dead saves, not touched for
-    ``grace`` seconds, of steps whose save lock nobody holds (probing a lock changes nothing)."""
-    return steps.find_leftovers(older_than=newest, grace=grace)
+def _root_steps(args: Any) -> tuple[Any, Any]:
+    """The root of ``ls``/``clean`` and its step storage; :class:`UsageError` for a bad root or ``--grace``."""
+    root = existing_dir(args.root, "checkpoint root")
+    if args.grace < 0:
+        raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
+    return root, step_storage_for(root)
 
 
 def run_ls(args: Any) -> int:
     """List the steps and the leftovers that ``clean`` would remove (exit 0); changes nothing."""
-    root = existing_dir(args.root, "checkpoint root")
-    if args.grace < 0:
-        raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
-    steps = step_storage_for(root)
+    root, steps = _root_steps(args)
     now = time.time()
     rows: list[dict[str, Any]] = []
     for entry in steps.list_steps():
         info = steps.read_info(entry.step) or {}
         saved_at = steps.saved_at(entry.step)
-        rows.append({
-            "step": entry.step,
-            "path": entry.location,
-            "complete": entry.complete,
-            "bytes": steps.size_bytes(entry.step),
-            "saved_at": saved_at,
-            "age_s": None if saved_at is None else round(now - saved_at, 3),
-            "metrics": info.get("metrics") if isinstance(info.get("metrics"), dict) else {},
-        })
+        rows.append({"step": entry.step, "path": entry.location, "complete": entry.complete,
+                     "bytes": steps.size_bytes(entry.step), "saved_at": saved_at,
+                     "age_s": None if saved_at is None else round(now - saved_at, 3),
+                     "metrics": info.get("metrics") if isinstance(info.get("metrics"), dict) else {}})
     complete = [r["step"] for r in rows if r["complete"]]
     latest = complete[-1] if complete else None
-    leftovers = _leftovers(steps, latest, args.grace)
+    # what clean removes: leftovers of dead saves not touched for --grace, of steps whose
+    # save lock nobody holds (probing a lock changes nothing)
+    leftovers = steps.find_leftovers(older_than=latest, grace=args.grace)
     if args.json:
         print_json({"root": str(root), "latest": latest, "steps": rows,
                     "leftovers": [_leftover_json(x) for x in leftovers]})
@@ -110,26 +103,20 @@ def run_ls(args: Any) -> int:
         print(f"\n{len(complete)} complete of {len(rows)}; latest complete: "
               f"{'none' if latest is None else f'step {latest}'}")
     if leftovers:
+        grace = "" if args.grace == CLEAN_GRACE_S else f" --grace {args.grace:g}"
         print(f"{len(leftovers)} leftover(s) of dead saves ({format_bytes(sum(x.bytes for x in leftovers))}): "
-              f"'hp-dcp clean {root}{_grace_flag(args.grace)}' removes them")
+              f"'hp-dcp clean {root}{grace}' removes them")
     return EXIT_OK
-
-
-def _grace_flag(grace: float) -> str:
-    return "" if grace == CLEAN_GRACE_S else f" --grace {grace:g}"
 
 
 def run_clean(args: Any) -> int:
     """Remove (with ``--dry-run``: list) the leftovers of dead saves; exit 1 when one is in use."""
-    root = existing_dir(args.root, "checkpoint root")
-    if args.grace < 0:
-        raise UsageError(f"--grace must be >= 0 seconds, got {args.grace}")
-    steps = step_storage_for(root)
+    root, steps = _root_steps(args)
     complete = [e.step for e in steps.list_steps() if e.complete]
     newest = complete[-1] if complete else None
     removed: list[Any] = []
     kept: list[Any] = []
-    for item in _leftovers(steps, newest, args.grace):
+    for item in steps.find_leftovers(older_than=newest, grace=args.grace):
         (removed if args.dry_run or steps.remove_leftover(item) else kept).append(item)
     total = sum(x.bytes for x in removed)
     if args.json:

@@ -76,11 +76,8 @@ def _replicate() -> Any:
 
 
 def parse_placement(text: Any) -> Any:
-    """A torch placement from its written form (``"Shard(0)"``, ``"Replicate"``, ...).
-
-    Raises :class:`UsageError` for anything else, ``Partial`` included (a partial sum
-    cannot be loaded from a checkpoint).
-    """
+    """A torch placement from its written form (``"Shard(0)"``, ``"Replicate"``, ...); :class:`UsageError`
+    for anything else, ``Partial`` included (a partial sum cannot be loaded from a checkpoint)."""
     from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
     if not isinstance(text, str):
@@ -125,11 +122,7 @@ class TargetSpec:
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """Row-major mesh coordinate of ``rank`` (the order ``init_device_mesh`` uses)."""
-        coord = []
-        for size in reversed(self.mesh_shape):
-            coord.append(rank % size)
-            rank //= size
-        return tuple(reversed(coord))
+        return tuple(rank // math.prod(self.mesh_shape[i + 1:]) % size for i, size in enumerate(self.mesh_shape))
 
     def rule_for(self, fqn: str) -> Optional[PlacementRule]:
         return next((rule for rule in self.rules if fnmatch.fnmatchcase(fqn, rule.pattern)), None)
@@ -140,11 +133,8 @@ class TargetSpec:
         return any(fnmatch.fnmatchcase(fqn, p) for p in self.load) and (rule is None or not rule.skip)
 
     def placements_for(self, fqn: str, ndim: int) -> tuple[tuple[Any, ...], Optional[str]]:
-        """The placements of ``fqn`` (a tensor with ``ndim`` dims) and the rule pattern used.
-
-        A default ``Shard(d)`` that does not fit the tensor becomes ``Replicate``; a rule's
-        placements are returned as written (the caller reports a misfit).
-        """
+        """The placements of ``fqn`` (a tensor with ``ndim`` dims) and the rule pattern used: a default
+        ``Shard(d)`` that does not fit becomes ``Replicate``, a rule's placements are as written."""
         rule = self.rule_for(fqn)
         if rule is not None and rule.placements is not None:
             return rule.placements, rule.pattern
@@ -267,27 +257,23 @@ def parse_target_spec(doc: Any, *, source: str = "target spec") -> TargetSpec:
 
 
 def load_target_spec(path: str | Path) -> TargetSpec:
-    """Read and parse a spec file (``.json``, or ``.yaml``/``.yml`` with PyYAML installed).
-
-    Raises :class:`UsageError` for a missing file, a syntax error or an invalid spec.
-    """
+    """Read and parse a spec file (``.json``, or ``.yaml``/``.yml`` with PyYAML installed);
+    :class:`UsageError` for a missing file, a syntax error or an invalid spec."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
         raise UsageError(f"cannot read target spec {p}: {exc.strerror or exc}") from None
-    if p.suffix.lower() not in (".yaml", ".yml"):
+    kind, loads, syntax_error = "JSON", json.loads, ValueError
+    if p.suffix.lower() in (".yaml", ".yml"):
         try:
-            doc = json.loads(text)
-        except ValueError as exc:
-            raise UsageError(f"{p} is not valid JSON: {exc}") from None
-        return parse_target_spec(doc, source=str(p))
+            import yaml
+        except ImportError:
+            hint = "reading YAML needs PyYAML (pip install pyyaml); or write the spec as JSON"
+            raise UsageError(f"{p}: {hint}") from None
+        kind, loads, syntax_error = "YAML", yaml.safe_load, yaml.YAMLError
     try:
-        import yaml
-    except ImportError:
-        raise UsageError(f"{p}: reading YAML needs PyYAML (pip install pyyaml); or write the spec as JSON") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise UsageError(f"{p} is not valid YAML: {exc}") from None
+        doc = loads(text)
+    except syntax_error as exc:
+        raise UsageError(f"{p} is not valid {kind}: {exc}") from None
     return parse_target_spec(doc, source=str(p))
