@@ -44,9 +44,8 @@ def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
     to another process as its file descriptor (or name), not as its bytes.
 
     A memfd allocated by ``os.posix_fallocate``, which releases the GIL (``_new_shared``
-    holds it: 58 ms for 505 MiB that the training thread waited), mapped as torch maps a
-    received descriptor.  Without memfd, or with the ``file_system`` sharing strategy,
-    ``UntypedStorage._new_shared``.
+    holds it), mapped as torch maps a received descriptor; without memfd, or with the
+    ``file_system`` sharing strategy, ``UntypedStorage._new_shared``.
     """
     import torch.multiprocessing as torch_mp
 

@@ -1,14 +1,10 @@
 """Collectives through files in the checkpoint directory (``async_save(use_gloo=False)``).
 
-The writer processes have no process group: they exchange a save's rounds as files
-beside the checkpoint.  Every rank writes ``LOCAL_PLAN_{rank}.pkl`` (its local plan),
-later ``STORAGE_DATA_{rank}.pkl`` (its write results), each followed by a ``.done``
-marker; the coordinator reads them with parallel polling threads and answers with hidden
-``.hp-dcp-*`` files.  Every file carries the save's ``tag`` (equal on all ranks, unique
-per save), so a file of an earlier, killed save is never taken for this one's.  Files are
-read with :mod:`.safe_pickle` (never running code) and removed once the checkpoint landed.
-
-Exports :class:`FileMailbox`, :class:`MailboxTimeoutError` and :class:`RankIdentity`.
+Every rank writes ``LOCAL_PLAN_{rank}.pkl``, later ``STORAGE_DATA_{rank}.pkl``, each
+followed by a ``.done`` marker; the coordinator answers with hidden ``.hp-dcp-*`` files.
+Every file carries the save's ``tag``, so a file of an earlier, killed save is never taken
+for this one's.  Files are read with :mod:`.safe_pickle` and removed once the checkpoint
+landed.  Exports :class:`FileMailbox`, :class:`MailboxTimeoutError`, :class:`RankIdentity`.
 """
 
 from __future__ import annotations
@@ -35,9 +31,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _POLL_FIRST_S = 0.001
-# The back-off cap grows with the job: a few ranks poll often (a fixed 50 ms cap added
-# ~0.1 s a save on 2 ranks), a large job on shared storage bounds its rate of lookups;
-# HP_DCP_MAILBOX_POLL_MAX caps it.
+# the back-off cap grows with the job (few ranks poll often, many bound their lookups)
 _POLL_MAX_PER_RANK_S = 0.001
 _POLL_MIN_CAP_S = 0.004
 _MAX_POLL_THREADS = 32
@@ -60,10 +54,9 @@ class RankIdentity(DistWrapper):
 class FileMailbox(DistWrapper):
     """A :class:`DistWrapper` whose object collectives go through files in ``directory``.
 
-    ``tag`` must be equal on all ranks for one save and differ between saves.  A read
-    waits at most ``timeout`` seconds for a rank's file, then raises
-    :class:`MailboxTimeoutError` naming the rank and the file.  The file names come from
-    :meth:`DistWrapper.exchange_name` (the step under way).
+    ``tag``: equal on all ranks for one save, different between saves.  A read waits at
+    most ``timeout`` seconds for a rank's file, then raises :class:`MailboxTimeoutError`
+    naming the rank and the file.
     """
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str, *,
@@ -158,12 +151,9 @@ class FileMailbox(DistWrapper):
             self._gather("barrier", True)
 
     def finish(self, ack_timeout: float = 60.0) -> None:
-        """Remove this save's mailbox files once every rank has read the last answer.
-
-        Non-coordinators acknowledge; the coordinator waits for the acknowledgements (at
-        most ``ack_timeout`` s: a rank that died cannot acknowledge) and then deletes every
-        mailbox file of this save.  Never raises for a missing file.
-        """
+        """Remove this save's mailbox files once every rank has read the last answer: the
+        coordinator waits for the others' acknowledgements (at most ``ack_timeout`` s),
+        then deletes them.  Never raises for a missing file."""
         if not self.use_dist:
             return
         if not self.is_coordinator:

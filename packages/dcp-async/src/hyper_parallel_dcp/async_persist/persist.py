@@ -1,14 +1,9 @@
 """``async_save``: stage now in the training process, persist in the writer process.
 
-One :class:`_Persister` per training process owns the staging arena, the writer process
-(started on first use, reused, replaced after it died) and the save in flight.  A save:
-wait for the previous one → stage (the only blocking part) → a joining thread sends the
-request, awaits the writer's reply (or its death, or a failure on another rank), installs
-the plan cache, runs the callback and resolves the future.  Neither the writer process
-nor the joining thread is a daemon: at exit the save in flight lands first.
-
-Exports :func:`async_save`, :class:`AsyncSaveResponse`, :func:`start_writer`,
-:func:`shutdown_writer`, and the errors of :mod:`.errors`.
+One :class:`_Persister` per process owns the staging arena, the writer process (started
+on first use, replaced after it died) and the save in flight, whose second half (send,
+await the reply, settle the future) runs on a non-daemon joining thread.  Exports
+:func:`async_save`, :class:`AsyncSaveResponse`, :func:`start_writer`, :func:`shutdown_writer`.
 """
 
 from __future__ import annotations
@@ -208,9 +203,7 @@ class _Persister:
                     board.wait_all(self.failed_seq, "retired", time.monotonic() + settings.ASYNC_TIMEOUT.get(),
                                    "resynchronise")
                     self.failed_seq = None
-                # Staging a new layout allocates tens of thousands of small objects: the full
-                # collections they set off re-traverse the training process's heap (100+ ms
-                # at 2000 tensors); the sync save pauses the collector for the same reason.
+                # staging a new layout allocates thousands of objects: no full collections
                 with gc_paused():
                     state_dict, _ = expand_stateful(state_dict)  # a Stateful leaf: its state_dict()
                     gloo_init = gloo_init_method() if use_gloo and use_collectives else None
@@ -238,9 +231,8 @@ class _Persister:
                         rank: int) -> AsyncSaveResponse:
         writer = self.writer
         if writer is not None and writer.failed_starting():
-            # start_writer()'s writer died of an error of its own (most often spawn running
-            # an unguarded training script again, which a new writer would repeat): said
-            # now, not by the next save; one killed by a signal is simply replaced.
+            # start_writer()'s writer died of its own error (an unguarded script under
+            # spawn, which a new writer would repeat): said now; a killed one is replaced
             self.writer = None
             writer.close()
             raise AsyncSaveError(writer.death_message(None, starting=True, saving=False)
@@ -262,14 +254,12 @@ class _Persister:
     def _join(self, response: AsyncSaveResponse, writer: WriterProcess, request: SaveRequest,
               planner: Optional[SavePlanner], callback: Optional[Callable[[], None]], board: Optional[Outcomes],
               started: bool) -> None:
-        """The save's second half, on its joining thread: send the request, await the reply,
-        settle the future.  ``started``: the writer had had no request before this one."""
+        """The save's second half (joining thread); ``started``: the writer's first request."""
         seq = request.seq
         delivered = False
         try:
-            # A pending slab is filled here, off the caller's path; the request is sent from
-            # here too, as a writer still importing torch would block a large one's send
-            # (2000 tensors: first-save blocking 1.4 s against the staging copy alone).
+            # off the caller's path: filling a pending slab, and a send that a writer still
+            # importing torch would block
             self.arena.complete()
             try:
                 writer.send(request, self.arena.slabs)
@@ -308,16 +298,15 @@ class _Persister:
     @staticmethod
     def _landed(reply: SaveReply, writer: WriterProcess, board: Optional[Outcomes],
                 checkpoint_id: Optional[str]) -> Metadata:
-        """The metadata of a reply that says the save landed on every rank; else raises the
-        writer's error, or the failure of the rank that caused it."""
+        """The metadata of a save that landed on every rank; else raises the writer's error, or
+        the failure of the rank that caused it."""
         seq = reply.seq
         if reply.metadata is None:
             exc = reply.error if reply.error is not None else AsyncSaveError(reply.error_text or "no metadata")
             if reply.error is not None and hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(f"raised in the async writer process (pid {writer.pid}):\n{reply.error_text}")
             if board is not None:
-                # Our writer's error may only echo a peer's death ("connection closed by
-                # peer"): when another rank reports its failure, name that rank.
+                # our writer's error may only echo a peer's death: name that peer
                 failed = others_failed(board, seq, time.monotonic() + _ECHO_WAIT_S)
                 if failed:
                     raise remote_failure(seq, failed, checkpoint_id, landed_here=False) from exc
@@ -384,14 +373,12 @@ def async_save(
 
 
 def start_writer(wait: bool = False, timeout: Optional[float] = None) -> None:
-    """Start this process's async writer process now, in the background.
+    """Start this process's async writer process now (else the first :func:`async_save`
+    does, and its landing waits for the writer to import torch).
 
-    Optional: the first :func:`async_save` starts it otherwise, and then that save's time
-    to landed includes the writer's start (it imports torch: 1-2 s).  Call it early (at
-    start-up, before the first training step) to take that off the first checkpoint.  A
-    no-op while a writer is running; :func:`shutdown_writer` stops it.  Returns at once,
-    or with ``wait=True`` once the writer is ready to save (at most ``timeout`` seconds:
-    else :class:`CheckpointTimeoutError`; :class:`AsyncSaveError` if it died starting).
+    A no-op while a writer is running.  Returns at once, or with ``wait=True`` once the
+    writer is ready (at most ``timeout`` seconds: else :class:`CheckpointTimeoutError`;
+    :class:`AsyncSaveError` if it died starting).
     """
     _get_persister().prestart(wait, timeout)
 

