@@ -1,12 +1,9 @@
 """The staging arena: one device → host copy of every tensor piece into reusable slots.
 
-A piece's slot is keyed by ``(fqn, offsets, sizes, dtype)``: a later save with the same
-pieces copies into the same slots, new pieces get a new slab, unused slabs are released;
-a save with the last one's layout takes :class:`RepeatedLayout`.  A new slab for host
-pieces is filled off the caller's path (fresh shared pages fault on first write: 3x
-slower than a private clone), device pieces go straight into a new page-locked slab.
-
-Exports :data:`BufferKey`, :class:`StagingStats` and :class:`StagingArena`.
+A piece's slot is keyed by ``(fqn, offsets, sizes, dtype)``: a later save of the same
+pieces copies into the same slots; a new host slab is filled off the caller's path (fresh
+shared pages fault on first write).  Exports :data:`BufferKey`, :class:`StagingStats`,
+:class:`StagingArena`.
 """
 
 from __future__ import annotations

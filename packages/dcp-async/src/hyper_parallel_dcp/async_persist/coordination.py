@@ -1,15 +1,11 @@
 """How the writer processes of one save coordinate, and how every rank learns every rank's
-outcome of it.
-
-A writer that dies cannot tell its peers, which wait for it; its training process sees
-the death and publishes it on an :class:`Outcomes` board in the job's store, which the
-other training processes poll while their writer works.  Keys, under
-``hp-dcp/async/<session>/<group>/<seq>/``: ``fail`` (a counter), ``fail/<rank>`` (the
-error text), ``ok/<rank>``, ``retired/<rank>`` (that rank's writer of the save is gone).
+outcome of it: a dead writer's training process publishes its failure on an
+:class:`Outcomes` board in the job's store, which the other ranks poll while their writer
+works.  Keys, under ``hp-dcp/async/<session>/<group>/<seq>/``: ``fail`` (a counter),
+``fail/<rank>`` (the error text), ``ok/<rank>``, ``retired/<rank>`` (that writer is gone).
 
 Exports :func:`choose_mode`, :func:`gloo_init_method`, :func:`mailbox_session`,
-:func:`outcome_board`, :class:`Outcomes`, :func:`others_failed`, :func:`remote_failure`
-and :data:`POLL_S`.
+:func:`outcome_board`, :class:`Outcomes`, :func:`others_failed`, :func:`remote_failure`, :data:`POLL_S`.
 """
 
 from __future__ import annotations

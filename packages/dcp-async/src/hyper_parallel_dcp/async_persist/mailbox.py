@@ -1,10 +1,7 @@
-"""Collectives through files in the checkpoint directory (``async_save(use_gloo=False)``).
-
-Every rank writes ``LOCAL_PLAN_{rank}.pkl``, later ``STORAGE_DATA_{rank}.pkl``, each
-followed by a ``.done`` marker; the coordinator answers with hidden ``.hp-dcp-*`` files.
-Every file carries the save's ``tag``, so a file of an earlier, killed save is never taken
-for this one's.  Files are read with :mod:`.safe_pickle` and removed once the checkpoint
-landed.  Exports :class:`FileMailbox`, :class:`MailboxTimeoutError`, :class:`RankIdentity`.
+"""Collectives through files in the checkpoint directory (``async_save(use_gloo=False)``):
+``LOCAL_PLAN_{rank}.pkl``, ``STORAGE_DATA_{rank}.pkl`` and hidden ``.hp-dcp-*`` answers,
+each followed by a ``.done`` marker and carrying the save's tag, read with
+:mod:`.safe_pickle`.  Exports :class:`FileMailbox` and :class:`MailboxTimeoutError`.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from hyper_parallel_dcp.storage_fs.mailbox_names import DONE_SUFFIX, ack_file, g
 
 from . import safe_pickle
 
-__all__ = ["FileMailbox", "MailboxTimeoutError", "RankIdentity"]
+__all__ = ["FileMailbox", "MailboxTimeoutError"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +38,6 @@ _STEPS = ("plan_cache", "plan", "write", "write-share", "write-confirm", "exchan
 
 class MailboxTimeoutError(TimeoutError):
     """A rank's mailbox file did not appear in time (that rank's writer is gone or stuck)."""
-
-
-class RankIdentity(DistWrapper):
-    """No exchange at all, but the rank and world size of the training process (without it,
-    a writer's save with ``use_collectives=False`` would believe it is rank 0 of 1)."""
-
-    def __init__(self, rank: int, world_size: int):
-        super().__init__(None, use_dist=False, rank=rank, world_size=world_size)
 
 
 class FileMailbox(DistWrapper):
@@ -167,12 +156,9 @@ class FileMailbox(DistWrapper):
         finally:
             self.timeout = saved_timeout
         ranks = range(self.world_size)
-        for step in _STEPS:
-            for name in [gather_file(step, r) for r in ranks] + [scatter_file(step, r) for r in ranks]:
-                self._remove_if_ours(name)
-            self._remove_if_ours(result_file(step))
-        for r in ranks:
-            self._remove_if_ours(ack_file(r))
+        for name in ([per_rank(step, r) for step in _STEPS for per_rank in (gather_file, scatter_file) for r in ranks]
+                     + [result_file(step) for step in _STEPS] + [ack_file(r) for r in ranks]):
+            self._remove_if_ours(name)
 
     def _remove_if_ours(self, name: str) -> None:
         path = self.directory / name

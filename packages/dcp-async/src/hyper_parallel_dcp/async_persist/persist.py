@@ -1,9 +1,8 @@
 """``async_save``: stage now in the training process, persist in the writer process.
 
-One :class:`_Persister` per process owns the staging arena, the writer process (started
-on first use, replaced after it died) and the save in flight, whose second half (send,
-await the reply, settle the future) runs on a non-daemon joining thread.  Exports
-:func:`async_save`, :class:`AsyncSaveResponse`, :func:`start_writer`, :func:`shutdown_writer`.
+One :class:`_Persister` per process owns the staging arena, the writer process and the
+save in flight.  Exports :func:`async_save`, :class:`AsyncSaveResponse`,
+:func:`start_writer`, :func:`shutdown_writer`.
 """
 
 from __future__ import annotations
@@ -69,13 +68,10 @@ class _Future(concurrent.futures.Future):
 
 
 class AsyncSaveResponse:
-    """Handle of one async save.
-
-    ``persist_completion`` is a ``concurrent.futures.Future[Metadata]`` resolved once the
-    checkpoint has landed (after ``callback`` ran), or failed with the writer's error.
-    ``staging`` says what staging did (bytes copied, reused, allocated); ``cache_hit``
-    becomes True/False once landed when the standard planner was used; ``writer_pid`` is
-    the writer process's pid.
+    """Handle of one async save: ``persist_completion``, a ``Future[Metadata]`` resolved once
+    the checkpoint has landed (after ``callback`` ran) or failed with the writer's error;
+    ``staging`` (what staging did); ``cache_hit`` (True/False once landed, with the
+    standard planner); ``writer_pid``.
     """
 
     def __init__(self, checkpoint_id: Optional[str], staging: StagingStats, writer_pid: int):
@@ -89,11 +85,8 @@ class AsyncSaveResponse:
         self._thread: Optional[threading.Thread] = None
 
     def get_result(self, timeout: Optional[float] = None) -> Metadata:
-        """``persist_completion.result(timeout)``: the global metadata once landed.
-
-        Raises the writer's error (original message), :class:`AsyncSaveError` when the
-        writer died, or ``concurrent.futures.TimeoutError``.
-        """
+        """The global metadata once landed; raises the writer's error (original message),
+        :class:`AsyncSaveError` when the writer died, or ``concurrent.futures.TimeoutError``."""
         return self.persist_completion.result(timeout)
 
     def done(self) -> bool:
@@ -112,8 +105,7 @@ class _Persister:
         self.inflight: Optional[AsyncSaveResponse] = None
         self.last: Optional[AsyncSaveResponse] = None
         self.seq = 0
-        #: seq of the last coordinated save that failed on some rank; the next one first
-        #: waits until every rank's writer of that save is gone (resynchronisation)
+        #: the last coordinated save that failed: the next waits until all its writers are gone
         self.failed_seq: Optional[int] = None
         self.session: Optional[str] = None
         self._exit_hook: Any = None
@@ -130,8 +122,7 @@ class _Persister:
             self.writer.close()
         self.writer = WriterProcess()
         if self._exit_hook is None:
-            # Runs inside multiprocessing's exit handler *before* it joins non-daemon
-            # children (which would otherwise wait forever for our idle writer).
+            # runs in multiprocessing's exit handler before it joins (forever) non-daemon children
             self._exit_hook = mp_util.Finalize(None, self.shutdown, exitpriority=100)
         return self.writer
 
@@ -188,8 +179,7 @@ class _Persister:
         with self._lock:
             self._wait_inflight()
             self._surface_dropped()
-            # Counted first, on every call: the same number on every rank, even when this
-            # call fails here on some ranks only; it names the save in the job's store.
+            # counted first, on every call: equal on every rank even when some fail here
             self.seq += 1
             seq = self.seq
             use_collectives = use_collectives and not no_dist
@@ -345,25 +335,22 @@ def async_save(
 ) -> AsyncSaveResponse:
     """Stage ``state_dict`` to host memory now; plan, coordinate and write in a background process.
 
-    When this returns every tensor has been copied (device → reusable shared host
-    buffers) and non-tensor leaves have been copied with :class:`DataCopier`: the caller
-    may overwrite anything in ``state_dict``, which is not modified.  The persistent
-    writer process then runs the same save pipeline as :func:`save`; the returned
-    :class:`AsyncSaveResponse` resolves to the global :class:`Metadata` once the
-    checkpoint has landed, after ``callback()`` ran (its exceptions are logged).  A call
-    while an earlier save is in flight first waits for it.  Coordination: ``use_gloo=True``
-    → a CPU gloo group of the writer processes (needs ``MASTER_ADDR``/``MASTER_PORT``, else
+    On return every tensor has been copied into reusable shared host buffers and every
+    other leaf with :class:`DataCopier`: the caller may overwrite anything in
+    ``state_dict`` (not modified).  The writer process runs the same pipeline as
+    :func:`save`; the :class:`AsyncSaveResponse` resolves to the global :class:`Metadata`
+    once the checkpoint has landed and ``callback()`` ran (its exceptions are logged).  A
+    call while a save is in flight first waits for it.  Coordination: ``use_gloo=True`` →
+    a CPU gloo group of the writers (needs ``MASTER_ADDR``/``MASTER_PORT``, else
     ``AssertionError``; port ``MASTER_PORT + 1`` or ``$HP_DCP_ASYNC_GLOO_PORT``);
     ``use_gloo=False`` → ``LOCAL_PLAN_{rank}.pkl`` / ``STORAGE_DATA_{rank}.pkl`` files in
     the checkpoint directory (needs ``checkpoint_id``); ``use_collectives=False`` → none,
-    ``{rank}.metadata`` each.  With collectives every rank must call (every rank of
-    ``process_group`` when one is given: a sub-group saves as its group ranks).  A
-    ``Stateful`` leaf (``state_dict()`` + ``load_state_dict()``) is saved as its state dict.
+    ``{rank}.metadata`` each.  With collectives every rank (of ``process_group``, when
+    given) must call.  A ``Stateful`` leaf is saved as its state dict.
 
     Raises here: ``ValueError`` without a destination, ``AssertionError`` as above, and
-    staging errors (e.g. :class:`UnsupportedPlacementError`).  Errors of the writer
-    (with their original message), or :class:`AsyncSaveError` when it died, come through
-    the future.
+    staging errors (e.g. :class:`UnsupportedPlacementError`); the writer's errors (original
+    message), or :class:`AsyncSaveError` when it died, come through the future.
     """
     return _get_persister().submit(
         state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
@@ -384,9 +371,7 @@ def start_writer(wait: bool = False, timeout: Optional[float] = None) -> None:
 
 
 def shutdown_writer() -> None:
-    """Wait for the save in flight, stop the writer process and free the staging memory.
-
-    The next :func:`async_save` starts a new writer.  A no-op when none was started.
-    """
+    """Wait for the save in flight, stop the writer process and free the staging memory (the
+    next :func:`async_save` starts a new writer); a no-op when none was started."""
     if _persister is not None:
         _persister.shutdown()

@@ -1,10 +1,8 @@
 """What the training process and its writer process send each other, and what the writer
-holds from earlier requests.
-
-A request leaves out what the writer holds already (the slabs it mapped, the plan-cache
-entry): :meth:`WriterMirror.send` makes that delta, :meth:`WriterHoldings.receive` undoes
-it.  Exports :data:`PING`, :class:`Mode`, :class:`SaveRequest`, :class:`SaveReply`,
-:class:`WriterMirror`, :class:`WriterHoldings`, :func:`clean_planner`, :func:`parent_cache_entry`.
+holds from earlier requests (left out of a request: :meth:`WriterMirror.send` makes the
+delta, :meth:`WriterHoldings.receive` undoes it).  Exports :data:`PING`, :class:`Mode`,
+:class:`SaveRequest`, :class:`SaveReply`, :class:`WriterMirror`, :class:`WriterHoldings`,
+:func:`clean_planner`, :func:`parent_cache_entry`.
 """
 
 from __future__ import annotations

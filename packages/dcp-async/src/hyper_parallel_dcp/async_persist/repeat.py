@@ -1,8 +1,6 @@
 """The repeated-layout strategy: a save with the last one's flat keys and tensor geometry
-checks each leaf (~0.5 µs) and copies, with none of a first staging's per-piece work.
-
-Exports :data:`LeafCheck`, :func:`leaf_check`, :class:`GeometryMemo`,
-:class:`RepeatedLayout` and :class:`DevicePack`.
+checks each leaf and copies, with none of a first staging's per-piece work.  Exports
+:data:`LeafCheck`, :func:`leaf_check`, :class:`GeometryMemo`, :class:`RepeatedLayout`, :class:`DevicePack`.
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ from .slabs import align, copy_into_slots, wait_for_copies
 
 __all__ = ["DevicePack", "GeometryMemo", "LeafCheck", "RepeatedLayout", "leaf_check"]
 
-#: A tensor leaf's reuse check, ``(token, whole)``: the token is a DTensor's spec or a plain
-#: tensor's (shape, dtype, device); ``whole``: the leaf's one non-empty piece is its whole
-#: local tensor.  ``None``: not reusable (a ragged geometry may change between steps).
+#: A tensor leaf's reuse check, ``(token, whole)``: a DTensor's spec or a plain tensor's
+#: (shape, dtype, device), and whether its one non-empty piece is its whole local tensor;
+#: ``None``: not reusable (a ragged geometry may change between steps).
 LeafCheck = Optional[tuple[Any, bool]]
 
 

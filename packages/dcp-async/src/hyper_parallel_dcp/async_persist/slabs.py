@@ -1,10 +1,7 @@
-"""Slabs: large shared-memory byte buffers holding many staging slots, and the copies into them.
-
-The writer process maps a slab once (it pickles as its file descriptor) and reads the
-pieces in place; a few large slabs keep descriptors and mappings few.  Pinning is CUDA's
-``cudaHostRegister``: pieces on another accelerator go to unpinned slabs.  Exports
-:data:`ALIGN`, :func:`align`, :func:`slab_view`, :class:`Slab`, :func:`copy_into_slots`,
-:func:`wait_for_copies` and :func:`populate_slab`.
+"""Slabs: large shared-memory byte buffers holding many staging slots (the writer maps each
+once, by its file descriptor), and the copies into them.  Exports :data:`ALIGN`,
+:func:`align`, :func:`slab_view`, :class:`Slab`, :func:`copy_into_slots`,
+:func:`wait_for_copies`, :func:`populate_slab`.
 """
 
 from __future__ import annotations
@@ -66,9 +63,8 @@ class Slab:
 
 
 def copy_into_slots(dsts: list[torch.Tensor], srcs: list[torch.Tensor], device_type: Optional[str]) -> None:
-    """Copy every source into its slot; returns once the copies are done.  Device sources:
-    every copy queued on the current stream at once (into page-locked memory the copy
-    engine works asynchronously), then a wait for that stream only."""
+    """Copy every source into its slot; returns once the copies are done (device sources:
+    all queued on the current stream at once, then a wait for that stream only)."""
     if not dsts:
         return
     with torch.no_grad():
@@ -87,10 +83,7 @@ def wait_for_copies(devices: set[torch.device]) -> None:
 
 def populate_slab(buffer: torch.Tensor) -> bool:
     """Map every whole page of ``buffer`` into this process in one ``MADV_POPULATE_READ``
-    (halves the CPU time of the writer's first write from a new slab).
-
-    Does not change the buffer; False where nothing was done.
-    """
+    (halves the writer's first write from a new slab); False where nothing was done."""
     start = buffer.data_ptr()
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (start + buffer.numel()) // mmap.PAGESIZE * mmap.PAGESIZE

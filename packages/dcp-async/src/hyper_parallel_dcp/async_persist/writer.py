@@ -1,11 +1,6 @@
-"""The writer process: receives staged saves and runs the one save pipeline on them.
-
-Started with ``spawn`` (no CUDA/NCCL state, never an accelerator), it maps the training
-process's slabs, runs :func:`hyper_parallel_dcp.core.pipeline.save_state_dict` (its own
-CPU gloo group, the file mailbox, or no coordination) and answers with the metadata and
-the plan-cache entry.  It exits on ``None``, when its pipe closes, or soon after the
-training process is gone.  Exports :func:`writer_main`, :func:`watch_parent`,
-:func:`wait_for_parent_exit`.
+"""The writer process (``spawn``ed: no CUDA/NCCL state): maps the training process's slabs
+and runs :func:`hyper_parallel_dcp.core.pipeline.save_state_dict` on each staged save.
+Exports :func:`writer_main`, :func:`watch_parent`, :func:`wait_for_parent_exit`.
 """
 
 from __future__ import annotations
@@ -19,11 +14,12 @@ import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hyper_parallel_dcp.core import StandardSavePlanner, save_state_dict
+from hyper_parallel_dcp.core.collectives import DistWrapper
 
-from .mailbox import FileMailbox, RankIdentity
+from .mailbox import FileMailbox
 from .protocol import PING, Mode, SaveReply, SaveRequest, WriterHoldings
 from .slabs import populate_slab
 from .staged import materialize
@@ -68,7 +64,8 @@ class _Writer:
         kwargs: dict[str, Any] = {"no_dist": req.no_dist, "use_collectives": req.use_collectives}
         mailbox = None
         if req.mode is Mode.NONE:
-            kwargs["dist_wrapper"] = RankIdentity(req.rank, req.world_size)
+            # no exchange, but the training process's rank (else: rank 0 of 1)
+            kwargs["dist_wrapper"] = DistWrapper(None, use_dist=False, rank=req.rank, world_size=req.world_size)
         elif req.mode is Mode.GLOO:
             assert req.gloo_init is not None
             self._ensure_gloo(req.gloo_init, req.rank, req.world_size, req.timeout_s)
@@ -112,12 +109,10 @@ def wait_for_parent_exit(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None
     re-parented.  (The pipe may live on in a process the trainer forks later;
     ``PR_SET_PDEATHSIG`` fires when the *thread* that started the writer exits.)
     """
-    pidfd = None
-    if hasattr(os, "pidfd_open"):
-        try:
-            pidfd = os.pidfd_open(parent_pid)
-        except OSError:
-            pidfd = None
+    try:
+        pidfd = os.pidfd_open(parent_pid) if hasattr(os, "pidfd_open") else None
+    except OSError:
+        pidfd = None
     try:
         # getppid() after pidfd_open: the pidfd refers to our parent only if it was alive then
         while os.getppid() == parent_pid:
@@ -136,8 +131,7 @@ class _InFlight:
     seq: Optional[int] = None
 
 
-def watch_parent(parent_pid: int, in_flight: _InFlight,
-                 exit_now: Callable[[int], None] = os._exit) -> threading.Thread:
+def watch_parent(parent_pid: int, in_flight: _InFlight) -> threading.Thread:
     """Start a daemon thread that ends this process soon after ``parent_pid`` is gone: an
     orphan abandons its save, as a crash would (finishing could commit it under a
     restarted job)."""
@@ -151,7 +145,7 @@ def watch_parent(parent_pid: int, in_flight: _InFlight,
                         f"is gone; the writer {what} and exits\n".encode())
         except OSError:
             pass
-        exit_now(1 if seq is not None else 0)
+        os._exit(1 if seq is not None else 0)
 
     thread = threading.Thread(target=run, name="hp-dcp-parent-watch", daemon=True)
     thread.start()
@@ -170,8 +164,7 @@ def writer_main(conn: Any, parent_pid: Optional[int] = None) -> None:
     soon after the training process ``parent_pid`` is gone (see :func:`watch_parent`)."""
     import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor reductions
 
-    # Under torchrun the environment says "join the agent's store": then no writer would
-    # host the store of the writers' gloo group, and every use_gloo save would time out.
+    # under torchrun no writer would host the writers' gloo store (every use_gloo save: timeout)
     for name in _LAUNCHER_ENV:
         os.environ.pop(name, None)
     torch.set_num_threads(1)  # the writer hashes and writes; it must not compete with training

@@ -31,10 +31,8 @@ _REPLY_GRACE_S = 60.0
 
 
 class WriterProcess:
-    """A started writer process (``spawn``, not a daemon), its pipe and :class:`WriterMirror`.
-
-    ``fresh``: it has had no request yet (it may still be importing torch).
-    """
+    """A started writer process (``spawn``, not a daemon), its pipe and :class:`WriterMirror`;
+    ``fresh``: it has had no request yet (it may still be importing torch)."""
 
     def __init__(self) -> None:
         import torch.multiprocessing as torch_mp  # registers the shared-memory tensor reductions
@@ -63,7 +61,7 @@ class WriterProcess:
         return self.fresh and not self.proc.is_alive() and (self.proc.exitcode or 0) > 0
 
     def ping(self, timeout: Optional[float]) -> None:
-        """Return once the writer answers a ping.  Raises :class:`AsyncSaveError` if it died,
+        """Return once the writer answers a ping; :class:`AsyncSaveError` if it died,
         :class:`CheckpointTimeoutError` after ``timeout`` seconds."""
         ready: list[Any] = []
         try:
@@ -86,12 +84,9 @@ class WriterProcess:
         self.mirror.send(self.conn, request, slabs)
 
     def await_reply(self, board: Optional[Outcomes], seq: int, timeout_s: float) -> Optional[SaveReply]:
-        """The writer's reply, or ``None`` if it died first.
-
-        With a ``board``, raises :class:`AsyncSaveError` as soon as another rank reports a
-        failure of save ``seq`` (ours would wait for that rank's dead writer); raises
-        :class:`CheckpointTimeoutError` when no reply came within the writers' own timeout
-        ``timeout_s`` and a grace period.
+        """The writer's reply, or ``None`` if it died first.  Raises :class:`AsyncSaveError` as
+        soon as another rank on ``board`` reports a failure of save ``seq``, and
+        :class:`CheckpointTimeoutError` without a reply within ``timeout_s`` and a grace period.
         """
         deadline = time.monotonic() + timeout_s + _REPLY_GRACE_S
         while True:

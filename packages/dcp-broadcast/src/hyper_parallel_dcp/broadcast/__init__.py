@@ -12,5 +12,6 @@ from .groups import broadcast_groups_for_load
 from .prefetch import ReadAhead
 from .schedule import plan_broadcasts, rank_schedule, required_groups
 
-__all__ = ["DEFAULT_BATCH_BYTES", "MAX_IN_FLIGHT", "BroadcastReadExecutor", "BroadcastStats", "ReadAhead", "__version__",
-           "broadcast_groups_for_load", "make_read_executor", "plan_broadcasts", "rank_schedule", "required_groups"]
+__all__ = ["DEFAULT_BATCH_BYTES", "MAX_IN_FLIGHT", "BroadcastReadExecutor", "BroadcastStats", "ReadAhead",
+           "__version__", "broadcast_groups_for_load", "make_read_executor", "plan_broadcasts", "rank_schedule",
+           "required_groups"]

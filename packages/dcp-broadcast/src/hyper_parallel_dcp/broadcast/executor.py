@@ -1,12 +1,8 @@
-"""The read executor of a read-once + broadcast load.
-
-The load pipeline calls it on every rank instead of ``storage_reader.execute_read``.  Each
-replicated shard is read by one member of its replica group (``ReadItem.source``) through
-the normal read path and broadcast to the others, at most ``max_in_flight`` broadcasts
-outstanding, small shards sharing one staging buffer; this rank's tail is read last,
-while the last broadcasts are in flight.  Exports :func:`make_read_executor`,
-:class:`BroadcastReadExecutor`, :class:`BroadcastStats`, ``MAX_IN_FLIGHT`` and
-``DEFAULT_BATCH_BYTES``.
+"""The read executor of a read-once + broadcast load, called on every rank instead of
+``storage_reader.execute_read``: each replicated shard is read by one member of its
+replica group (``ReadItem.source``) and broadcast to the others; this rank's tail is read
+last.  Exports :func:`make_read_executor`, :class:`BroadcastReadExecutor`,
+:class:`BroadcastStats`, ``MAX_IN_FLIGHT``, ``DEFAULT_BATCH_BYTES``.
 """
 
 from __future__ import annotations
@@ -43,13 +39,11 @@ from .schedule import (
 
 __all__ = ["DEFAULT_BATCH_BYTES", "MAX_IN_FLIGHT", "BroadcastReadExecutor", "BroadcastStats", "make_read_executor"]
 
-#: Broadcasts outstanding at once (``HP_DCP_BROADCASTS_IN_FLIGHT``); staging memory is at
-#: most this × the batch bytes.
+#: Broadcasts outstanding at once (``HP_DCP_BROADCASTS_IN_FLIGHT``): staging ≤ this × the batch bytes.
 MAX_IN_FLIGHT = BROADCASTS_IN_FLIGHT.default
 #: Above the measured crossover (~4.6 MiB) where a broadcast stops being launch-bound.
 DEFAULT_BATCH_BYTES = 6 * 1024 * 1024
-#: From this many bytes of shards read for its groups a rank reads them on a read-ahead
-#: thread; below, on the calling thread (see ``_Reads``).
+#: From this many bytes of shards read for its groups a rank reads them on a read-ahead thread.
 READ_AHEAD_MIN_BYTES = 64 << 20
 
 
@@ -123,19 +117,13 @@ class _Reads:
 
 @dataclass
 class _InFlight:
-    """A launched broadcast: its work handle, what an error names, and what to do once it
-    landed (``keep`` holds a sender's staging copy alive until then)."""
+    """A launched broadcast; ``keep`` holds a sender's staging copy alive until it landed."""
 
     work: Any
     ranks: tuple[int, ...]
     source: int
     land: Optional[Callable[[], None]]
     keep: Any = None
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view: every backend broadcasts bytes, whatever the dtype."""
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 class BroadcastReadExecutor:
@@ -167,14 +155,12 @@ class BroadcastReadExecutor:
 
     def __call__(self, plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
-        """Run this rank's part of the load into the planner's targets; every rank of the
-        default group calls (``process_group``, when given, spans all of them).
+        """Run this rank's part of the load (``plan``: its final plan) into the planner's
+        targets; every rank of the default group calls.
 
-        ``plan`` is this rank's final plan; its ``ReaderAssignment`` lists the rank's
-        replica groups and every group of the load.  Raises ``ValueError`` on every rank
-        for inconsistent plans or unusable ``groups``; an error of this rank's planner is
-        raised here and as ``ValueError`` on the other ranks before any group exists; a
-        read failure is raised after this rank's broadcasts are done (no peer waits).
+        Raises ``ValueError`` on every rank for inconsistent plans or unusable ``groups``;
+        an error of this rank's planner is raised here and as ``ValueError`` on the other
+        ranks before any group exists; a read failure after this rank's broadcasts are done.
         """
         required = required_groups(plan)
         if not required:
@@ -183,8 +169,7 @@ class BroadcastReadExecutor:
             storage_reader.execute_read(plan, planner)
             return
         me = dist.get_rank()
-        # Everything that can fail on one rank alone happens before the groups exist; the
-        # failure travels with the group exchange, so no rank waits in new_group for it.
+        # what can fail on one rank alone fails before the groups exist, and travels with their exchange
         try:
             schedule = rank_schedule(plan, me, storage_reader.sort_items)
             shards = [planner.resolve_shard(task.dest_index) for task in schedule.shards]
@@ -263,7 +248,8 @@ class BroadcastReadExecutor:
         self.stats.batched_broadcasts += int(op.batched)
         self.stats.bytes_broadcast += buffer.numel() * buffer.element_size()
         try:
-            work = dist.broadcast(_as_bytes(buffer), src=op.source, group=group, async_op=True)
+            # as bytes: every backend broadcasts those, whatever the dtype
+            work = dist.broadcast(buffer.reshape(-1).view(torch.uint8), src=op.source, group=group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - a peer is gone: say which broadcast
             raise self._broadcast_error(op.ranks, op.source, exc) from exc
         if not receiving:
@@ -301,10 +287,5 @@ class BroadcastReadExecutor:
             "broadcast", tuple(others))
 
 
-def make_read_executor(*, groups: Optional[dict[tuple[int, ...], Any]] = None,
-                       batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: Optional[int] = None,
-                       read_ahead: Optional[int] = None) -> BroadcastReadExecutor:
-    """A read executor for ``load_state_dict(..., read_executor=...)``: see
-    :class:`BroadcastReadExecutor` (same arguments, same errors)."""
-    return BroadcastReadExecutor(groups=groups, batch_bytes=batch_bytes, max_in_flight=max_in_flight,
-                                 read_ahead=read_ahead)
+#: A read executor for ``load_state_dict(..., read_executor=...)``: the class itself.
+make_read_executor = BroadcastReadExecutor
