@@ -3,8 +3,7 @@
 A piece's slot is keyed by ``(fqn, offsets, sizes, dtype)``: a later save of the same
 pieces copies into the same slots; a new host slab is filled off the caller's path (fresh
 shared pages fault on first write).  Exports :data:`BufferKey`, :class:`StagingStats`,
-:class:`StagingArena`.
-"""
+:class:`StagingArena`."""
 
 from __future__ import annotations
 
@@ -82,11 +81,9 @@ class StagingArena:
     def stage(self, state_dict: dict[str, Any]) -> tuple[StagedStateDict, StagingStats]:
         """Copy every tensor piece of ``state_dict`` into its slot and every other leaf with
         :class:`DataCopier`; returns the description for the writer and what was done.
-
         The staged data no longer depends on ``state_dict`` (which is not modified); a new
         host slab is filled by :meth:`complete`.  Raises what :func:`to_tensor_shards`
-        raises (e.g. for a ``Partial`` DTensor) and what a :class:`DataCopier` handler raises.
-        """
+        raises (e.g. for a ``Partial`` DTensor) and what a :class:`DataCopier` handler raises."""
         self.complete()
         flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
         layout = self._layout

@@ -5,8 +5,7 @@ works.  Keys, under ``hp-dcp/async/<session>/<group>/<seq>/``: ``fail`` (a count
 ``fail/<rank>`` (the error text), ``ok/<rank>``, ``retired/<rank>`` (that writer is gone).
 
 Exports :func:`choose_mode`, :func:`gloo_init_method`, :func:`mailbox_session`,
-:func:`outcome_board`, :class:`Outcomes`, :func:`others_failed`, :func:`remote_failure`, :data:`POLL_S`.
-"""
+:func:`outcome_board`, :class:`Outcomes`, :func:`others_failed`, :func:`remote_failure`, :data:`POLL_S`."""
 
 from __future__ import annotations
 

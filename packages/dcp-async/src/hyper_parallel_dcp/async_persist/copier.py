@@ -1,7 +1,6 @@
 """``DataCopier``: how a non-tensor leaf is snapshotted while staging an async save (nothing
 staged may alias the caller's state, which training mutates as soon as ``async_save``
-returns).  Exports :class:`DataCopier` and :func:`host_copy`.
-"""
+returns).  Exports :class:`DataCopier` and :func:`host_copy`."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class DataCopier:
 
     ``@DataCopier.register(MyState)`` registers ``fn(obj) -> host copy``; ``copy(obj)``
     uses the handler of ``type(obj)``, else of its most derived registered base, else
-    ``copy.deepcopy`` (warning once per type).  Tensors (DTensor included) get host copies.
-    """
+    ``copy.deepcopy`` (warning once per type).  Tensors (DTensor included) get host copies."""
 
     _handlers: dict[type, CopyFn] = {}
     _warned: set[type] = set()
@@ -87,12 +85,8 @@ class DataCopier:
         return copy.deepcopy(obj)
 
 
-def _immutable(obj: Any) -> Any:
-    return obj
-
-
 for _t in (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size):
-    DataCopier.register(_t)(_immutable)
+    DataCopier.register(_t)(lambda obj: obj)  # immutable: staged as is
 DataCopier.register(torch.Tensor)(host_copy)
 
 

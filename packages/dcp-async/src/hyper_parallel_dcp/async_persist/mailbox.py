@@ -1,8 +1,7 @@
 """Collectives through files in the checkpoint directory (``async_save(use_gloo=False)``):
 ``LOCAL_PLAN_{rank}.pkl``, ``STORAGE_DATA_{rank}.pkl`` and hidden ``.hp-dcp-*`` answers,
 each followed by a ``.done`` marker and carrying the save's tag, read with
-:mod:`.safe_pickle`.  Exports :class:`FileMailbox` and :class:`MailboxTimeoutError`.
-"""
+:mod:`.safe_pickle`.  Exports :class:`FileMailbox` and :class:`MailboxTimeoutError`."""
 
 from __future__ import annotations
 
@@ -42,11 +41,9 @@ class MailboxTimeoutError(TimeoutError):
 
 class FileMailbox(DistWrapper):
     """A :class:`DistWrapper` whose object collectives go through files in ``directory``.
-
     ``tag``: equal on all ranks for one save, different between saves.  A read waits at
     most ``timeout`` seconds for a rank's file, then raises :class:`MailboxTimeoutError`
-    naming the rank and the file.
-    """
+    naming the rank and the file."""
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str, *,
                  coordinator_rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S):

@@ -2,8 +2,7 @@
 
 One :class:`_Persister` per process owns the staging arena, the writer process and the
 save in flight.  Exports :func:`async_save`, :class:`AsyncSaveResponse`,
-:func:`start_writer`, :func:`shutdown_writer`.
-"""
+:func:`start_writer`, :func:`shutdown_writer`."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ class AsyncSaveResponse:
     """Handle of one async save: ``persist_completion``, a ``Future[Metadata]`` resolved once
     the checkpoint has landed (after ``callback`` ran) or failed with the writer's error;
     ``staging`` (what staging did); ``cache_hit`` (True/False once landed, with the
-    standard planner); ``writer_pid``.
-    """
+    standard planner); ``writer_pid``."""
 
     def __init__(self, checkpoint_id: Optional[str], staging: StagingStats, writer_pid: int):
         self._future = _Future()
@@ -252,7 +250,7 @@ class _Persister:
             # importing torch would block
             self.arena.complete()
             try:
-                writer.send(request, self.arena.slabs)
+                writer.mirror.send(writer.conn, request, self.arena.slabs)
             except (BrokenPipeError, ConnectionError, OSError):
                 raise AsyncSaveError(writer.death_message(response.checkpoint_id, starting=started)) from None
             delivered = True
@@ -309,16 +307,11 @@ class _Persister:
         return reply.metadata
 
 
-_persister: Optional[_Persister] = None
-_persister_lock = threading.Lock()
+_persister = _Persister()  # cheap: the writer process starts on first use
 
 
 def _get_persister() -> _Persister:
-    global _persister
-    with _persister_lock:
-        if _persister is None:
-            _persister = _Persister()
-        return _persister
+    return _persister
 
 
 def async_save(
@@ -350,9 +343,8 @@ def async_save(
 
     Raises here: ``ValueError`` without a destination, ``AssertionError`` as above, and
     staging errors (e.g. :class:`UnsupportedPlacementError`); the writer's errors (original
-    message), or :class:`AsyncSaveError` when it died, come through the future.
-    """
-    return _get_persister().submit(
+    message), or :class:`AsyncSaveError` when it died, come through the future."""
+    return _persister.submit(
         state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
         no_dist=no_dist, use_collectives=use_collectives, use_gloo=use_gloo, callback=callback,
         process_group=process_group,
@@ -365,13 +357,11 @@ def start_writer(wait: bool = False, timeout: Optional[float] = None) -> None:
 
     A no-op while a writer is running.  Returns at once, or with ``wait=True`` once the
     writer is ready (at most ``timeout`` seconds: else :class:`CheckpointTimeoutError`;
-    :class:`AsyncSaveError` if it died starting).
-    """
-    _get_persister().prestart(wait, timeout)
+    :class:`AsyncSaveError` if it died starting)."""
+    _persister.prestart(wait, timeout)
 
 
 def shutdown_writer() -> None:
     """Wait for the save in flight, stop the writer process and free the staging memory (the
     next :func:`async_save` starts a new writer); a no-op when none was started."""
-    if _persister is not None:
-        _persister.shutdown()
+    _persister.shutdown()

@@ -2,8 +2,7 @@
 holds from earlier requests (left out of a request: :meth:`WriterMirror.send` makes the
 delta, :meth:`WriterHoldings.receive` undoes it).  Exports :data:`PING`, :class:`Mode`,
 :class:`SaveRequest`, :class:`SaveReply`, :class:`WriterMirror`, :class:`WriterHoldings`,
-:func:`clean_planner`, :func:`parent_cache_entry`.
-"""
+:func:`clean_planner`, :func:`parent_cache_entry`."""
 
 from __future__ import annotations
 
@@ -132,9 +131,7 @@ class WriterHoldings:
 
 def clean_planner(planner: Optional[SavePlanner]) -> Optional[SavePlanner]:
     """A copy of ``planner`` without per-save state (which may reference a state dict's tensors)."""
-    if planner is None or not isinstance(planner, StandardSavePlanner):
-        return planner
-    return planner.without_state()
+    return planner.without_state() if isinstance(planner, StandardSavePlanner) else planner
 
 
 def parent_cache_entry(planner: Optional[SavePlanner], flat_keys: Iterable[str], rank: int, world_size: int,

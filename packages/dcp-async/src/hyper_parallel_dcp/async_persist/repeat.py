@@ -1,7 +1,6 @@
 """The repeated-layout strategy: a save with the last one's flat keys and tensor geometry
 checks each leaf and copies, with none of a first staging's per-piece work.  Exports
-:data:`LeafCheck`, :func:`leaf_check`, :class:`GeometryMemo`, :class:`RepeatedLayout`, :class:`DevicePack`.
-"""
+:data:`LeafCheck`, :func:`leaf_check`, :class:`GeometryMemo`, :class:`RepeatedLayout`, :class:`DevicePack`."""
 
 from __future__ import annotations
 
@@ -125,11 +124,9 @@ class DevicePack:
     """A repeated save's small device pieces, gathered on the device into a scratch buffer
     that mirrors their slots byte for byte, then sent to the host in one copy per run of
     adjacent slots (each device -> host copy costs microseconds to launch).
-
     Pieces over :data:`_PACK_PIECE_BYTES`, past the :data:`_PACK_TOTAL_BYTES` budget, or
     alone in their run are copied one by one.  ``host_sources=True`` gathers host pieces
-    too (the tests drive it that way).
-    """
+    too (the tests drive it that way)."""
 
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, host_sources: bool = False) -> None:
         small: list[tuple[int, int, int]] = []  # (slab address, byte offset in the slab, position)

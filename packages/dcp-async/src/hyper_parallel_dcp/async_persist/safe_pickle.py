@@ -1,7 +1,6 @@
 """A pickle reader that builds only plain data, for the mailbox files (a checkpoint directory
 others can write to): builtin containers, numbers, strings, ``torch.Size``, dtypes and the
-core records listed here.  Exports :func:`dumps`, :func:`loads`, :class:`UnsafePickleError`.
-"""
+core records listed here.  Exports :func:`dumps`, :func:`loads`, :class:`UnsafePickleError`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Slabs: large shared-memory byte buffers holding many staging slots (the writer maps each
 once, by its file descriptor), and the copies into them.  Exports :data:`ALIGN`,
 :func:`align`, :func:`slab_view`, :class:`Slab`, :func:`copy_into_slots`,
-:func:`wait_for_copies`, :func:`populate_slab`.
-"""
+:func:`wait_for_copies`, :func:`populate_slab`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The staged state dict as the writer process receives it (slab ids and byte offsets, no
 tensor data) and :func:`materialize`.  Exports :data:`PieceRef`, :class:`StagedStateDict`,
-:func:`materialize`.
-"""
+:func:`materialize`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The writer process (``spawn``ed: no CUDA/NCCL state): maps the training process's slabs
 and runs :func:`hyper_parallel_dcp.core.pipeline.save_state_dict` on each staged save.
-Exports :func:`writer_main`, :func:`watch_parent`, :func:`wait_for_parent_exit`.
-"""
+Exports :func:`writer_main`, :func:`watch_parent`, :func:`wait_for_parent_exit`."""
 
 from __future__ import annotations
 
@@ -107,8 +106,7 @@ def wait_for_parent_exit(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None
     """Return once the process ``parent_pid`` (this process's parent) is gone: a pidfd of
     it where there is one, else a look every ``poll_s`` seconds whether this process was
     re-parented.  (The pipe may live on in a process the trainer forks later;
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that started the writer exits.)
-    """
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that started the writer exits.)"""
     try:
         pidfd = os.pidfd_open(parent_pid) if hasattr(os, "pidfd_open") else None
     except OSError:

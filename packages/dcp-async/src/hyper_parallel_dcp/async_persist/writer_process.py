@@ -1,6 +1,5 @@
 """One writer process as the training process sees it: start, readiness, requests and
-replies, stop, and what to say when it died.  Exports :class:`WriterProcess`, :func:`recv_reply`.
-"""
+replies, stop, and what to say when it died.  Exports :class:`WriterProcess`, :func:`recv_reply`."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from hyper_parallel_dcp.core.gc_pause import gc_paused
 
 from .coordination import POLL_S, Outcomes, others_failed, remote_failure
 from .errors import AsyncSaveError
-from .protocol import PING, SaveReply, SaveRequest, WriterMirror
+from .protocol import PING, SaveReply, WriterMirror
 from .writer import writer_main
 
 __all__ = ["WriterProcess", "recv_reply"]
@@ -79,15 +78,10 @@ class WriterProcess:
                                          f"{timeout} s", "start_writer", ())
         self.fresh = False
 
-    def send(self, request: SaveRequest, slabs: dict[Any, Any]) -> None:
-        """Send ``request`` (see :meth:`WriterMirror.send`); raises what the pipe raises."""
-        self.mirror.send(self.conn, request, slabs)
-
     def await_reply(self, board: Optional[Outcomes], seq: int, timeout_s: float) -> Optional[SaveReply]:
         """The writer's reply, or ``None`` if it died first.  Raises :class:`AsyncSaveError` as
         soon as another rank on ``board`` reports a failure of save ``seq``, and
-        :class:`CheckpointTimeoutError` without a reply within ``timeout_s`` and a grace period.
-        """
+        :class:`CheckpointTimeoutError` without a reply within ``timeout_s`` and a grace period."""
         deadline = time.monotonic() + timeout_s + _REPLY_GRACE_S
         while True:
             ready = mp_connection.wait([self.conn, self.proc.sentinel], timeout=POLL_S if board is not None else 1.0)

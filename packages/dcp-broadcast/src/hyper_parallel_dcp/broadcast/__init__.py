@@ -3,8 +3,7 @@
 :func:`make_read_executor` builds the read executor that ``load(...,
 broadcast_replicated_tensors=True)`` hands to the load pipeline (:mod:`.executor`); the
 pure scheduling is in :mod:`.schedule`, group lifetime in :mod:`.groups`, the read-ahead
-thread in :mod:`.prefetch`.
-"""
+thread in :mod:`.prefetch`."""
 
 from .__about__ import __version__
 from .executor import DEFAULT_BATCH_BYTES, MAX_IN_FLIGHT, BroadcastReadExecutor, BroadcastStats, make_read_executor

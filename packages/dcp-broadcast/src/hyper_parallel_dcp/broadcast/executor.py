@@ -2,8 +2,7 @@
 ``storage_reader.execute_read``: each replicated shard is read by one member of its
 replica group (``ReadItem.source``) and broadcast to the others; this rank's tail is read
 last.  Exports :func:`make_read_executor`, :class:`BroadcastReadExecutor`,
-:class:`BroadcastStats`, ``MAX_IN_FLIGHT``, ``DEFAULT_BATCH_BYTES``.
-"""
+:class:`BroadcastStats`, ``MAX_IN_FLIGHT``, ``DEFAULT_BATCH_BYTES``."""
 
 from __future__ import annotations
 
@@ -67,10 +66,8 @@ class _Reads:
     """This rank's reads for its groups, in schedule order, then its tail: resolved and
     committed on the calling thread, the reader's ``read_stream`` on a :class:`ReadAhead`
     thread from ``READ_AHEAD_MIN_BYTES`` of shards, else inline (faster below that size).
-
     After the first failure further reads are skipped (the broadcasts still go out, so no
-    peer waits forever); the caller raises :attr:`error` once the walk is over.
-    """
+    peer waits forever); the caller raises :attr:`error` once the walk is over."""
 
     def __init__(self, reader: StorageReader, planner: LoadPlanner, ordered: list[ReadItem], depth: int) -> None:
         self.reader, self.planner = reader, planner
@@ -135,8 +132,7 @@ class BroadcastReadExecutor:
     broadcast (0 disables; equal on all ranks).  ``max_in_flight`` and ``read_ahead``
     default to ``HP_DCP_BROADCASTS_IN_FLIGHT`` and ``HP_DCP_READ_AHEAD``.  ``stats``
     describes the last call on this rank.  Raises ``ValueError`` for a negative
-    ``batch_bytes`` or ``max_in_flight`` below 1.
-    """
+    ``batch_bytes`` or ``max_in_flight`` below 1."""
 
     def __init__(self, groups: Optional[dict[tuple[int, ...], Any]] = None,
                  batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: Optional[int] = None,
@@ -157,11 +153,9 @@ class BroadcastReadExecutor:
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
         """Run this rank's part of the load (``plan``: its final plan) into the planner's
         targets; every rank of the default group calls.
-
         Raises ``ValueError`` on every rank for inconsistent plans or unusable ``groups``;
         an error of this rank's planner is raised here and as ``ValueError`` on the other
-        ranks before any group exists; a read failure after this rank's broadcasts are done.
-        """
+        ranks before any group exists; a read failure after this rank's broadcasts are done."""
         required = required_groups(plan)
         if not required:
             # nothing is replicated anywhere (the same on every rank): the plain read path

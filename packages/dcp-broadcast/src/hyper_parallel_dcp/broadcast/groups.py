@@ -1,7 +1,6 @@
 """The replica groups of one load: created with ``dist.new_group`` by every rank in
 rank-tuple order, used once, destroyed; groups the caller passes in are used and kept.
-Exports :func:`broadcast_groups_for_load`.
-"""
+Exports :func:`broadcast_groups_for_load`."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ def broadcast_groups_for_load(required: Sequence[RankTuple], rank: int,
     above 0) and destroyed on exit.  Raises ``ValueError`` on every rank when a provided
     group does not match its key; ``local_error`` (this rank could not prepare its part)
     is raised here and, as a ``ValueError`` naming this rank, on every other rank, before
-    any group exists.
-    """
+    any group exists."""
     if not required:
         if local_error is not None:
             raise local_error  # no collective follows: the pipeline's check spreads it

@@ -1,6 +1,5 @@
 """A read-ahead thread over a storage reader's reads (:class:`ReadAhead`): results come back
-strictly in the order given, as the read order is the broadcast order.
-"""
+strictly in the order given, as the read order is the broadcast order."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ class ReadAhead:
 
     Yields what ``read_items`` yields, in its order; an exception it raises is re-raised
     in the consuming thread where it happened.  ``close()`` (also on ``with`` exit) stops
-    the thread and closes the generator on it.  Raises ``ValueError`` for a depth below 1.
-    """
+    the thread and closes the generator on it.  Raises ``ValueError`` for a depth below 1."""
 
     def __init__(self, read_items: Callable[[Sequence[Any]], Iterator[tuple[ReadItem, Any]]],
                  items: Sequence[Any], depth: int = READ_AHEAD.default) -> None:

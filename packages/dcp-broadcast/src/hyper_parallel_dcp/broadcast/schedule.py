@@ -1,8 +1,7 @@
 """Pure scheduling of a read-once + broadcast load (no process group, no tensors): the
 load's replica groups, each rank's walk and where broadcasts are launched, from the rank's
 own plan.  Every rank walks a subsequence of one global order and flushes batches at
-positions fixed by it, so common broadcasts launch in the same order: no deadlock.
-"""
+positions fixed by it, so common broadcasts launch in the same order: no deadlock."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ def rank_schedule(plan: LoadPlan, rank: int,
     """Split ``plan`` (this rank's final plan) into its replicated shards, from its
     :class:`ReaderAssignment` in the global order, and the other items, read last in
     ``sort_items`` order.  Raises ``ValueError`` naming the FQN when a group lacks this rank
-    or its reader, or a tensor item is to be read from a rank outside this rank's groups.
-    """
+    or its reader, or a tensor item is to be read from a rank outside this rank's groups."""
     by_dest: dict[MetadataIndex, list[ReadItem]] = {}
     for item in plan.items:
         by_dest.setdefault(item.dest_index, []).append(item)
@@ -130,8 +128,7 @@ def plan_broadcasts(shards: Sequence[ShardInfo], batch_bytes: int) -> list[Step]
     one joins the open batch of its ``(group, source, dtype, device)``, launched once it
     holds exactly ``batch_bytes``, just before a shard that would push it past that, and at
     the end, in key order (``batch_bytes=0``: no batching).  Every member of a group gets
-    the same sequence of that group's broadcasts.
-    """
+    the same sequence of that group's broadcasts."""
     steps: list[Step] = []
     open_batches: dict[tuple, list[int]] = {}
     open_bytes: dict[tuple, int] = {}
