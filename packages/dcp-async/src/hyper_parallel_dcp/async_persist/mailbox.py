@@ -5,6 +5,7 @@ each followed by a ``.done`` marker and carrying the save's tag, read with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -69,13 +70,11 @@ class FileMailbox(DistWrapper):
         deadline = time.monotonic() + self.timeout
         delay = _POLL_FIRST_S
         while True:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # not written yet, or swapped away by the commit
                 if marker.read_bytes().decode(errors="replace") == self.tag:
                     tag, obj = safe_pickle.loads(path.read_bytes(), source=str(path))
                     if tag == self.tag:
                         return obj
-            except FileNotFoundError:
-                pass  # not written yet, or swapped away by the checkpoint commit meanwhile
             if time.monotonic() > deadline:
                 raise MailboxTimeoutError(
                     f"async save mailbox: rank {rank} did not write {path} within {self.timeout:.0f} s "
@@ -160,10 +159,8 @@ class FileMailbox(DistWrapper):
     def _remove_if_ours(self, name: str) -> None:
         path = self.directory / name
         marker = path.with_name(name + DONE_SUFFIX)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if marker.read_bytes().decode(errors="replace") != self.tag:
                 return  # another (newer) save's file: not ours to delete
-        except FileNotFoundError:
-            pass
         for p in (path, marker):
             p.unlink(missing_ok=True)

@@ -7,6 +7,7 @@ save in flight.  Exports :func:`async_save`, :class:`AsyncSaveResponse`,
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing.util as mp_util
 import os
@@ -153,10 +154,8 @@ class _Persister:
     def shutdown(self) -> None:
         """Wait for the save in flight, then stop the writer process and free the staging memory."""
         with self._lock:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self._wait_inflight()
-            except RuntimeError:
-                pass
             if self.writer is not None:
                 self.writer.stop(settings.ASYNC_SHUTDOWN_TIMEOUT.get())
                 self.writer = None

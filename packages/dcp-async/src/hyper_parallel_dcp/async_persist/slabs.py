@@ -5,6 +5,7 @@ once, by its file descriptor), and the copies into them.  Exports :data:`ALIGN`,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import mmap
@@ -55,10 +56,8 @@ class Slab:
         """Unpin; the memory goes once neither process references it."""
         if self.pinned:
             self.pinned = False
-            try:
+            with contextlib.suppress(Exception):  # the buffer goes anyway
                 cuda_host_unregister(self.buffer)
-            except Exception:  # noqa: BLE001 - the buffer goes anyway
-                pass
 
 
 def copy_into_slots(dsts: list[torch.Tensor], srcs: list[torch.Tensor], device_type: Optional[str]) -> None:

@@ -4,6 +4,7 @@ Exports :func:`writer_main`, :func:`watch_parent`, :func:`wait_for_parent_exit`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -138,11 +139,9 @@ def watch_parent(parent_pid: int, in_flight: _InFlight) -> threading.Thread:
         wait_for_parent_exit(parent_pid)
         seq = in_flight.seq
         what = f"abandons save #{seq} (not committed)" if seq is not None else "was idle"
-        try:
+        with contextlib.suppress(OSError):
             os.write(2, f"hyper_parallel_dcp async writer {os.getpid()}: the training process {parent_pid} "
                         f"is gone; the writer {what} and exits\n".encode())
-        except OSError:
-            pass
         os._exit(1 if seq is not None else 0)
 
     thread = threading.Thread(target=run, name="hp-dcp-parent-watch", daemon=True)

@@ -3,6 +3,7 @@ replies, stop, and what to say when it died.  Exports :class:`WriterProcess`, :f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.connection as mp_connection
 import os
@@ -109,10 +110,8 @@ class WriterProcess:
     def stop(self, timeout: float) -> None:
         """Tell it to stop and wait up to ``timeout`` seconds, then terminate it; close the pipe."""
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(OSError):  # a broken pipe included
                 self.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
             self.proc.join(timeout=timeout)
             if self.proc.is_alive():
                 self.proc.terminate()
@@ -121,10 +120,8 @@ class WriterProcess:
 
     def close(self) -> None:
         """Drop the pipe (a writer still alive exits when it sees it closed)."""
-        try:
+        with contextlib.suppress(OSError):
             self.conn.close()
-        except OSError:
-            pass
         self.proc.join(timeout=0)
 
     def death_message(self, checkpoint_id: Optional[str], starting: bool, saving: bool = True) -> str:

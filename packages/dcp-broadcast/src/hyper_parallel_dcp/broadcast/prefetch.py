@@ -3,6 +3,7 @@ strictly in the order given, as the read order is the broadcast order."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any, Callable, Iterator, Sequence
@@ -80,11 +81,9 @@ class ReadAhead:
         """Stop the thread and drop what it read ahead; safe to call more than once."""
         self._finished = True
         self._stop.set()
-        while True:
-            try:
+        with contextlib.suppress(queue.Empty):
+            while True:
                 self._queue.get_nowait()
-            except queue.Empty:
-                break
         self._thread.join()
 
     def __enter__(self) -> ReadAhead:
