@@ -128,7 +128,7 @@ def test_deferred_slab_fills_in_batches_and_frees_each_batch_first(monkeypatch) 
     private = arena._pending.private  # noqa: SLF001 - the private copies, by position
     copies = [weakref.ref(t) for t in private.values()]
     alive_at_trim: list[int] = []
-    monkeypatch.setattr(staging, "release_free_heap", lambda: alive_at_trim.append(sum(r() is not None for r in copies)))
+    monkeypatch.setattr(staging, "malloc_trim", lambda: alive_at_trim.append(sum(r() is not None for r in copies)))
     for t in sd.values():
         t.fill_(-1)  # training goes on: staging owns its copies
     arena.complete()
@@ -184,15 +184,15 @@ def test_small_pieces_gathered_then_copied_in_one_run(monkeypatch) -> None:
     arena.clear()
 
 
-def test_release_free_heap_on_glibc() -> None:
+def test_malloc_trim_on_glibc() -> None:
     import sys
 
-    from hyper_parallel_dcp.async_persist._posix import release_free_heap
+    from hyper_parallel_dcp.storage_fs.posix import malloc_trim
 
     before = torch.arange(1 << 20, dtype=torch.float64)  # 8 MiB freed below, then trimmed
     del before
     gnu = sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver())
-    assert release_free_heap() is gnu
+    assert malloc_trim() is gnu
 
 
 def _dtensor_worker(rank: int, world_size: int) -> list[str]:

@@ -278,18 +278,18 @@ def test_later_saves_of_one_layout_send_the_writer_every_leaf_and_land_their_val
     assert target["meta"] == {"epoch": 9}
 
 
-def test_populate_read_maps_a_slab_without_changing_it() -> None:
+def test_populate_slab_maps_a_slab_without_changing_it() -> None:
     import sys
 
-    from hyper_parallel_dcp.async_persist._posix import populate_read
+    from hyper_parallel_dcp.async_persist.slabs import populate_slab
 
     storage = torch.UntypedStorage._new_shared(3 << 20)
     slab = torch.empty(0, dtype=torch.uint8).set_(storage)
     slab.copy_(torch.arange(slab.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))
     before = slab.clone()
-    assert populate_read(slab) is sys.platform.startswith("linux")
-    assert populate_read(slab[7:5000]) is False  # no whole page inside: nothing to do
-    assert populate_read(torch.empty(0, dtype=torch.uint8)) is False
+    assert populate_slab(slab) is sys.platform.startswith("linux")
+    assert populate_slab(slab[7:5000]) is False  # no whole page inside: nothing to do
+    assert populate_slab(torch.empty(0, dtype=torch.uint8)) is False
     assert torch.equal(slab, before)
 
 

@@ -1,9 +1,7 @@
-"""Every private torch API this package touches, so that a torch upgrade changes one file.
-
-Exports :func:`dtensor_class`, :func:`dtensor_spec`, :func:`dtensor_local`,
-:func:`foreach_copy`, :func:`new_shared_storage`, :func:`cuda_host_register`,
-:func:`cuda_host_unregister` and :func:`default_store`.
-"""
+"""Every private torch API this package touches, so that a torch upgrade changes one file:
+:func:`dtensor_class`, :func:`dtensor_spec`, :func:`dtensor_local`, :func:`foreach_copy`,
+:func:`new_shared_storage`, :func:`cuda_host_register`, :func:`cuda_host_unregister`,
+:func:`default_store`."""
 
 from __future__ import annotations
 
@@ -42,12 +40,9 @@ def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blockin
 def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
     """Fresh shared memory of ``nbytes`` bytes, its pages allocated, as a storage that pickles
     to another process as its file descriptor (or name), not as its bytes.
-
     A memfd allocated by ``os.posix_fallocate``, which releases the GIL (``_new_shared``
-    holds it: 58 ms for 505 MiB that the training thread waited), mapped as torch maps a
-    received descriptor.  Without memfd, or with the ``file_system`` sharing strategy,
-    ``UntypedStorage._new_shared``.
-    """
+    holds it), mapped as torch maps a received descriptor; without memfd, or with the
+    ``file_system`` sharing strategy, ``UntypedStorage._new_shared``."""
     import torch.multiprocessing as torch_mp
 
     memfd_create = getattr(os, "memfd_create", None)

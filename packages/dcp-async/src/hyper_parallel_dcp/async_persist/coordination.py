@@ -1,19 +1,11 @@
 """How the writer processes of one save coordinate, and how every rank learns every rank's
-outcome of it.
-
-The writers of a coordinated save wait for each other, and a writer that dies cannot
-tell its peers; its training process sees the death at once and publishes it on an
-:class:`Outcomes` board in the job's key-value store.  The other training processes poll
-the board while their writer works, stop that writer and fail their response naming the
-rank: a writer's death surfaces on every rank within a fraction of a second.  Keys, under
-``hp-dcp/async/<session>/<group>/<seq>/`` (``seq`` counts ``async_save`` calls, equal on
-all ranks): ``fail`` (a counter), ``fail/<rank>`` (the error text), ``ok/<rank>``, and
-``retired/<rank>`` (that rank's writer of the save is gone: new writers may start).
+outcome of it: a dead writer's training process publishes its failure on an
+:class:`Outcomes` board in the job's store, which the other ranks poll while their writer
+works.  Keys, under ``hp-dcp/async/<session>/<group>/<seq>/``: ``fail`` (a counter),
+``fail/<rank>`` (the error text), ``ok/<rank>``, ``retired/<rank>`` (that writer is gone).
 
 Exports :func:`choose_mode`, :func:`gloo_init_method`, :func:`mailbox_session`,
-:func:`outcome_board`, :class:`Outcomes`, :func:`others_failed`, :func:`remote_failure`
-and :data:`POLL_S`.
-"""
+:func:`outcome_board`, :class:`Outcomes`, :func:`others_failed`, :func:`remote_failure`, :data:`POLL_S`."""
 
 from __future__ import annotations
 
@@ -21,7 +13,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hyper_parallel_dcp.core import settings
 from hyper_parallel_dcp.core.backends import url_scheme
@@ -38,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two looks at the store while a save is in flight.
 POLL_S = 0.05
-#: First pause of :meth:`Outcomes.wait_all`, doubling up to :data:`POLL_S`: the ranks'
-#: writers finish within milliseconds of each other (a flat 50 ms added ~25 ms a save).
+#: First pause of :meth:`Outcomes.wait_all`, doubling up to :data:`POLL_S` (the ranks'
+#: writers finish within milliseconds of each other).
 _FIRST_PAUSE_S = 0.002
 _SESSION_KEY = "hp_dcp_async_mailbox_session"
 
@@ -85,12 +77,9 @@ def choose_mode(*, no_dist: bool, world_size: int, use_collectives: bool, use_gl
 
 
 def mailbox_session() -> str:
-    """A token equal on all ranks and new for each training job (and elastic restart).
-
-    Every rank proposes one and the job's store keeps the first (``compare_set``): no rank
-    waits for another, and two sub-groups saving at once cannot set two.  Without a
-    store, the launcher's run id.
-    """
+    """A token equal on all ranks and new for each training job (and elastic restart): the
+    first one proposed to the job's store (``compare_set``; no rank waits for another),
+    else the launcher's run id."""
     token = ""
     try:
         import torch.distributed as dist
@@ -158,22 +147,17 @@ class Outcomes:
         return {r: self.store.get(self._key(seq, "fail", r)).decode(errors="replace")
                 for r in self._present(seq, "fail")}
 
-    def wait_all(self, seq: int, what: str, deadline: float, phase: str,
-                 stop: Optional[Callable[[], bool]] = None) -> dict[int, str]:
-        """Until every rank published ``what`` (``ok``/``retired``) for ``seq``, or one failed.
-
-        Returns the failures (empty when all published).  Raises
-        :class:`CheckpointTimeoutError` naming ``phase`` and the ranks that did not publish
-        once ``deadline`` (monotonic) passes.  ``stop()`` returning True ends the wait early
-        (returns the failures seen so far).
-        """
+    def wait_all(self, seq: int, what: str, deadline: float, phase: str) -> dict[int, str]:
+        """Wait until every rank published ``what`` (``ok``/``retired``) for ``seq``, or one
+        failed; returns the failures seen.  Raises :class:`CheckpointTimeoutError` naming
+        ``phase`` and the missing ranks once ``deadline`` (monotonic) passes."""
         pause = _FIRST_PAUSE_S
         while True:
             failed = self.failures(seq)
             if failed and what == "ok":
                 return failed
-            missing = [r for r in range(self.world_size) if r not in self._present(seq, what)]
-            if not missing or (stop is not None and stop()):
+            missing = [r for r in range(self.world_size) if not self.store.check([self._key(seq, what, r)])]
+            if not missing:
                 return failed
             if time.monotonic() > deadline:
                 raise CheckpointTimeoutError(

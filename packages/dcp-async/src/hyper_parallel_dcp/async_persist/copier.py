@@ -1,8 +1,6 @@
-"""``DataCopier``: how a non-tensor leaf is snapshotted while staging an async save.
-
-Staging must leave nothing that aliases the caller's state, which training mutates as
-soon as ``async_save`` returns.  Exports :class:`DataCopier` and :func:`host_copy`.
-"""
+"""``DataCopier``: how a non-tensor leaf is snapshotted while staging an async save (nothing
+staged may alias the caller's state, which training mutates as soon as ``async_save``
+returns).  Exports :class:`DataCopier` and :func:`host_copy`."""
 
 from __future__ import annotations
 
@@ -31,8 +29,8 @@ def _accelerator_present() -> bool:
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A detached host-memory copy of ``tensor`` (pinned where an accelerator exists); of
-    a DTensor, its local shard (the device mesh cannot travel to the writer process)."""
+    """A detached host copy of ``tensor`` (pinned where an accelerator exists); of a DTensor,
+    its local shard (the device mesh cannot travel to the writer process)."""
     dtensor_cls = dtensor_class()
     if dtensor_cls is not None and isinstance(tensor, dtensor_cls):
         tensor = tensor.to_local()
@@ -46,11 +44,9 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 class DataCopier:
     """Registry of staging copy functions, dispatched by type.
 
-    ``@DataCopier.register(MyState)`` registers ``fn(obj) -> host copy``.
-    ``DataCopier.copy(obj)`` picks the handler of ``type(obj)``, else that of the most
-    derived registered base class (in MRO order), else ``copy.deepcopy`` (with a warning
-    naming the type, logged once).  Tensors (DTensor included) are registered: host copies.
-    """
+    ``@DataCopier.register(MyState)`` registers ``fn(obj) -> host copy``; ``copy(obj)``
+    uses the handler of ``type(obj)``, else of its most derived registered base, else
+    ``copy.deepcopy`` (warning once per type).  Tensors (DTensor included) get host copies."""
 
     _handlers: dict[type, CopyFn] = {}
     _warned: set[type] = set()
@@ -58,10 +54,8 @@ class DataCopier:
 
     @classmethod
     def register(cls, obj_type: type) -> Callable[[Callable[[T], T]], Callable[[T], T]]:
-        """Decorator registering ``fn`` as the staging copy of ``obj_type`` (replaces any earlier one).
-
-        Raises ``TypeError`` when ``obj_type`` is not a class.
-        """
+        """Decorator registering ``fn`` as the staging copy of ``obj_type`` (replacing any
+        earlier one); ``TypeError`` when ``obj_type`` is not a class."""
         if not isinstance(obj_type, type):
             raise TypeError(f"DataCopier.register expects a class, got {obj_type!r}")
 
@@ -74,18 +68,10 @@ class DataCopier:
         return decorator
 
     @classmethod
-    def handler_for(cls, obj_type: type) -> CopyFn | None:
-        """The registered handler ``copy`` would use for ``obj_type`` (``None``: deepcopy)."""
-        for base in obj_type.__mro__:  # the type itself, then the most derived base first
-            fn = cls._handlers.get(base)
-            if fn is not None:
-                return fn
-        return None
-
-    @classmethod
     def copy(cls, obj: Any) -> Any:
         """A copy of ``obj`` that shares no mutable state with it; ``obj`` is not modified."""
-        fn = cls.handler_for(type(obj))
+        # the type itself, then the most derived registered base first
+        fn = next((cls._handlers[base] for base in type(obj).__mro__ if base in cls._handlers), None)
         if fn is not None:
             return fn(obj)
         if type(obj) not in cls._warned:
@@ -99,12 +85,8 @@ class DataCopier:
         return copy.deepcopy(obj)
 
 
-def _immutable(obj: Any) -> Any:
-    return obj
-
-
 for _t in (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size):
-    DataCopier.register(_t)(_immutable)
+    DataCopier.register(_t)(lambda obj: obj)  # immutable: staged as is
 DataCopier.register(torch.Tensor)(host_copy)
 
 

@@ -8,15 +8,12 @@ __all__ = ["AsyncSaveError", "AsyncSaveFailureWarning"]
 
 
 class AsyncSaveError(CheckpointError):
-    """The background writer failed without a more specific error (e.g. it was killed),
-    or the save failed on another rank (the message names it; ``failed_ranks`` lists them)."""
+    """The writer failed without a more specific error (e.g. it was killed), or the save
+    failed on another rank (the message names it; ``failed_ranks`` lists them)."""
 
     failed_ranks: tuple[int, ...] = ()
 
 
 class AsyncSaveFailureWarning(RuntimeWarning):
-    """An earlier ``async_save`` failed and nobody looked at its response.
-
-    Issued by the next ``async_save`` on that rank (the failure was also logged at the
-    time); that next save goes ahead.
-    """
+    """An earlier ``async_save`` failed and nobody looked at its response (issued by the
+    next ``async_save`` on that rank, which goes ahead)."""

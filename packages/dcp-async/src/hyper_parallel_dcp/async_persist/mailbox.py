@@ -1,18 +1,11 @@
-"""Collectives through files in the checkpoint directory (``async_save(use_gloo=False)``).
-
-The writer processes have no process group: they exchange a save's rounds as files
-beside the checkpoint.  Every rank writes ``LOCAL_PLAN_{rank}.pkl`` (its local plan),
-later ``STORAGE_DATA_{rank}.pkl`` (its write results), each followed by a ``.done``
-marker; the coordinator reads them with parallel polling threads and answers with hidden
-``.hp-dcp-*`` files.  Every file carries the save's ``tag`` (equal on all ranks, unique
-per save), so a file of an earlier, killed save is never taken for this one's.  Files are
-read with :mod:`.safe_pickle` (never running code) and removed once the checkpoint landed.
-
-Exports :class:`FileMailbox`, :class:`MailboxTimeoutError` and :class:`RankIdentity`.
-"""
+"""Collectives through files in the checkpoint directory (``async_save(use_gloo=False)``):
+``LOCAL_PLAN_{rank}.pkl``, ``STORAGE_DATA_{rank}.pkl`` and hidden ``.hp-dcp-*`` answers,
+each followed by a ``.done`` marker and carrying the save's tag, read with
+:mod:`.safe_pickle`.  Exports :class:`FileMailbox` and :class:`MailboxTimeoutError`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -28,16 +21,14 @@ from hyper_parallel_dcp.storage_fs.mailbox_names import DONE_SUFFIX, ack_file, g
 
 from . import safe_pickle
 
-__all__ = ["FileMailbox", "MailboxTimeoutError", "RankIdentity"]
+__all__ = ["FileMailbox", "MailboxTimeoutError"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 _POLL_FIRST_S = 0.001
-# The back-off cap grows with the job: a few ranks poll often (a fixed 50 ms cap added
-# ~0.1 s a save on 2 ranks), a large job on shared storage bounds its rate of lookups;
-# HP_DCP_MAILBOX_POLL_MAX caps it.
+# the back-off cap grows with the job (few ranks poll often, many bound their lookups)
 _POLL_MAX_PER_RANK_S = 0.001
 _POLL_MIN_CAP_S = 0.004
 _MAX_POLL_THREADS = 32
@@ -49,22 +40,11 @@ class MailboxTimeoutError(TimeoutError):
     """A rank's mailbox file did not appear in time (that rank's writer is gone or stuck)."""
 
 
-class RankIdentity(DistWrapper):
-    """No exchange at all, but the rank and world size of the training process (without it,
-    a writer's save with ``use_collectives=False`` would believe it is rank 0 of 1)."""
-
-    def __init__(self, rank: int, world_size: int):
-        super().__init__(None, use_dist=False, rank=rank, world_size=world_size)
-
-
 class FileMailbox(DistWrapper):
     """A :class:`DistWrapper` whose object collectives go through files in ``directory``.
-
-    ``tag`` must be equal on all ranks for one save and differ between saves.  A read
-    waits at most ``timeout`` seconds for a rank's file, then raises
-    :class:`MailboxTimeoutError` naming the rank and the file.  The file names come from
-    :meth:`DistWrapper.exchange_name` (the step under way).
-    """
+    ``tag``: equal on all ranks for one save, different between saves.  A read waits at
+    most ``timeout`` seconds for a rank's file, then raises :class:`MailboxTimeoutError`
+    naming the rank and the file."""
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str, *,
                  coordinator_rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S):
@@ -90,13 +70,11 @@ class FileMailbox(DistWrapper):
         deadline = time.monotonic() + self.timeout
         delay = _POLL_FIRST_S
         while True:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # not written yet, or swapped away by the commit
                 if marker.read_bytes().decode(errors="replace") == self.tag:
                     tag, obj = safe_pickle.loads(path.read_bytes(), source=str(path))
                     if tag == self.tag:
                         return obj
-            except FileNotFoundError:
-                pass  # not written yet, or swapped away by the checkpoint commit meanwhile
             if time.monotonic() > deadline:
                 raise MailboxTimeoutError(
                     f"async save mailbox: rank {rank} did not write {path} within {self.timeout:.0f} s "
@@ -158,12 +136,9 @@ class FileMailbox(DistWrapper):
             self._gather("barrier", True)
 
     def finish(self, ack_timeout: float = 60.0) -> None:
-        """Remove this save's mailbox files once every rank has read the last answer.
-
-        Non-coordinators acknowledge; the coordinator waits for the acknowledgements (at
-        most ``ack_timeout`` s: a rank that died cannot acknowledge) and then deletes every
-        mailbox file of this save.  Never raises for a missing file.
-        """
+        """Remove this save's mailbox files once every rank has read the last answer: the
+        coordinator waits for the others' acknowledgements (at most ``ack_timeout`` s),
+        then deletes them.  Never raises for a missing file."""
         if not self.use_dist:
             return
         if not self.is_coordinator:
@@ -177,20 +152,15 @@ class FileMailbox(DistWrapper):
         finally:
             self.timeout = saved_timeout
         ranks = range(self.world_size)
-        for step in _STEPS:
-            for name in [gather_file(step, r) for r in ranks] + [scatter_file(step, r) for r in ranks]:
-                self._remove_if_ours(name)
-            self._remove_if_ours(result_file(step))
-        for r in ranks:
-            self._remove_if_ours(ack_file(r))
+        for name in ([per_rank(step, r) for step in _STEPS for per_rank in (gather_file, scatter_file) for r in ranks]
+                     + [result_file(step) for step in _STEPS] + [ack_file(r) for r in ranks]):
+            self._remove_if_ours(name)
 
     def _remove_if_ours(self, name: str) -> None:
         path = self.directory / name
         marker = path.with_name(name + DONE_SUFFIX)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if marker.read_bytes().decode(errors="replace") != self.tag:
                 return  # another (newer) save's file: not ours to delete
-        except FileNotFoundError:
-            pass
         for p in (path, marker):
             p.unlink(missing_ok=True)

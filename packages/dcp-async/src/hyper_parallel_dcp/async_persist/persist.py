@@ -1,19 +1,13 @@
 """``async_save``: stage now in the training process, persist in the writer process.
 
-One :class:`_Persister` per training process owns the staging arena, the writer process
-(started on first use, reused, replaced after it died) and the save in flight.  A save:
-wait for the previous one → stage (the only blocking part) → a joining thread sends the
-request, awaits the writer's reply (or its death, or a failure on another rank), installs
-the plan cache, runs the callback and resolves the future.  Neither the writer process
-nor the joining thread is a daemon: at exit the save in flight lands first.
-
-Exports :func:`async_save`, :class:`AsyncSaveResponse`, :func:`start_writer`,
-:func:`shutdown_writer`, and the errors of :mod:`.errors`.
-"""
+One :class:`_Persister` per process owns the staging arena, the writer process and the
+save in flight.  Exports :func:`async_save`, :class:`AsyncSaveResponse`,
+:func:`start_writer`, :func:`shutdown_writer`."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing.util as mp_util
 import os
@@ -74,14 +68,10 @@ class _Future(concurrent.futures.Future):
 
 
 class AsyncSaveResponse:
-    """Handle of one async save.
-
-    ``persist_completion`` is a ``concurrent.futures.Future[Metadata]`` resolved once the
-    checkpoint has landed (after ``callback`` ran), or failed with the writer's error.
-    ``staging`` says what staging did (bytes copied, reused, allocated); ``cache_hit``
-    becomes True/False once landed when the standard planner was used; ``writer_pid`` is
-    the writer process's pid.
-    """
+    """Handle of one async save: ``persist_completion``, a ``Future[Metadata]`` resolved once
+    the checkpoint has landed (after ``callback`` ran) or failed with the writer's error;
+    ``staging`` (what staging did); ``cache_hit`` (True/False once landed, with the
+    standard planner); ``writer_pid``."""
 
     def __init__(self, checkpoint_id: Optional[str], staging: StagingStats, writer_pid: int):
         self._future = _Future()
@@ -94,11 +84,8 @@ class AsyncSaveResponse:
         self._thread: Optional[threading.Thread] = None
 
     def get_result(self, timeout: Optional[float] = None) -> Metadata:
-        """``persist_completion.result(timeout)``: the global metadata once landed.
-
-        Raises the writer's error (original message), :class:`AsyncSaveError` when the
-        writer died, or ``concurrent.futures.TimeoutError``.
-        """
+        """The global metadata once landed; raises the writer's error (original message),
+        :class:`AsyncSaveError` when the writer died, or ``concurrent.futures.TimeoutError``."""
         return self.persist_completion.result(timeout)
 
     def done(self) -> bool:
@@ -117,8 +104,7 @@ class _Persister:
         self.inflight: Optional[AsyncSaveResponse] = None
         self.last: Optional[AsyncSaveResponse] = None
         self.seq = 0
-        #: seq of the last coordinated save that failed on some rank; the next one first
-        #: waits until every rank's writer of that save is gone (resynchronisation)
+        #: the last coordinated save that failed: the next waits until all its writers are gone
         self.failed_seq: Optional[int] = None
         self.session: Optional[str] = None
         self._exit_hook: Any = None
@@ -135,8 +121,7 @@ class _Persister:
             self.writer.close()
         self.writer = WriterProcess()
         if self._exit_hook is None:
-            # Runs inside multiprocessing's exit handler *before* it joins non-daemon
-            # children (which would otherwise wait forever for our idle writer).
+            # runs in multiprocessing's exit handler before it joins (forever) non-daemon children
             self._exit_hook = mp_util.Finalize(None, self.shutdown, exitpriority=100)
         return self.writer
 
@@ -169,10 +154,8 @@ class _Persister:
     def shutdown(self) -> None:
         """Wait for the save in flight, then stop the writer process and free the staging memory."""
         with self._lock:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self._wait_inflight()
-            except RuntimeError:
-                pass
             if self.writer is not None:
                 self.writer.stop(settings.ASYNC_SHUTDOWN_TIMEOUT.get())
                 self.writer = None
@@ -193,8 +176,7 @@ class _Persister:
         with self._lock:
             self._wait_inflight()
             self._surface_dropped()
-            # Counted first, on every call: the same number on every rank, even when this
-            # call fails here on some ranks only; it names the save in the job's store.
+            # counted first, on every call: equal on every rank even when some fail here
             self.seq += 1
             seq = self.seq
             use_collectives = use_collectives and not no_dist
@@ -208,9 +190,7 @@ class _Persister:
                     board.wait_all(self.failed_seq, "retired", time.monotonic() + settings.ASYNC_TIMEOUT.get(),
                                    "resynchronise")
                     self.failed_seq = None
-                # Staging a new layout allocates tens of thousands of small objects: the full
-                # collections they set off re-traverse the training process's heap (100+ ms
-                # at 2000 tensors); the sync save pauses the collector for the same reason.
+                # staging a new layout allocates thousands of objects: no full collections
                 with gc_paused():
                     state_dict, _ = expand_stateful(state_dict)  # a Stateful leaf: its state_dict()
                     gloo_init = gloo_init_method() if use_gloo and use_collectives else None
@@ -238,9 +218,8 @@ class _Persister:
                         rank: int) -> AsyncSaveResponse:
         writer = self.writer
         if writer is not None and writer.failed_starting():
-            # start_writer()'s writer died of an error of its own (most often spawn running
-            # an unguarded training script again, which a new writer would repeat): said
-            # now, not by the next save; one killed by a signal is simply replaced.
+            # start_writer()'s writer died of its own error (an unguarded script under
+            # spawn, which a new writer would repeat): said now; a killed one is replaced
             self.writer = None
             writer.close()
             raise AsyncSaveError(writer.death_message(None, starting=True, saving=False)
@@ -262,17 +241,15 @@ class _Persister:
     def _join(self, response: AsyncSaveResponse, writer: WriterProcess, request: SaveRequest,
               planner: Optional[SavePlanner], callback: Optional[Callable[[], None]], board: Optional[Outcomes],
               started: bool) -> None:
-        """The save's second half, on its joining thread: send the request, await the reply,
-        settle the future.  ``started``: the writer had had no request before this one."""
+        """The save's second half (joining thread); ``started``: the writer's first request."""
         seq = request.seq
         delivered = False
         try:
-            # A pending slab is filled here, off the caller's path; the request is sent from
-            # here too, as a writer still importing torch would block a large one's send
-            # (2000 tensors: first-save blocking 1.4 s against the staging copy alone).
+            # off the caller's path: filling a pending slab, and a send that a writer still
+            # importing torch would block
             self.arena.complete()
             try:
-                writer.send(request, self.arena.slabs)
+                writer.mirror.send(writer.conn, request, self.arena.slabs)
             except (BrokenPipeError, ConnectionError, OSError):
                 raise AsyncSaveError(writer.death_message(response.checkpoint_id, starting=started)) from None
             delivered = True
@@ -308,16 +285,15 @@ class _Persister:
     @staticmethod
     def _landed(reply: SaveReply, writer: WriterProcess, board: Optional[Outcomes],
                 checkpoint_id: Optional[str]) -> Metadata:
-        """The metadata of a reply that says the save landed on every rank; else raises the
-        writer's error, or the failure of the rank that caused it."""
+        """The metadata of a save that landed on every rank; else raises the writer's error, or
+        the failure of the rank that caused it."""
         seq = reply.seq
         if reply.metadata is None:
             exc = reply.error if reply.error is not None else AsyncSaveError(reply.error_text or "no metadata")
             if reply.error is not None and hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(f"raised in the async writer process (pid {writer.pid}):\n{reply.error_text}")
             if board is not None:
-                # Our writer's error may only echo a peer's death ("connection closed by
-                # peer"): when another rank reports its failure, name that rank.
+                # our writer's error may only echo a peer's death: name that peer
                 failed = others_failed(board, seq, time.monotonic() + _ECHO_WAIT_S)
                 if failed:
                     raise remote_failure(seq, failed, checkpoint_id, landed_here=False) from exc
@@ -330,16 +306,11 @@ class _Persister:
         return reply.metadata
 
 
-_persister: Optional[_Persister] = None
-_persister_lock = threading.Lock()
+_persister = _Persister()  # cheap: the writer process starts on first use
 
 
 def _get_persister() -> _Persister:
-    global _persister
-    with _persister_lock:
-        if _persister is None:
-            _persister = _Persister()
-        return _persister
+    return _persister
 
 
 def async_save(
@@ -356,27 +327,23 @@ def async_save(
 ) -> AsyncSaveResponse:
     """Stage ``state_dict`` to host memory now; plan, coordinate and write in a background process.
 
-    When this returns every tensor has been copied (device → reusable shared host
-    buffers) and non-tensor leaves have been copied with :class:`DataCopier`: the caller
-    may overwrite anything in ``state_dict``, which is not modified.  The persistent
-    writer process then runs the same save pipeline as :func:`save`; the returned
-    :class:`AsyncSaveResponse` resolves to the global :class:`Metadata` once the
-    checkpoint has landed, after ``callback()`` ran (its exceptions are logged).  A call
-    while an earlier save is in flight first waits for it.  Coordination: ``use_gloo=True``
-    → a CPU gloo group of the writer processes (needs ``MASTER_ADDR``/``MASTER_PORT``, else
+    On return every tensor has been copied into reusable shared host buffers and every
+    other leaf with :class:`DataCopier`: the caller may overwrite anything in
+    ``state_dict`` (not modified).  The writer process runs the same pipeline as
+    :func:`save`; the :class:`AsyncSaveResponse` resolves to the global :class:`Metadata`
+    once the checkpoint has landed and ``callback()`` ran (its exceptions are logged).  A
+    call while a save is in flight first waits for it.  Coordination: ``use_gloo=True`` →
+    a CPU gloo group of the writers (needs ``MASTER_ADDR``/``MASTER_PORT``, else
     ``AssertionError``; port ``MASTER_PORT + 1`` or ``$HP_DCP_ASYNC_GLOO_PORT``);
     ``use_gloo=False`` → ``LOCAL_PLAN_{rank}.pkl`` / ``STORAGE_DATA_{rank}.pkl`` files in
     the checkpoint directory (needs ``checkpoint_id``); ``use_collectives=False`` → none,
-    ``{rank}.metadata`` each.  With collectives every rank must call (every rank of
-    ``process_group`` when one is given: a sub-group saves as its group ranks).  A
-    ``Stateful`` leaf (``state_dict()`` + ``load_state_dict()``) is saved as its state dict.
+    ``{rank}.metadata`` each.  With collectives every rank (of ``process_group``, when
+    given) must call.  A ``Stateful`` leaf is saved as its state dict.
 
     Raises here: ``ValueError`` without a destination, ``AssertionError`` as above, and
-    staging errors (e.g. :class:`UnsupportedPlacementError`).  Errors of the writer
-    (with their original message), or :class:`AsyncSaveError` when it died, come through
-    the future.
-    """
-    return _get_persister().submit(
+    staging errors (e.g. :class:`UnsupportedPlacementError`); the writer's errors (original
+    message), or :class:`AsyncSaveError` when it died, come through the future."""
+    return _persister.submit(
         state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
         no_dist=no_dist, use_collectives=use_collectives, use_gloo=use_gloo, callback=callback,
         process_group=process_group,
@@ -384,22 +351,16 @@ def async_save(
 
 
 def start_writer(wait: bool = False, timeout: Optional[float] = None) -> None:
-    """Start this process's async writer process now, in the background.
+    """Start this process's async writer process now (else the first :func:`async_save`
+    does, and its landing waits for the writer to import torch).
 
-    Optional: the first :func:`async_save` starts it otherwise, and then that save's time
-    to landed includes the writer's start (it imports torch: 1-2 s).  Call it early (at
-    start-up, before the first training step) to take that off the first checkpoint.  A
-    no-op while a writer is running; :func:`shutdown_writer` stops it.  Returns at once,
-    or with ``wait=True`` once the writer is ready to save (at most ``timeout`` seconds:
-    else :class:`CheckpointTimeoutError`; :class:`AsyncSaveError` if it died starting).
-    """
-    _get_persister().prestart(wait, timeout)
+    A no-op while a writer is running.  Returns at once, or with ``wait=True`` once the
+    writer is ready (at most ``timeout`` seconds: else :class:`CheckpointTimeoutError`;
+    :class:`AsyncSaveError` if it died starting)."""
+    _persister.prestart(wait, timeout)
 
 
 def shutdown_writer() -> None:
-    """Wait for the save in flight, stop the writer process and free the staging memory.
-
-    The next :func:`async_save` starts a new writer.  A no-op when none was started.
-    """
-    if _persister is not None:
-        _persister.shutdown()
+    """Wait for the save in flight, stop the writer process and free the staging memory (the
+    next :func:`async_save` starts a new writer); a no-op when none was started."""
+    _persister.shutdown()

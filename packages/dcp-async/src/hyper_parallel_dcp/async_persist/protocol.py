@@ -1,16 +1,8 @@
 """What the training process and its writer process send each other, and what the writer
-holds from earlier requests.
-
-A request leaves out what the writer holds already: the slabs it mapped, and the
-plan-cache entry (a 2000-tensor plan and metadata take ~0.1 s to pickle).
-:meth:`WriterMirror.send` (training process) makes that delta and
-:meth:`WriterHoldings.receive` (writer process) undoes it: a new field the writer should
-hold between saves changes these two methods only.
-
-Exports :data:`PING`, :class:`Mode`, :class:`SaveRequest`, :class:`SaveReply`,
-:class:`WriterMirror`, :class:`WriterHoldings`, :func:`clean_planner` and
-:func:`parent_cache_entry`.
-"""
+holds from earlier requests (left out of a request: :meth:`WriterMirror.send` makes the
+delta, :meth:`WriterHoldings.receive` undoes it).  Exports :data:`PING`, :class:`Mode`,
+:class:`SaveRequest`, :class:`SaveReply`, :class:`WriterMirror`, :class:`WriterHoldings`,
+:func:`clean_planner`, :func:`parent_cache_entry`."""
 
 from __future__ import annotations
 
@@ -45,9 +37,9 @@ class Mode(enum.Enum):
 
 @dataclass
 class SaveRequest:
-    """One save for the writer process.  ``cache``: the training process's plan-cache entry
-    for this save; ``save_suffix`` goes after a cached plan's save_id, so a writer restarted
-    after a crash never reuses the staging directory name of an earlier save."""
+    """One save for the writer process.  ``cache``: the training process's plan-cache entry;
+    ``save_suffix`` goes after a cached plan's save_id (a restarted writer never reuses an
+    earlier save's staging directory name)."""
 
     seq: int
     storage_writer: StorageWriter
@@ -90,9 +82,9 @@ class WriterMirror:
         self.cache: dict[Any, Any] = {}  # plan-cache key -> the entry object of this process's cache
 
     def send(self, conn: Any, request: SaveRequest, slabs: dict[int, torch.Tensor]) -> None:
-        """Send ``request`` over ``conn`` with the slabs of ``slabs`` the writer lacks and
-        without the plan-cache entry it holds; then note what it holds.  Raises what
-        ``conn.send`` raises (a request that was not sent changes nothing)."""
+        """Send ``request`` with the ``slabs`` the writer lacks and without the plan-cache
+        entry it holds, then note what it holds; raises what ``conn.send`` raises (and then
+        changes nothing)."""
         cache, held = request.cache, False
         if cache is not None and cache[1] is not None and self.cache.get(cache[0]) is cache[1]:
             cache, held = (cache[0], None), True
@@ -115,7 +107,7 @@ class WriterHoldings:
         self.cache: dict[Any, Any] = {}
 
     def receive(self, req: SaveRequest) -> tuple[dict[int, torch.Tensor], Optional[PlanCacheEntry]]:
-        """The live slabs and the plan-cache entry of ``req``, what this writer holds updated
+        """The live slabs and plan-cache entry of ``req``; what this writer holds is updated
         first (its training process assumes so, whatever the save does next)."""
         self.slabs.update(req.new_slabs)
         for slab_id in [i for i in self.slabs if i not in req.staged.slab_ids]:
@@ -139,9 +131,7 @@ class WriterHoldings:
 
 def clean_planner(planner: Optional[SavePlanner]) -> Optional[SavePlanner]:
     """A copy of ``planner`` without per-save state (which may reference a state dict's tensors)."""
-    if planner is None or not isinstance(planner, StandardSavePlanner):
-        return planner
-    return planner.without_state()
+    return planner.without_state() if isinstance(planner, StandardSavePlanner) else planner
 
 
 def parent_cache_entry(planner: Optional[SavePlanner], flat_keys: Iterable[str], rank: int, world_size: int,

@@ -1,13 +1,6 @@
-"""The repeated-layout strategy: a save with the same flat keys and tensor geometry as the
-last one checks each leaf and copies, with no per-piece geometry.
-
-Serves "async blocking, later saves ≤ 2× a copy into preallocated buffers": at 2000 small
-tensors a first staging's per-piece Python work (geometry, slot keys, slab views, the
-description) costs as much as the copy itself; a leaf's check costs ~0.5 µs.
-
-Exports :data:`LeafCheck`, :func:`leaf_check`, :class:`GeometryMemo`,
-:class:`RepeatedLayout` and :class:`DevicePack`.
-"""
+"""The repeated-layout strategy: a save with the last one's flat keys and tensor geometry
+checks each leaf and copies, with none of a first staging's per-piece work.  Exports
+:data:`LeafCheck`, :func:`leaf_check`, :class:`GeometryMemo`, :class:`RepeatedLayout`, :class:`DevicePack`."""
 
 from __future__ import annotations
 
@@ -24,9 +17,9 @@ from .slabs import align, copy_into_slots, wait_for_copies
 
 __all__ = ["DevicePack", "GeometryMemo", "LeafCheck", "RepeatedLayout", "leaf_check"]
 
-#: A tensor leaf's reuse check, ``(token, whole)``: the token is a DTensor's spec or a plain
-#: tensor's (shape, dtype, device); ``whole``: the leaf's one non-empty piece is its whole
-#: local tensor.  ``None``: not reusable (a ragged geometry may change between steps).
+#: A tensor leaf's reuse check, ``(token, whole)``: a DTensor's spec or a plain tensor's
+#: (shape, dtype, device), and whether its one non-empty piece is its whole local tensor;
+#: ``None``: not reusable (a ragged geometry may change between steps).
 LeafCheck = Optional[tuple[Any, bool]]
 
 
@@ -41,9 +34,8 @@ def leaf_check(leaf: Any, shards: TensorShards, dtensor_cls: Any) -> LeafCheck:
 
 
 class GeometryMemo:
-    """:func:`to_tensor_shards` with the geometry of whole-local DTensors remembered by spec:
-    a model repeats a few layouts thousands of times (a first save of 1000 DTensor leaves:
-    13-32 ms of geometry, about 1/8 of that with the memo)."""
+    """:func:`to_tensor_shards` with the geometry of whole-local DTensors remembered by spec
+    (a model repeats a few layouts thousands of times)."""
 
     def __init__(self) -> None:
         self._whole_local: dict[Any, tuple[tuple[int, ...], ChunkBox, bool]] = {}
@@ -132,12 +124,9 @@ class DevicePack:
     """A repeated save's small device pieces, gathered on the device into a scratch buffer
     that mirrors their slots byte for byte, then sent to the host in one copy per run of
     adjacent slots (each device -> host copy costs microseconds to launch).
-
-    Measured on an H200 host (32 x 32 MiB + 33 x 1 MiB + 2000 x 4 KiB bf16, best of 5):
-    23.3 ms against 26.4 ms one by one.  Pieces over :data:`_PACK_PIECE_BYTES`, past the
-    :data:`_PACK_TOTAL_BYTES` budget, or alone in their run are copied one by one.
-    ``host_sources=True`` gathers host pieces too (the tests drive it that way).
-    """
+    Pieces over :data:`_PACK_PIECE_BYTES`, past the :data:`_PACK_TOTAL_BYTES` budget, or
+    alone in their run are copied one by one.  ``host_sources=True`` gathers host pieces
+    too (the tests drive it that way)."""
 
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, host_sources: bool = False) -> None:
         small: list[tuple[int, int, int]] = []  # (slab address, byte offset in the slab, position)

@@ -1,11 +1,6 @@
-"""A pickle reader that builds only plain data: the async file mailbox reads with it.
-
-The mailbox files (``LOCAL_PLAN_{rank}.pkl``, ``STORAGE_DATA_{rank}.pkl``, ...) sit in a
-checkpoint directory that other people can write to; reading them must never run code.
-Only builtin containers, numbers, strings, ``torch.Size``, torch dtypes and the plain
-dataclasses of ``hyper_parallel_dcp.core`` that plans, write results and metadata are
-made of may appear; anything else raises :class:`UnsafePickleError` naming the class.
-"""
+"""A pickle reader that builds only plain data, for the mailbox files (a checkpoint directory
+others can write to): builtin containers, numbers, strings, ``torch.Size``, dtypes and the
+core records listed here.  Exports :func:`dumps`, :func:`loads`, :class:`UnsafePickleError`."""
 
 from __future__ import annotations
 
@@ -17,10 +12,8 @@ import torch
 
 __all__ = ["UnsafePickleError", "dumps", "loads"]
 
-_BUILTINS = frozenset({
-    "dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "bool", "str", "bytes",
-    "bytearray", "slice", "range",
-})
+_BUILTINS = frozenset({"dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "bool", "str", "bytes",
+                       "bytearray", "slice", "range"})
 
 _CORE = {
     "hyper_parallel_dcp.core.metadata": frozenset({
@@ -72,8 +65,6 @@ def dumps(obj: Any) -> bytes:
 
 
 def loads(data: bytes, source: str = "<mailbox>") -> Any:
-    """Unpickle ``data`` allowing only the plain types listed in this module.
-
-    Raises :class:`UnsafePickleError` naming ``source`` and the refused class.
-    """
+    """Unpickle ``data`` allowing only the plain types listed in this module; raises
+    :class:`UnsafePickleError` naming ``source`` and the refused class."""
     return _RestrictedUnpickler(data, source).load()

@@ -1,25 +1,23 @@
-"""Slabs: large shared-memory byte buffers holding many staging slots, and the copies into them.
-
-The writer process maps a slab once (it pickles as its file descriptor) and reads the
-pieces in place, so a save's bytes are copied exactly once; a few large slabs rather than
-a buffer per tensor keep the number of descriptors and mappings small.  Pinning is CUDA's
-``cudaHostRegister``: pieces on another accelerator go to unpinned slabs.
-
-Exports :data:`ALIGN`, :func:`align`, :func:`slab_view`, :class:`Slab`,
-:func:`copy_into_slots` and :func:`wait_for_copies`.
-"""
+"""Slabs: large shared-memory byte buffers holding many staging slots (the writer maps each
+once, by its file descriptor), and the copies into them.  Exports :data:`ALIGN`,
+:func:`align`, :func:`slab_view`, :class:`Slab`, :func:`copy_into_slots`,
+:func:`wait_for_copies`, :func:`populate_slab`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import mmap
 from typing import Optional
 
 import torch
 
+from hyper_parallel_dcp.storage_fs.posix import populate_read
+
 from ._torch_compat import cuda_host_register, cuda_host_unregister, foreach_copy, new_shared_storage
 
-__all__ = ["ALIGN", "Slab", "align", "copy_into_slots", "slab_view", "wait_for_copies"]
+__all__ = ["ALIGN", "Slab", "align", "copy_into_slots", "populate_slab", "slab_view", "wait_for_copies"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +56,13 @@ class Slab:
         """Unpin; the memory goes once neither process references it."""
         if self.pinned:
             self.pinned = False
-            try:
+            with contextlib.suppress(Exception):  # the buffer goes anyway
                 cuda_host_unregister(self.buffer)
-            except Exception:  # noqa: BLE001 - the buffer goes anyway
-                pass
 
 
 def copy_into_slots(dsts: list[torch.Tensor], srcs: list[torch.Tensor], device_type: Optional[str]) -> None:
-    """Copy every source into its slot; returns once the copies are done.  Device sources:
-    every copy queued on the current stream at once (into page-locked memory the copy
-    engine works asynchronously), then a wait for that stream only."""
+    """Copy every source into its slot; returns once the copies are done (device sources:
+    all queued on the current stream at once, then a wait for that stream only)."""
     if not dsts:
         return
     with torch.no_grad():
@@ -82,3 +77,12 @@ def wait_for_copies(devices: set[torch.device]) -> None:
         event = torch.Event(device=device)
         event.record(torch.accelerator.current_stream(device))
         event.synchronize()
+
+
+def populate_slab(buffer: torch.Tensor) -> bool:
+    """Map every whole page of ``buffer`` into this process in one ``MADV_POPULATE_READ``
+    (halves the writer's first write from a new slab); False where nothing was done."""
+    start = buffer.data_ptr()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + buffer.numel()) // mmap.PAGESIZE * mmap.PAGESIZE
+    return end > first and populate_read(first, end - first)

@@ -1,8 +1,6 @@
-"""The staged state dict as the writer process receives it: slab ids and byte offsets, no
-tensor data; :func:`materialize` turns it into ``{fqn: TensorShards}`` over the slabs.
-
-Exports :data:`PieceRef`, :class:`StagedStateDict` and :func:`materialize`.
-"""
+"""The staged state dict as the writer process receives it (slab ids and byte offsets, no
+tensor data) and :func:`materialize`.  Exports :data:`PieceRef`, :class:`StagedStateDict`,
+:func:`materialize`."""
 
 from __future__ import annotations
 
@@ -23,22 +21,17 @@ PieceRef = tuple[tuple[int, ...], tuple[int, ...], int, int]
 
 @dataclass
 class StagedStateDict:
-    """What the writer process needs to rebuild a staged state dict.
-
-    ``leaves`` keeps the flat order of the caller's state dict; each entry is
-    ``("tensor", (global_shape, dtype, ragged, [PieceRef, ...]))`` or ``("object", copy)``.
-    ``slab_ids``: the slabs the pieces lie in (the writer drops the others).
-    """
+    """What the writer process needs to rebuild a staged state dict: ``leaves`` in the flat
+    order of the caller's state dict, each ``("tensor", (global_shape, dtype, ragged,
+    [PieceRef, ...]))`` or ``("object", copy)``; ``slab_ids``, the slabs the pieces lie in."""
 
     leaves: dict[str, tuple[str, Any]] = field(default_factory=dict)
     slab_ids: frozenset[int] = frozenset()
 
 
 def materialize(staged: StagedStateDict, slabs: dict[int, torch.Tensor]) -> dict[str, Any]:
-    """The flat staged state dict: ``{fqn: TensorShards over views of slabs}`` and objects.
-
-    Raises ``KeyError`` naming the FQN when a referenced slab is missing from ``slabs``.
-    """
+    """The flat staged state dict: ``{fqn: TensorShards over views of slabs}`` and objects;
+    ``KeyError`` naming the FQN when a referenced slab is missing from ``slabs``."""
     out: dict[str, Any] = {}
     for fqn, (kind, value) in staged.leaves.items():
         if kind == "object":

@@ -1,17 +1,10 @@
-"""The writer process: receives staged saves and runs the one save pipeline on them.
-
-Started with ``spawn``, so it inherits no CUDA/NCCL state and never touches an
-accelerator: it maps the training process's slabs and runs
-:func:`hyper_parallel_dcp.core.pipeline.save_state_dict` unchanged (its own CPU gloo group,
-the file mailbox, or no coordination), then answers with the metadata and the plan-cache
-entry.  It exits on ``None``, when its pipe closes, or as soon as the training process is
-gone (:func:`watch_parent`).
-
-Exports :func:`writer_main`, :func:`watch_parent` and :func:`wait_for_parent_exit`.
-"""
+"""The writer process (``spawn``ed: no CUDA/NCCL state): maps the training process's slabs
+and runs :func:`hyper_parallel_dcp.core.pipeline.save_state_dict` on each staged save.
+Exports :func:`writer_main`, :func:`watch_parent`, :func:`wait_for_parent_exit`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -21,13 +14,14 @@ import time
 import traceback
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hyper_parallel_dcp.core import StandardSavePlanner, save_state_dict
+from hyper_parallel_dcp.core.collectives import DistWrapper
 
-from ._posix import populate_read
-from .mailbox import FileMailbox, RankIdentity
+from .mailbox import FileMailbox
 from .protocol import PING, Mode, SaveReply, SaveRequest, WriterHoldings
+from .slabs import populate_slab
 from .staged import materialize
 
 __all__ = ["wait_for_parent_exit", "watch_parent", "writer_main"]
@@ -57,7 +51,7 @@ class _Writer:
 
     def save(self, req: SaveRequest) -> SaveReply:
         for buffer in req.new_slabs.values():
-            populate_read(buffer)
+            populate_slab(buffer)
         slabs, cache = self.holdings.receive(req)
         state_dict = materialize(req.staged, slabs)
         if cache is not None:
@@ -70,7 +64,8 @@ class _Writer:
         kwargs: dict[str, Any] = {"no_dist": req.no_dist, "use_collectives": req.use_collectives}
         mailbox = None
         if req.mode is Mode.NONE:
-            kwargs["dist_wrapper"] = RankIdentity(req.rank, req.world_size)
+            # no exchange, but the training process's rank (else: rank 0 of 1)
+            kwargs["dist_wrapper"] = DistWrapper(None, use_dist=False, rank=req.rank, world_size=req.world_size)
         elif req.mode is Mode.GLOO:
             assert req.gloo_init is not None
             self._ensure_gloo(req.gloo_init, req.rank, req.world_size, req.timeout_s)
@@ -86,8 +81,7 @@ class _Writer:
         reply = SaveReply(req.seq, metadata)
         if isinstance(planner, StandardSavePlanner):
             reply.cache_hit = planner.cache_hit
-            # A hit's entry is the one the training process sent: not sent back (2000
-            # tensors: 0.75 MB more to pickle and unpickle on every save's landing path).
+            # a hit's entry is the one the training process sent: not sent back
             if planner.caching and not planner.cache_hit:
                 reply.cache = planner.plan_cache.export(planner.cache_key())
                 self.holdings.note_cache(reply.cache)
@@ -110,19 +104,14 @@ PARENT_POLL_S = 0.25
 
 
 def wait_for_parent_exit(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
-    """Return once the process ``parent_pid`` (this process's parent) is gone.
-
-    Waits on a pidfd of the parent where there is one, else looks every ``poll_s`` seconds
-    whether this process was re-parented.  (A pipe closing with the parent is not enough:
-    a process the trainer forks later inherits its end; ``PR_SET_PDEATHSIG`` fires when the
-    *thread* that started the writer exits.)
-    """
-    pidfd = None
-    if hasattr(os, "pidfd_open"):
-        try:
-            pidfd = os.pidfd_open(parent_pid)
-        except OSError:
-            pidfd = None
+    """Return once the process ``parent_pid`` (this process's parent) is gone: a pidfd of
+    it where there is one, else a look every ``poll_s`` seconds whether this process was
+    re-parented.  (The pipe may live on in a process the trainer forks later;
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that started the writer exits.)"""
+    try:
+        pidfd = os.pidfd_open(parent_pid) if hasattr(os, "pidfd_open") else None
+    except OSError:
+        pidfd = None
     try:
         # getppid() after pidfd_open: the pidfd refers to our parent only if it was alive then
         while os.getppid() == parent_pid:
@@ -141,25 +130,19 @@ class _InFlight:
     seq: Optional[int] = None
 
 
-def watch_parent(parent_pid: int, in_flight: _InFlight,
-                 exit_now: Callable[[int], None] = os._exit) -> threading.Thread:
-    """Start a daemon thread that ends this process soon after ``parent_pid`` is gone.
-
-    An orphan abandons the save it runs, as a crash would: the commit protocol never shows
-    a half-written checkpoint, while finishing could commit it under a restarted job, and a
-    peer's writer may wait for one of ours that died (until ``HP_DCP_ASYNC_TIMEOUT``).
-    """
+def watch_parent(parent_pid: int, in_flight: _InFlight) -> threading.Thread:
+    """Start a daemon thread that ends this process soon after ``parent_pid`` is gone: an
+    orphan abandons its save, as a crash would (finishing could commit it under a
+    restarted job)."""
 
     def run() -> None:
         wait_for_parent_exit(parent_pid)
         seq = in_flight.seq
         what = f"abandons save #{seq} (not committed)" if seq is not None else "was idle"
-        try:
+        with contextlib.suppress(OSError):
             os.write(2, f"hyper_parallel_dcp async writer {os.getpid()}: the training process {parent_pid} "
                         f"is gone; the writer {what} and exits\n".encode())
-        except OSError:
-            pass
-        exit_now(1 if seq is not None else 0)
+        os._exit(1 if seq is not None else 0)
 
     thread = threading.Thread(target=run, name="hp-dcp-parent-watch", daemon=True)
     thread.start()
@@ -167,8 +150,8 @@ def watch_parent(parent_pid: int, in_flight: _InFlight,
 
 
 def _leave(parent_pid: Optional[int]) -> None:
-    """Return from the writer's loop; with the training process gone, exit at once (an
-    orphan has nothing to flush, and tearing torch down took 1-3 s on a loaded host)."""
+    """Return from the writer's loop; with the training process gone, exit at once (tearing
+    torch down takes seconds, and an orphan has nothing to flush)."""
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(0)
 
@@ -178,8 +161,7 @@ def writer_main(conn: Any, parent_pid: Optional[int] = None) -> None:
     soon after the training process ``parent_pid`` is gone (see :func:`watch_parent`)."""
     import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor reductions
 
-    # Under torchrun the environment says "join the agent's store": then no writer would
-    # host the store of the writers' gloo group, and every use_gloo save would time out.
+    # under torchrun no writer would host the writers' gloo store (every use_gloo save: timeout)
     for name in _LAUNCHER_ENV:
         os.environ.pop(name, None)
     torch.set_num_threads(1)  # the writer hashes and writes; it must not compete with training

@@ -1,11 +1,9 @@
 """One writer process as the training process sees it: start, readiness, requests and
-replies, stop, and what to say when it died.
-
-Exports :class:`WriterProcess` and :func:`recv_reply`.
-"""
+replies, stop, and what to say when it died.  Exports :class:`WriterProcess`, :func:`recv_reply`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.connection as mp_connection
 import os
@@ -19,7 +17,7 @@ from hyper_parallel_dcp.core.gc_pause import gc_paused
 
 from .coordination import POLL_S, Outcomes, others_failed, remote_failure
 from .errors import AsyncSaveError
-from .protocol import PING, SaveReply, SaveRequest, WriterMirror
+from .protocol import PING, SaveReply, WriterMirror
 from .writer import writer_main
 
 __all__ = ["WriterProcess", "recv_reply"]
@@ -33,10 +31,8 @@ _REPLY_GRACE_S = 60.0
 
 
 class WriterProcess:
-    """A started writer process (``spawn``, not a daemon), its pipe and :class:`WriterMirror`.
-
-    ``fresh``: it has had no request yet (it may still be importing torch).
-    """
+    """A started writer process (``spawn``, not a daemon), its pipe and :class:`WriterMirror`;
+    ``fresh``: it has had no request yet (it may still be importing torch)."""
 
     def __init__(self) -> None:
         import torch.multiprocessing as torch_mp  # registers the shared-memory tensor reductions
@@ -50,9 +46,7 @@ class WriterProcess:
         assert self.proc.pid is not None  # started
         self.pid: int = self.proc.pid
         try:
-            # Lowered at once: its start (importing torch, 1-2 s of CPU) overlaps the first
-            # save's staging, and on a busy host took the cores training stages on (2 ranks
-            # on 2 cores: first-save blocking 3x a clone).  Training comes first.
+            # lowered at once: its start (importing torch) overlaps the first save's staging
             os.setpriority(os.PRIO_PROCESS, self.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + _WRITER_NICE))
         except OSError as exc:  # already gone, or priorities are not ours to set
             logger.debug("async_save: cannot lower the writer's priority: %s", exc)
@@ -67,7 +61,7 @@ class WriterProcess:
         return self.fresh and not self.proc.is_alive() and (self.proc.exitcode or 0) > 0
 
     def ping(self, timeout: Optional[float]) -> None:
-        """Return once the writer answers a ping.  Raises :class:`AsyncSaveError` if it died,
+        """Return once the writer answers a ping; :class:`AsyncSaveError` if it died,
         :class:`CheckpointTimeoutError` after ``timeout`` seconds."""
         ready: list[Any] = []
         try:
@@ -85,18 +79,10 @@ class WriterProcess:
                                          f"{timeout} s", "start_writer", ())
         self.fresh = False
 
-    def send(self, request: SaveRequest, slabs: dict[Any, Any]) -> None:
-        """Send ``request`` (see :meth:`WriterMirror.send`); raises what the pipe raises."""
-        self.mirror.send(self.conn, request, slabs)
-
     def await_reply(self, board: Optional[Outcomes], seq: int, timeout_s: float) -> Optional[SaveReply]:
-        """The writer's reply, or ``None`` if it died first.
-
-        With a ``board``, raises :class:`AsyncSaveError` as soon as another rank reports a
-        failure of save ``seq`` (ours would wait for that rank's dead writer); raises
-        :class:`CheckpointTimeoutError` when no reply came within the writers' own timeout
-        ``timeout_s`` and a grace period.
-        """
+        """The writer's reply, or ``None`` if it died first.  Raises :class:`AsyncSaveError` as
+        soon as another rank on ``board`` reports a failure of save ``seq``, and
+        :class:`CheckpointTimeoutError` without a reply within ``timeout_s`` and a grace period."""
         deadline = time.monotonic() + timeout_s + _REPLY_GRACE_S
         while True:
             ready = mp_connection.wait([self.conn, self.proc.sentinel], timeout=POLL_S if board is not None else 1.0)
@@ -124,10 +110,8 @@ class WriterProcess:
     def stop(self, timeout: float) -> None:
         """Tell it to stop and wait up to ``timeout`` seconds, then terminate it; close the pipe."""
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(OSError):  # a broken pipe included
                 self.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
             self.proc.join(timeout=timeout)
             if self.proc.is_alive():
                 self.proc.terminate()
@@ -136,15 +120,13 @@ class WriterProcess:
 
     def close(self) -> None:
         """Drop the pipe (a writer still alive exits when it sees it closed)."""
-        try:
+        with contextlib.suppress(OSError):
             self.conn.close()
-        except OSError:
-            pass
         self.proc.join(timeout=0)
 
     def death_message(self, checkpoint_id: Optional[str], starting: bool, saving: bool = True) -> str:
-        """What to tell the caller when the writer died: during a save (``saving``) or while
-        ``start_writer`` waited for it; ``starting``: before it had served any request."""
+        """What to tell the caller when the writer died during a save (``saving``) or while
+        starting; ``starting``: before it had served any request."""
         self.proc.join(timeout=5)
         code = self.proc.exitcode
         if code is not None and code < 0:
@@ -162,8 +144,6 @@ class WriterProcess:
                     "checkpoint did not land (no .metadata was committed). The next async_save starts a new writer "
                     "process.")
         if starting and (code is None or code > 0):
-            # The common cause: spawn imports the training script again in the writer,
-            # which then runs the script's top-level code.
             text += (" It died before serving any request; its error is on stderr. The writer is started with "
                      "multiprocessing's 'spawn', which imports the main script again in the new process: a "
                      "script that trains or saves at its top level must do so under "
@@ -172,10 +152,7 @@ class WriterProcess:
 
 
 def recv_reply(conn: Any) -> SaveReply:
-    """Receive a reply that is ready, the garbage collector paused while it is unpickled.
-
-    A 2000-tensor reply is ~20k objects, whose allocation set off full collections of the
-    training process's heap (0.13 s, in 2 of 3 saves at 2000 x 0.5 MiB, world 2).
-    """
+    """Receive a reply that is ready, the garbage collector paused while it is unpickled
+    (a large reply's objects set off full collections of the training process's heap)."""
     with gc_paused():
         return conn.recv()

@@ -1,11 +1,9 @@
 """Read-once + broadcast loading of replicated shards (``hyper_parallel_dcp.broadcast``).
 
 :func:`make_read_executor` builds the read executor that ``load(...,
-broadcast_replicated_tensors=True)`` hands to the load pipeline (:mod:`.executor`).  The
-pure scheduling is in :mod:`.schedule` (``plan_broadcasts``, ``rank_schedule``,
-``required_groups``), group lifetime in :mod:`.groups`, the read-ahead thread
-(``ReadAhead``) in :mod:`.prefetch`; those are exported for tests and tools.
-"""
+broadcast_replicated_tensors=True)`` hands to the load pipeline (:mod:`.executor`); the
+pure scheduling is in :mod:`.schedule`, group lifetime in :mod:`.groups`, the read-ahead
+thread in :mod:`.prefetch`."""
 
 from .__about__ import __version__
 from .executor import DEFAULT_BATCH_BYTES, MAX_IN_FLIGHT, BroadcastReadExecutor, BroadcastStats, make_read_executor
@@ -13,16 +11,6 @@ from .groups import broadcast_groups_for_load
 from .prefetch import ReadAhead
 from .schedule import plan_broadcasts, rank_schedule, required_groups
 
-__all__ = [
-    "DEFAULT_BATCH_BYTES",
-    "MAX_IN_FLIGHT",
-    "BroadcastReadExecutor",
-    "BroadcastStats",
-    "ReadAhead",
-    "__version__",
-    "broadcast_groups_for_load",
-    "make_read_executor",
-    "plan_broadcasts",
-    "rank_schedule",
-    "required_groups",
-]
+__all__ = ["DEFAULT_BATCH_BYTES", "MAX_IN_FLIGHT", "BroadcastReadExecutor", "BroadcastStats", "ReadAhead",
+           "__version__", "broadcast_groups_for_load", "make_read_executor", "plan_broadcasts", "rank_schedule",
+           "required_groups"]

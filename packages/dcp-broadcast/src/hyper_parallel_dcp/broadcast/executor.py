@@ -1,17 +1,8 @@
-"""The read executor of a read-once + broadcast load.
-
-The load pipeline calls it on every rank instead of ``storage_reader.execute_read`` (it
-decides when: collectives on, the whole default group, a global plan).  Each replicated
-shard is read by one member of its replica group (``ReadItem.source``) and broadcast to
-the others: read, launch the async broadcast, move on, with at most ``max_in_flight``
-broadcasts outstanding; small shards share one staging buffer per broadcast.  The reads
-are the normal read path (``core.storage``: resolve, ``reader.read_stream``, commit);
-only *who* reads changes.  The tail (what only this rank needs) is read last, on the
-calling thread, while the last broadcasts are in flight.
-
-Exports :func:`make_read_executor`, :class:`BroadcastReadExecutor`,
-:class:`BroadcastStats` and the defaults ``MAX_IN_FLIGHT``, ``DEFAULT_BATCH_BYTES``.
-"""
+"""The read executor of a read-once + broadcast load, called on every rank instead of
+``storage_reader.execute_read``: each replicated shard is read by one member of its
+replica group (``ReadItem.source``) and broadcast to the others; this rank's tail is read
+last.  Exports :func:`make_read_executor`, :class:`BroadcastReadExecutor`,
+:class:`BroadcastStats`, ``MAX_IN_FLIGHT``, ``DEFAULT_BATCH_BYTES``."""
 
 from __future__ import annotations
 
@@ -47,13 +38,11 @@ from .schedule import (
 
 __all__ = ["DEFAULT_BATCH_BYTES", "MAX_IN_FLIGHT", "BroadcastReadExecutor", "BroadcastStats", "make_read_executor"]
 
-#: Broadcasts outstanding at once (``HP_DCP_BROADCASTS_IN_FLIGHT``); staging memory is at
-#: most this × the batch bytes.
+#: Broadcasts outstanding at once (``HP_DCP_BROADCASTS_IN_FLIGHT``): staging ≤ this × the batch bytes.
 MAX_IN_FLIGHT = BROADCASTS_IN_FLIGHT.default
 #: Above the measured crossover (~4.6 MiB) where a broadcast stops being launch-bound.
 DEFAULT_BATCH_BYTES = 6 * 1024 * 1024
-#: From this many bytes of shards read for its groups a rank reads them on a read-ahead
-#: thread; below, on the calling thread (see ``_Reads``).
+#: From this many bytes of shards read for its groups a rank reads them on a read-ahead thread.
 READ_AHEAD_MIN_BYTES = 64 << 20
 
 
@@ -74,15 +63,11 @@ class BroadcastStats:
 
 
 class _Reads:
-    """This rank's reads for its groups, in schedule order, then its tail; resolving and
-    committing on the calling thread, the reader's ``read_stream`` on a :class:`ReadAhead`
-    thread from ``READ_AHEAD_MIN_BYTES`` of shards, else inline (a broadcast is async, so
-    the next read overlaps it anyway).  perf: dense load row, 2 ranks on 2 cores, 39.4
-    instead of 44.3 ms without the thread below that size; the broadcast row unchanged.
-
+    """This rank's reads for its groups, in schedule order, then its tail: resolved and
+    committed on the calling thread, the reader's ``read_stream`` on a :class:`ReadAhead`
+    thread from ``READ_AHEAD_MIN_BYTES`` of shards, else inline (faster below that size).
     After the first failure further reads are skipped (the broadcasts still go out, so no
-    peer waits forever); the caller raises :attr:`error` once the walk is over.
-    """
+    peer waits forever); the caller raises :attr:`error` once the walk is over."""
 
     def __init__(self, reader: StorageReader, planner: LoadPlanner, ordered: list[ReadItem], depth: int) -> None:
         self.reader, self.planner = reader, planner
@@ -129,8 +114,7 @@ class _Reads:
 
 @dataclass
 class _InFlight:
-    """A launched broadcast: its work handle, what an error names, and what to do once it
-    landed (``keep`` holds a sender's staging copy alive until then)."""
+    """A launched broadcast; ``keep`` holds a sender's staging copy alive until it landed."""
 
     work: Any
     ranks: tuple[int, ...]
@@ -139,22 +123,16 @@ class _InFlight:
     keep: Any = None
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view: every backend broadcasts bytes, whatever the dtype."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
 class BroadcastReadExecutor:
     """Read replicated shards once per replica group and broadcast them.
 
     ``groups``: caller-built ``{rank tuple: process group}``, used as is and left alive
     (missing ones are created for the load and destroyed after it).  ``batch_bytes``:
     shards smaller than this with the same group, source, dtype and device share one
-    broadcast (0 disables; equal on all ranks).  ``max_in_flight`` (default
-    ``HP_DCP_BROADCASTS_IN_FLIGHT``, 8) and ``read_ahead`` (default ``HP_DCP_READ_AHEAD``,
-    2) are read when the executor is made.  ``stats`` describes the last call on this rank.
-    Raises ``ValueError`` for a negative ``batch_bytes`` or ``max_in_flight`` below 1.
-    """
+    broadcast (0 disables; equal on all ranks).  ``max_in_flight`` and ``read_ahead``
+    default to ``HP_DCP_BROADCASTS_IN_FLIGHT`` and ``HP_DCP_READ_AHEAD``.  ``stats``
+    describes the last call on this rank.  Raises ``ValueError`` for a negative
+    ``batch_bytes`` or ``max_in_flight`` below 1."""
 
     def __init__(self, groups: Optional[dict[tuple[int, ...], Any]] = None,
                  batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: Optional[int] = None,
@@ -173,25 +151,19 @@ class BroadcastReadExecutor:
 
     def __call__(self, plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
-        """Run this rank's part of the load into the planner's targets; every rank of the
-        default group calls (``process_group``, when given, spans all of them).
-
-        ``plan`` is this rank's final plan; its ``ReaderAssignment`` lists the rank's
-        replica groups and every group of the load.  Raises ``ValueError`` on every rank
-        for inconsistent plans or unusable ``groups``; an error of this rank's planner is
-        raised here and as ``ValueError`` on the other ranks before any group exists; a
-        read failure is raised after this rank's broadcasts are done (no peer waits).
-        """
+        """Run this rank's part of the load (``plan``: its final plan) into the planner's
+        targets; every rank of the default group calls.
+        Raises ``ValueError`` on every rank for inconsistent plans or unusable ``groups``;
+        an error of this rank's planner is raised here and as ``ValueError`` on the other
+        ranks before any group exists; a read failure after this rank's broadcasts are done."""
         required = required_groups(plan)
         if not required:
-            # Nothing is replicated anywhere (every rank has the same list): the plain read
-            # path, without groups, thread or exchange.
+            # nothing is replicated anywhere (the same on every rank): the plain read path
             self.stats = BroadcastStats(tail_items=len(plan.items))
             storage_reader.execute_read(plan, planner)
             return
         me = dist.get_rank()
-        # Everything that can fail on one rank alone happens before the groups exist; the
-        # failure travels with the group exchange, so no rank waits in new_group for it.
+        # what can fail on one rank alone fails before the groups exist, and travels with their exchange
         try:
             schedule = rank_schedule(plan, me, storage_reader.sort_items)
             shards = [planner.resolve_shard(task.dest_index) for task in schedule.shards]
@@ -202,8 +174,7 @@ class BroadcastReadExecutor:
         except Exception as exc:  # noqa: BLE001 - raised on every rank by the group exchange
             schedule, shards, steps, local_error = RankSchedule((), ()), [], [], exc
         self.stats = BroadcastStats(replicated_shards=len(schedule.shards), tail_items=len(schedule.tail))
-        # Every wait has a deadline (HP_DCP_COLLECTIVE_TIMEOUT): the arrival checks name a
-        # rank that died before the exchange, new groups and each broadcast get it too.
+        # every wait has a deadline: the arrival checks name a rank that died before the exchange
         arrivals = DistWrapper(process_group, use_dist=True)
         arrivals.arrive("broadcast_groups")
         self._timeout = collective_timeout()
@@ -271,7 +242,8 @@ class BroadcastReadExecutor:
         self.stats.batched_broadcasts += int(op.batched)
         self.stats.bytes_broadcast += buffer.numel() * buffer.element_size()
         try:
-            work = dist.broadcast(_as_bytes(buffer), src=op.source, group=group, async_op=True)
+            # as bytes: every backend broadcasts those, whatever the dtype
+            work = dist.broadcast(buffer.reshape(-1).view(torch.uint8), src=op.source, group=group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - a peer is gone: say which broadcast
             raise self._broadcast_error(op.ranks, op.source, exc) from exc
         if not receiving:
@@ -309,10 +281,5 @@ class BroadcastReadExecutor:
             "broadcast", tuple(others))
 
 
-def make_read_executor(*, groups: Optional[dict[tuple[int, ...], Any]] = None,
-                       batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: Optional[int] = None,
-                       read_ahead: Optional[int] = None) -> BroadcastReadExecutor:
-    """A read executor for ``load_state_dict(..., read_executor=...)``: see
-    :class:`BroadcastReadExecutor` (same arguments, same errors)."""
-    return BroadcastReadExecutor(groups=groups, batch_bytes=batch_bytes, max_in_flight=max_in_flight,
-                                 read_ahead=read_ahead)
+#: A read executor for ``load_state_dict(..., read_executor=...)``: the class itself.
+make_read_executor = BroadcastReadExecutor

@@ -1,13 +1,6 @@
-"""The replica groups of one load: created with ``dist.new_group``, used once, destroyed.
-
-Group creation is a collective of *every* rank, also of ranks with no replicated shard
-(a fully sharded pipeline stage).  A rank gets the backend's non-member marker for a
-group it is not in; such markers are never kept.  Groups are created and destroyed in
-rank-tuple order, which every rank computes alike.  ``dist.new_group`` accepts any rank
-list (a parameter tied across non-adjacent stages, ``[0, 1, 6, 7]``) and keeps no
-process-wide cache.  Groups the caller passes in are used and never destroyed.
-Exports :func:`broadcast_groups_for_load`.
-"""
+"""The replica groups of one load: created with ``dist.new_group`` by every rank in
+rank-tuple order, used once, destroyed; groups the caller passes in are used and kept.
+Exports :func:`broadcast_groups_for_load`."""
 
 from __future__ import annotations
 
@@ -46,9 +39,8 @@ def _provided_problem(rank: int, ranks: RankTuple, group: Any) -> Optional[str]:
 
 def _groups_to_create(required: Sequence[RankTuple], rank: int, provided: dict, whole: RankTuple,
                       process_group: Optional[dist.ProcessGroup], local_error: Optional[Exception]) -> list[RankTuple]:
-    """The required groups some member was not given, from one small all-gather (each
-    rank knows only its own ``provided``); an invalid entry or ``local_error`` on any rank
-    is raised on every rank before anyone enters ``new_group``."""
+    """The required groups some member was not given, from one small all-gather; an invalid
+    entry or ``local_error`` on any rank is raised on every rank before any ``new_group``."""
     lacking: list[RankTuple] = []
     errors = [] if local_error is None else [f"rank {rank}: {type(local_error).__name__}: {local_error}"]
     for ranks in required:
@@ -77,14 +69,12 @@ def broadcast_groups_for_load(required: Sequence[RankTuple], rank: int,
     """Yield ``{rank tuple: group}`` for the ``required`` groups (sorted, identical on
     every rank, global ranks) that ``rank`` belongs to.
 
-    A group of every rank is the default group itself.  Other groups some member was not
-    given are created with ``dist.new_group`` (every rank enters, in one order; with
-    ``timeout`` seconds as their deadline when above 0) and destroyed on exit by their
-    members, in rank-tuple order.  Groups from ``provided`` are used as they are.  Raises
-    ``ValueError`` on every rank when a provided group does not match its key;
-    ``local_error`` (this rank could not prepare its part) is raised here and, as a
-    ``ValueError`` naming this rank, on every other rank, before any group exists.
-    """
+    A group of every rank is the default group; groups from ``provided`` are used as they
+    are; the others are created with ``dist.new_group`` (deadline ``timeout`` seconds when
+    above 0) and destroyed on exit.  Raises ``ValueError`` on every rank when a provided
+    group does not match its key; ``local_error`` (this rank could not prepare its part)
+    is raised here and, as a ``ValueError`` naming this rank, on every other rank, before
+    any group exists."""
     if not required:
         if local_error is not None:
             raise local_error  # no collective follows: the pipeline's check spreads it
@@ -100,8 +90,7 @@ def broadcast_groups_for_load(required: Sequence[RankTuple], rank: int,
     try:
         with phase("create_broadcast_groups", rank):
             for ranks in to_create:
-                group = (dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=timeout)) if timeout > 0
-                         else dist.new_group(ranks=list(ranks)))
+                group = dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=timeout) if timeout > 0 else None)
                 if rank in ranks and _is_member_group(group):
                     created[ranks] = group
         usable.update(created)

@@ -1,14 +1,9 @@
-"""A read-ahead thread over a storage reader's reads: :class:`ReadAhead`.
-
-The thread runs the read step of the normal read path (``StorageReader.read_stream``)
-a few items ahead of the main thread, which drives the broadcasts.  Results come back
-strictly in the order given: the read order is the broadcast order (splitting the two
-was measured slower, see the user guide), so this is a FIFO, not a completion table.
-The thread touches only the reader and the destinations (resolved beforehand).
-"""
+"""A read-ahead thread over a storage reader's reads (:class:`ReadAhead`): results come back
+strictly in the order given, as the read order is the broadcast order."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any, Callable, Iterator, Sequence
@@ -27,14 +22,11 @@ class _Failed:
 
 
 class ReadAhead:
-    """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead
-    (default ``HP_DCP_READ_AHEAD``'s default, 2: reads stay close to the broadcast order).
+    """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead.
 
-    Yields exactly what ``read_items`` yields, in its order; an exception it raises is
-    re-raised in the consuming thread at the position where it happened.  ``close()``
-    (also on ``with`` exit) stops the thread and closes the generator on it.  Raises
-    ``ValueError`` for a depth below 1.
-    """
+    Yields what ``read_items`` yields, in its order; an exception it raises is re-raised
+    in the consuming thread where it happened.  ``close()`` (also on ``with`` exit) stops
+    the thread and closes the generator on it.  Raises ``ValueError`` for a depth below 1."""
 
     def __init__(self, read_items: Callable[[Sequence[Any]], Iterator[tuple[ReadItem, Any]]],
                  items: Sequence[Any], depth: int = READ_AHEAD.default) -> None:
@@ -89,11 +81,9 @@ class ReadAhead:
         """Stop the thread and drop what it read ahead; safe to call more than once."""
         self._finished = True
         self._stop.set()
-        while True:
-            try:
+        with contextlib.suppress(queue.Empty):
+            while True:
                 self._queue.get_nowait()
-            except queue.Empty:
-                break
         self._thread.join()
 
     def __enter__(self) -> ReadAhead:

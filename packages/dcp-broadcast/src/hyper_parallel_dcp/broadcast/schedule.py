@@ -1,17 +1,7 @@
-"""Pure scheduling of a read-once + broadcast load: no process group, no tensors.
-
-From its own final load plan (``planner_data``: the rank's
-:class:`~hyper_parallel_dcp.core.reader_assignment.ReaderAssignment`, computed once on the
-coordinator) every rank derives, with no communication, the replica groups of the load
-(:func:`required_groups`, one sorted list on every rank: group creation is a collective),
-its own walk (:func:`rank_schedule`: its replicated shards in the global order, then the
-items nobody waits for) and where broadcasts are launched (:func:`plan_broadcasts`).
-
-Why the order matters: collectives on one group run in the order they are enqueued.
-Every rank walks a subsequence of one global order and flushes batches at positions fixed
-by that order, so any two ranks launch their common broadcasts in the same relative order,
-which, waiting only for the oldest broadcast in flight, cannot deadlock.
-"""
+"""Pure scheduling of a read-once + broadcast load (no process group, no tensors): the
+load's replica groups, each rank's walk and where broadcasts are launched, from the rank's
+own plan.  Every rank walks a subsequence of one global order and flushes batches at
+positions fixed by it, so common broadcasts launch in the same order: no deadlock."""
 
 from __future__ import annotations
 
@@ -22,26 +12,15 @@ from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key, sort_read_items
 from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, ReplicaGroup
 
-__all__ = [
-    "BroadcastOp",
-    "LaunchStep",
-    "RankSchedule",
-    "ShardInfo",
-    "ShardStep",
-    "ShardTask",
-    "plan_broadcasts",
-    "rank_schedule",
-    "replica_groups_of",
-    "required_groups",
-]
+__all__ = ["BroadcastOp", "LaunchStep", "RankSchedule", "ShardInfo", "ShardStep", "ShardTask", "plan_broadcasts",
+           "rank_schedule", "replica_groups_of", "required_groups"]
 
 RankTuple = tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class ShardTask:
-    """A replicated local shard of this rank: its group, reader and this rank's read items
-    for it (the reader reads them, the other members receive the shard by broadcast)."""
+    """A replicated local shard of this rank: its group, reader and this rank's read items."""
 
     dest_index: MetadataIndex
     ranks: RankTuple
@@ -112,15 +91,10 @@ def required_groups(plan: LoadPlan) -> list[RankTuple]:
 
 def rank_schedule(plan: LoadPlan, rank: int,
                   sort_items: Callable[[Iterable[ReadItem]], list[ReadItem]] = sort_read_items) -> RankSchedule:
-    """Split ``plan`` (this rank's final plan) into replicated shards and tail reads.
-
-    Replicated shards come from the plan's :class:`ReaderAssignment`, in the global order
-    (two groups may share a ``dest_index``: the rank tuple keeps the order total); every
-    other item is read by this rank, last, sorted by ``sort_items`` (the reader's
-    ``StorageReader.sort_items``).  Raises ``ValueError`` naming the FQN when a group
-    lacks this rank or its reader, or a tensor item is to be read by a rank outside any
-    group of this rank.
-    """
+    """Split ``plan`` (this rank's final plan) into its replicated shards, from its
+    :class:`ReaderAssignment` in the global order, and the other items, read last in
+    ``sort_items`` order.  Raises ``ValueError`` naming the FQN when a group lacks this rank
+    or its reader, or a tensor item is to be read from a rank outside this rank's groups."""
     by_dest: dict[MetadataIndex, list[ReadItem]] = {}
     for item in plan.items:
         by_dest.setdefault(item.dest_index, []).append(item)
@@ -150,13 +124,11 @@ def rank_schedule(plan: LoadPlan, rank: int,
 def plan_broadcasts(shards: Sequence[ShardInfo], batch_bytes: int) -> list[Step]:
     """The steps of one rank's walk over its replicated shards (given in global order).
 
-    A shard of ``batch_bytes`` or more is broadcast alone right after it is read.  A
-    smaller one joins the open batch of its ``(group, source, dtype, device)``; a batch is
-    launched once it holds exactly ``batch_bytes``, just before a shard that would push it
-    past that (so the broadcast overlaps that shard's read), and at the end, in key order.
-    A batch of one ships the shard itself.  ``batch_bytes=0`` disables batching.  Every
-    member of a group gets the same sequence of that group's broadcasts.
-    """
+    A shard of ``batch_bytes`` or more is broadcast alone right after it is read; a smaller
+    one joins the open batch of its ``(group, source, dtype, device)``, launched once it
+    holds exactly ``batch_bytes``, just before a shard that would push it past that, and at
+    the end, in key order (``batch_bytes=0``: no batching).  Every member of a group gets
+    the same sequence of that group's broadcasts."""
     steps: list[Step] = []
     open_batches: dict[tuple, list[int]] = {}
     open_bytes: dict[tuple, int] = {}
