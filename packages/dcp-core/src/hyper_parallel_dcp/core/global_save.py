@@ -20,6 +20,7 @@ Exports :func:`plan_global_columns` and :func:`check_disjoint`.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from dataclasses import replace
 from itertools import accumulate
 from typing import Any, Callable, Optional, Sequence
@@ -43,6 +44,7 @@ from .save_reference import dedup_items, plan_items, raise_overlap
 __all__ = ["check_disjoint", "plan_global_columns"]
 
 _KEY_LIMIT = 1 << 62  # the keys of every tensor's offsets must fit an int64
+_TENSOR = WriteItemType.TENSOR.value
 
 
 class _ItemByItem(Exception):
@@ -83,8 +85,11 @@ class _Gathered:
                      for t in range(len(tables))]
         self.kinds = kinds = list(kind_ids)
         self.plans = len(columns)
-        if len({k[0] for k in kinds}) != len(kinds):
+        kinds_of = Counter(k[0] for k in kinds)
+        if len(kinds_of) != len({k if k[1] == _TENSOR else k[:3] for k in kinds}):
             raise _ItemByItem  # an FQN with two kinds, shapes or dtypes
+        # objects whose copies differ (several digests of one FQN): each rank's copy is kept
+        self.per_rank = np.array([kinds_of[k[0]] > 1 for k in kinds], dtype=bool)
         width = max([len(k[2]) for k in kinds if k[2] is not None], default=0)
         self.kind_ndim = np.full(len(kinds), -1, dtype=np.int64)  # -1: an object
         self.properties: list[Any] = [None] * len(kinds)
@@ -94,7 +99,7 @@ class _Gathered:
         for k, (_, kind_type, shape, dtype) in enumerate(kinds):
             bases[k] = base
             span = 1
-            if kind_type == WriteItemType.TENSOR.value:
+            if kind_type == _TENSOR:
                 if shape is None or dtype is None:
                     raise _ItemByItem
                 try:
@@ -155,6 +160,7 @@ def _dedup(g: _Gathered, save_to_minimum_rank: bool) -> np.ndarray | None:
     count = len(g.sorted_key)
     starts = np.ones(count, dtype=bool)
     np.not_equal(g.sorted_key[1:], g.sorted_key[:-1], out=starts[1:])
+    starts |= g.per_rank[g.kind[g.order]]
     if starts.all():
         return None
     repeated = np.flatnonzero(~starts)  # sorted positions whose item has the key of the one before
@@ -267,12 +273,15 @@ def _metadata(g: _Gathered, keep: np.ndarray | None) -> Callable[[], Metadata]:
         if k in suspects or (not ndim and count > 1):
             raise_overlap(fqn, _chunks(ndim, count, all_offsets[span], all_sizes[span]))
 
+    per_rank = [k[0] for k, differ in zip(g.kinds, g.per_rank.tolist()) if differ]
+
     def build() -> Metadata:
         return Metadata(state_dict_metadata={
             fqn: BytesStorageMetadata() if ndim < 0 else
             tensor_metadata_from_columns(fqn, properties, torch.Size(shape), count, ndim, offsets, sizes,
                                          ascending=True)
-            for fqn, properties, shape, count, ndim, offsets, sizes in entries})
+            for fqn, properties, shape, count, ndim, offsets, sizes in entries},
+            rank_objects={fqn: {} for fqn in per_rank})
 
     return build
 

@@ -77,6 +77,15 @@ def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Met
         md.header_digests.update(zip(names, map(_RESULT_DIGEST, rank_results)))
     # a file whose writer recorded no digest (objects, another backend's writer) has none
     md.header_digests = {name: digest for name, digest in md.header_digests.items() if digest is not None}
+    if md.rank_objects:  # objects whose copies differ, named by the global plan: each rank's
+        md.rank_objects = {fqn: {} for fqn in md.rank_objects}
+        for rank, rank_results in enumerate(results):
+            for result in rank_results:
+                if result.index.offset is None and result.index.fqn in md.rank_objects:
+                    md.rank_objects[result.index.fqn][rank] = result.storage_data
+        for fqn, copies in md.rank_objects.items():  # the plain entry: the lowest saving rank's copy
+            if copies:
+                storage_data[MetadataIndex(fqn)] = copies[min(copies)]
     md.storage_data = storage_data
     # as columns once: the storage writer's JSON and the packing for the other ranks read them
     md.storage_data = storage_table(md)
@@ -126,7 +135,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     build_metadata: list[Callable[[], Metadata]] = []  # on the coordinator, until prepare_step
     looked_up: list[Optional[tuple[SavePlan, Optional[Metadata]]]] = [None]
 
-    def set_up_step() -> bool:
+    def set_up_step() -> Optional[tuple[str, Any]]:
         fault_point("save.setup", rank)
         # Stateful leaves give their state_dict() inside the first collective step: one
         # raising on one rank is raised on every rank instead of leaving them waiting
@@ -137,13 +146,14 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         planner.set_up_planner(flat, is_coordinator=is_coordinator, rank=rank, world_size=world_size,
                                use_collectives=use_collectives)
         looked_up[0] = planner.lookup_cached_plan()
-        return looked_up[0] is not None
+        return None if looked_up[0] is None else ("hit", planner.cache_token())
 
     if dw.use_dist:
         # one step first, so every rank takes the same path: a set-up failure on one rank
-        # is raised everywhere, a plan-cache miss on one rank sends all through planning
+        # is raised everywhere, a plan-cache miss on one rank (or tokens that differ: objects
+        # whose copies differ) sends all through planning
         hits = dw.all_gather("plan_cache", set_up_step)
-        cached = looked_up[0] if all(hits) else None
+        cached = looked_up[0] if all(hits) and len(set(hits)) == 1 else None
     else:
         set_up_step()
         cached = looked_up[0]
@@ -230,7 +240,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         packed = dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step)
     if not final_metadata:  # not the coordinator
         final_metadata.append(unpack_metadata(packed))
-    if cached is None:  # a plan that made a checkpoint
+    if cached is None and not final_metadata[0].rank_objects:  # a plan that made a checkpoint (one copy of each object)
         planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
     return final_metadata[0]
 

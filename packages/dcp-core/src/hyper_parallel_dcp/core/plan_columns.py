@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from array import array
 from itertools import chain, islice
-from operator import attrgetter
 from typing import Any, Iterable, Iterator, Optional, Sequence, overload
 
 import numpy as np
@@ -25,12 +24,18 @@ from .planner import WriteItem, WriteItemType
 
 __all__ = ["ROW", "Kind", "WriteColumns"]
 
-# (fqn, WriteItemType value, global shape or None, dtype name or None): what the items of
-# one FQN on one rank share.  A rank's plan names each kind once.
+# (fqn, WriteItemType value, global shape or None, a tensor's dtype name or an object's
+# digest or None): what the items of one FQN on one rank share.  A rank's plan names each
+# kind once.
 Kind = tuple[str, str, Optional[tuple[int, ...]], Optional[str]]
 
 ROW = 4  # values per item in ``WriteColumns.rows``
-_kind_of = attrgetter("index.fqn", "type.value", "global_shape", "dtype")
+_TENSOR = WriteItemType.TENSOR
+
+
+def _kind_of(item: WriteItem) -> Kind:
+    return (item.index.fqn, item.type.value, item.global_shape,
+            item.dtype if item.type is _TENSOR else item.digest)
 
 
 def _lengths(values: Iterable[Optional[tuple[int, ...]]]) -> list[int]:
@@ -100,14 +105,16 @@ class WriteColumns(Sequence[WriteItem]):
     def to_tuple(self) -> tuple[WriteItem, ...]:
         """The items as a tuple of ``WriteItem`` (built on first use, then kept)."""
         if self._items is None:
-            kinds = [(fqn, WriteItemType(kind_type), shape, dtype) for fqn, kind_type, shape, dtype in self.kinds]
+            # the last slot of a kind: a tensor's dtype, an object's digest
+            kinds = [(fqn, WriteItemType(kind_type), shape, *((last, None) if kind_type == _TENSOR.value else (None, last)))
+                     for fqn, kind_type, shape, last in self.kinds]
             offsets, sizes = iter(self.offsets), iter(self.sizes)
             out = []
             for kind, offset_ndim, size_ndim, nbytes in zip(*[iter(self.rows)] * ROW):
-                fqn, kind_type, shape, dtype = kinds[kind]
+                fqn, kind_type, shape, dtype, digest = kinds[kind]
                 offset = None if offset_ndim < 0 else tuple(islice(offsets, offset_ndim))
                 size = None if size_ndim < 0 else tuple(islice(sizes, size_ndim))
-                out.append(WriteItem(MetadataIndex(fqn, offset), kind_type, size, shape, dtype, nbytes))
+                out.append(WriteItem(MetadataIndex(fqn, offset), kind_type, size, shape, dtype, nbytes, digest))
             self._items = tuple(out)
         return self._items
 

@@ -49,7 +49,11 @@ def order_key(index: MetadataIndex) -> str:
 
 @dataclass(frozen=True)
 class WriteItem:
-    """One item a rank writes: a tensor chunk (global box) or a pickled object."""
+    """One item a rank writes: a tensor chunk (global box) or a pickled object.
+
+    ``digest``: an object's content digest (equal copies of one key are stored once,
+    differing ones once per saving rank; ``None`` dedups by key alone).
+    """
 
     index: MetadataIndex
     type: WriteItemType
@@ -57,6 +61,7 @@ class WriteItem:
     global_shape: tuple[int, ...] | None = None
     dtype: str | None = None
     nbytes: int = 0
+    digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,10 @@ class SavePlanner(abc.ABC):
 
     def cache_plan(self, final_plan: SavePlan, metadata: Optional[Metadata]) -> None:
         """Remember a final plan (and, on the coordinator, the metadata) for later saves."""
+
+    def cache_token(self) -> Any:
+        """What must be equal on every rank for the cached plans to serve (default ``None``)."""
+        return None
 
 
 class LoadPlanner(abc.ABC):

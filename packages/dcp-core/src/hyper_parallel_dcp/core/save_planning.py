@@ -11,6 +11,7 @@ class is pure.  Exports :func:`create_local_save_plan`, :func:`dedup_save_plans`
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Callable, Hashable, Optional, Sequence
 
@@ -21,6 +22,7 @@ from .gc_pause import gc_paused
 from .global_save import plan_global_columns
 from .layout import check_tensor, dtensor_layout, dtensor_pieces, is_tensor_leaf, narrowed, to_tensor_shards
 from .metadata import Metadata, MetadataIndex, dtype_name
+from .objects import serialize_object
 from .plan_cache import PlanCache
 from .plan_columns import WriteColumns
 from .planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -73,7 +75,8 @@ def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[Metadat
                 continue
         if not is_tensor_leaf(leaf):
             index = MetadataIndex(fqn)
-            add(index, WriteItem(index, WriteItemType.BYTE_IO), leaf)
+            digest = hashlib.blake2b(serialize_object(leaf), digest_size=8).hexdigest()
+            add(index, WriteItem(index, WriteItemType.BYTE_IO, digest=digest), leaf)
             continue
         shards = to_tensor_shards(leaf, fqn, meta=False)
         ragged = ragged or shards.ragged
@@ -229,6 +232,12 @@ class StandardSavePlanner(SavePlanner):
     def _fingerprint(self) -> tuple:
         return tuple((it.index, it.sizes, it.global_shape, it.dtype) for it in self._ensure_local().items
                      if it.type is WriteItemType.TENSOR)
+
+    def cache_token(self) -> str:
+        """A digest of this rank's objects: equal on every rank when all their copies are
+        equal, the only case a cached plan (one copy of each) is made for."""
+        digests = (str(it.digest) for it in self._ensure_local().items if it.type is WriteItemType.BYTE_IO)
+        return hashlib.blake2b(" ".join(digests).encode(), digest_size=8).hexdigest()
 
     @property
     def caching(self) -> bool:

@@ -44,9 +44,12 @@ def dedup_items(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -
     """Keep each item that several ranks hold on one of them (see
     :func:`~hyper_parallel_dcp.core.save_planning.dedup_save_plans`, which returns the same)."""
     holders: dict[tuple, list[Any]] = {}  # (fqn, offsets) -> [first item, rank, rank, ...]
+    per_rank = _per_rank_objects(plans)
     for rank, plan in enumerate(plans):
         for item in plan.items:
-            key = (item.index.fqn, item.index.offset)
+            key: tuple = (item.index.fqn, item.index.offset)
+            if item.index.fqn in per_rank:
+                key += (rank,)  # differing copies: each rank keeps its own
             entry = holders.setdefault(key, [item])
             first = entry[0]
             if first.sizes != item.sizes or first.type != item.type:
@@ -74,6 +77,16 @@ def dedup_items(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -
                 dropped.setdefault(rank, set()).add(key)
     return [replace(plan, items=tuple(it for it in plan.items if (it.index.fqn, it.index.offset) not in gone))
             if (gone := dropped.get(rank)) else plan for rank, plan in enumerate(plans)]
+
+
+def _per_rank_objects(plans: Sequence[SavePlan]) -> dict[str, None]:
+    """The object FQNs whose copies differ (items with several digests), in order of first use."""
+    digests: dict[str, set[Optional[str]]] = {}
+    for plan in plans:
+        for item in plan.items:
+            if item.type is WriteItemType.BYTE_IO:
+                digests.setdefault(item.index.fqn, set()).add(item.digest)
+    return {fqn: None for fqn, found in digests.items() if len(found) > 1}
 
 
 def build_metadata_items(plans: Sequence[SavePlan]) -> Metadata:
@@ -126,7 +139,7 @@ def build_metadata_items(plans: Sequence[SavePlan]) -> Metadata:
             fqn, TensorProperties(dtype_from_name(item.dtype)), torch.Size(item.global_shape), len(found),
             len(found[0].offsets), list(chain.from_iterable(c.offsets for c in found)),
             list(chain.from_iterable(c.sizes for c in found)), ascending=True)
-    return Metadata(state_dict_metadata=sd)
+    return Metadata(state_dict_metadata=sd, rank_objects={fqn: {} for fqn in _per_rank_objects(plans)})
 
 
 def raise_overlap(fqn: str, chunks: Sequence[ChunkStorageMetadata]) -> None:

@@ -84,19 +84,24 @@ def metadata_to_json(metadata: Metadata) -> str:
         if index.offset is not None:
             item["offsets"] = list(index.offset)
         other.append(item)
+    # each saving rank's copy of an object whose copies differ
+    copies = {fqn: {str(rank): _stored_entry(info, names) for rank, info in sorted(by_rank.items())}
+              for fqn, by_rank in sorted(metadata.rank_objects.items()) if by_rank}
     file_table = [[name, metadata.files.get(name)] for name in names.names]
     groups, order = _group_files(file_table)
     if order != list(range(len(order))):
         for entry in tensors.values():
             if "file" in entry:
                 entry["file"] = [order[f] if f >= 0 else -1 for f in entry["file"]]
-        for entry in chain(objects.values(), other):
+        for entry in chain(objects.values(), other, *(by_rank.values() for by_rank in copies.values())):
             if "file" in entry:
                 entry["file"] = order[entry["file"]]
     doc: dict[str, Any] = {"format_version": FORMAT_VERSION, "files": groups, "tensors": tensors,
                            "objects": objects, "planner_data": metadata.planner_data}
     if other:
         doc["other_storage"] = other
+    if copies:
+        doc["rank_objects"] = copies
     if metadata.header_digests:
         # aligned with the expanded file table; a reader that does not know the key ignores it
         digests: list[Optional[str]] = [None] * len(file_table)
@@ -320,6 +325,13 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
         offsets = None if offsets_doc is None else int_tuple(offsets_doc, f"{source}: offsets")
         index = MetadataIndex(entry["fqn"], offsets)
         other[index] = storage_info(entry, f"storage entry of {index.fqn!r}")
+    rank_objects: dict[str, dict[int, StorageInfo]] = {}
+    for fqn, by_rank in (doc.get("rank_objects") or {}).items():
+        if not isinstance(by_rank, dict) or not all(rank.isascii() and rank.isdigit() for rank in by_rank):
+            raise CheckpointFormatError(f"{source}: 'rank_objects' entry {fqn!r} must map ranks (integers >= 0) "
+                                        "of an object to where their copies are")
+        rank_objects[fqn] = {int(rank): storage_info(entry, f"rank {rank}'s copy of object {fqn!r}")
+                             for rank, entry in by_rank.items()}
     header_digests: dict[str, str] = {}
     digests_doc = doc.get("header_digests")
     if digests_doc is not None:
@@ -334,7 +346,7 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
             raise CheckpointFormatError(f"{source}: file {unsized!r} has a header digest but no size")
     return Metadata(state_dict_metadata=state_dict_metadata, planner_data=doc.get("planner_data"),
                     storage_data=StorageTable(names, stored, objects, other), files=files,
-                    format_version=doc["format_version"], header_digests=header_digests)
+                    format_version=doc["format_version"], header_digests=header_digests, rank_objects=rank_objects)
 
 
 def _parse_tensor(fqn: str, entry: dict[str, Any], source: str,

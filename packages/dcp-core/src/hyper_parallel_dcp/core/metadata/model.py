@@ -293,9 +293,11 @@ class Metadata:
     #: per-chunk header check.  Absent for older checkpoints and for objects files, and
     #: left empty by ``metadata_from_json`` unless the document's digest was checked.
     header_digests: dict[str, str] = field(default_factory=dict)
-    #: Only in a view merged from ``{rank}.metadata`` files (never written): for an object
-    #: saved by several ranks under one FQN, saving rank → where that rank's copy is.
-    #: ``storage_data`` holds the lowest saving rank's copy; see :meth:`object_storage`.
+    #: For an object whose copies saved by several ranks under one FQN differ (merged
+    #: from ``{rank}.metadata`` files, or from a collective save's ``rank_objects``): saving
+    #: rank → where that rank's copy is.  ``storage_data`` holds the lowest saving rank's
+    #: copy (what older readers and another world size load); see :meth:`object_storage`.
+    #: A global save plan's metadata names these FQNs with ``{}`` until the ranks write.
     rank_objects: dict[str, dict[int, StorageInfo]] = field(default_factory=dict)
 
     def object_storage(self, fqn: str, rank: int) -> StorageInfo | None:
