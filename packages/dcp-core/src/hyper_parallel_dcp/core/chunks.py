@@ -91,13 +91,9 @@ def row_major_strides(sizes: Sequence[int]) -> list[int]:
 
 def slice_span(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int, bool]:
     """``(first element, elements spanned, contiguous)`` of reading the sub-box
-    ``offsets+lengths`` of a row-major chunk of shape ``chunk_sizes``.
-
-    The span runs from the first element touched to the last one: a column slice spans
-    every row it touches, a row-prefix slice spans exactly itself (``contiguous``).  The
-    filesystem reader reads exactly this span, and ``hp-dcp explain`` predicts a load's
-    bytes with it: one formula for both.  An empty box spans nothing; a 0-d chunk one
-    element.
+    ``offsets+lengths`` of a row-major chunk of shape ``chunk_sizes``: from the first element
+    touched to the last (what the filesystem reader reads and ``hp-dcp explain`` predicts).
+    An empty box spans nothing; a 0-d chunk one element.
     """
     if any(n == 0 for n in lengths):
         return 0, 0, True
@@ -129,11 +125,8 @@ def runs_from_indices(indices: Iterable[int]) -> list[Run]:
 
 
 def boxes_from_runs(per_dim_runs: Sequence[Sequence[Run]]) -> list[tuple[ChunkBox, tuple[int, ...]]]:
-    """Cartesian product of per-dimension runs.
-
-    Returns ``(global_box, local_offsets)`` pairs: where each box sits in the global
-    tensor and where its data sits in the local tensor whose dimension ``d`` is the
-    concatenation of ``per_dim_runs[d]``.
+    """Cartesian product of per-dimension runs: ``(global_box, local_offsets)`` pairs, the local
+    tensor's dimension ``d`` being the concatenation of ``per_dim_runs[d]``.
     """
     per_dim = [[(start, length, local) for (start, length), local in zip(runs, accumulate((n for _, n in runs),
                                                                                          initial=0))]
@@ -143,11 +136,8 @@ def boxes_from_runs(per_dim_runs: Sequence[Sequence[Run]]) -> list[tuple[ChunkBo
 
 
 def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[ChunkBox]:
-    """The minimal boxes whose union is the row-major flat range ``[start, end)``.
-
-    Boxes come back in flat order, and each box is itself contiguous in the flat order, so
-    a 1-D buffer holding the range splits into consecutive pieces, one per box.  At most
-    ``2 * ndim - 1`` boxes.
+    """The minimal boxes (at most ``2 * ndim - 1``, in flat order, each contiguous) whose union is
+    the row-major flat range ``[start, end)``.
     """
     shape = tuple(int(d) for d in shape)
     total = math.prod(shape)

@@ -1,20 +1,12 @@
 """The coordinator's global save plan over columns: dedup and metadata of every rank's plan.
 
-The gathered plans are :class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns` (a few
-int64 columns per rank).  They are laid end to end as numpy arrays, and each item gets one
-int64 key: its tensor's slot, then its offsets in row-major order over the global shape + 1.
-One stable sort of the keys gives both the dedup groups (equal keys) and each tensor's
-chunk order, and a grid test per dim clears every tensor whose chunks are cells of a grid
-(every DTensor layout) as pairwise disjoint, all tensors at once.  Numpy and not torch:
-it starts no intra-op threads for these small sorts.
-
-A plan the keys cannot describe exactly (an FQN with two kinds, shapes or dtypes, an
-unknown dtype, a chunk whose numbers of offsets and sizes are not its tensor's dims,
-offsets outside the global shape) or one with different pieces at one key goes to
-:func:`~hyper_parallel_dcp.core.save_reference.plan_items`, which words the error (or
-plans it item by item); the result is that function's for every plan.
-
-Exports :func:`plan_global_columns` and :func:`check_disjoint`.
+The gathered :class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns` are laid end to
+end as numpy arrays, each item keyed by one int64 (its tensor's slot, then its offsets in
+row-major order over the global shape + 1): one stable sort gives the dedup groups and
+each tensor's chunk order, and a grid test per dim clears disjoint chunks.  A plan the
+keys cannot describe exactly goes to
+:func:`~hyper_parallel_dcp.core.save_reference.plan_items`, which words the error (or plans
+it item by item).  Exports :func:`plan_global_columns` and :func:`check_disjoint`.
 """
 
 from __future__ import annotations
@@ -296,12 +288,9 @@ def _chunks(ndim: int, count: int, offsets: list[int], sizes: list[int]) -> list
 def _grid_suspects(kind: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> set[int]:
     """The ids in ``kind`` of the tensors whose chunks are not shown pairwise disjoint.
 
-    Rows: one chunk each (``kind`` its tensor's id), each tensor's rows together and sorted
-    by offsets.  If on every dim any two of a tensor's chunks have the same interval
-    ``(offset, size)`` or disjoint ones, two chunks that differ somewhere are disjoint
-    there: none overlap.  Sorted by start, an interval that overlaps a different one
-    overlaps the next one, so adjacent rows are compared.  Not suspect means disjoint;
-    suspect means "not shown", to be searched (:func:`raise_overlap`).
+    Rows: one chunk each, each tensor's rows together and sorted by offsets.  If on every dim
+    any two chunks have the same interval or disjoint ones, none overlap; sorted by start, an
+    interval that overlaps another overlaps the next, so adjacent rows are compared.
     """
     pairs = kind[1:] == kind[:-1]  # adjacent rows of one tensor
     if not pairs.any():

@@ -247,13 +247,10 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
 def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
                     rank: int) -> tuple[Callable[[], Metadata], bool]:
-    """The checkpoint's metadata for every rank, read from storage once per job.
-
-    Returns ``(metadata_of, collectives_required)``: ``metadata_of()`` parses (call it in
-    a failure-propagating step), and whether the checkpoint allows collectives (not for
-    merged ``{rank}.metadata`` files).  With collectives the coordinator alone reads
-    (``read_metadata_payload``) and broadcasts (8192 ranks reading a 35 MB file would read
-    290 GB); a failure to read is raised on every rank.  Without, each rank reads itself.
+    """``(metadata_of, collectives_required)``: ``metadata_of()`` parses the checkpoint's
+    metadata (call it in a failure-propagating step); whether the checkpoint allows
+    collectives (not merged ``{rank}.metadata``).  With collectives the coordinator alone
+    reads and broadcasts; a failure to read is raised on every rank.
     """
     fault_point("load.setup", rank)
     if not dw.use_dist:
@@ -290,11 +287,11 @@ def load_state_dict(
     use_collectives: bool = True,
     read_executor: Optional[ReadExecutor] = None,
 ) -> None:
-    """Load into ``state_dict`` in place (tensors copied into, objects replaced); only
-    its keys are loaded.  ``read_executor`` (read-once + broadcast) runs the reads instead
-    of ``storage_reader.execute_read`` when this load exchanges plans over every rank of
-    the default group (collectives, more than one rank, a global ``.metadata``): the
-    coordinator then chooses one reader per replicated shard."""
+    """Load into ``state_dict`` in place (tensors copied into, objects replaced); only its keys
+    are loaded.  ``read_executor`` (read-once + broadcast) runs the reads instead of
+    ``storage_reader.execute_read`` when the load exchanges plans over every rank of the
+    default group: the coordinator then chooses one reader per replicated shard.
+    """
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
     planner = planner if planner is not None else StandardLoadPlanner()
@@ -320,11 +317,8 @@ def load_state_dict(
 def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], storage_reader: StorageReader,
                planner: LoadPlanner, dw: DistWrapper, rank: int, world_size: int, assign: bool,
                paths: dict[str, Any]) -> LoadPlan:
-    """This rank's final load plan; fills ``paths`` (FQN → path in ``state_dict``).
-
-    Without reader assignment each rank plans alone and one collective check raises any
-    rank's failure everywhere; with it, each rank sends the coordinator a description of
-    its targets and receives its replica groups and readers (no rank sees another's plan).
+    """This rank's final load plan; fills ``paths`` (FQN → path in ``state_dict``).  With
+    ``assign`` the coordinator picks the readers of replicated shards from every rank's layout.
     """
     is_coordinator = rank == dw.coordinator_rank
     local: list[LoadPlan] = []

@@ -1,13 +1,8 @@
 """A rank's write items as columns: what a save plan is on the wire.
 
-At 8192 simulated MoE ranks the coordinator gathers about 2M write items: as objects,
-unpickling and reading them costs seconds; as a few int64 columns per rank they unpickle
-as a few byte strings, and :mod:`.global_save` plans over whole columns.
-
-:class:`WriteColumns` is an immutable ``Sequence[WriteItem]``: code that iterates, indexes
-or compares ``SavePlan.items`` keeps working, and the item objects are built only when
-first read (a rank builds its own; the coordinator builds none).  Exports
-:class:`WriteColumns`, the :data:`Kind` tuple and :data:`ROW`.
+:class:`WriteColumns` is an immutable ``Sequence[WriteItem]`` of a few int64 columns (2M
+items gathered at 8192 ranks unpickle as a few byte strings); item objects are built only
+when first read.  Exports :class:`WriteColumns`, the :data:`Kind` tuple and :data:`ROW`.
 """
 
 from __future__ import annotations
@@ -45,14 +40,12 @@ def _lengths(values: Iterable[Optional[tuple[int, ...]]]) -> list[int]:
 class WriteColumns(Sequence[WriteItem]):
     """The write items of one plan as columns (an immutable ``Sequence[WriteItem]``).
 
-    ``kinds``: the distinct :data:`Kind` tuples, in order of first use; ``rows``: :data:`ROW`
-    int64 per item — the position of its kind in ``kinds``, its number of offsets and of
-    sizes (``-1`` for ``None``) and its ``nbytes``; ``offsets`` and ``sizes``: every item's
-    integers end to end (int64 ``array``s; any ints or their bytes are taken).  ``picked``:
-    the positions of these items in the plan they were cut from, or ``None``.  Equal to
-    another ``WriteColumns`` or a tuple with the same items; pickles as the columns only,
-    ``kinds`` as one JSON string, so that the coordinator compares 8192 ranks' tables as
-    strings and decodes only the different ones.
+    ``kinds``: the distinct :data:`Kind` tuples in order of first use; ``rows``: :data:`ROW`
+    int64 per item (its kind's position, its numbers of offsets and of sizes, ``-1`` for
+    ``None``, and its ``nbytes``); ``offsets``/``sizes``: every item's integers end to end.
+    ``picked``: the items' positions in the plan they were cut from, or ``None``.  Equal to
+    another ``WriteColumns`` or a tuple with the same items; pickles as the columns, ``kinds``
+    as one JSON string.
     """
 
     __slots__ = ("_kinds", "_kinds_text", "rows", "offsets", "sizes", "picked", "_items")

@@ -1,9 +1,7 @@
 """Plan types (plain frozen data) and the planner interfaces.
 
-A save plan is a sequence of :class:`WriteItem` (what this rank writes, in global
-coordinates): a tuple, or the same items as :class:`~.plan_columns.WriteColumns` (what
-the standard planner makes and what travels between ranks); a load plan is a tuple of
-:class:`ReadItem` (which piece of which stored chunk goes where in which local shard).
+A save plan is a sequence of :class:`WriteItem` (a tuple, or the same items as
+:class:`~.plan_columns.WriteColumns`); a load plan a tuple of :class:`ReadItem`.
 Planners decide *what*; storage decides *how*.
 """
 
@@ -79,10 +77,9 @@ class SavePlan:
 class ReadItem:
     """Copy ``lengths`` elements from a stored chunk into a local shard.
 
-    ``dest_index`` names the local shard (FQN + its global offsets) and ``dest_offsets``
-    the position inside it; ``storage_index`` names the stored chunk and
-    ``storage_offsets`` the position inside it.  ``source`` is the rank that reads it from
-    storage (``None``: this rank) — set by the global plan for read-once + broadcast.
+    ``dest_index``/``dest_offsets``: the local shard (FQN + global offsets) and the position
+    inside it; ``storage_index``/``storage_offsets``: the stored chunk and the position inside
+    it; ``source``: the rank that reads it from storage (``None``: this rank).
     """
 
     type: LoadItemType
@@ -210,14 +207,10 @@ class LoadPlanner(abc.ABC):
 
     def resolve_region(self, read_item: ReadItem) -> tuple[torch.Tensor, Optional[int], tuple[int, ...]]:
         """Where the read goes, for a reader that can fill memory without a view of it:
-        ``(view, None, ())``, the view ``resolve_tensor`` returns; or, for a read that fills
-        part of a plain strided destination, ``(tensor, storage offset, strides)`` such that
-        ``tensor.as_strided(read_item.lengths, strides, offset)`` is that view.  The reader
-        then fills that memory and ``commit_tensor`` is not called for the read.
-
-        A reader that fills several parts of one tensor in one strided copy (the filesystem
-        reader: a column slice's row blocks from each rank's file) then makes no view per
-        read.  The default: ``resolve_tensor``'s view.
+        ``(view, None, ())``, the view ``resolve_tensor`` returns; or, for part of a plain
+        strided destination, ``(tensor, storage offset, strides)`` such that
+        ``tensor.as_strided(read_item.lengths, strides, offset)`` is that view (the reader fills
+        it; ``commit_tensor`` is not called).  Default: ``resolve_tensor``'s view.
         """
         return self.resolve_tensor(read_item), None, ()
 

@@ -1,20 +1,11 @@
 """Read-once + broadcast: replica groups and one byte-balanced reader per replicated shard.
 
-The load pipeline runs this in three steps, so that no rank but the coordinator ever holds
-more than its own plan:
-
-1. every rank describes its target compactly (:func:`target_layout`: per local shard its
-   FQN, offsets, bytes and a digest of its read requests) and sends it to the coordinator;
-2. the coordinator groups the ranks whose requests for a shard are identical and picks
-   the readers (:func:`assign_readers_from_layouts`), then sends each rank only what
-   concerns it: its multi-member groups with their readers, and the list of every
-   multi-member rank tuple (group creation is a collective of all ranks);
-3. each rank applies its answer to its own plan (:func:`apply_reader_assignment`).
-
-The rule (SPEC §5): shards are visited largest first (ties: global order, then rank
-tuple) and each goes to the member with the fewest bytes assigned so far (ties: lowest
-rank); a shard only one rank reads counts for that rank.  :func:`assign_readers` runs the
-three steps in one process over all plans (``hp-dcp explain``, tests).
+Every rank sends the coordinator a compact description of its targets
+(:func:`target_layout`); the coordinator groups the ranks whose requests for a shard are
+identical and picks the readers (:func:`assign_readers_from_layouts`: largest shard
+first, to the member with the fewest bytes so far, ties to the lowest rank; SPEC §5);
+each rank applies its answer to its own plan (:func:`apply_reader_assignment`).
+:func:`assign_readers` runs the three steps in one process (``hp-dcp explain``, tests).
 """
 
 from __future__ import annotations
@@ -76,10 +67,8 @@ def _pack(ranks: RankTuple) -> PackedRanks:
 
 
 def target_layout(plan: LoadPlan, metadata: Metadata) -> TargetLayout:
-    """What the coordinator needs of one rank's local plan: one entry per tensor shard.
-
-    The digest is ``hash`` of the sorted request tuples (ints only: the same in every
-    process); ranks are grouped only when FQN, offsets, bytes and digest all agree.
+    """One entry per tensor shard of a rank's local plan (FQN, offsets, bytes and a ``hash`` of
+    its sorted int request tuples): ranks are grouped only when all agree.
     """
     requests: dict[MetadataIndex, list] = {}  # per shard: [its elements, then its read requests]
     TENSOR, prod = LoadItemType.TENSOR, math.prod
@@ -117,10 +106,8 @@ class _Group:
 
 
 def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[AssignmentReply]:
-    """The coordinator's step: one :data:`AssignmentReply` per rank, from every rank's layout.
-
-    O(total shards + replicated shards × members); ranks with identical layouts
-    (data-parallel replicas) form one class and share one answer object.
+    """The coordinator's step: one :data:`AssignmentReply` per rank, from every rank's layout
+    (ranks with identical layouts share one answer object).
     """
     class_of: dict[TargetLayout, int] = {}
     class_ranks: list[list[int]] = []
@@ -221,10 +208,8 @@ def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int,
 
 
 def apply_reader_assignment(plan: LoadPlan, reply: AssignmentReply, rank: int) -> LoadPlan:
-    """This rank's final plan: ``plan`` with every item's reader and a :class:`ReaderAssignment`.
-
-    With nothing replicated anywhere (``reply`` is ``None``) the items are unchanged
-    (``source`` ``None``: read by this rank).
+    """This rank's final plan: ``plan`` with every item's reader and a :class:`ReaderAssignment`
+    (``reply`` ``None``: nothing replicated, the items unchanged).
     """
     if reply is None:
         return replace(plan, planner_data=ReaderAssignment())

@@ -1,10 +1,7 @@
 """Save planning: local write items, the global plan (dedup + metadata), the default planner.
 
-Local plan (one write item per local piece) → dedup across ranks (owner: the fewest
-planned bytes, ties to the lowest rank) → metadata (chunks per tensor, checked pairwise
-disjoint).  The global step runs over columns in :mod:`.global_save`;
-:mod:`.save_reference` defines its result item by item.  Every function but the planner
-class is pure.  Exports :func:`create_local_save_plan`, :func:`dedup_save_plans`,
+The global step runs over columns in :mod:`.global_save`; :mod:`.save_reference` defines
+its result item by item.  Exports :func:`create_local_save_plan`, :func:`dedup_save_plans`,
 :func:`build_metadata`, :func:`plan_global_save`, :func:`plan_global_save_deferred` and
 :class:`StandardSavePlanner`.
 """
@@ -39,12 +36,10 @@ __all__ = [
 
 
 def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[MetadataIndex, Any], bool]:
-    """Write items for a flattened state dict.
-
-    Returns the plan (its items as :class:`WriteColumns`), a map item index → data (tensor
-    view or object), and whether a ragged leaf is present (which turns the plan cache
-    off).  Raises ``ValueError`` when two local pieces of one tensor start at one offset,
-    and as :func:`~hyper_parallel_dcp.core.layout.to_tensor_shards` does.
+    """Write items for a flattened state dict: the plan (as :class:`WriteColumns`), item index →
+    data (tensor view or object), and whether a ragged leaf is present (plan cache off).
+    Raises ``ValueError`` when two local pieces of one tensor start at one offset, and as
+    :func:`~hyper_parallel_dcp.core.layout.to_tensor_shards` does.
     """
     items: list[WriteItem] = []
     data: dict[MetadataIndex, Any] = {}
@@ -110,25 +105,20 @@ def _dtensor_items(leaf: Any, fqn: str) -> tuple:
 def dedup_save_plans(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -> list[SavePlan]:
     """Keep each item held by several ranks on exactly one of them.
 
-    Owner: the holder with the fewest bytes planned so far (ties → lowest rank), visiting
-    replicated items largest first (then in the global order) so the balance is good; or
-    simply the lowest rank with ``save_to_minimum_rank=True``.  Deterministic.  A rank that
-    drops nothing gets its plan object back; one that drops items gets its plan with the
-    rest as :class:`WriteColumns`.  Raises ``ValueError`` naming the key and both ranks when
-    two ranks hold different pieces (sizes or kind) at one key, and as
-    :func:`build_metadata` does.
+    Owner: the holder with the fewest bytes planned so far (ties → lowest rank), replicated
+    items visited largest first; or the lowest rank with ``save_to_minimum_rank=True``.  Object
+    copies with different digests are each kept.  A rank that drops nothing gets its plan
+    object back.  Raises ``ValueError`` naming the key and both ranks when two ranks hold
+    different pieces at one key, and as :func:`build_metadata` does.
     """
     return plan_global_columns(plans, dedup=True, save_to_minimum_rank=save_to_minimum_rank, metadata=False)[0]
 
 
 def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
-    """The global metadata (without storage data) for deduplicated plans.
-
-    Keys appear in the order of their first item over the plans; a tensor's chunks are
-    sorted by offsets (stable).  Raises ``ValueError`` when ranks disagree on a key's
-    kind, shape or dtype (the first disagreement in plan order), when a tensor's chunks
-    do not all have the same number of offsets and sizes, or when stored chunks of a
-    tensor overlap.
+    """The global metadata (without storage data) for deduplicated plans: keys in the order of
+    their first item, chunks sorted by offsets.  Raises ``ValueError`` when ranks disagree on
+    a key's kind, shape or dtype, when a tensor's chunks differ in their number of offsets
+    and sizes, or when stored chunks of a tensor overlap.
     """
     return plan_global_save_deferred(plans, dedup=False)[1]()
 
@@ -154,15 +144,11 @@ def plan_global_save_deferred(plans: Sequence[SavePlan], *, dedup: bool = True, 
 class StandardSavePlanner(SavePlanner):
     """Default save planner: cross-rank dedup and a process-wide plan cache.
 
-    ``enable_plan_caching``: the final plan and metadata are cached per set of state-dict
-    keys (in :attr:`plan_cache`); a later save with the same keys and layout skips local
-    planning, the gather and the global plan.  ``remove_redundancy``: replicated chunks
-    are written once.  Both are off with ``use_collectives=False``; the cache is off when a
-    ragged leaf is present.
-
-    Two capabilities are declared as class attributes: ``resolved_data_stable`` (see
-    :class:`SavePlanner`) and ``defers_metadata`` (:meth:`create_global_plan_deferred` builds
-    the metadata later).  A subclass that overrides ``resolve_data`` or
+    ``enable_plan_caching``: the final plan and metadata are cached per set of keys (in
+    :attr:`plan_cache`), so a later save with the same keys and layout skips planning (off
+    without collectives and with a ragged leaf).  ``remove_redundancy``: replicated chunks are
+    written once.  ``resolved_data_stable`` (see :class:`SavePlanner`) and ``defers_metadata``
+    are declared capabilities: a subclass that overrides ``resolve_data`` or
     ``create_global_plan`` gets ``False`` for the matching one unless it declares it.
     """
 

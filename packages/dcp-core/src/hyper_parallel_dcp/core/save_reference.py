@@ -1,14 +1,10 @@
 """The global save plan item by item: the reference the columnar planner must equal.
 
-:mod:`.global_save` plans over whole columns; this module does the same job one
-:class:`~hyper_parallel_dcp.core.planner.WriteItem` at a time, in plain Python.  It is the
-definition of the result (the differential tests compare the two on random plans), the
-path for plans the columns cannot describe, and the one place that words the errors:
-the columnar planner hands any plan it finds wrong to :func:`plan_items`, which raises.
-
-Exports :func:`plan_items`, :func:`dedup_items`, :func:`build_metadata_items` and
-:func:`raise_overlap` (also used by the columnar planner on the tensors its grid test does
-not clear).
+:mod:`.global_save` plans over whole columns; this module does the same one
+:class:`~hyper_parallel_dcp.core.planner.WriteItem` at a time.  It defines the result
+(differential tests compare the two), plans what the columns cannot describe, and words
+every error.  Exports :func:`plan_items`, :func:`dedup_items`,
+:func:`build_metadata_items` and :func:`raise_overlap`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Storage interfaces: how a plan becomes bytes somewhere and back, and the one read loop.
 
-A backend subclasses :class:`StorageWriter` / :class:`StorageReader` and overrides the
-abstract methods; the optional hooks have working defaults.  Every load reads through
-:func:`read_items`: resolve each item's destination (planner), read it
-(``StorageReader.read_stream``), hand it back (planner); the broadcast executor runs the
-same three steps (:func:`resolve_destinations`, ``read_stream``, :func:`commit_read`)
-with the read on its read-ahead thread.
+A backend subclasses :class:`StorageWriter` / :class:`StorageReader` (the optional hooks
+have defaults).  Every load reads through :func:`read_items` (resolve each destination,
+``read_stream``, commit); the broadcast executor runs the same steps
+(:func:`resolve_destinations`, :func:`commit_read`).
 """
 
 from __future__ import annotations

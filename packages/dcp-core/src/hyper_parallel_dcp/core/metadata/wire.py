@@ -1,9 +1,7 @@
 """``Metadata`` as plain columns for another process: what a save's coordinator sends.
 
-:func:`pack_metadata` gives builtins only (lists, tuples, strings, ints), so any
-unpickler that allows plain data reads it; :func:`unpack_metadata` rebuilds the
-:class:`~.model.ChunkTable` and :class:`~.locations.StorageTable` columns without an
-object per chunk, so every rank of a save can afford to unpack what the save returns.
+:func:`pack_metadata` gives builtins only (any plain-data unpickler reads it);
+:func:`unpack_metadata` rebuilds the columns without an object per chunk.
 """
 
 from __future__ import annotations
