@@ -13,9 +13,10 @@ import re
 import threading
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from .storage import StorageReader, StorageWriter
+if TYPE_CHECKING:
+    from .storage import StorageReader, StorageWriter
 
 __all__ = [
     "ENTRY_POINT_GROUP",
