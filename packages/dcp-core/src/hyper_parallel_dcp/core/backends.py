@@ -76,8 +76,7 @@ class StorageBackend:
 _registry: dict[str, StorageBackend] = {}
 # the group's entry points by lower-case name, listed once, each imported when first asked for
 _entry_points: Optional[dict[str, list[Any]]] = None
-# local paths go to the filesystem backend without listing every distribution's entry
-# points first (4-5 ms of a process's first save); other ``file`` entry points are not asked
+# local paths go to the filesystem backend without listing every entry point first
 _BUNDLED = {"file": ("hyper_parallel_dcp.storage_fs.backend", "BACKEND")}
 # scheme -> why its installed backend could not be imported (for the error message)
 _failures: dict[str, str] = {}

@@ -50,31 +50,21 @@ class ChunkBox:
 
     def intersect(self, other: ChunkBox) -> ChunkBox | None:
         """The overlap of two boxes, or ``None`` when they do not overlap."""
-        offsets = []
-        sizes = []
-        for a0, a_len, b0, b_len in zip(self.offsets, self.sizes, other.offsets, other.sizes):
-            lo = max(a0, b0)
-            hi = min(a0 + a_len, b0 + b_len)
-            if hi <= lo:
-                return None
-            offsets.append(lo)
-            sizes.append(hi - lo)
-        return ChunkBox(tuple(offsets), tuple(sizes))
+        lo = tuple(map(max, self.offsets, other.offsets))
+        sizes = tuple(end - start for start, end in zip(lo, map(min, self.ends, other.ends)))
+        return None if any(n <= 0 for n in sizes) else ChunkBox(lo, sizes)
 
     def contains(self, other: ChunkBox) -> bool:
-        return all(
-            a0 <= b0 and b0 + b_len <= a0 + a_len
-            for a0, a_len, b0, b_len in zip(self.offsets, self.sizes, other.offsets, other.sizes)
-        )
+        return all(a <= b for a, b in zip(self.offsets, other.offsets)) and all(
+            b <= a for a, b in zip(self.ends, other.ends))
 
     def relative_to(self, outer: ChunkBox) -> tuple[int, ...]:
         """Offsets of this box inside ``outer`` (which must contain it)."""
         return tuple(a - b for a, b in zip(self.offsets, outer.offsets))
 
     def within(self, shape: Sequence[int]) -> bool:
-        return len(shape) == self.ndim and all(
-            o >= 0 and s >= 0 and o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape)
-        )
+        return len(shape) == self.ndim and all(0 <= o and 0 <= s and o + s <= d
+                                               for o, s, d in zip(self.offsets, self.sizes, shape))
 
 
 def full_box(shape: Sequence[int]) -> ChunkBox:
@@ -116,9 +106,8 @@ def runs_from_indices(indices: Iterable[int]) -> list[Run]:
     """Compress sorted-or-not global indices (in local order) into contiguous runs."""
     runs: list[Run] = []
     for idx in indices:
-        if runs and runs[-1][0] + runs[-1][1] == idx:
-            start, length = runs[-1]
-            runs[-1] = (start, length + 1)
+        if runs and sum(runs[-1]) == idx:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((int(idx), 1))
     return runs
@@ -155,14 +144,10 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[Chun
     rest_zeros = tuple(0 for _ in inner_shape)
 
     def prefixed(row: int, lo: int, hi: int) -> list[ChunkBox]:
-        return [
-            ChunkBox((row,) + b.offsets, (1,) + b.sizes)
-            for b in flat_range_to_boxes(inner_shape, lo, hi)
-        ]
+        return [ChunkBox((row,) + b.offsets, (1,) + b.sizes) for b in flat_range_to_boxes(inner_shape, lo, hi)]
 
     if first_row == last_row:
-        lo = start - first_row * inner
-        hi = end - first_row * inner
+        lo, hi = start - first_row * inner, end - first_row * inner
         if lo == 0 and hi == inner:
             return [ChunkBox((first_row,) + rest_zeros, (1,) + inner_shape)]
         return prefixed(first_row, lo, hi)

@@ -31,10 +31,8 @@ TIMEOUT_ENV = COLLECTIVE_TIMEOUT.name
 
 
 def collective_timeout() -> float:
-    """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check).
-
-    Raises :class:`~hyper_parallel_dcp.core.settings.SettingError` (a ``ValueError``)
-    naming the variable when it is not a number of seconds >= 0.
+    """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check);
+    raises :class:`~hyper_parallel_dcp.core.settings.SettingError` for a value that is not >= 0.
     """
     return COLLECTIVE_TIMEOUT.get()
 
@@ -63,8 +61,7 @@ def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"keys not set within {timeout} s")
         time.sleep(delay)
-        # at most 1 ms between looks (a 10 ms cap saw a rank 5.75 ms late, at each of a
-        # save's ~5 checks); a look costs ~5 us of CPU
+        # at most 1 ms between looks (a look costs ~5 us of CPU)
         delay = min(delay * 2, 0.001)
 
 

@@ -45,12 +45,10 @@ class _ItemByItem(Exception):
 
 def plan_global_columns(plans: Sequence[SavePlan], *, dedup: bool, save_to_minimum_rank: bool,
                         metadata: bool = True) -> tuple[list[SavePlan], Optional[Callable[[], Metadata]]]:
-    """The plans after dedup (with ``dedup``), and with ``metadata`` a function that builds
-    their metadata (else ``None``).
-
-    Returns and raises what :func:`~hyper_parallel_dcp.core.save_reference.plan_items` does,
-    every error now (the function only builds objects).  A plan that keeps every item is
-    returned as is; a cut one as columns of its own kind table, ``picked`` naming its items.
+    """The plans after dedup (with ``dedup``) and, with ``metadata``, a function that builds
+    their metadata (else ``None``); returns and raises (now) what
+    :func:`~hyper_parallel_dcp.core.save_reference.plan_items` does.  A plan that keeps every
+    item is returned as is, a cut one as columns with ``picked`` naming its items.
     """
     columns = [WriteColumns.of(plan.items) for plan in plans]
     try:
@@ -124,8 +122,7 @@ class _Gathered:
         per_plan = np.bincount(rank, weights=self.ndim, minlength=len(columns)).astype(np.int64).tolist()
         if per_plan != [len(c.offsets) for c in columns] or per_plan != [len(c.sizes) for c in columns]:
             raise ValueError("a plan's offsets or sizes do not match their per-item lengths")
-        # items x widest dims, zero-padded, filled one dim at a time (few temporaries: at 2-4M
-        # items each one is pages the kernel must fault in)
+        # items x widest dims, zero-padded, filled one dim at a time (few temporaries)
         self.offsets, self.sizes = np.zeros((2, len(kind), width), dtype=np.int64)
         key = bases[kind]
         first = np.cumsum(self.ndim) - self.ndim

@@ -37,11 +37,8 @@ Narrowing = tuple[tuple[int, int, int], ...]
 
 @dataclass
 class TensorShards:
-    """A rank's pieces of one global tensor.
-
-    Each piece is ``(box, view)``: ``box`` in global coordinates and ``view`` a tensor of
-    shape ``box.sizes`` aliasing the caller's memory (so a load writes in place).
-    ``ragged`` marks leaves whose geometry may change between steps (plan cache off).
+    """A rank's pieces of one global tensor: ``(box, view)`` pairs, ``box`` in global coordinates
+    and ``view`` aliasing the caller's memory; ``ragged``: the geometry may change between steps.
     """
 
     global_shape: tuple[int, ...]
@@ -93,11 +90,8 @@ def placement_boxes(
     placements: Sequence[Any],
     fqn: str = "<tensor>",
 ) -> list[tuple[ChunkBox, tuple[int, ...]]]:
-    """Pure geometry of a DTensor layout: the global boxes one mesh coordinate holds.
-
-    Returns ``(global_box, offsets in the local tensor)`` pairs: one for Shard / uneven
-    Shard / Replicate, possibly several for ``_StridedShard`` (local rows not contiguous in
-    the global tensor).  Needs no process group (``hp-dcp explain``, planning simulations).
+    """Pure geometry of a DTensor layout: the ``(global_box, offsets in the local tensor)`` pairs
+    one mesh coordinate holds (several for ``_StridedShard``), without a process group.
     Raises :class:`UnsupportedPlacementError` for ``Partial``.
     """
     from torch.distributed.tensor.placement_types import Partial, Shard

@@ -119,8 +119,7 @@ def save_state_dict(
     is_coordinator = rank == coordinator_rank if use_collectives or world_size == 1 else True
     planner = planner if planner is not None else StandardSavePlanner()
 
-    # many small objects while the caller's large heap is alive: full collections would
-    # cost more than the planning (2000 tensors: ~0.2 s of a 0.3 s load)
+    # many small objects while the caller's large heap is alive: no full collections
     with phase("save", rank), gc_paused():
         try:
             return _save(state_dict, storage_writer, planner, dw, rank, world_size, is_coordinator, use_collectives)
@@ -200,7 +199,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             fault_point("save.commit", rank)
         elif dw.use_dist:
             if global_metadata[0] is None:
-                # built while the other ranks still write: 1000 tensors, 2.5 ms off the commit path
+                # built while the other ranks still write
                 with phase("build_metadata", rank):
                     global_metadata[0] = build_metadata[0]()
             # the coordinator's own results stay here (the gather would pickle them)
@@ -213,7 +212,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     final_metadata: list[Metadata] = []
 
     def prepare_step(gathered: list[Optional[list[WriteResult]]]) -> Any:
-        # runs while the data is still flushed (sync_written): ~10 us a chunk off the commit path
+        # runs while the data is still flushed (sync_written)
         all_results = [own_results[0] if r is None else r for r in gathered] if own_results else \
             [r for r in gathered if r is not None]
         with phase("prepare_metadata", rank):

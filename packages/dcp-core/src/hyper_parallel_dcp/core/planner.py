@@ -93,8 +93,7 @@ class ReadItem:
     def __init__(self, type: LoadItemType, dest_index: MetadataIndex, dest_offsets: tuple[int, ...],
                  storage_index: MetadataIndex, storage_offsets: tuple[int, ...], lengths: tuple[int, ...],
                  source: int | None = None) -> None:
-        # the instance the generated __init__ makes, in a third of the time (2.4 -> 0.9 us;
-        # 4000 a rank for 2000 small tensors resharded on 2 ranks)
+        # the instance the generated __init__ makes, in a third of the time
         values = self.__dict__
         values["type"] = type
         values["dest_index"] = dest_index

@@ -114,9 +114,8 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
     for rank, layout in enumerate(layouts):
         c = class_of.setdefault(layout, len(class_ranks))
         if c == len(class_ranks):
-            class_ranks.append([rank])
-        else:
-            class_ranks[c].append(rank)
+            class_ranks.append([])
+        class_ranks[c].append(rank)
     class_layouts = list(class_of)
     groups: dict[TargetEntry, _Group] = {}
     get = groups.get
@@ -134,10 +133,7 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
     for group in groups.values():
         classes = group.classes
         if len(classes) == 1 and len(class_ranks[classes[0]]) == 1:
-            by_size = singles.get(group.nbytes)
-            if by_size is None:
-                by_size = singles[group.nbytes] = []
-            by_size.append((class_ranks[classes[0]][0], group))
+            singles.setdefault(group.nbytes, []).append((class_ranks[classes[0]][0], group))
             continue
         key = tuple(classes)
         ranks = members_of.get(key)
@@ -151,9 +147,7 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
     replicated.sort(key=lambda g: (-g.nbytes, order_keys[id(g)], g.ranks))
     _choose_readers(replicated, singles, len(layouts), order_keys)
 
-    packed: dict[RankTuple, PackedRanks] = {}
-    for ranks in members_of.values():
-        packed[ranks] = _pack(ranks)
+    packed = {ranks: _pack(ranks) for ranks in members_of.values()}
     required = tuple(packed[r] for r in sorted(packed))
     per_class: list[list[tuple]] = [[] for _ in class_layouts]
     for group in sorted(replicated, key=lambda g: (order_keys[id(g)], g.ranks)):
@@ -170,11 +164,8 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
 
 def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int, _Group]]], world: int,
                     order_keys: dict[int, str]) -> None:
-    """Set ``source`` of every replicated group (given in visiting order).
-
-    A shard only one rank reads counts for that rank at its place in the visiting order:
-    such shards are bucketed by the replicated group they precede (found per distinct
-    size; only a size equal to a replicated shard's needs the order keys).
+    """Set ``source`` of every replicated group (given in visiting order); a shard only one rank
+    reads counts for that rank at its place in the visiting order (bucketed by the group it precedes).
     """
     neg = [-g.nbytes for g in replicated]
     m = len(replicated)
@@ -182,8 +173,7 @@ def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int,
     buckets: list[list[tuple[int, list[int]]]] = [[] for _ in range(m)]
     tie_keys: Optional[list[tuple[str, RankTuple]]] = None
     for nbytes, members in singles.items():
-        lo = bisect.bisect_left(neg, -nbytes)
-        hi = bisect.bisect_right(neg, -nbytes)
+        lo, hi = bisect.bisect_left(neg, -nbytes), bisect.bisect_right(neg, -nbytes)
         if lo == hi:
             if lo < m:
                 buckets[lo].append((nbytes, [rank for rank, _ in members]))

@@ -159,11 +159,9 @@ _Pair = Optional[tuple[ChunkStorageMetadata, ChunkStorageMetadata]]
 
 
 def _find_overlap(chunks: list[ChunkStorageMetadata], dims: tuple[int, ...]) -> _Pair:
-    """Two chunks that overlap on every dim of ``dims``, or ``None``.
-
-    Chunks with the same interval on the first dim form a slab, searched on the other dims;
-    slabs with disjoint intervals cannot overlap.  A grid (every DTensor layout) is thus
-    O(n log n); intervals that partly overlap (ragged boxes) fall back to a sweep.
+    """Two chunks that overlap on every dim of ``dims``, or ``None``: chunks with the same
+    interval on the first dim form a slab searched on the other dims; partly overlapping
+    intervals fall back to a sweep.
     """
     if len(chunks) < 2:
         return None

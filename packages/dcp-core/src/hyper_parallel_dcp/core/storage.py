@@ -82,11 +82,10 @@ class StorageWriter(abc.ABC):
 class StorageReader(abc.ABC):
     """Reads a checkpoint.
 
-    Abstract: ``reset``, ``load_metadata`` and ``execute_read``.  A reader that reads one
-    item at a time also overrides ``read_into`` and ``read_object`` and implements
-    ``execute_read`` as ``read_items(self, planner, self.sort_items(...))``: a plain load
-    and a broadcast load then read through the same code.  The defaults of ``read_into``
-    / ``read_object`` run ``execute_read`` on a one-item plan.
+    Abstract: ``reset``, ``load_metadata`` and ``execute_read``.  A reader that reads one item
+    at a time also overrides ``read_into`` and ``read_object`` and implements ``execute_read``
+    as ``read_items(self, planner, self.sort_items(...))`` (the defaults of ``read_into`` /
+    ``read_object`` run ``execute_read`` on a one-item plan).
     """
 
     @abc.abstractmethod
