@@ -35,9 +35,11 @@ __all__ = [
 ]
 
 
-def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[MetadataIndex, Any], bool]:
+def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
+                           ) -> tuple[SavePlan, dict[MetadataIndex, Any], bool]:
     """Write items for a flattened state dict: the plan (as :class:`WriteColumns`), item index →
     data (tensor view or object), and whether a ragged leaf is present (plan cache off).
+    ``digests``: each object's item carries a digest of its ``torch.save`` bytes.
     Raises ``ValueError`` when two local pieces of one tensor start at one offset, and as
     :func:`~hyper_parallel_dcp.core.layout.to_tensor_shards` does.
     """
@@ -69,7 +71,7 @@ def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[Metadat
                 continue
         if not is_tensor_leaf(leaf):
             index = MetadataIndex(fqn)
-            digest = hashlib.blake2b(serialize_object(leaf), digest_size=8).hexdigest()
+            digest = hashlib.blake2b(serialize_object(leaf), digest_size=8).hexdigest() if digests else None
             add(index, WriteItem(index, WriteItemType.BYTE_IO, digest=digest), leaf)
             continue
         shards = to_tensor_shards(leaf, fqn, meta=False)
@@ -206,7 +208,7 @@ class StandardSavePlanner(SavePlanner):
 
     def _ensure_local(self) -> SavePlan:
         if self._local_plan is None:
-            self._local_plan, self._data, self._ragged = create_local_save_plan(self.flat)
+            self._local_plan, self._data, self._ragged = create_local_save_plan(self.flat, digests=self.use_collectives)
         return self._local_plan
 
     def cache_key(self) -> Hashable:
