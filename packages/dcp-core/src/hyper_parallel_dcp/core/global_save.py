@@ -149,7 +149,8 @@ def _dedup(g: _Gathered, save_to_minimum_rank: bool) -> np.ndarray | None:
     count = len(g.sorted_key)
     starts = np.ones(count, dtype=bool)
     np.not_equal(g.sorted_key[1:], g.sorted_key[:-1], out=starts[1:])
-    starts |= g.per_rank[g.kind[g.order]]
+    if g.per_rank.any():
+        starts |= g.per_rank[g.kind[g.order]]
     if starts.all():
         return None
     repeated = np.flatnonzero(~starts)  # sorted positions whose item has the key of the one before
