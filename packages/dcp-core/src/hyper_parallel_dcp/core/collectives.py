@@ -37,9 +37,8 @@ def collective_timeout() -> float:
     return COLLECTIVE_TIMEOUT.get()
 
 
-# Per process group (by its global ranks): the store it was last used with and the number
-# of arrival checks made there.  Every member makes the same checks in the same order,
-# so the counter names the same check on every rank.
+# Per process group (by its global ranks): its store and the number of arrival checks made
+# there (the same checks in the same order on every member: the counter names one check).
 _arrivals: dict[tuple[int, ...], tuple[Any, int]] = {}
 
 
@@ -162,8 +161,7 @@ class DistWrapper:
         else:
             self.use_dist = use_dist and dist.is_available() and dist.is_initialized()
             if self.use_dist:
-                # A gloo worker thread may still be releasing this wrapper's last collective
-                # when the script exits: let it finish first (see exit_drain).
+                # let gloo's worker threads finish at exit (see exit_drain)
                 exit_drain.install()
                 self.rank = dist.get_rank(group)
                 self.world_size = dist.get_world_size(group)

@@ -228,8 +228,7 @@ def _metadata(g: _Gathered, keep: np.ndarray | None) -> Callable[[], Metadata]:
     # keys in the order of their first kept item over the plans
     key_order = np.argsort(np.minimum.reduceat(kept_sorted, block_starts)).tolist()
     # per number of dims, every kept chunk's offsets and sizes in one flat list (one
-    # tolist() per class, then a slice per tensor: numpy calls per tensor would cost more
-    # than the work for a small job's thousand tensors)
+    # tolist() per class, then a slice per tensor)
     sorted_ndim = g.kind_ndim[sorted_kind]
     classes: dict[int, tuple[list[int], list[int]]] = {}
     suspects: set[int] = set()  # tensors whose chunks the grid test does not clear

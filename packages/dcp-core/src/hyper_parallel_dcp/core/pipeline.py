@@ -136,8 +136,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
     def set_up_step() -> Optional[tuple[str, Any]]:
         fault_point("save.setup", rank)
-        # Stateful leaves give their state_dict() inside the first collective step: one
-        # raising on one rank is raised on every rank instead of leaving them waiting
+        # Stateful leaves give their state_dict() inside the first collective step (a
+        # failure is raised on every rank)
         expanded, _ = expand_stateful(state_dict)
         flat, _ = flatten_state_dict(expanded, is_tensor_leaf)
         storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
@@ -179,8 +179,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
                 plans = storage_writer.prepare_global_plan(plans)
                 save_id = uuid.uuid4().hex[:16]
                 build_metadata.append(build)
-                # a plan left as it was goes back as its save id alone (pickling every item
-                # back was a third of the plan step, 2000 items)
+                # a plan left as it was goes back as its save id alone
                 return [_SameAsSent(save_id) if p is mine else replace(p, save_id=save_id)
                         for p, mine in zip(plans, all_plans)]
 
@@ -223,7 +222,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             storage_writer.prepare_finalize(metadata, all_results)
         gathered_results.append(all_results)
         final_metadata.append(metadata)
-        # the other ranks get it as columns (pickled objects: ~4x as much to send and build)
+        # the other ranks get it as columns
         return pack_metadata(metadata) if dw.use_dist else None
 
     def sync_step() -> None:

@@ -155,9 +155,8 @@ class StandardSavePlanner(SavePlanner):
 
     plan_cache: PlanCache = PlanCache()
 
-    #: ``resolve_data`` returns views of the state dict being saved, which stays unchanged
-    #: until the write returns: a sync save blocks its caller, and an async save's writer
-    #: reads the staging slab, which the next save refills only after this one has landed.
+    #: ``resolve_data`` returns views of the state dict being saved, unchanged until the
+    #: write returns (an async save's staging slab is refilled only after it landed).
     resolved_data_stable = True
     defers_metadata = True
 
@@ -240,8 +239,7 @@ class StandardSavePlanner(SavePlanner):
             return None
         plan, metadata, fingerprint = entry
         if fingerprint != self._fingerprint():
-            # Same keys, another layout (a resharded model, a second model with the same
-            # names): plan again; cache_plan then replaces the entry.
+            # same keys, another layout: plan again (cache_plan then replaces the entry)
             log_info(self.rank, "Plan cache entry does not match the state dict's layout; planning again.")
             return None
         # The save pipeline sets cache_hit once every rank agrees on using the entry.
@@ -273,8 +271,7 @@ class StandardSavePlanner(SavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         local = self._local_plan
         if local is not None and isinstance(new_plan.items, WriteColumns) and isinstance(local.items, WriteColumns):
-            # the final plan is the local plan or a cut of it: the rank's own item objects
-            # serve, instead of being built again from the columns
+            # the final plan is the local plan or a cut of it: reuse the rank's item objects
             new_plan.items.reuse_items_of(local.items)
         return new_plan
 

@@ -53,8 +53,7 @@ def unpack_metadata(packed: tuple[Any, ...]) -> model.Metadata:
     _, tensors, storage, files, planner_data, format_version, rank_objects, header_digests = packed
     sd: dict[str, model.StorageMetadata] = {}
     rows: dict[str, TensorStorage] = {}
-    # immutable, so one object per distinct value (a model's tensors share a few): 2000
-    # tensors unpack in half the time
+    # immutable, so one object per distinct value (a model's tensors share a few)
     properties: dict[tuple[str, Optional[str]], tuple[model.TensorProperties, int]] = {}
     shapes: dict[tuple[int, ...], torch.Size] = {}
     for entry in tensors:
