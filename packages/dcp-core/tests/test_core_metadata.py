@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyper_parallel_dcp.core.errors import CheckpointFormatError
+from hyper_parallel_dcp.core.errors import CheckpointFormatError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import (
     FORMAT_VERSION,
     METADATA_DIGEST,
@@ -83,6 +83,27 @@ def test_keys_that_are_not_derivable_and_stray_entries_round_trip():
     assert len(doc["other_storage"]) == 2
     back = metadata_from_json(json.dumps(doc))
     assert back == md and dict(back.storage_data) == md.storage_data
+
+
+def test_rank_objects_round_trip_and_are_written_only_when_present():
+    md = _sample()
+    assert "rank_objects" not in json.loads(metadata_to_json(md))  # no copies: the document as before
+    md.rank_objects = {"optim.param_groups": {0: StorageInfo("_rank0_.bytes", 0, 345, "abcdefabcdefabcd"),
+                                              3: StorageInfo("_rank3_.bytes", 0, 340, None)}}
+    md.files["_rank3_.bytes"] = 340
+    text = metadata_to_json(md)
+    doc = json.loads(text)
+    assert list(doc["rank_objects"]) == ["optim.param_groups"]
+    assert doc["rank_objects"]["optim.param_groups"]["3"]["offset"] == 0
+    back = metadata_from_json(text)
+    assert back == md and back.object_storage("optim.param_groups", 3).relative_path == "_rank3_.bytes"
+    doc["rank_objects"]["optim.param_groups"]["3"]["offset"] = 1  # covered by the metadata digest
+    with pytest.raises(CorruptCheckpointError, match="changed after the save"):
+        metadata_from_json(json.dumps(doc, separators=(",", ":")))
+    del doc["metadata_digest"]
+    doc["rank_objects"] = {"rng": {"-1": doc["rank_objects"]["optim.param_groups"]["0"]}}
+    with pytest.raises(CheckpointFormatError, match="'rank_objects' entry 'rng'"):
+        metadata_from_json(json.dumps(doc))
 
 
 def test_storage_table_lookups_and_chunk_tables():

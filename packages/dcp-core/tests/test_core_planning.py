@@ -36,6 +36,7 @@ from hyper_parallel_dcp.core.standard_planner import (
     dedup_save_plans,
 )
 from hyper_parallel_dcp.core.storage import StorageReader, StorageWriter, WriteResult
+from hyper_parallel_dcp.core.testing import run_distributed
 
 
 def _slices(offsets, sizes):
@@ -561,3 +562,25 @@ def test_a_region_is_the_memory_of_the_view_resolve_tensor_makes(planner_cls):
         region.copy_(full[item.dest_offsets[0]:item.dest_offsets[0] + item.lengths[0], 3:6])
     if planner_cls is StandardLoadPlanner:
         assert torch.equal(columns, full[:, 3:])
+
+
+def _per_rank_objects_worker(rank: int, world_size: int) -> list:
+    StandardSavePlanner.clear_cache()
+    store: dict[str, Any] = {}
+    seen = []
+    for position in (lambda r: 7, lambda r: 100 + r, lambda r: 100 + r, lambda r: 8, lambda r: 9):
+        planner = CountingSavePlanner()
+        md = save_state_dict({"w": torch.ones(4), "position": position(rank)}, MemoryWriter(store), planner)
+        seen.append((planner.cache_hit, sorted(md.rank_objects.get("position", {})),
+                     store.get(("data", MetadataIndex("position")))))
+    return seen
+
+
+@pytest.mark.distributed
+def test_a_cached_plan_that_stored_one_copy_does_not_serve_copies_that_now_differ():
+    first, second = run_distributed(_per_rank_objects_worker, 2)
+    # equal copies: one rank stores the one copy (rank 1: rank 0 holds "w"); differing copies
+    # do not take that cached plan: planned anew (each rank stores its own) and not cached;
+    # equal copies take the first save's plan again
+    assert first == [(False, [], None), (False, [0, 1], 100), (False, [0, 1], 100), (True, [], 100), (True, [], 100)]
+    assert second == [(False, [], 7), (False, [0, 1], 101), (False, [0, 1], 101), (True, [], 8), (True, [], 9)]

@@ -14,6 +14,7 @@ import pickle
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +41,8 @@ def _plans(draw):
         fqn = draw(st.sampled_from(["a", "b.c", f"t{t}", "layers.1 x"]))
         if draw(st.integers(0, 5)) == 0:  # an object, on some ranks
             for r in draw(st.sets(st.integers(0, world - 1), min_size=1)):
-                per_rank[r].append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+                digest = draw(st.sampled_from([None, "aa" * 8, "bb" * 8]))  # copies that may differ
+                per_rank[r].append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO, digest=digest))
             continue
         shape = tuple(draw(st.lists(st.integers(1, 6), min_size=0, max_size=3)))
         dtype = draw(st.sampled_from(["float32", "bfloat16"]))
@@ -106,6 +108,7 @@ def test_columns_equal_the_per_item_reference(data, to_minimum):
             continue
         assert list(fast_md[1].state_dict_metadata) == list(ref_md[1].state_dict_metadata)
         assert fast_md[1].state_dict_metadata == ref_md[1].state_dict_metadata
+        assert fast_md[1].rank_objects == ref_md[1].rank_objects
         # (a chunk with fewer offsets than its tensor has dims is refused here, by both)
         assert _outcome(metadata_to_json, fast_md[1]) == _outcome(metadata_to_json, ref_md[1])
     # the planner's one call equals the two steps
@@ -192,3 +195,31 @@ def test_grid_suspects_are_each_tensors_own_and_clear_only_disjoint_chunks(rows)
         boxes = [ChunkBox(tuple(o), tuple(z)) for o, z in zip(offsets[mine].tolist(), sizes[mine].tolist())]
         if kind not in suspects:
             assert all(a.intersect(b) is None for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def _object_plans(digests: list[str]) -> list[SavePlan]:
+    """One rank per digest, each holding a tensor row, ``loader.position`` (its digest) and
+    ``shared`` (one digest on every rank)."""
+    return [SavePlan(WriteColumns.from_items([
+        WriteItem(MetadataIndex("w", (rank, 0)), WriteItemType.TENSOR, (1, 4), (len(digests), 4), "float32", 16),
+        WriteItem(MetadataIndex("loader.position"), WriteItemType.BYTE_IO, digest=digest),
+        WriteItem(MetadataIndex("shared"), WriteItemType.BYTE_IO, digest="00" * 8),
+    ])) for rank, digest in enumerate(digests)]
+
+
+def test_objects_that_differ_under_one_key_are_kept_on_every_rank_equal_ones_once(monkeypatch):
+    plans = _object_plans(["aa" * 8, "bb" * 8, "aa" * 8])
+    reference, ref_md = dedup_items(plans), build_metadata_items(dedup_items(plans))
+    monkeypatch.setattr(global_save, "plan_items", lambda *_: pytest.fail("the item path ran"))
+    final, md = StandardSavePlanner().create_global_plan(plans)
+    assert final == reference
+    kept = [[(it.index.fqn, it.digest) for it in plan.items if it.type is WriteItemType.BYTE_IO] for plan in final]
+    assert kept == [[("loader.position", "aa" * 8), ("shared", "00" * 8)], [("loader.position", "bb" * 8)],
+                    [("loader.position", "aa" * 8)]]
+    assert md.rank_objects == ref_md.rank_objects == {"loader.position": {}}  # filled as the ranks write
+    assert list(md.state_dict_metadata) == list(ref_md.state_dict_metadata) == ["w", "loader.position", "shared"]
+    assert metadata_to_json(md) == metadata_to_json(ref_md)
+    same = _object_plans(["aa" * 8] * 3)
+    final, md = StandardSavePlanner().create_global_plan(same)
+    assert [sum(it.type is WriteItemType.BYTE_IO for it in plan.items) for plan in final] == [2, 0, 0]
+    assert md.rank_objects == {}

@@ -1,89 +1,47 @@
-"""hyper_parallel_dcp.core: geometry, metadata, planners, storage interfaces, pipelines."""
+"""hyper_parallel_dcp.core: geometry, metadata, planners, storage interfaces, pipelines.
 
-from .__about__ import __version__
-from .chunks import ChunkBox, flat_range_to_boxes
-from .errors import (
-    CheckpointError,
-    CheckpointException,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    ConcurrentSaveError,
-    CorruptCheckpointError,
-    MismatchError,
-    MissingKeyError,
-    MissingRegionError,
-    UnsafeObjectError,
-    UnsupportedPlacementError,
-    UnsupportedTensorError,
-)
-from .layout import TensorShards, to_tensor_shards
-from .metadata import (
-    FORMAT_VERSION,
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageInfo,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from .pipeline import load_state_dict, save_state_dict
-from .plan_columns import WriteColumns
-from .planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
-from .ragged import RaggedShard
-from .standard_planner import StandardLoadPlanner, StandardSavePlanner
-from .storage import StorageReader, StorageWriter, WriteResult
+The names below load on first use (module ``__getattr__``), so importing one submodule
+(``hyper_parallel_dcp.core.errors``) imports neither torch nor the others.
+"""
 
-__all__ = [
-    "FORMAT_VERSION",
-    "BytesStorageMetadata",
-    "CheckpointError",
-    "CheckpointException",
-    "CheckpointFormatError",
-    "CheckpointNotFoundError",
-    "ChunkBox",
-    "ChunkStorageMetadata",
-    "ConcurrentSaveError",
-    "CorruptCheckpointError",
-    "LoadItemType",
-    "LoadPlan",
-    "LoadPlanner",
-    "Metadata",
-    "MetadataIndex",
-    "MismatchError",
-    "MissingKeyError",
-    "MissingRegionError",
-    "RaggedShard",
-    "ReadItem",
-    "SavePlan",
-    "SavePlanner",
-    "StandardLoadPlanner",
-    "StandardSavePlanner",
-    "StorageInfo",
-    "StorageReader",
-    "StorageWriter",
-    "TensorProperties",
-    "TensorShards",
-    "TensorStorageMetadata",
-    "UnsafeObjectError",
-    "UnsupportedPlacementError",
-    "UnsupportedTensorError",
-    "WriteColumns",
-    "WriteItem",
-    "WriteItemType",
-    "WriteResult",
-    "__version__",
-    "flat_range_to_boxes",
-    "load_state_dict",
-    "save_state_dict",
-    "to_tensor_shards",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .__about__ import __version__ as __version__
+
+# submodule -> the names this package exports from it
+_EXPORTS = {
+    "chunks": ("ChunkBox", "flat_range_to_boxes"),
+    "errors": ("CheckpointError", "CheckpointException", "CheckpointFormatError", "CheckpointNotFoundError",
+               "ConcurrentSaveError", "CorruptCheckpointError", "MismatchError", "MissingKeyError",
+               "MissingRegionError", "UnsafeObjectError", "UnsupportedPlacementError", "UnsupportedTensorError"),
+    "layout": ("TensorShards", "to_tensor_shards"),
+    "load_planning": ("StandardLoadPlanner",),
+    "metadata": ("FORMAT_VERSION", "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",
+                 "StorageInfo", "TensorProperties", "TensorStorageMetadata"),
+    "pipeline": ("load_state_dict", "save_state_dict"),
+    "plan_columns": ("WriteColumns",),
+    "planner": ("LoadItemType", "LoadPlan", "LoadPlanner", "ReadItem", "SavePlan", "SavePlanner", "WriteItem",
+                "WriteItemType"),
+    "ragged": ("RaggedShard",),
+    "save_planning": ("StandardSavePlanner",),
+    "storage": ("StorageReader", "StorageWriter", "WriteResult"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted([*_MODULE_OF, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))

@@ -1,11 +1,8 @@
 """Storage backends by URL scheme: which writer/reader a ``checkpoint_id`` gets.
 
-A plain path or ``file://`` URL goes to the filesystem backend; ``s3://bucket/prefix``
-(and the other schemes an object-store package supports) to that package.  Packages
-register themselves through the ``hyper_parallel_dcp.storage`` entry-point group: the
-entry's name is the scheme (``file`` for local paths), its value a
-:class:`StorageBackend`.  Core depends on no backend; a scheme nobody registered is an
-error naming the package to install, never a local directory called ``s3:``.
+Packages register a :class:`StorageBackend` under their scheme (``file`` for plain paths)
+in the ``hyper_parallel_dcp.storage`` entry-point group; core depends on none.  A scheme
+nobody registered is an error naming the package to install.
 """
 
 from __future__ import annotations
@@ -16,9 +13,10 @@ import re
 import threading
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from .storage import StorageReader, StorageWriter
+if TYPE_CHECKING:
+    from .storage import StorageReader, StorageWriter
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -78,8 +76,7 @@ class StorageBackend:
 _registry: dict[str, StorageBackend] = {}
 # the group's entry points by lower-case name, listed once, each imported when first asked for
 _entry_points: Optional[dict[str, list[Any]]] = None
-# local paths go to the filesystem backend without listing every distribution's entry
-# points first (4-5 ms of a process's first save); other ``file`` entry points are not asked
+# local paths go to the filesystem backend without listing every entry point first
 _BUNDLED = {"file": ("hyper_parallel_dcp.storage_fs.backend", "BACKEND")}
 # scheme -> why its installed backend could not be imported (for the error message)
 _failures: dict[str, str] = {}
@@ -131,10 +128,8 @@ def _load_backend(scheme: str) -> Optional[StorageBackend]:
 
 
 def backend_for(checkpoint_id: CheckpointId) -> StorageBackend:
-    """The registered backend for ``checkpoint_id``'s scheme.
-
-    Raises :class:`UnknownSchemeError` naming the scheme and the package that provides it,
-    or, when that package is installed but fails to import, the error it raised.
+    """The registered backend for ``checkpoint_id``'s scheme; raises :class:`UnknownSchemeError`
+    naming the scheme and its package (or the error the installed package raised on import).
     """
     scheme = url_scheme(checkpoint_id)
     backend = _registry.get(scheme) or _load_backend(scheme)

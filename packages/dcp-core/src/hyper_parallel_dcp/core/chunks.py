@@ -50,31 +50,21 @@ class ChunkBox:
 
     def intersect(self, other: ChunkBox) -> ChunkBox | None:
         """The overlap of two boxes, or ``None`` when they do not overlap."""
-        offsets = []
-        sizes = []
-        for a0, a_len, b0, b_len in zip(self.offsets, self.sizes, other.offsets, other.sizes):
-            lo = max(a0, b0)
-            hi = min(a0 + a_len, b0 + b_len)
-            if hi <= lo:
-                return None
-            offsets.append(lo)
-            sizes.append(hi - lo)
-        return ChunkBox(tuple(offsets), tuple(sizes))
+        lo = tuple(map(max, self.offsets, other.offsets))
+        sizes = tuple(end - start for start, end in zip(lo, map(min, self.ends, other.ends)))
+        return None if any(n <= 0 for n in sizes) else ChunkBox(lo, sizes)
 
     def contains(self, other: ChunkBox) -> bool:
-        return all(
-            a0 <= b0 and b0 + b_len <= a0 + a_len
-            for a0, a_len, b0, b_len in zip(self.offsets, self.sizes, other.offsets, other.sizes)
-        )
+        return all(a <= b for a, b in zip(self.offsets, other.offsets)) and all(
+            b <= a for a, b in zip(self.ends, other.ends))
 
     def relative_to(self, outer: ChunkBox) -> tuple[int, ...]:
         """Offsets of this box inside ``outer`` (which must contain it)."""
         return tuple(a - b for a, b in zip(self.offsets, outer.offsets))
 
     def within(self, shape: Sequence[int]) -> bool:
-        return len(shape) == self.ndim and all(
-            o >= 0 and s >= 0 and o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape)
-        )
+        return len(shape) == self.ndim and all(0 <= o and 0 <= s and o + s <= d
+                                               for o, s, d in zip(self.offsets, self.sizes, shape))
 
 
 def full_box(shape: Sequence[int]) -> ChunkBox:
@@ -91,13 +81,9 @@ def row_major_strides(sizes: Sequence[int]) -> list[int]:
 
 def slice_span(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int, bool]:
     """``(first element, elements spanned, contiguous)`` of reading the sub-box
-    ``offsets+lengths`` of a row-major chunk of shape ``chunk_sizes``.
-
-    The span runs from the first element touched to the last one: a column slice spans
-    every row it touches, a row-prefix slice spans exactly itself (``contiguous``).  The
-    filesystem reader reads exactly this span, and ``hp-dcp explain`` predicts a load's
-    bytes with it: one formula for both.  An empty box spans nothing; a 0-d chunk one
-    element.
+    ``offsets+lengths`` of a row-major chunk of shape ``chunk_sizes``: from the first element
+    touched to the last (what the filesystem reader reads and ``hp-dcp explain`` predicts).
+    An empty box spans nothing; a 0-d chunk one element.
     """
     if any(n == 0 for n in lengths):
         return 0, 0, True
@@ -120,20 +106,16 @@ def runs_from_indices(indices: Iterable[int]) -> list[Run]:
     """Compress sorted-or-not global indices (in local order) into contiguous runs."""
     runs: list[Run] = []
     for idx in indices:
-        if runs and runs[-1][0] + runs[-1][1] == idx:
-            start, length = runs[-1]
-            runs[-1] = (start, length + 1)
+        if runs and sum(runs[-1]) == idx:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((int(idx), 1))
     return runs
 
 
 def boxes_from_runs(per_dim_runs: Sequence[Sequence[Run]]) -> list[tuple[ChunkBox, tuple[int, ...]]]:
-    """Cartesian product of per-dimension runs.
-
-    Returns ``(global_box, local_offsets)`` pairs: where each box sits in the global
-    tensor and where its data sits in the local tensor whose dimension ``d`` is the
-    concatenation of ``per_dim_runs[d]``.
+    """Cartesian product of per-dimension runs: ``(global_box, local_offsets)`` pairs, the local
+    tensor's dimension ``d`` being the concatenation of ``per_dim_runs[d]``.
     """
     per_dim = [[(start, length, local) for (start, length), local in zip(runs, accumulate((n for _, n in runs),
                                                                                          initial=0))]
@@ -143,11 +125,8 @@ def boxes_from_runs(per_dim_runs: Sequence[Sequence[Run]]) -> list[tuple[ChunkBo
 
 
 def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[ChunkBox]:
-    """The minimal boxes whose union is the row-major flat range ``[start, end)``.
-
-    Boxes come back in flat order, and each box is itself contiguous in the flat order, so
-    a 1-D buffer holding the range splits into consecutive pieces, one per box.  At most
-    ``2 * ndim - 1`` boxes.
+    """The minimal boxes (at most ``2 * ndim - 1``, in flat order, each contiguous) whose union is
+    the row-major flat range ``[start, end)``.
     """
     shape = tuple(int(d) for d in shape)
     total = math.prod(shape)
@@ -165,14 +144,10 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[Chun
     rest_zeros = tuple(0 for _ in inner_shape)
 
     def prefixed(row: int, lo: int, hi: int) -> list[ChunkBox]:
-        return [
-            ChunkBox((row,) + b.offsets, (1,) + b.sizes)
-            for b in flat_range_to_boxes(inner_shape, lo, hi)
-        ]
+        return [ChunkBox((row,) + b.offsets, (1,) + b.sizes) for b in flat_range_to_boxes(inner_shape, lo, hi)]
 
     if first_row == last_row:
-        lo = start - first_row * inner
-        hi = end - first_row * inner
+        lo, hi = start - first_row * inner, end - first_row * inner
         if lo == 0 and hi == inner:
             return [ChunkBox((first_row,) + rest_zeros, (1,) + inner_shape)]
         return prefixed(first_row, lo, hi)

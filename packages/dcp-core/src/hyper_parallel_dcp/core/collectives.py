@@ -1,15 +1,9 @@
-"""The one wrapper through which every checkpoint collective goes.
+"""The one wrapper through which every checkpoint collective goes (:class:`DistWrapper`).
 
-Without a process group (or with ``use_dist=False``) each call just runs locally.  With
-one, a step's local function runs inside a try; failures travel with the data, and a
-failure on *any* rank is raised on *every* rank (naming the rank) instead of leaving the
-others waiting in the next collective.
-
-A rank that dies or hangs cannot report a failure, so before each collective every rank
-also checks in at the process group's key-value store and waits (at most
-:func:`collective_timeout` seconds, env ``HP_DCP_COLLECTIVE_TIMEOUT``, default 30 min) for
-the others; when some never arrive, :class:`CheckpointTimeoutError` names the phase and
-those ranks instead of hanging in the collective.
+Without a process group each call runs locally.  With one, a failure on *any* rank is
+raised on *every* rank (naming the rank), and before each collective every rank checks in
+at the group's store: ranks that never arrive within :func:`collective_timeout` seconds
+raise :class:`CheckpointTimeoutError` naming the phase and those ranks.
 """
 
 from __future__ import annotations
@@ -37,17 +31,14 @@ TIMEOUT_ENV = COLLECTIVE_TIMEOUT.name
 
 
 def collective_timeout() -> float:
-    """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check).
-
-    Raises :class:`~hyper_parallel_dcp.core.settings.SettingError` (a ``ValueError``)
-    naming the variable when it is not a number of seconds >= 0.
+    """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check);
+    raises :class:`~hyper_parallel_dcp.core.settings.SettingError` for a value that is not >= 0.
     """
     return COLLECTIVE_TIMEOUT.get()
 
 
-# Per process group (by its global ranks): the store it was last used with and the number
-# of arrival checks made there.  Every member makes the same checks in the same order,
-# so the counter names the same check on every rank.
+# Per process group (by its global ranks): its store and the number of arrival checks made
+# there (the same checks in the same order on every member: the counter names one check).
 _arrivals: dict[tuple[int, ...], tuple[Any, int]] = {}
 
 
@@ -69,8 +60,7 @@ def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"keys not set within {timeout} s")
         time.sleep(delay)
-        # at most 1 ms between looks (a 10 ms cap saw a rank 5.75 ms late, at each of a
-        # save's ~5 checks); a look costs ~5 us of CPU
+        # at most 1 ms between looks (a look costs ~5 us of CPU)
         delay = min(delay * 2, 0.001)
 
 
@@ -146,12 +136,11 @@ class DistWrapper:
                  timeout: Optional[float] = None) -> None:
         """Collectives over ``group`` (``None``: the default group) when ``use_dist``.
 
-        ``rank`` and ``world_size`` (``group`` then ``None``) make a wrapper for a process
-        of a job outside its process group (the async writer): with ``use_dist=False``
-        every collective is a no-op; a subclass that exchanges objects another way (files)
-        passes ``use_dist=True`` and overrides the raw object collectives; neither runs the
-        arrival check.  ``timeout`` defaults to ``HP_DCP_COLLECTIVE_TIMEOUT``.  Raises
-        ``ValueError`` for a ``rank`` outside ``world_size``.
+        ``rank`` and ``world_size`` (without ``group``) make a wrapper for a process outside the
+        job's group (the async writer): a no-op with ``use_dist=False``, or, in a subclass that
+        overrides the raw object collectives, exchanges another way; no arrival check.
+        ``timeout`` defaults to ``HP_DCP_COLLECTIVE_TIMEOUT``.  Raises ``ValueError`` for a
+        ``rank`` outside ``world_size``.
         """
         self.group = group
         self.coordinator_rank = coordinator_rank
@@ -172,8 +161,7 @@ class DistWrapper:
         else:
             self.use_dist = use_dist and dist.is_available() and dist.is_initialized()
             if self.use_dist:
-                # A gloo worker thread may still be releasing this wrapper's last collective
-                # when the script exits: let it finish first (see exit_drain).
+                # let gloo's worker threads finish at exit (see exit_drain)
                 exit_drain.install()
                 self.rank = dist.get_rank(group)
                 self.world_size = dist.get_world_size(group)
@@ -378,13 +366,10 @@ class DistWrapper:
                              confirm_fun: Callable[[], None], commit_fun: Callable[[P], None]) -> P:
         """Gather, prepare and share on the coordinator, confirm everywhere, then commit.
 
-        Every rank runs ``map_fun``; the coordinator runs ``prepare_fun(results)`` and sends
-        what it returns to every rank; each rank runs ``confirm_fun``; once every rank
-        confirmed, the coordinator runs ``commit_fun(prepared)``; every rank returns
-        ``prepared``.  (A save shares its metadata while the data is flushed and commits
-        after every rank's flush.)  A failure anywhere is raised on every rank, after the
-        confirmations.  Without a process group: map, prepare, confirm, commit, exceptions
-        unchanged.
+        Every rank runs ``map_fun``; the coordinator ``prepare_fun(results)``, whose result every
+        rank gets; each rank runs ``confirm_fun``; once all confirmed, the coordinator runs
+        ``commit_fun(prepared)``; every rank returns ``prepared``.  A failure anywhere is raised
+        on every rank after the confirmations.
         """
         self._step = step
         if not self.use_dist:
@@ -426,11 +411,8 @@ class DistWrapper:
             self._round = ""
 
     def check(self, step: str, local_error: Optional[BaseException]) -> None:
-        """Collective error check: raise on every rank if any rank reports an error.
-
-        Where the group takes CPU tensors, one ``all_reduce`` of a flag says whether any
-        rank failed and the failures are gathered only then (gloo, 2 ranks: 0.2 ms against
-        0.8 ms for an ``all_gather_object`` of ``None``).
+        """Collective error check: raise on every rank if any rank reports an error (one
+        ``all_reduce`` of a flag where the group takes CPU tensors, the failures gathered only then).
         """
         self._step = step
         if not self.use_dist:

@@ -1,17 +1,10 @@
 """Let torch's collective worker threads finish before the interpreter shuts down.
 
-A gloo rank could die of ``SIGABRT`` (``terminate called without an active exception``)
-at exit after a run ending with a synchronous save, about one launch in ten on two busy
-cores (``tools/exit_abort_repro.py``): a gloo worker thread that drops finished work after
-the caller let go holds the last reference to tensors with Python objects and needs the
-GIL to release them; the main thread runs on to interpreter exit holding it, and a
-thread that takes the GIL during finalization is made to exit, unwinding through a
-``noexcept`` destructor (``std::terminate``).
-
-So at ``atexit`` :func:`drain_collective_threads` hands the GIL over until no other
-thread of the process is running or runnable, at most :data:`DRAIN_LIMIT_S` (a quiet
-process pays ~3.5 ms).  The first checkpoint collective of a process installs it
-(:func:`install`).
+A gloo worker thread that releases finished work at exit needs the GIL during
+finalization and dies through a ``noexcept`` destructor (``SIGABRT``, see
+``tools/exit_abort_repro.py``).  At ``atexit`` :func:`drain_collective_threads` hands the
+GIL over until no other thread runs, at most :data:`DRAIN_LIMIT_S`; the first checkpoint
+collective of a process installs it (:func:`install`).
 """
 
 from __future__ import annotations
@@ -58,10 +51,8 @@ def runnable_threads(exclude: int) -> Optional[int]:
 
 
 def drain_collective_threads(limit: float = DRAIN_LIMIT_S) -> bool:
-    """Hand the GIL over until no other thread runs; at most ``limit`` seconds.
-
-    Returns whether the process went quiet.  Where ``/proc`` is missing, it pauses
-    :data:`_QUIET_LOOKS` times and returns true.  Takes no lock and raises nothing.
+    """Hand the GIL over until no other thread runs, at most ``limit`` seconds; returns whether
+    the process went quiet (without ``/proc``: after :data:`_QUIET_LOOKS` pauses).  Raises nothing.
     """
     me = threading.get_native_id()
     deadline = time.monotonic() + limit

@@ -1,14 +1,9 @@
 """A test hook: a process kills itself (SIGKILL) at a named checkpoint phase.
 
-Used by the fault-injection tests and the soak benchmark; inert unless
-``HP_DCP_FAULT`` is set.  ``HP_DCP_FAULT=<phase>@<rank>`` (several separated by commas;
-``@<rank>`` may be left out for every rank) kills the process that reaches
-:func:`fault_point` with that phase and rank.  With ``HP_DCP_FAULT_ONCE=<file>`` only the
-first process to get there dies (it creates the file and writes the time it fired into
-it), so a restarted writer or the next save go through.
-
-Phases: :data:`PHASES` (``save.commit``: on the coordinator just before ``.metadata`` is
-written, elsewhere after its own files are); an async save's writer process dies there.
+Inert unless ``HP_DCP_FAULT=<phase>@<rank>[,...]`` is set (``@<rank>`` left out: every
+rank); with ``HP_DCP_FAULT_ONCE=<file>`` only the first process to get there dies (it
+creates the file).  Phases: :data:`PHASES` (``save.commit``: on the coordinator just
+before ``.metadata`` is written, elsewhere after its own files are).
 """
 
 from __future__ import annotations

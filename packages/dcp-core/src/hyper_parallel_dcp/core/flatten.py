@@ -1,9 +1,8 @@
 """Nested state dicts ⇄ flat ``{dotted_fqn: leaf}`` maps.
 
-Dicts are walked key by key; a list or tuple is walked element-wise (``key.0``,
-``key.1``, ...) only when it holds a tensor somewhere inside, otherwise it is one leaf (an
-optimizer's ``param_groups`` entries stay whole).  The path of each FQN is kept so a load
-can write results back into the caller's nested containers in place.
+Dicts are walked key by key; a list or tuple element-wise (``key.0``, ...) only when it
+holds a tensor, else it is one leaf.  Each FQN's path is kept so a load writes back into
+the caller's containers in place.
 """
 
 from __future__ import annotations

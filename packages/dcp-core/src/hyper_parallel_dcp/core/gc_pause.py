@@ -17,12 +17,9 @@ _PROMOTE = not sysconfig.get_config_var("Py_GIL_DISABLED")
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector (re-enabled after, unless it was off before).
 
-    Planning allocates millions of small acyclic objects while millions of plan items are
-    alive: full collections were 2.2 of 5.4 CPU s of an 8192-rank MoE global save.  On the
-    way out, what the block allocated and still holds joins the oldest generation without
-    a traversal (``gc.freeze`` + ``gc.unfreeze``), else the next young collection walks it
-    (6-13 ms at the end of a 2000-tensor load); skipped when the process froze objects
-    itself.
+    Planning allocates millions of small acyclic objects; on the way out what the block still
+    holds joins the oldest generation without a traversal (``gc.freeze`` + ``gc.unfreeze``),
+    skipped when the process froze objects itself.
     """
     was_enabled = gc.isenabled()
     gc.disable()

@@ -1,25 +1,18 @@
 """The coordinator's global save plan over columns: dedup and metadata of every rank's plan.
 
-The gathered plans are :class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns` (a few
-int64 columns per rank).  They are laid end to end as numpy arrays, and each item gets one
-int64 key: its tensor's slot, then its offsets in row-major order over the global shape + 1.
-One stable sort of the keys gives both the dedup groups (equal keys) and each tensor's
-chunk order, and a grid test per dim clears every tensor whose chunks are cells of a grid
-(every DTensor layout) as pairwise disjoint, all tensors at once.  Numpy and not torch:
-it starts no intra-op threads for these small sorts.
-
-A plan the keys cannot describe exactly (an FQN with two kinds, shapes or dtypes, an
-unknown dtype, a chunk whose numbers of offsets and sizes are not its tensor's dims,
-offsets outside the global shape) or one with different pieces at one key goes to
-:func:`~hyper_parallel_dcp.core.save_reference.plan_items`, which words the error (or
-plans it item by item); the result is that function's for every plan.
-
-Exports :func:`plan_global_columns` and :func:`check_disjoint`.
+The gathered :class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns` are laid end to
+end as numpy arrays, each item keyed by one int64 (its tensor's slot, then its offsets in
+row-major order over the global shape + 1): one stable sort gives the dedup groups and
+each tensor's chunk order, and a grid test per dim clears disjoint chunks.  A plan the
+keys cannot describe exactly goes to
+:func:`~hyper_parallel_dcp.core.save_reference.plan_items`, which words the error (or plans
+it item by item).  Exports :func:`plan_global_columns` and :func:`check_disjoint`.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from dataclasses import replace
 from itertools import accumulate
 from typing import Any, Callable, Optional, Sequence
@@ -43,6 +36,7 @@ from .save_reference import dedup_items, plan_items, raise_overlap
 __all__ = ["check_disjoint", "plan_global_columns"]
 
 _KEY_LIMIT = 1 << 62  # the keys of every tensor's offsets must fit an int64
+_TENSOR = WriteItemType.TENSOR.value
 
 
 class _ItemByItem(Exception):
@@ -51,12 +45,10 @@ class _ItemByItem(Exception):
 
 def plan_global_columns(plans: Sequence[SavePlan], *, dedup: bool, save_to_minimum_rank: bool,
                         metadata: bool = True) -> tuple[list[SavePlan], Optional[Callable[[], Metadata]]]:
-    """The plans after dedup (with ``dedup``), and with ``metadata`` a function that builds
-    their metadata (else ``None``).
-
-    Returns and raises what :func:`~hyper_parallel_dcp.core.save_reference.plan_items` does,
-    every error now (the function only builds objects).  A plan that keeps every item is
-    returned as is; a cut one as columns of its own kind table, ``picked`` naming its items.
+    """The plans after dedup (with ``dedup``) and, with ``metadata``, a function that builds
+    their metadata (else ``None``); returns and raises (now) what
+    :func:`~hyper_parallel_dcp.core.save_reference.plan_items` does.  A plan that keeps every
+    item is returned as is, a cut one as columns with ``picked`` naming its items.
     """
     columns = [WriteColumns.of(plan.items) for plan in plans]
     try:
@@ -83,8 +75,11 @@ class _Gathered:
                      for t in range(len(tables))]
         self.kinds = kinds = list(kind_ids)
         self.plans = len(columns)
-        if len({k[0] for k in kinds}) != len(kinds):
+        kinds_of = Counter(k[0] for k in kinds)
+        if len(kinds_of) != len({k if k[1] == _TENSOR else k[:3] for k in kinds}):
             raise _ItemByItem  # an FQN with two kinds, shapes or dtypes
+        # objects whose copies differ (several digests of one FQN): each rank's copy is kept
+        self.per_rank = np.array([kinds_of[k[0]] > 1 for k in kinds], dtype=bool)
         width = max([len(k[2]) for k in kinds if k[2] is not None], default=0)
         self.kind_ndim = np.full(len(kinds), -1, dtype=np.int64)  # -1: an object
         self.properties: list[Any] = [None] * len(kinds)
@@ -94,7 +89,7 @@ class _Gathered:
         for k, (_, kind_type, shape, dtype) in enumerate(kinds):
             bases[k] = base
             span = 1
-            if kind_type == WriteItemType.TENSOR.value:
+            if kind_type == _TENSOR:
                 if shape is None or dtype is None:
                     raise _ItemByItem
                 try:
@@ -127,8 +122,7 @@ class _Gathered:
         per_plan = np.bincount(rank, weights=self.ndim, minlength=len(columns)).astype(np.int64).tolist()
         if per_plan != [len(c.offsets) for c in columns] or per_plan != [len(c.sizes) for c in columns]:
             raise ValueError("a plan's offsets or sizes do not match their per-item lengths")
-        # items x widest dims, zero-padded, filled one dim at a time (few temporaries: at 2-4M
-        # items each one is pages the kernel must fault in)
+        # items x widest dims, zero-padded, filled one dim at a time (few temporaries)
         self.offsets, self.sizes = np.zeros((2, len(kind), width), dtype=np.int64)
         key = bases[kind]
         first = np.cumsum(self.ndim) - self.ndim
@@ -155,6 +149,8 @@ def _dedup(g: _Gathered, save_to_minimum_rank: bool) -> np.ndarray | None:
     count = len(g.sorted_key)
     starts = np.ones(count, dtype=bool)
     np.not_equal(g.sorted_key[1:], g.sorted_key[:-1], out=starts[1:])
+    if g.per_rank.any():
+        starts |= g.per_rank[g.kind[g.order]]
     if starts.all():
         return None
     repeated = np.flatnonzero(~starts)  # sorted positions whose item has the key of the one before
@@ -232,8 +228,7 @@ def _metadata(g: _Gathered, keep: np.ndarray | None) -> Callable[[], Metadata]:
     # keys in the order of their first kept item over the plans
     key_order = np.argsort(np.minimum.reduceat(kept_sorted, block_starts)).tolist()
     # per number of dims, every kept chunk's offsets and sizes in one flat list (one
-    # tolist() per class, then a slice per tensor: numpy calls per tensor would cost more
-    # than the work for a small job's thousand tensors)
+    # tolist() per class, then a slice per tensor)
     sorted_ndim = g.kind_ndim[sorted_kind]
     classes: dict[int, tuple[list[int], list[int]]] = {}
     suspects: set[int] = set()  # tensors whose chunks the grid test does not clear
@@ -267,12 +262,15 @@ def _metadata(g: _Gathered, keep: np.ndarray | None) -> Callable[[], Metadata]:
         if k in suspects or (not ndim and count > 1):
             raise_overlap(fqn, _chunks(ndim, count, all_offsets[span], all_sizes[span]))
 
+    per_rank = [k[0] for k, differ in zip(g.kinds, g.per_rank.tolist()) if differ]
+
     def build() -> Metadata:
         return Metadata(state_dict_metadata={
             fqn: BytesStorageMetadata() if ndim < 0 else
             tensor_metadata_from_columns(fqn, properties, torch.Size(shape), count, ndim, offsets, sizes,
                                          ascending=True)
-            for fqn, properties, shape, count, ndim, offsets, sizes in entries})
+            for fqn, properties, shape, count, ndim, offsets, sizes in entries},
+            rank_objects={fqn: {} for fqn in per_rank})
 
     return build
 
@@ -287,12 +285,9 @@ def _chunks(ndim: int, count: int, offsets: list[int], sizes: list[int]) -> list
 def _grid_suspects(kind: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> set[int]:
     """The ids in ``kind`` of the tensors whose chunks are not shown pairwise disjoint.
 
-    Rows: one chunk each (``kind`` its tensor's id), each tensor's rows together and sorted
-    by offsets.  If on every dim any two of a tensor's chunks have the same interval
-    ``(offset, size)`` or disjoint ones, two chunks that differ somewhere are disjoint
-    there: none overlap.  Sorted by start, an interval that overlaps a different one
-    overlaps the next one, so adjacent rows are compared.  Not suspect means disjoint;
-    suspect means "not shown", to be searched (:func:`raise_overlap`).
+    Rows: one chunk each, each tensor's rows together and sorted by offsets.  If on every dim
+    any two chunks have the same interval or disjoint ones, none overlap; sorted by start, an
+    interval that overlaps another overlaps the next, so adjacent rows are compared.
     """
     pairs = kind[1:] == kind[:-1]  # adjacent rows of one tensor
     if not pairs.any():

@@ -1,10 +1,8 @@
 """One normal form for every tensor leaf: the rank's pieces of a global tensor.
 
-A DTensor (Shard, uneven Shard, Replicate, ``_StridedShard``), a plain tensor (the whole
-tensor, i.e. replicated) and a :class:`RaggedShard` all become :class:`TensorShards`:
-global shape, dtype and ``(global box, local view)`` pieces.  Planners see only this form,
-so the async writer process (no device mesh) plans as the training process does.  The
-only module that reads DTensor's private fields (:func:`dtensor_layout`).
+A DTensor, a plain tensor (replicated) and a :class:`RaggedShard` all become
+:class:`TensorShards` (global shape, dtype, ``(global box, local view)`` pieces), which is
+all the planners see.  The only module that reads DTensor's private fields.
 """
 
 from __future__ import annotations
@@ -39,11 +37,8 @@ Narrowing = tuple[tuple[int, int, int], ...]
 
 @dataclass
 class TensorShards:
-    """A rank's pieces of one global tensor.
-
-    Each piece is ``(box, view)``: ``box`` in global coordinates and ``view`` a tensor of
-    shape ``box.sizes`` aliasing the caller's memory (so a load writes in place).
-    ``ragged`` marks leaves whose geometry may change between steps (plan cache off).
+    """A rank's pieces of one global tensor: ``(box, view)`` pairs, ``box`` in global coordinates
+    and ``view`` aliasing the caller's memory; ``ragged``: the geometry may change between steps.
     """
 
     global_shape: tuple[int, ...]
@@ -68,11 +63,8 @@ def _select(runs: list[Run], local_indices: range | list[int]) -> list[Run]:
 
 
 def _shard_span(size: int, num_chunks: int, rank: int) -> tuple[int, int]:
-    """``[start, stop)`` of ``rank``'s piece when ``Shard`` splits ``size`` into ``num_chunks``.
-
-    torch.chunk's rule (pieces of ``ceil(size / num_chunks)``, the last ones short or
-    empty), computed here rather than through torch's private helpers, whose signatures
-    change between releases.
+    """``[start, stop)`` of ``rank``'s piece when ``Shard`` splits ``size`` into ``num_chunks``
+    (torch.chunk's rule, not torch's private helpers, whose signatures change).
     """
     piece = -(-size // num_chunks)
     start = min(rank * piece, size)
@@ -80,11 +72,8 @@ def _shard_span(size: int, num_chunks: int, rank: int) -> tuple[int, int]:
 
 
 def _strided_shard_indices(size: int, split_factor: int, num_chunks: int, rank: int) -> list[int]:
-    """The indices of a dimension of ``size`` that ``_StridedShard(split_factor)`` gives ``rank``.
-
-    The dimension is cut into ``split_factor`` pieces (as a ``Shard`` applied after this one
-    would cut it), each piece into ``num_chunks``, and the rank holds its part of every
-    piece: FSDP2 over TP keeps each TP shard's rows apart this way.
+    """The indices of a dimension of ``size`` that ``_StridedShard(split_factor)`` gives ``rank``:
+    the dimension cut into ``split_factor`` pieces, each into ``num_chunks`` (FSDP2 over TP).
     """
     indices: list[int] = []
     for piece in range(split_factor):
@@ -101,11 +90,8 @@ def placement_boxes(
     placements: Sequence[Any],
     fqn: str = "<tensor>",
 ) -> list[tuple[ChunkBox, tuple[int, ...]]]:
-    """Pure geometry of a DTensor layout: the global boxes one mesh coordinate holds.
-
-    Returns ``(global_box, offsets in the local tensor)`` pairs: one for Shard / uneven
-    Shard / Replicate, possibly several for ``_StridedShard`` (local rows not contiguous in
-    the global tensor).  Needs no process group (``hp-dcp explain``, planning simulations).
+    """Pure geometry of a DTensor layout: the ``(global_box, offsets in the local tensor)`` pairs
+    one mesh coordinate holds (several for ``_StridedShard``), without a process group.
     Raises :class:`UnsupportedPlacementError` for ``Partial``.
     """
     from torch.distributed.tensor.placement_types import Partial, Shard
@@ -152,11 +138,9 @@ def _cached_placement_boxes(global_shape: tuple[int, ...], mesh_shape: tuple[int
 def dtensor_layout(leaf: Any) -> Optional[tuple[torch.Tensor, Hashable]]:
     """``(local tensor, layout key)`` of a DTensor, ``None`` for any other leaf.
 
-    DTensors with equal keys (mesh, global shape, dtype, placements, local shape) have the
-    same :func:`dtensor_pieces`.  The one place that reads DTensor's private fields:
-    ``to_local()`` goes through autograd dispatch (~10 us a call), and no DTensor exists
-    before ``torch.distributed.tensor`` is imported (which costs seconds a plain save must
-    not pay).
+    DTensors with equal keys have the same :func:`dtensor_pieces`.  Reads private fields:
+    ``to_local()`` costs an autograd dispatch, and a plain save must not import
+    ``torch.distributed.tensor``.
     """
     module = sys.modules.get("torch.distributed.tensor")
     if module is None or not isinstance(leaf, module.DTensor):
@@ -194,11 +178,10 @@ _STRIDED = torch.strided
 
 
 def check_tensor(tensor: torch.Tensor, fqn: str, meta: bool = True) -> None:
-    """Raise :class:`UnsupportedTensorError` naming ``fqn`` for a tensor whose data a
-    checkpoint cannot hold or receive (torch's own errors name no key: "Cannot copy out of
-    meta tensor; no data!").  ``meta=False`` lets a meta tensor pass: a save is planned
-    from its shape alone (a planner may supply the data, as the Hugging Face importer's
-    does), and only the data's copy needs real memory.  ~0.15 us a tensor."""
+    """Raise :class:`UnsupportedTensorError` naming ``fqn`` for a tensor whose data a checkpoint
+    cannot hold or receive.  ``meta=False`` lets a meta tensor pass (a save is planned from
+    its shape; a planner may supply the data).
+    """
     if tensor.layout is _STRIDED and not ((meta and tensor.is_meta) or tensor.is_nested or tensor.is_quantized):
         return
     raise UnsupportedTensorError(f"{fqn!r} {tensor_problem(tensor)}")

@@ -23,14 +23,8 @@ __all__ = ["StandardLoadPlanner", "create_local_load_plan"]
 
 
 class _ChunkIndex:
-    """Stored chunks of one tensor, found by bisecting their starts on dims 0 and 1.
-
-    Built from the metadata's chunk columns, no chunk object made; the save planner stores
-    chunks sorted by offsets (unsorted metadata, format 1 or a merged ``{rank}.metadata``,
-    is sorted here).  A piece visits only the chunks whose dim-0 and dim-1 intervals can
-    meet it (for MoE expert tensors sharded on both, a handful instead of every shard of
-    its experts): a rank's plan costs about its own items.
-    """
+    """Stored chunks of one tensor (from the chunk columns, sorted by offsets), found by
+    bisecting their starts on dims 0 and 1: a piece visits only the chunks that can meet it."""
 
     def __init__(self, md: TensorStorageMetadata):
         self.ndim, self.offsets, self.sizes, ascending = chunk_columns(md)
@@ -58,8 +52,7 @@ class _ChunkIndex:
         return pos, tuple(self.offsets[at:at + self.ndim]), tuple(self.sizes[at:at + self.ndim])
 
     def exact(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Optional[int]:
-        """Position in ``md.chunks`` of the stored chunk whose box is exactly ``offsets+sizes``
-        (a same-layout load: a bisection instead of the overlap arithmetic)."""
+        """Position in ``md.chunks`` of the stored chunk whose box is exactly ``offsets+sizes``."""
         if self.ndim == 0 or not offsets:
             return 0 if self.count else None
         lo = bisect.bisect_left(self.starts, offsets[0])
@@ -101,7 +94,6 @@ def _piece_reads(cindex: _ChunkIndex, b_off: tuple[int, ...], b_size: tuple[int,
                  ) -> tuple[tuple[_PieceRead, ...], int]:
     """The reads that fill the piece ``b_off+b_size`` (target box ∩ stored chunks, in chunk
     order) and the elements of the piece they cover."""
-    # plain tuples, not ChunkBox objects: this runs once per piece x chunk
     pos = cindex.exact(b_off, b_size)
     if pos is not None:  # the piece is a stored chunk (a same-layout load)
         zeros = (0,) * len(b_off)
@@ -132,8 +124,7 @@ def create_local_load_plan(
     """
     items: list[ReadItem] = []
     shards = {} if shards is None else shards
-    # Models repeat a handful of (chunk layout, piece) pairs thousands of times: the
-    # overlap arithmetic runs once per pair (2000 small tensors resharded: 26 -> ~12 ms)
+    # the overlap arithmetic runs once per (chunk layout, piece) pair
     reads_of: dict[Any, tuple[tuple[_PieceRead, ...], int]] = {}
     indexes: dict[Any, _ChunkIndex] = {}
     TENSOR = LoadItemType.TENSOR
@@ -199,10 +190,8 @@ _SHOWN_KEYS = 8
 
 
 def missing_keys_message(missing: list[str], stored: Mapping[str, Any]) -> str:
-    """The message of :class:`MissingKeyError` for the target keys ``missing`` from the
-    checkpoint's keys ``stored``: every missing key counted, the first few named, and a
-    stored key that a missing one matches but for a prefix (see :func:`_near_miss`), the
-    usual cause of a load that finds none of its keys."""
+    """The message of :class:`MissingKeyError`: the ``missing`` keys counted, the first few
+    named, and a ``stored`` key one of them matches but for a prefix (:func:`_near_miss`)."""
     count = len(missing)
     stored_text = f"{len(stored)} key{'' if len(stored) == 1 else 's'} stored"
     if count == 1:
@@ -216,11 +205,8 @@ def missing_keys_message(missing: list[str], stored: Mapping[str, Any]) -> str:
 
 
 def _near_miss(missing: list[str], stored: Mapping[str, Any]) -> str:
-    """``""``, or a sentence naming a stored key that one of ``missing`` matches once
-    wrapper module names are dropped from both (DDP's ``module.``, ``torch.compile``'s
-    ``_orig_mod.``), or once leading components are dropped from one of them (a model's
-    state dict loaded under ``{"model": ...}`` from a checkpoint that stores it at the top
-    level, as a Hugging Face import does, or the other way round).  On the error path only."""
+    """``""``, or a sentence naming a stored key that one of ``missing`` matches once wrapper
+    module names (``module.``, ``_orig_mod.``) or leading components are dropped."""
     unwrapped = {_unwrapped(key): key for key in stored}
     for key in missing:
         found = unwrapped.get(_unwrapped(key))
@@ -278,10 +264,8 @@ _Piece = tuple[torch.Tensor, tuple[int, ...], Optional[tuple[int, ...]], int, to
 
 
 def _view_root(view: torch.Tensor) -> torch.Tensor:
-    """The tensor whose ``as_strided`` makes ``view``'s partial destinations: ``view``'s base
-    where that is an equivalent plain tensor (same storage and dtype, no autograd,
-    conjugate or negative bit), else ``view``.  A view of a view pays autograd's view
-    bookkeeping (``DTensor.from_local``'s local tensor: 2.75 against 1.73 us a view)."""
+    """``view``'s base where that is an equivalent plain tensor (same dtype, no autograd,
+    conjugate or negative bit), else ``view``: what ``as_strided`` makes partial destinations of."""
     root = view._base
     if (root is None or type(root) is not torch.Tensor or root.layout is not torch.strided or root.dtype != view.dtype
             or root.requires_grad or view.requires_grad or view.is_conj() or view.is_neg()
@@ -293,13 +277,10 @@ def _view_root(view: torch.Tensor) -> torch.Tensor:
 class StandardLoadPlanner(LoadPlanner):
     """Default load planner: exact-cover reads into views of the caller's tensors.
 
-    Which rank reads a replicated shard is the load pipeline's choice
-    (:mod:`.reader_assignment`).  ``allow_partial_load``: target keys the checkpoint lacks
-    are left untouched instead of raising :class:`MissingKeyError`.
-
-    ``fills_regions`` (a declared capability): :meth:`resolve_region` may hand the reader
-    raw memory, skipping ``resolve_tensor`` and ``commit_tensor``.  A subclass that
-    overrides either of those gets ``False`` unless it declares it.
+    ``allow_partial_load``: target keys the checkpoint lacks are left untouched instead of
+    raising :class:`MissingKeyError`.  ``fills_regions``: :meth:`resolve_region` may hand
+    the reader raw memory; a subclass that overrides ``resolve_tensor`` or
+    ``commit_tensor`` gets ``False`` unless it declares it.
     """
 
     fills_regions = True
@@ -323,8 +304,7 @@ class StandardLoadPlanner(LoadPlanner):
         self.flat: dict[str, Any] = state_dict
         self.is_coordinator, self.rank, self.world_size = is_coordinator, rank, world_size
         self.shards: dict[str, TensorShards] = {}
-        # (fqn, offsets) -> the piece (see _Piece): a read into part of a piece costs one
-        # lookup and one ``as_strided``
+        # (fqn, offsets) -> the piece (see _Piece)
         self._pieces: dict[tuple[str, Any], _Piece] = {}
         self.loaded_objects: dict[str, Any] = {}
 
@@ -356,9 +336,7 @@ class StandardLoadPlanner(LoadPlanner):
         if lengths == shape and not any(offsets):
             return view
         if strides is not None:
-            # one as_strided instead of a narrow per dim (~1.5 us of a read of a small
-            # column slice, which a resharded load does twice per tensor), of the view's
-            # root (see _view_root)
+            # one as_strided of the view's root instead of a narrow per dim
             return root.as_strided(lengths, strides, storage_offset + sum(map(mul, offsets, strides)))
         for d, (off, length) in enumerate(zip(offsets, lengths)):
             if off or length != shape[d]:

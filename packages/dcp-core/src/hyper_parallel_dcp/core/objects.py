@@ -1,12 +1,9 @@
 """Non-tensor leaves: saved with ``torch.save``, restored without running code.
 
-Restoring uses ``torch.load(weights_only=True)``: plain containers, numbers, strings,
-bytes, tensors, dtypes and sizes load as is; any other class must be allow-listed with
-``torch.serialization.add_safe_globals``, as for ``torch.load``, else
-:class:`UnsafeObjectError` names it.  ``torch.load`` does not check the CRC-32s of
-``torch.save``'s zip members, and a damaged pickle may decode to a wrong value (646 of
-40,000 copies of a small object with 1-4 random bytes replaced did): they are checked
-first (~60 us a small object; an archive saved without CRCs has none to check).
+Restoring uses ``torch.load(weights_only=True)``: any class beyond plain data must be
+allow-listed (``torch.serialization.add_safe_globals``), else :class:`UnsafeObjectError`
+names it.  The CRC-32s of the archive's members are checked first (``torch.load`` does
+not, and a damaged pickle may decode to a wrong value).
 """
 
 from __future__ import annotations

@@ -77,6 +77,15 @@ def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Met
         md.header_digests.update(zip(names, map(_RESULT_DIGEST, rank_results)))
     # a file whose writer recorded no digest (objects, another backend's writer) has none
     md.header_digests = {name: digest for name, digest in md.header_digests.items() if digest is not None}
+    if md.rank_objects:  # objects whose copies differ, named by the global plan: each rank's
+        md.rank_objects = {fqn: {} for fqn in md.rank_objects}
+        for rank, rank_results in enumerate(results):
+            for result in rank_results:
+                if result.index.offset is None and result.index.fqn in md.rank_objects:
+                    md.rank_objects[result.index.fqn][rank] = result.storage_data
+        for fqn, copies in md.rank_objects.items():  # the plain entry: the lowest saving rank's copy
+            if copies:
+                storage_data[MetadataIndex(fqn)] = copies[min(copies)]
     md.storage_data = storage_data
     # as columns once: the storage writer's JSON and the packing for the other ranks read them
     md.storage_data = storage_table(md)
@@ -110,8 +119,7 @@ def save_state_dict(
     is_coordinator = rank == coordinator_rank if use_collectives or world_size == 1 else True
     planner = planner if planner is not None else StandardSavePlanner()
 
-    # many small objects while the caller's large heap is alive: full collections would
-    # cost more than the planning (2000 tensors: ~0.2 s of a 0.3 s load)
+    # many small objects while the caller's large heap is alive: no full collections
     with phase("save", rank), gc_paused():
         try:
             return _save(state_dict, storage_writer, planner, dw, rank, world_size, is_coordinator, use_collectives)
@@ -126,10 +134,10 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     build_metadata: list[Callable[[], Metadata]] = []  # on the coordinator, until prepare_step
     looked_up: list[Optional[tuple[SavePlan, Optional[Metadata]]]] = [None]
 
-    def set_up_step() -> bool:
+    def set_up_step() -> Optional[tuple[str, Any]]:
         fault_point("save.setup", rank)
-        # Stateful leaves give their state_dict() inside the first collective step: one
-        # raising on one rank is raised on every rank instead of leaving them waiting
+        # Stateful leaves give their state_dict() inside the first collective step (a
+        # failure is raised on every rank)
         expanded, _ = expand_stateful(state_dict)
         flat, _ = flatten_state_dict(expanded, is_tensor_leaf)
         storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
@@ -137,13 +145,14 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         planner.set_up_planner(flat, is_coordinator=is_coordinator, rank=rank, world_size=world_size,
                                use_collectives=use_collectives)
         looked_up[0] = planner.lookup_cached_plan()
-        return looked_up[0] is not None
+        return None if looked_up[0] is None else ("hit", planner.cache_token())
 
     if dw.use_dist:
         # one step first, so every rank takes the same path: a set-up failure on one rank
-        # is raised everywhere, a plan-cache miss on one rank sends all through planning
+        # is raised everywhere, a plan-cache miss on one rank (or tokens that differ: objects
+        # whose copies differ) sends all through planning
         hits = dw.all_gather("plan_cache", set_up_step)
-        cached = looked_up[0] if all(hits) else None
+        cached = looked_up[0] if all(hits) and len(set(hits)) == 1 else None
     else:
         set_up_step()
         cached = looked_up[0]
@@ -170,8 +179,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
                 plans = storage_writer.prepare_global_plan(plans)
                 save_id = uuid.uuid4().hex[:16]
                 build_metadata.append(build)
-                # a plan left as it was goes back as its save id alone (pickling every item
-                # back was a third of the plan step, 2000 items)
+                # a plan left as it was goes back as its save id alone
                 return [_SameAsSent(save_id) if p is mine else replace(p, save_id=save_id)
                         for p, mine in zip(plans, all_plans)]
 
@@ -190,7 +198,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             fault_point("save.commit", rank)
         elif dw.use_dist:
             if global_metadata[0] is None:
-                # built while the other ranks still write: 1000 tensors, 2.5 ms off the commit path
+                # built while the other ranks still write
                 with phase("build_metadata", rank):
                     global_metadata[0] = build_metadata[0]()
             # the coordinator's own results stay here (the gather would pickle them)
@@ -203,7 +211,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     final_metadata: list[Metadata] = []
 
     def prepare_step(gathered: list[Optional[list[WriteResult]]]) -> Any:
-        # runs while the data is still flushed (sync_written): ~10 us a chunk off the commit path
+        # runs while the data is still flushed (sync_written)
         all_results = [own_results[0] if r is None else r for r in gathered] if own_results else \
             [r for r in gathered if r is not None]
         with phase("prepare_metadata", rank):
@@ -214,7 +222,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             storage_writer.prepare_finalize(metadata, all_results)
         gathered_results.append(all_results)
         final_metadata.append(metadata)
-        # the other ranks get it as columns (pickled objects: ~4x as much to send and build)
+        # the other ranks get it as columns
         return pack_metadata(metadata) if dw.use_dist else None
 
     def sync_step() -> None:
@@ -230,20 +238,17 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         packed = dw.all_reduce_confirmed("write", write_step, prepare_step, sync_step, commit_step)
     if not final_metadata:  # not the coordinator
         final_metadata.append(unpack_metadata(packed))
-    if cached is None:  # a plan that made a checkpoint
+    if cached is None and not final_metadata[0].rank_objects:  # a plan that made a checkpoint (one copy of each object)
         planner.cache_plan(final_plan, global_metadata[0] if is_coordinator else None)
     return final_metadata[0]
 
 
 def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
                     rank: int) -> tuple[Callable[[], Metadata], bool]:
-    """The checkpoint's metadata for every rank, read from storage once per job.
-
-    Returns ``(metadata_of, collectives_required)``: ``metadata_of()`` parses (call it in
-    a failure-propagating step), and whether the checkpoint allows collectives (not for
-    merged ``{rank}.metadata`` files).  With collectives the coordinator alone reads
-    (``read_metadata_payload``) and broadcasts (8192 ranks reading a 35 MB file would read
-    290 GB); a failure to read is raised on every rank.  Without, each rank reads itself.
+    """``(metadata_of, collectives_required)``: ``metadata_of()`` parses the checkpoint's
+    metadata (call it in a failure-propagating step); whether the checkpoint allows
+    collectives (not merged ``{rank}.metadata``).  With collectives the coordinator alone
+    reads and broadcasts; a failure to read is raised on every rank.
     """
     fault_point("load.setup", rank)
     if not dw.use_dist:
@@ -280,11 +285,11 @@ def load_state_dict(
     use_collectives: bool = True,
     read_executor: Optional[ReadExecutor] = None,
 ) -> None:
-    """Load into ``state_dict`` in place (tensors copied into, objects replaced); only
-    its keys are loaded.  ``read_executor`` (read-once + broadcast) runs the reads instead
-    of ``storage_reader.execute_read`` when this load exchanges plans over every rank of
-    the default group (collectives, more than one rank, a global ``.metadata``): the
-    coordinator then chooses one reader per replicated shard."""
+    """Load into ``state_dict`` in place (tensors copied into, objects replaced); only its keys
+    are loaded.  ``read_executor`` (read-once + broadcast) runs the reads instead of
+    ``storage_reader.execute_read`` when the load exchanges plans over every rank of the
+    default group: the coordinator then chooses one reader per replicated shard.
+    """
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
     planner = planner if planner is not None else StandardLoadPlanner()
@@ -310,11 +315,8 @@ def load_state_dict(
 def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], storage_reader: StorageReader,
                planner: LoadPlanner, dw: DistWrapper, rank: int, world_size: int, assign: bool,
                paths: dict[str, Any]) -> LoadPlan:
-    """This rank's final load plan; fills ``paths`` (FQN → path in ``state_dict``).
-
-    Without reader assignment each rank plans alone and one collective check raises any
-    rank's failure everywhere; with it, each rank sends the coordinator a description of
-    its targets and receives its replica groups and readers (no rank sees another's plan).
+    """This rank's final load plan; fills ``paths`` (FQN → path in ``state_dict``).  With
+    ``assign`` the coordinator picks the readers of replicated shards from every rank's layout.
     """
     is_coordinator = rank == dw.coordinator_rank
     local: list[LoadPlan] = []

@@ -1,9 +1,7 @@
 """The save-plan cache: final plans (and the coordinator's metadata) kept between saves.
 
-A later save with the same keys and layout skips local planning, the gather and the global
-plan.  One process-wide :class:`PlanCache` (``StandardSavePlanner.plan_cache``) is shared
-by the planners of a process; the async writer mirrors entries between the training
-process and its writer process with :meth:`PlanCache.export` / :meth:`PlanCache.install`.
+One process-wide :class:`PlanCache` (``StandardSavePlanner.plan_cache``); the async writer
+mirrors entries into its writer process with :meth:`PlanCache.export` / :meth:`PlanCache.install`.
 """
 
 from __future__ import annotations

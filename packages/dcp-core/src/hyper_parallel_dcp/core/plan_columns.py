@@ -1,13 +1,8 @@
 """A rank's write items as columns: what a save plan is on the wire.
 
-At 8192 simulated MoE ranks the coordinator gathers about 2M write items: as objects,
-unpickling and reading them costs seconds; as a few int64 columns per rank they unpickle
-as a few byte strings, and :mod:`.global_save` plans over whole columns.
-
-:class:`WriteColumns` is an immutable ``Sequence[WriteItem]``: code that iterates, indexes
-or compares ``SavePlan.items`` keeps working, and the item objects are built only when
-first read (a rank builds its own; the coordinator builds none).  Exports
-:class:`WriteColumns`, the :data:`Kind` tuple and :data:`ROW`.
+:class:`WriteColumns` is an immutable ``Sequence[WriteItem]`` of a few int64 columns (2M
+items gathered at 8192 ranks unpickle as a few byte strings); item objects are built only
+when first read.  Exports :class:`WriteColumns`, the :data:`Kind` tuple and :data:`ROW`.
 """
 
 from __future__ import annotations
@@ -15,7 +10,6 @@ from __future__ import annotations
 import json
 from array import array
 from itertools import chain, islice
-from operator import attrgetter
 from typing import Any, Iterable, Iterator, Optional, Sequence, overload
 
 import numpy as np
@@ -25,12 +19,18 @@ from .planner import WriteItem, WriteItemType
 
 __all__ = ["ROW", "Kind", "WriteColumns"]
 
-# (fqn, WriteItemType value, global shape or None, dtype name or None): what the items of
-# one FQN on one rank share.  A rank's plan names each kind once.
+# (fqn, WriteItemType value, global shape or None, a tensor's dtype name or an object's
+# digest or None): what the items of one FQN on one rank share.  A rank's plan names each
+# kind once.
 Kind = tuple[str, str, Optional[tuple[int, ...]], Optional[str]]
 
 ROW = 4  # values per item in ``WriteColumns.rows``
-_kind_of = attrgetter("index.fqn", "type.value", "global_shape", "dtype")
+_TENSOR = WriteItemType.TENSOR
+
+
+def _kind_of(item: WriteItem) -> Kind:
+    return (item.index.fqn, item.type.value, item.global_shape,
+            item.dtype if item.type is _TENSOR else item.digest)
 
 
 def _lengths(values: Iterable[Optional[tuple[int, ...]]]) -> list[int]:
@@ -40,14 +40,12 @@ def _lengths(values: Iterable[Optional[tuple[int, ...]]]) -> list[int]:
 class WriteColumns(Sequence[WriteItem]):
     """The write items of one plan as columns (an immutable ``Sequence[WriteItem]``).
 
-    ``kinds``: the distinct :data:`Kind` tuples, in order of first use; ``rows``: :data:`ROW`
-    int64 per item — the position of its kind in ``kinds``, its number of offsets and of
-    sizes (``-1`` for ``None``) and its ``nbytes``; ``offsets`` and ``sizes``: every item's
-    integers end to end (int64 ``array``s; any ints or their bytes are taken).  ``picked``:
-    the positions of these items in the plan they were cut from, or ``None``.  Equal to
-    another ``WriteColumns`` or a tuple with the same items; pickles as the columns only,
-    ``kinds`` as one JSON string, so that the coordinator compares 8192 ranks' tables as
-    strings and decodes only the different ones.
+    ``kinds``: the distinct :data:`Kind` tuples in order of first use; ``rows``: :data:`ROW`
+    int64 per item (its kind's position, its numbers of offsets and of sizes, ``-1`` for
+    ``None``, and its ``nbytes``); ``offsets``/``sizes``: every item's integers end to end.
+    ``picked``: the items' positions in the plan they were cut from, or ``None``.  Equal to
+    another ``WriteColumns`` or a tuple with the same items; pickles as the columns, ``kinds``
+    as one JSON string.
     """
 
     __slots__ = ("_kinds", "_kinds_text", "rows", "offsets", "sizes", "picked", "_items")
@@ -100,14 +98,16 @@ class WriteColumns(Sequence[WriteItem]):
     def to_tuple(self) -> tuple[WriteItem, ...]:
         """The items as a tuple of ``WriteItem`` (built on first use, then kept)."""
         if self._items is None:
-            kinds = [(fqn, WriteItemType(kind_type), shape, dtype) for fqn, kind_type, shape, dtype in self.kinds]
+            # the last slot of a kind: a tensor's dtype, an object's digest
+            kinds = [(fqn, WriteItemType(kind_type), shape, *((last, None) if kind_type == _TENSOR.value else (None, last)))
+                     for fqn, kind_type, shape, last in self.kinds]
             offsets, sizes = iter(self.offsets), iter(self.sizes)
             out = []
             for kind, offset_ndim, size_ndim, nbytes in zip(*[iter(self.rows)] * ROW):
-                fqn, kind_type, shape, dtype = kinds[kind]
+                fqn, kind_type, shape, dtype, digest = kinds[kind]
                 offset = None if offset_ndim < 0 else tuple(islice(offsets, offset_ndim))
                 size = None if size_ndim < 0 else tuple(islice(sizes, size_ndim))
-                out.append(WriteItem(MetadataIndex(fqn, offset), kind_type, size, shape, dtype, nbytes))
+                out.append(WriteItem(MetadataIndex(fqn, offset), kind_type, size, shape, dtype, nbytes, digest))
             self._items = tuple(out)
         return self._items
 

@@ -1,10 +1,8 @@
 """``RaggedShard``: a rank's contiguous ranges of the row-major flattening of a tensor.
 
-ZeRO, Megatron's distributed optimizer and flat-parameter FSDP shard a tensor by flat
-element ranges that a DTensor cannot express.  A flat range is the union of at most
-``2 * ndim - 1`` N-d boxes (:func:`~hyper_parallel_dcp.core.chunks.flat_range_to_boxes`);
-those boxes are what is stored, so a ragged checkpoint loads into any other layout and any
-layout loads into ragged targets.
+ZeRO, Megatron's distributed optimizer and flat-parameter FSDP shard by flat element
+ranges; each range is stored as at most ``2 * ndim - 1`` boxes
+(:func:`~hyper_parallel_dcp.core.chunks.flat_range_to_boxes`), so it loads into any layout.
 """
 
 from __future__ import annotations
@@ -22,11 +20,9 @@ __all__ = ["RaggedShard"]
 class RaggedShard:
     """A state-dict leaf holding flat ranges ``[start, end)`` of a global tensor.
 
-    ``local_tensor`` is 1-D and holds the ranges' elements concatenated in order.  A load
-    fills it in place.  Ranges must be sorted, disjoint and inside the tensor; empty ranges
-    and ranks holding nothing are allowed.
-
-    Raises ``ValueError`` when the ranges and the local tensor disagree.
+    ``local_tensor`` is 1-D, the ranges' elements concatenated in order (a load fills it in
+    place).  Ranges must be sorted, disjoint and inside the tensor (empty ones allowed);
+    raises ``ValueError`` when the ranges and the local tensor disagree.
     """
 
     def __init__(

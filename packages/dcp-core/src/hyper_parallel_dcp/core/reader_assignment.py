@@ -1,20 +1,11 @@
 """Read-once + broadcast: replica groups and one byte-balanced reader per replicated shard.
 
-The load pipeline runs this in three steps, so that no rank but the coordinator ever holds
-more than its own plan:
-
-1. every rank describes its target compactly (:func:`target_layout`: per local shard its
-   FQN, offsets, bytes and a digest of its read requests) and sends it to the coordinator;
-2. the coordinator groups the ranks whose requests for a shard are identical and picks
-   the readers (:func:`assign_readers_from_layouts`), then sends each rank only what
-   concerns it: its multi-member groups with their readers, and the list of every
-   multi-member rank tuple (group creation is a collective of all ranks);
-3. each rank applies its answer to its own plan (:func:`apply_reader_assignment`).
-
-The rule (SPEC §5): shards are visited largest first (ties: global order, then rank
-tuple) and each goes to the member with the fewest bytes assigned so far (ties: lowest
-rank); a shard only one rank reads counts for that rank.  :func:`assign_readers` runs the
-three steps in one process over all plans (``hp-dcp explain``, tests).
+Every rank sends the coordinator a compact description of its targets
+(:func:`target_layout`); the coordinator groups the ranks whose requests for a shard are
+identical and picks the readers (:func:`assign_readers_from_layouts`: largest shard
+first, to the member with the fewest bytes so far, ties to the lowest rank; SPEC §5);
+each rank applies its answer to its own plan (:func:`apply_reader_assignment`).
+:func:`assign_readers` runs the three steps in one process (``hp-dcp explain``, tests).
 """
 
 from __future__ import annotations
@@ -76,10 +67,8 @@ def _pack(ranks: RankTuple) -> PackedRanks:
 
 
 def target_layout(plan: LoadPlan, metadata: Metadata) -> TargetLayout:
-    """What the coordinator needs of one rank's local plan: one entry per tensor shard.
-
-    The digest is ``hash`` of the sorted request tuples (ints only: the same in every
-    process); ranks are grouped only when FQN, offsets, bytes and digest all agree.
+    """One entry per tensor shard of a rank's local plan (FQN, offsets, bytes and a ``hash`` of
+    its sorted int request tuples): ranks are grouped only when all agree.
     """
     requests: dict[MetadataIndex, list] = {}  # per shard: [its elements, then its read requests]
     TENSOR, prod = LoadItemType.TENSOR, math.prod
@@ -117,19 +106,16 @@ class _Group:
 
 
 def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[AssignmentReply]:
-    """The coordinator's step: one :data:`AssignmentReply` per rank, from every rank's layout.
-
-    O(total shards + replicated shards × members); ranks with identical layouts
-    (data-parallel replicas) form one class and share one answer object.
+    """The coordinator's step: one :data:`AssignmentReply` per rank, from every rank's layout
+    (ranks with identical layouts share one answer object).
     """
     class_of: dict[TargetLayout, int] = {}
     class_ranks: list[list[int]] = []
     for rank, layout in enumerate(layouts):
         c = class_of.setdefault(layout, len(class_ranks))
         if c == len(class_ranks):
-            class_ranks.append([rank])
-        else:
-            class_ranks[c].append(rank)
+            class_ranks.append([])
+        class_ranks[c].append(rank)
     class_layouts = list(class_of)
     groups: dict[TargetEntry, _Group] = {}
     get = groups.get
@@ -147,10 +133,7 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
     for group in groups.values():
         classes = group.classes
         if len(classes) == 1 and len(class_ranks[classes[0]]) == 1:
-            by_size = singles.get(group.nbytes)
-            if by_size is None:
-                by_size = singles[group.nbytes] = []
-            by_size.append((class_ranks[classes[0]][0], group))
+            singles.setdefault(group.nbytes, []).append((class_ranks[classes[0]][0], group))
             continue
         key = tuple(classes)
         ranks = members_of.get(key)
@@ -164,9 +147,7 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
     replicated.sort(key=lambda g: (-g.nbytes, order_keys[id(g)], g.ranks))
     _choose_readers(replicated, singles, len(layouts), order_keys)
 
-    packed: dict[RankTuple, PackedRanks] = {}
-    for ranks in members_of.values():
-        packed[ranks] = _pack(ranks)
+    packed = {ranks: _pack(ranks) for ranks in members_of.values()}
     required = tuple(packed[r] for r in sorted(packed))
     per_class: list[list[tuple]] = [[] for _ in class_layouts]
     for group in sorted(replicated, key=lambda g: (order_keys[id(g)], g.ranks)):
@@ -183,11 +164,8 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
 
 def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int, _Group]]], world: int,
                     order_keys: dict[int, str]) -> None:
-    """Set ``source`` of every replicated group (given in visiting order).
-
-    A shard only one rank reads counts for that rank at its place in the visiting order:
-    such shards are bucketed by the replicated group they precede (found per distinct
-    size; only a size equal to a replicated shard's needs the order keys).
+    """Set ``source`` of every replicated group (given in visiting order); a shard only one rank
+    reads counts for that rank at its place in the visiting order (bucketed by the group it precedes).
     """
     neg = [-g.nbytes for g in replicated]
     m = len(replicated)
@@ -195,8 +173,7 @@ def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int,
     buckets: list[list[tuple[int, list[int]]]] = [[] for _ in range(m)]
     tie_keys: Optional[list[tuple[str, RankTuple]]] = None
     for nbytes, members in singles.items():
-        lo = bisect.bisect_left(neg, -nbytes)
-        hi = bisect.bisect_right(neg, -nbytes)
+        lo, hi = bisect.bisect_left(neg, -nbytes), bisect.bisect_right(neg, -nbytes)
         if lo == hi:
             if lo < m:
                 buckets[lo].append((nbytes, [rank for rank, _ in members]))
@@ -221,10 +198,8 @@ def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int,
 
 
 def apply_reader_assignment(plan: LoadPlan, reply: AssignmentReply, rank: int) -> LoadPlan:
-    """This rank's final plan: ``plan`` with every item's reader and a :class:`ReaderAssignment`.
-
-    With nothing replicated anywhere (``reply`` is ``None``) the items are unchanged
-    (``source`` ``None``: read by this rank).
+    """This rank's final plan: ``plan`` with every item's reader and a :class:`ReaderAssignment`
+    (``reply`` ``None``: nothing replicated, the items unchanged).
     """
     if reply is None:
         return replace(plan, planner_data=ReaderAssignment())

@@ -1,16 +1,14 @@
 """Save planning: local write items, the global plan (dedup + metadata), the default planner.
 
-Local plan (one write item per local piece) → dedup across ranks (owner: the fewest
-planned bytes, ties to the lowest rank) → metadata (chunks per tensor, checked pairwise
-disjoint).  The global step runs over columns in :mod:`.global_save`;
-:mod:`.save_reference` defines its result item by item.  Every function but the planner
-class is pure.  Exports :func:`create_local_save_plan`, :func:`dedup_save_plans`,
+The global step runs over columns in :mod:`.global_save`; :mod:`.save_reference` defines
+its result item by item.  Exports :func:`create_local_save_plan`, :func:`dedup_save_plans`,
 :func:`build_metadata`, :func:`plan_global_save`, :func:`plan_global_save_deferred` and
 :class:`StandardSavePlanner`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Callable, Hashable, Optional, Sequence
 
@@ -21,6 +19,7 @@ from .gc_pause import gc_paused
 from .global_save import plan_global_columns
 from .layout import check_tensor, dtensor_layout, dtensor_pieces, is_tensor_leaf, narrowed, to_tensor_shards
 from .metadata import Metadata, MetadataIndex, dtype_name
+from .objects import serialize_object
 from .plan_cache import PlanCache
 from .plan_columns import WriteColumns
 from .planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -36,19 +35,18 @@ __all__ = [
 ]
 
 
-def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[MetadataIndex, Any], bool]:
-    """Write items for a flattened state dict.
-
-    Returns the plan (its items as :class:`WriteColumns`), a map item index → data (tensor
-    view or object), and whether a ragged leaf is present (which turns the plan cache
-    off).  Raises ``ValueError`` when two local pieces of one tensor start at one offset,
-    and as :func:`~hyper_parallel_dcp.core.layout.to_tensor_shards` does.
+def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
+                           ) -> tuple[SavePlan, dict[MetadataIndex, Any], bool]:
+    """Write items for a flattened state dict: the plan (as :class:`WriteColumns`), item index →
+    data (tensor view or object), and whether a ragged leaf is present (plan cache off).
+    ``digests``: each object's item carries a digest of its ``torch.save`` bytes.
+    Raises ``ValueError`` when two local pieces of one tensor start at one offset, and as
+    :func:`~hyper_parallel_dcp.core.layout.to_tensor_shards` does.
     """
     items: list[WriteItem] = []
     data: dict[MetadataIndex, Any] = {}
     ragged = False
-    # A model repeats a handful of DTensor layouts thousands of times: each layout's items
-    # are worked out once (2000 sharded tensors: 20-30 -> 10 ms)
+    # each DTensor layout's items are worked out once
     layouts: dict[Hashable, tuple] = {}
 
     def add(index: MetadataIndex, item: WriteItem, value: Any) -> None:
@@ -73,7 +71,8 @@ def create_local_save_plan(flat: dict[str, Any]) -> tuple[SavePlan, dict[Metadat
                 continue
         if not is_tensor_leaf(leaf):
             index = MetadataIndex(fqn)
-            add(index, WriteItem(index, WriteItemType.BYTE_IO), leaf)
+            digest = hashlib.blake2b(serialize_object(leaf), digest_size=8).hexdigest() if digests else None
+            add(index, WriteItem(index, WriteItemType.BYTE_IO, digest=digest), leaf)
             continue
         shards = to_tensor_shards(leaf, fqn, meta=False)
         ragged = ragged or shards.ragged
@@ -107,25 +106,20 @@ def _dtensor_items(leaf: Any, fqn: str) -> tuple:
 def dedup_save_plans(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -> list[SavePlan]:
     """Keep each item held by several ranks on exactly one of them.
 
-    Owner: the holder with the fewest bytes planned so far (ties → lowest rank), visiting
-    replicated items largest first (then in the global order) so the balance is good; or
-    simply the lowest rank with ``save_to_minimum_rank=True``.  Deterministic.  A rank that
-    drops nothing gets its plan object back; one that drops items gets its plan with the
-    rest as :class:`WriteColumns`.  Raises ``ValueError`` naming the key and both ranks when
-    two ranks hold different pieces (sizes or kind) at one key, and as
-    :func:`build_metadata` does.
+    Owner: the holder with the fewest bytes planned so far (ties → lowest rank), replicated
+    items visited largest first; or the lowest rank with ``save_to_minimum_rank=True``.  Object
+    copies with different digests are each kept.  A rank that drops nothing gets its plan
+    object back.  Raises ``ValueError`` naming the key and both ranks when two ranks hold
+    different pieces at one key, and as :func:`build_metadata` does.
     """
     return plan_global_columns(plans, dedup=True, save_to_minimum_rank=save_to_minimum_rank, metadata=False)[0]
 
 
 def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
-    """The global metadata (without storage data) for deduplicated plans.
-
-    Keys appear in the order of their first item over the plans; a tensor's chunks are
-    sorted by offsets (stable).  Raises ``ValueError`` when ranks disagree on a key's
-    kind, shape or dtype (the first disagreement in plan order), when a tensor's chunks
-    do not all have the same number of offsets and sizes, or when stored chunks of a
-    tensor overlap.
+    """The global metadata (without storage data) for deduplicated plans: keys in the order of
+    their first item, chunks sorted by offsets.  Raises ``ValueError`` when ranks disagree on
+    a key's kind, shape or dtype, when a tensor's chunks differ in their number of offsets
+    and sizes, or when stored chunks of a tensor overlap.
     """
     return plan_global_save_deferred(plans, dedup=False)[1]()
 
@@ -151,23 +145,18 @@ def plan_global_save_deferred(plans: Sequence[SavePlan], *, dedup: bool = True, 
 class StandardSavePlanner(SavePlanner):
     """Default save planner: cross-rank dedup and a process-wide plan cache.
 
-    ``enable_plan_caching``: the final plan and metadata are cached per set of state-dict
-    keys (in :attr:`plan_cache`); a later save with the same keys and layout skips local
-    planning, the gather and the global plan.  ``remove_redundancy``: replicated chunks
-    are written once.  Both are off with ``use_collectives=False``; the cache is off when a
-    ragged leaf is present.
-
-    Two capabilities are declared as class attributes: ``resolved_data_stable`` (see
-    :class:`SavePlanner`) and ``defers_metadata`` (:meth:`create_global_plan_deferred` builds
-    the metadata later).  A subclass that overrides ``resolve_data`` or
+    ``enable_plan_caching``: the final plan and metadata are cached per set of keys (in
+    :attr:`plan_cache`), so a later save with the same keys and layout skips planning (off
+    without collectives and with a ragged leaf).  ``remove_redundancy``: replicated chunks are
+    written once.  ``resolved_data_stable`` (see :class:`SavePlanner`) and ``defers_metadata``
+    are declared capabilities: a subclass that overrides ``resolve_data`` or
     ``create_global_plan`` gets ``False`` for the matching one unless it declares it.
     """
 
     plan_cache: PlanCache = PlanCache()
 
-    #: ``resolve_data`` returns views of the state dict being saved, which stays unchanged
-    #: until the write returns: a sync save blocks its caller, and an async save's writer
-    #: reads the staging slab, which the next save refills only after this one has landed.
+    #: ``resolve_data`` returns views of the state dict being saved, unchanged until the
+    #: write returns (an async save's staging slab is refilled only after it landed).
     resolved_data_stable = True
     defers_metadata = True
 
@@ -218,7 +207,7 @@ class StandardSavePlanner(SavePlanner):
 
     def _ensure_local(self) -> SavePlan:
         if self._local_plan is None:
-            self._local_plan, self._data, self._ragged = create_local_save_plan(self.flat)
+            self._local_plan, self._data, self._ragged = create_local_save_plan(self.flat, digests=self.use_collectives)
         return self._local_plan
 
     def cache_key(self) -> Hashable:
@@ -229,6 +218,12 @@ class StandardSavePlanner(SavePlanner):
     def _fingerprint(self) -> tuple:
         return tuple((it.index, it.sizes, it.global_shape, it.dtype) for it in self._ensure_local().items
                      if it.type is WriteItemType.TENSOR)
+
+    def cache_token(self) -> str:
+        """A digest of this rank's objects: equal on every rank when all their copies are
+        equal, the only case a cached plan (one copy of each) is made for."""
+        digests = (str(it.digest) for it in self._ensure_local().items if it.type is WriteItemType.BYTE_IO)
+        return hashlib.blake2b(" ".join(digests).encode(), digest_size=8).hexdigest()
 
     @property
     def caching(self) -> bool:
@@ -244,8 +239,7 @@ class StandardSavePlanner(SavePlanner):
             return None
         plan, metadata, fingerprint = entry
         if fingerprint != self._fingerprint():
-            # Same keys, another layout (a resharded model, a second model with the same
-            # names): plan again; cache_plan then replaces the entry.
+            # same keys, another layout: plan again (cache_plan then replaces the entry)
             log_info(self.rank, "Plan cache entry does not match the state dict's layout; planning again.")
             return None
         # The save pipeline sets cache_hit once every rank agrees on using the entry.
@@ -277,8 +271,7 @@ class StandardSavePlanner(SavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         local = self._local_plan
         if local is not None and isinstance(new_plan.items, WriteColumns) and isinstance(local.items, WriteColumns):
-            # the final plan is the local plan or a cut of it: the rank's own item objects
-            # serve, instead of being built again from the columns
+            # the final plan is the local plan or a cut of it: reuse the rank's item objects
             new_plan.items.reuse_items_of(local.items)
         return new_plan
 

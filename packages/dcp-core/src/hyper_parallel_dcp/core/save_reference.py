@@ -1,14 +1,10 @@
 """The global save plan item by item: the reference the columnar planner must equal.
 
-:mod:`.global_save` plans over whole columns; this module does the same job one
-:class:`~hyper_parallel_dcp.core.planner.WriteItem` at a time, in plain Python.  It is the
-definition of the result (the differential tests compare the two on random plans), the
-path for plans the columns cannot describe, and the one place that words the errors:
-the columnar planner hands any plan it finds wrong to :func:`plan_items`, which raises.
-
-Exports :func:`plan_items`, :func:`dedup_items`, :func:`build_metadata_items` and
-:func:`raise_overlap` (also used by the columnar planner on the tensors its grid test does
-not clear).
+:mod:`.global_save` plans over whole columns; this module does the same one
+:class:`~hyper_parallel_dcp.core.planner.WriteItem` at a time.  It defines the result
+(differential tests compare the two), plans what the columns cannot describe, and words
+every error.  Exports :func:`plan_items`, :func:`dedup_items`,
+:func:`build_metadata_items` and :func:`raise_overlap`.
 """
 
 from __future__ import annotations
@@ -44,9 +40,12 @@ def dedup_items(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -
     """Keep each item that several ranks hold on one of them (see
     :func:`~hyper_parallel_dcp.core.save_planning.dedup_save_plans`, which returns the same)."""
     holders: dict[tuple, list[Any]] = {}  # (fqn, offsets) -> [first item, rank, rank, ...]
+    per_rank = _per_rank_objects(plans)
     for rank, plan in enumerate(plans):
         for item in plan.items:
-            key = (item.index.fqn, item.index.offset)
+            key: tuple = (item.index.fqn, item.index.offset)
+            if item.index.fqn in per_rank:
+                key += (rank,)  # differing copies: each rank keeps its own
             entry = holders.setdefault(key, [item])
             first = entry[0]
             if first.sizes != item.sizes or first.type != item.type:
@@ -74,6 +73,16 @@ def dedup_items(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -
                 dropped.setdefault(rank, set()).add(key)
     return [replace(plan, items=tuple(it for it in plan.items if (it.index.fqn, it.index.offset) not in gone))
             if (gone := dropped.get(rank)) else plan for rank, plan in enumerate(plans)]
+
+
+def _per_rank_objects(plans: Sequence[SavePlan]) -> dict[str, None]:
+    """The object FQNs whose copies differ (items with several digests), in order of first use."""
+    digests: dict[str, set[Optional[str]]] = {}
+    for plan in plans:
+        for item in plan.items:
+            if item.type is WriteItemType.BYTE_IO:
+                digests.setdefault(item.index.fqn, set()).add(item.digest)
+    return {fqn: None for fqn, found in digests.items() if len(found) > 1}
 
 
 def build_metadata_items(plans: Sequence[SavePlan]) -> Metadata:
@@ -126,7 +135,7 @@ def build_metadata_items(plans: Sequence[SavePlan]) -> Metadata:
             fqn, TensorProperties(dtype_from_name(item.dtype)), torch.Size(item.global_shape), len(found),
             len(found[0].offsets), list(chain.from_iterable(c.offsets for c in found)),
             list(chain.from_iterable(c.sizes for c in found)), ascending=True)
-    return Metadata(state_dict_metadata=sd)
+    return Metadata(state_dict_metadata=sd, rank_objects={fqn: {} for fqn in _per_rank_objects(plans)})
 
 
 def raise_overlap(fqn: str, chunks: Sequence[ChunkStorageMetadata]) -> None:
@@ -150,11 +159,9 @@ _Pair = Optional[tuple[ChunkStorageMetadata, ChunkStorageMetadata]]
 
 
 def _find_overlap(chunks: list[ChunkStorageMetadata], dims: tuple[int, ...]) -> _Pair:
-    """Two chunks that overlap on every dim of ``dims``, or ``None``.
-
-    Chunks with the same interval on the first dim form a slab, searched on the other dims;
-    slabs with disjoint intervals cannot overlap.  A grid (every DTensor layout) is thus
-    O(n log n); intervals that partly overlap (ragged boxes) fall back to a sweep.
+    """Two chunks that overlap on every dim of ``dims``, or ``None``: chunks with the same
+    interval on the first dim form a slab searched on the other dims; partly overlapping
+    intervals fall back to a sweep.
     """
     if len(chunks) < 2:
         return None

@@ -1,15 +1,9 @@
 """Every environment variable hyper-parallel-dcp reads, in one place, validated.
 
-Each setting is one :class:`Setting`: its variable, its default, what it accepts and what
-it is for (``docs/tuning.md`` lists the same table).  Nothing else in the library reads
-``os.environ`` for its own configuration (``MASTER_ADDR``/``MASTER_PORT`` and
-torchelastic's run id belong to torch's launcher and are read where they are used).
-
-A value is read when it is needed (when a save, load or ``async_save`` starts, when a
-reader or wrapper is made), never at import time, so a variable set before a call applies
-to that call; parsing is cached per raw value.  A value that does not parse or is out of
-range raises :class:`SettingError` (a ``ValueError``) naming the variable, the value and
-what it accepts, before anything is written or read.
+Each is one :class:`Setting` (variable, default, parser, purpose; ``docs/tuning.md`` lists
+the same table), read when needed, never at import time.  A value that does not parse
+raises :class:`SettingError` (a ``ValueError``) naming the variable, the value and what
+it accepts.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""torch's ``Stateful`` leaves: objects with ``state_dict()`` and ``load_state_dict()``.
-
-As in ``torch.distributed.checkpoint``, a save stores such an object's ``state_dict()`` in
-its place and a load fills that state dict and hands it to ``load_state_dict`` (never a
-pickle of the object); they are found under dict values at any depth.
+"""torch's ``Stateful`` leaves (objects with ``state_dict()`` and ``load_state_dict()``): as in
+``torch.distributed.checkpoint``, a save stores ``state_dict()`` in their place and a load
+hands the filled state dict to ``load_state_dict``; found under dict values at any depth.
 """
 
 from __future__ import annotations
@@ -30,9 +28,8 @@ def is_stateful(obj: Any) -> bool:
 def expand_stateful(state_dict: Mapping[str, Any]) -> tuple[Any, Found]:
     """Replace every stateful value by its ``state_dict()``; returns ``(expanded, found)``.
 
-    ``state_dict`` itself is not modified: the dicts on the path to a stateful value are
-    copied, everything else is shared.  ``found`` lists ``(path, object)``; without any
-    stateful value the same ``state_dict`` object comes back and ``found`` is empty.
+    Only the dicts on the path to a stateful value are copied; ``found`` lists ``(path,
+    object)``.  Without any, the same ``state_dict`` comes back and ``found`` is empty.
     """
     found: Found = []
 

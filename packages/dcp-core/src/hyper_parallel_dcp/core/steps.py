@@ -1,9 +1,8 @@
-"""The vocabulary of a checkpoint-manager root, shared by every backend's step storage.
+"""The vocabulary of a checkpoint-manager root (``root/step_N``), shared by every backend.
 
-A root holds one checkpoint per saved step, ``root/step_N``.  :class:`StepStorage` is
-what ``CheckpointManager`` and ``hp-dcp ls``/``clean`` need from a root; the umbrella
-implements it for a filesystem, a storage package for its URL scheme (registered as the
-``steps`` of its :class:`~hyper_parallel_dcp.core.backends.StorageBackend`).
+:class:`StepStorage` is what ``CheckpointManager`` and ``hp-dcp ls``/``clean`` need from a
+root; each backend provides one as the ``steps`` of its
+:class:`~hyper_parallel_dcp.core.backends.StorageBackend`.
 """
 
 from __future__ import annotations

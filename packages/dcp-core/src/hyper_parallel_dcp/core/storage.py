@@ -1,11 +1,9 @@
 """Storage interfaces: how a plan becomes bytes somewhere and back, and the one read loop.
 
-A backend subclasses :class:`StorageWriter` / :class:`StorageReader` and overrides the
-abstract methods; the optional hooks have working defaults.  Every load reads through
-:func:`read_items`: resolve each item's destination (planner), read it
-(``StorageReader.read_stream``), hand it back (planner); the broadcast executor runs the
-same three steps (:func:`resolve_destinations`, ``read_stream``, :func:`commit_read`)
-with the read on its read-ahead thread.
+A backend subclasses :class:`StorageWriter` / :class:`StorageReader` (the optional hooks
+have defaults).  Every load reads through :func:`read_items` (resolve each destination,
+``read_stream``, commit); the broadcast executor runs the same steps
+(:func:`resolve_destinations`, :func:`commit_read`).
 """
 
 from __future__ import annotations
@@ -84,11 +82,10 @@ class StorageWriter(abc.ABC):
 class StorageReader(abc.ABC):
     """Reads a checkpoint.
 
-    Abstract: ``reset``, ``load_metadata`` and ``execute_read``.  A reader that reads one
-    item at a time also overrides ``read_into`` and ``read_object`` and implements
-    ``execute_read`` as ``read_items(self, planner, self.sort_items(...))``: a plain load
-    and a broadcast load then read through the same code.  The defaults of ``read_into``
-    / ``read_object`` run ``execute_read`` on a one-item plan.
+    Abstract: ``reset``, ``load_metadata`` and ``execute_read``.  A reader that reads one item
+    at a time also overrides ``read_into`` and ``read_object`` and implements ``execute_read``
+    as ``read_items(self, planner, self.sort_items(...))`` (the defaults of ``read_into`` /
+    ``read_object`` run ``execute_read`` on a one-item plan).
     """
 
     @abc.abstractmethod

@@ -1,12 +1,8 @@
 """Per-phase timing logs, switched on with ``HP_LOG_CONFIG=DCP:INFO``.
 
-One line per phase per rank, in the user guide's format::
-
-    [INFO] [HP-DCP]: [rank=0] >>> func execute_write cost 0.0061 seconds
-
-The lines go through the ``hyper_parallel_dcp.timing`` logger, which propagates as any
-logger does; ``HP_LOG_CONFIG`` sets its level and adds a handler in the guide's format
-only where no handler would print the lines otherwise.
+One line per phase per rank (``[INFO] [HP-DCP]: [rank=0] >>> func execute_write cost
+0.0061 seconds``) through the ``hyper_parallel_dcp.timing`` logger; ``HP_LOG_CONFIG``
+sets its level and adds a handler only where none would print the lines.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The checkpoint's global description (``Metadata``) and its forms on disk and on the wire.
 
-- :mod:`.model`: the schema as plain data (dataclasses, :class:`ChunkTable`, chunk keys,
-  dtype names);
-- :mod:`.locations`: ``storage_data`` as columns (:class:`StorageTable`) and the
-  chunk locator a load reads locations through;
-- :mod:`.json_codec`: ``.metadata`` as format-2 JSON, and reading formats 1 and 2
-  (:mod:`.json_v1`, checked with :mod:`.json_values`);
-- :mod:`.wire`: plain columns for another process (a save's metadata to every rank).
-
-Every name in those modules' ``__all__`` is importable from here.
+:mod:`.model` (the schema as plain data), :mod:`.locations` (``storage_data`` as
+columns), :mod:`.json_codec` (``.metadata`` JSON, format 1 through :mod:`.json_v1`) and
+:mod:`.wire` (plain columns for another process); their ``__all__`` names are exported here.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """``.metadata`` as versioned JSON (``docs/format.md``): the format-2 writer and reader.
 
-Format 2 is column-shaped: per tensor, flat integer arrays of chunk offsets, sizes, file
-index, byte offset and length, and the checksums back to back; file names live once in a
-file table (numbered names grouped) and chunk keys are derived (:func:`~.model.chunk_key`).
-The writer ends the document with ``metadata_digest``, the xxh3-64 of everything before
-it; the reader refuses a document that no longer matches it, and keeps
-``header_digests`` only from a document whose digest it checked: the filesystem reader
-takes every chunk's location from the metadata alone once a file's header digest
-matches, so those locations must be the ones the save wrote.  Format 1 still loads
-(:mod:`.json_v1`).
-
-Exports :func:`metadata_to_json`, :func:`metadata_from_json` and :data:`METADATA_DIGEST`.
+Format 2 is column-shaped (per tensor, flat integer arrays; file names once in a file
+table) and ends with ``metadata_digest``, the xxh3-64 of everything before it.  Format 1
+still loads (:mod:`.json_v1`).  Exports :func:`metadata_to_json`, :func:`metadata_from_json` and :data:`METADATA_DIGEST`.
 """
 
 from __future__ import annotations
@@ -56,15 +48,9 @@ _NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)(\D*)$")
 
 # ------------------------------------------------------------------------------ writer
 def metadata_to_json(metadata: Metadata) -> str:
-    """``metadata`` as format-2 JSON; always writes :data:`~.model.FORMAT_VERSION`.
-
-    Per tensor, the chunk geometry and where each chunk is stored go into flat columns
-    (:func:`~.locations.storage_table`); a chunk's key and length only where they are
-    not the derived ones.  Storage entries that name no chunk or object of
-    ``state_dict_metadata`` are kept in ``other_storage``, so any ``Metadata`` round-trips
-    (``storage_data=None`` is written as empty).  The last member is ``metadata_digest``.
-    Raises ``ValueError`` naming the FQN for a chunk whose offsets or sizes do not have
-    one entry per dimension of its tensor.
+    """``metadata`` as format-2 JSON (any ``Metadata`` round-trips; ``storage_data=None``
+    is written as empty), ending with ``metadata_digest``.  Raises ``ValueError`` naming
+    the FQN for a chunk whose offsets or sizes do not have one entry per dimension.
     """
     table = storage_table(metadata)
     names = FileNames(metadata)
@@ -84,21 +70,26 @@ def metadata_to_json(metadata: Metadata) -> str:
         if index.offset is not None:
             item["offsets"] = list(index.offset)
         other.append(item)
+    # each saving rank's copy of an object whose copies differ
+    copies = {fqn: {str(rank): _stored_entry(info, names) for rank, info in sorted(by_rank.items())}
+              for fqn, by_rank in sorted(metadata.rank_objects.items()) if by_rank}
     file_table = [[name, metadata.files.get(name)] for name in names.names]
     groups, order = _group_files(file_table)
     if order != list(range(len(order))):
         for entry in tensors.values():
             if "file" in entry:
                 entry["file"] = [order[f] if f >= 0 else -1 for f in entry["file"]]
-        for entry in chain(objects.values(), other):
+        for entry in chain(objects.values(), other, *(by_rank.values() for by_rank in copies.values())):
             if "file" in entry:
                 entry["file"] = order[entry["file"]]
     doc: dict[str, Any] = {"format_version": FORMAT_VERSION, "files": groups, "tensors": tensors,
                            "objects": objects, "planner_data": metadata.planner_data}
     if other:
         doc["other_storage"] = other
+    if copies:
+        doc["rank_objects"] = copies
     if metadata.header_digests:
-        # aligned with the expanded file table; a reader that does not know the key ignores it
+        # aligned with the expanded file table
         digests: list[Optional[str]] = [None] * len(file_table)
         for name, digest in metadata.header_digests.items():
             digests[order[names.index[name]]] = digest
@@ -109,8 +100,7 @@ def metadata_to_json(metadata: Metadata) -> str:
 
 def _tensor_entry(md: TensorStorageMetadata, chunks: ChunkTable, stored: Optional[TensorStorage],
                   table_files: list[str], written: list[int], names: FileNames) -> dict[str, Any]:
-    """One tensor's entry; its files get their written index (``written``, ``names``)
-    in the order its chunks name them."""
+    """One tensor's entry; its files get their written index in the order its chunks name them."""
     props = md.properties
     ndim, count, sizes = chunks.ndim, chunks.chunk_count, chunks.sizes
     entry: dict[str, Any] = {"dtype": dtype_name(props.dtype)}
@@ -149,10 +139,8 @@ def _stored_entry(info: StorageInfo, names: FileNames) -> dict[str, Any]:
 
 
 def _group_files(table: list[list[Any]]) -> tuple[list[Any], list[int]]:
-    """The file table as written: names ``prefix + number + suffix`` sharing prefix and
-    suffix become one group (at 8192 ranks, 8192 ``_rank{r}_.safetensors`` cost a number
-    each, not a name each); other names stay ``[name, size]`` pairs.  Returns the entries
-    and, for each index of ``table``, its index in the expanded written table."""
+    """The file table as written (names ``prefix + number + suffix`` sharing prefix and suffix
+    as one group) and, for each index of ``table``, its index in the expanded written table."""
     by_pattern: dict[tuple[str, str], list[int]] = {}
     for pos, (name, _) in enumerate(table):
         match = _NUMBERED.match(name)
@@ -184,13 +172,9 @@ def _group_files(table: list[list[Any]]) -> tuple[list[Any], list[int]]:
 def metadata_from_json(text: str | bytes, *, source: str = "<metadata>", check_digest: bool = True) -> Metadata:
     """Parse ``.metadata`` JSON; raises :class:`CheckpointFormatError` naming ``source``.
 
-    A document that carries ``metadata_digest`` (every one this library writes) must still
-    match it: otherwise :class:`CorruptCheckpointError` naming ``source``, raised after the
-    checks of its content, so a malformed entry is still reported by name.
-    ``header_digests`` are kept only from a document whose digest was checked; an older
-    document (no digest) parses without them, so its files take the full per-chunk header
-    check.  ``check_digest=False`` parses an altered document anyway (for tools that report
-    what else is wrong in it), also without ``header_digests``.
+    A document with ``metadata_digest`` must still match it, else :class:`CorruptCheckpointError`
+    (after the content checks).  ``header_digests`` are kept only from a document whose
+    digest was checked; ``check_digest=False`` parses an altered document anyway.
     """
     try:
         doc = json.loads(text)
@@ -229,13 +213,8 @@ def metadata_from_json(text: str | bytes, *, source: str = "<metadata>", check_d
 
 
 def _digest_matches(text: str | bytes, doc: dict[str, Any], digest: str) -> bool:
-    """Whether ``doc`` (parsed from ``text``) is the document ``digest`` was computed over.
-
-    As written, the digest is the last member: its bytes are cut off and the rest hashed
-    in place.  A document re-serialised by a JSON tool (indented, reordered members) is
-    compared in the compact form the writer hashed, rebuilt from ``doc``: equal content
-    passes, whatever the whitespace.
-    """
+    """Whether ``doc`` (parsed from ``text``) is the document ``digest`` was computed over:
+    ``text`` without its last member, or ``doc`` re-serialised compactly (reformatted JSON)."""
     data = text.encode() if isinstance(text, str) else text
     tail = f',"{METADATA_DIGEST}":"{digest}"}}'.encode()
     if data.endswith(tail):
@@ -320,6 +299,13 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
         offsets = None if offsets_doc is None else int_tuple(offsets_doc, f"{source}: offsets")
         index = MetadataIndex(entry["fqn"], offsets)
         other[index] = storage_info(entry, f"storage entry of {index.fqn!r}")
+    rank_objects: dict[str, dict[int, StorageInfo]] = {}
+    for fqn, by_rank in (doc.get("rank_objects") or {}).items():
+        if not isinstance(by_rank, dict) or not all(rank.isascii() and rank.isdigit() for rank in by_rank):
+            raise CheckpointFormatError(f"{source}: 'rank_objects' entry {fqn!r} must map ranks (integers >= 0) "
+                                        "of an object to where their copies are")
+        rank_objects[fqn] = {int(rank): storage_info(entry, f"rank {rank}'s copy of object {fqn!r}")
+                             for rank, entry in by_rank.items()}
     header_digests: dict[str, str] = {}
     digests_doc = doc.get("header_digests")
     if digests_doc is not None:
@@ -334,14 +320,12 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
             raise CheckpointFormatError(f"{source}: file {unsized!r} has a header digest but no size")
     return Metadata(state_dict_metadata=state_dict_metadata, planner_data=doc.get("planner_data"),
                     storage_data=StorageTable(names, stored, objects, other), files=files,
-                    format_version=doc["format_version"], header_digests=header_digests)
+                    format_version=doc["format_version"], header_digests=header_digests, rank_objects=rank_objects)
 
 
 def _parse_tensor(fqn: str, entry: dict[str, Any], source: str,
                   nfiles: int) -> tuple[TensorStorageMetadata, Optional[TensorStorage]]:
-    """One tensor entry: its metadata and, when it has stored chunks, their row.  Every
-    column is checked here with C-level builtins, so nothing fails when a rank first
-    touches a chunk."""
+    """One tensor entry: its metadata and, when it has stored chunks, their row (every column checked here)."""
     where = f"{source}: tensor {fqn!r}"
     size = int_tuple(entry["size"], f"{where}: size")
     ndim = len(size)
@@ -380,8 +364,7 @@ def _parse_tensor(fqn: str, entry: dict[str, Any], source: str,
     length = flat_ints(entry["length"], f"{where}: length", count) if "length" in entry else None
     checksum = entry["checksum"]
     if type(checksum) is str:
-        # kept joined, each lookup slices its digest out (split up front, the 602k digests
-        # of an 8192-rank MoE checkpoint were 12 % of parsing it)
+        # kept joined: each lookup slices its digest out
         if len(checksum) != 16 * count or not _HEX.fullmatch(checksum):
             raise CheckpointFormatError(f"{where}: checksum must be {count} xxh3 digests of 16 hex digits")
     elif type(checksum) is not list or len(checksum) != count or not set(map(type, checksum)) <= {str, type(None)}:

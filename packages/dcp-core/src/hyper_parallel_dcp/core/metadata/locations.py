@@ -1,12 +1,9 @@
 """``storage_data`` as columns: where every chunk of every tensor is, without an object per chunk.
 
-A :class:`StorageTable` is the read-only ``Mapping[MetadataIndex, StorageInfo]`` that
-parsing format 2 and unpacking a save's metadata give; per tensor one
-:class:`TensorStorage` row of columns aligned with the tensor's :class:`ChunkTable`
-(the 602,441 chunks of an 8192-rank MoE checkpoint: no 1.2 million objects to build
-before the first tensor loads).  :func:`storage_table` builds one from any ``Metadata``
-(the JSON writer and the wire packing read these columns); :func:`chunk_locator` /
-:func:`chunk_location` answer a load's "where is this chunk" from them.
+A :class:`StorageTable` (what parsing format 2 and unpacking give) is a read-only
+``Mapping[MetadataIndex, StorageInfo]`` with one :class:`TensorStorage` row of columns per
+tensor; :func:`storage_table` builds one from any ``Metadata``; :func:`chunk_locator` /
+:func:`chunk_location` answer a load's "where is this chunk" from it.
 """
 
 from __future__ import annotations
@@ -51,13 +48,10 @@ ChunkLocation = Optional[tuple[str, int, tuple[int, ...]]]
 
 
 class TensorStorage(NamedTuple):
-    """Where each chunk of one tensor is stored, one entry per chunk of ``chunks``.
-
-    ``file`` indexes the table's ``files`` (``-1``: the chunk is not stored); ``offset`` is
-    the byte offset in it; ``length`` is ``None`` where every stored chunk's length is its
-    elements times ``itemsize``; ``checksum`` is every chunk's 16 hex digits back to back,
-    or a list of strings and ``None``; ``keys`` holds, by position, the keys that are not
-    :func:`~.model.chunk_key` of the chunk.
+    """Where each chunk of ``chunks`` is stored: ``file`` indexes the table's ``files`` (``-1``:
+    not stored); ``length`` is ``None`` where every length is elements x ``itemsize``;
+    ``checksum``: 16 hex digits per chunk back to back, or a list of strings and ``None``;
+    ``keys``: by position, the keys that are not :func:`~.model.chunk_key` of the chunk.
     """
 
     chunks: ChunkTable
@@ -113,7 +107,7 @@ class StorageTable(Mapping[MetadataIndex, StorageInfo]):
         offsets = index.offset
         if stored is None or offsets is None:
             return None
-        # find() with its hint check inlined: a resharded load locates ~4000 chunks a rank
+        # find() with its hint check inlined
         chunks, pos = stored.chunks, index.index
         ndim = chunks.ndim
         if pos is None or not 0 <= pos < chunks.chunk_count or \
@@ -197,11 +191,8 @@ def checked_chunks(fqn: str, md: TensorStorageMetadata) -> ChunkTable:
 
 def storage_table(metadata: Metadata) -> StorageTable:
     """``metadata.storage_data`` (``None``: empty) as a :class:`StorageTable` aligned with
-    ``metadata``'s tensors: the table itself when it :meth:`~StorageTable.describes` them.
-
-    A tensor's chunk takes the entry of its FQN and offsets (the first chunk, where two
-    share offsets); an object the entry of its FQN without offsets; every other entry is
-    kept in ``other``.  Raises ``ValueError`` as :func:`checked_chunks` does.
+    ``metadata``'s tensors (the table itself when it :meth:`~StorageTable.describes` them);
+    entries of no chunk or object go to ``other``.  Raises as :func:`checked_chunks` does.
     """
     storage = metadata.storage_data
     if isinstance(storage, StorageTable) and storage.describes(metadata):
@@ -235,8 +226,7 @@ def _tensor_storage(fqn: str, md: TensorStorageMetadata, chunks: ChunkTable,
                     stored: dict[Optional[tuple[int, ...]], Optional[StorageInfo]],
                     names: FileNames) -> Optional[TensorStorage]:
     """The row of ``fqn``'s chunks, their entries taken out of ``stored``; ``None`` when
-    none of them is stored.  Whole-column operations: the common case (every chunk stored
-    in a known file) makes no Python call per chunk."""
+    none of them is stored."""
     offsets = chunks.offset_tuples()
     infos: list[Any] = list(map(stored.get, offsets))
     count = chunks.chunk_count

@@ -1,12 +1,8 @@
 """The checkpoint's global description as plain data: the schema ``.metadata`` stores.
 
-``Metadata`` says, for every FQN, the global shape and dtype and which chunks are stored;
-``storage_data`` says where each chunk's bytes are (file, byte range, checksum, key).
-A tensor's ``chunks`` are a list (what user code builds) or a :class:`ChunkTable` (what
-the save planner and the parser build: two flat integer columns, a chunk object only when
-one is read).  Also here: dtype names and the derived chunk keys of the data files.
-
-Exports the dataclasses, :class:`ChunkTable`, :func:`chunk_key`, :func:`chunk_keys`,
+``Metadata`` says, for every FQN, the global shape, dtype and stored chunks (a list, or a
+:class:`ChunkTable` of two flat integer columns); ``storage_data`` where each chunk's bytes
+are.  Exports the dataclasses, :class:`ChunkTable`, :func:`chunk_key`, :func:`chunk_keys`,
 :func:`dtype_name`, :func:`dtype_from_name`, :func:`tensor_metadata_from_columns`,
 :func:`chunk_columns` and :data:`FORMAT_VERSION`.
 """
@@ -65,10 +61,8 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-# Characters at or below "!" are escaped as "!" + two hex digits, so every character of an
-# escaped FQN sorts above the space that ends it: the space then sorts before whatever
-# continues a longer FQN, whichever characters the FQNs use.  "!" is below every character
-# left unescaped, and two hex digits keep the escapes in code point order.
+# Characters at or below "!" are escaped as "!" + two hex digits: every character of an
+# escaped FQN sorts above the space that ends it.
 _KEY_ESCAPE = re.compile(r"[\x00-\x21]")
 # "%012d_%012d..." per number of dims: one %-format per key (a key is made per chunk)
 _OFFSET_FORMATS = ["_".join(["%012d"] * n) for n in range(9)]
@@ -80,15 +74,9 @@ def _key_prefix(fqn: str) -> str:
 
 
 def chunk_key(fqn: str, offsets: tuple[int, ...]) -> str:
-    """The storage key of a chunk; the sort order of keys is the global read/write order.
-
-    ``<fqn> <o0>_<o1>_...``: offsets zero-padded to 12 digits so that string order equals
-    numeric order within an FQN; in the FQN every character at or below ``"!"`` (space,
-    control characters, ``"!"`` itself) is written ``"!"`` + two hex digits, so the space
-    separator sorts before every character of an FQN and the string order of keys is
-    exactly the order of ``(fqn, offsets)`` tuples for any FQNs:
-    ``"blocks.1 …" < "blocks.10 …" < "blocks.1a …"``, ``"a …" < "a!20!21 …"`` (FQN ``"a !"``).
-    FQNs without such characters keep their name unchanged in the key.
+    """The storage key of a chunk, ``<fqn> <o0>_<o1>_...`` (offsets zero-padded to 12 digits,
+    characters of the FQN at or below ``"!"`` written ``"!"`` + two hex digits): the string
+    order of keys is the order of ``(fqn, offsets)`` tuples, the global read/write order.
     """
     n = len(offsets)
     if n < len(_OFFSET_FORMATS) and type(offsets) is tuple:
@@ -114,15 +102,11 @@ class ChunkStorageMetadata:
 
 
 class ChunkTable(Sequence[ChunkStorageMetadata]):
-    """The chunks of one tensor as two flat columns; an immutable sequence.
-
-    ``offsets`` and ``sizes`` hold ``ndim`` integers per chunk, chunk after chunk (chunk
-    ``pos`` at ``[pos * ndim:(pos + 1) * ndim]``); ``chunk_count`` is the number of chunks
-    (a 0-d tensor's columns are empty).  Items are :class:`ChunkStorageMetadata` built on access;
-    a table equals a list or tuple of the same chunks.  The columns are kept, not copied:
-    do not modify them.  ``ascending`` (``None``: not known yet) says whether the chunks
-    ascend by offsets; the first read of :attr:`ascending` checks it.  Raises
-    ``ValueError`` when a column does not hold ``ndim * count`` integers.
+    """The chunks of one tensor as two flat columns (``ndim`` integers per chunk, kept, not
+    copied); an immutable sequence of :class:`ChunkStorageMetadata` built on access, equal
+    to a list of the same chunks.  ``ascending``: whether the chunks ascend by offsets
+    (``None``: checked on first read).  Raises ``ValueError`` when a column does not hold
+    ``ndim * count`` integers.
     """
 
     __slots__ = ("ndim", "chunk_count", "offsets", "sizes", "_ascending", "_positions")
@@ -242,19 +226,15 @@ StorageMetadata = Union[TensorStorageMetadata, BytesStorageMetadata]
 
 @dataclass(frozen=True, init=False)
 class MetadataIndex:
-    """Names one stored item: an FQN plus, for a tensor chunk, its global offsets.
-
-    ``index`` is only a lookup hint (the chunk's position in ``chunks``); it takes no part
-    in equality or hashing.
-    """
+    """Names one stored item: an FQN plus, for a tensor chunk, its global offsets; ``index``
+    is only a lookup hint (the chunk's position), outside equality and hashing."""
 
     fqn: str
     offset: tuple[int, ...] | None = None
     index: int | None = field(default=None, hash=False, compare=False)
 
     def __init__(self, fqn: str, offset: tuple[int, ...] | None = None, index: int | None = None) -> None:
-        # Filling __dict__ makes the same frozen instance as the generated __init__ in half
-        # the time (1.0 -> 0.5 us); plans make one per chunk they read or write.
+        # the generated __init__'s frozen instance in half the time (one per chunk planned)
         values = self.__dict__
         values["fqn"] = fqn
         values["offset"] = offset
@@ -263,12 +243,8 @@ class MetadataIndex:
 
 @dataclass(frozen=True)
 class StorageInfo:
-    """Where the bytes of one stored item are.
-
-    ``offset``/``length`` are the byte range of the item's data in ``relative_path``;
-    ``checksum`` is the xxh3-64 hex digest of those bytes; ``key`` is the tensor's name
-    in the safetensors header (``None`` for pickled objects).
-    """
+    """Where the bytes of one stored item are: the byte range in ``relative_path``, their
+    xxh3-64 hex digest, and the tensor's name in the safetensors header (``None``: objects)."""
 
     relative_path: str
     offset: int
@@ -293,9 +269,11 @@ class Metadata:
     #: per-chunk header check.  Absent for older checkpoints and for objects files, and
     #: left empty by ``metadata_from_json`` unless the document's digest was checked.
     header_digests: dict[str, str] = field(default_factory=dict)
-    #: Only in a view merged from ``{rank}.metadata`` files (never written): for an object
-    #: saved by several ranks under one FQN, saving rank → where that rank's copy is.
-    #: ``storage_data`` holds the lowest saving rank's copy; see :meth:`object_storage`.
+    #: For an object whose copies saved by several ranks under one FQN differ (merged
+    #: from ``{rank}.metadata`` files, or from a collective save's ``rank_objects``): saving
+    #: rank → where that rank's copy is.  ``storage_data`` holds the lowest saving rank's
+    #: copy (what older readers and another world size load); see :meth:`object_storage`.
+    #: A global save plan's metadata names these FQNs with ``{}`` until the ranks write.
     rank_objects: dict[str, dict[int, StorageInfo]] = field(default_factory=dict)
 
     def object_storage(self, fqn: str, rank: int) -> StorageInfo | None:

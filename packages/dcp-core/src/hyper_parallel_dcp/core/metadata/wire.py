@@ -1,9 +1,7 @@
 """``Metadata`` as plain columns for another process: what a save's coordinator sends.
 
-:func:`pack_metadata` gives builtins only (lists, tuples, strings, ints), so any
-unpickler that allows plain data reads it; :func:`unpack_metadata` rebuilds the
-:class:`~.model.ChunkTable` and :class:`~.locations.StorageTable` columns without an
-object per chunk, so every rank of a save can afford to unpack what the save returns.
+:func:`pack_metadata` gives builtins only (any plain-data unpickler reads it);
+:func:`unpack_metadata` rebuilds the columns without an object per chunk.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ def unpack_metadata(packed: tuple[Any, ...]) -> model.Metadata:
     _, tensors, storage, files, planner_data, format_version, rank_objects, header_digests = packed
     sd: dict[str, model.StorageMetadata] = {}
     rows: dict[str, TensorStorage] = {}
-    # immutable, so one object per distinct value (a model's tensors share a few): 2000
-    # tensors unpack in half the time
+    # immutable, so one object per distinct value (a model's tensors share a few)
     properties: dict[tuple[str, Optional[str]], tuple[model.TensorProperties, int]] = {}
     shapes: dict[tuple[int, ...], torch.Size] = {}
     for entry in tensors:
