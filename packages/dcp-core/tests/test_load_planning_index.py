@@ -15,6 +15,7 @@ from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.metadata import (
+    ChunkTable,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -42,12 +43,18 @@ def _reads(plan):
             for it in plan.items]
 
 
-def test_a_rank_reads_without_building_every_chunk():
+def test_a_rank_reads_without_building_every_chunk(monkeypatch):
+    built = []
+    real_getitem = ChunkTable.__getitem__
+    monkeypatch.setattr(ChunkTable, "__getitem__", lambda self, pos: built.append(pos) or real_getitem(self, pos))
+    real_iter = ChunkTable.__iter__
+    monkeypatch.setattr(ChunkTable, "__iter__", lambda self: built.append("all") or real_iter(self))
     for metadata in (_grid_metadata(64, 8), metadata_from_json(metadata_to_json(_grid_metadata(64, 8)))):
         md = metadata.state_dict_metadata["w"]
         target = _target((256, 24), [ChunkBox((10, 5), (7, 10))])
+        built.clear()
         plan = create_local_load_plan(target, metadata)[0]
-        assert "chunks" not in md.__dict__  # no object per stored chunk was built
+        assert isinstance(md.chunks, ChunkTable) and built == [], built  # no object per stored chunk
         # reference: the same metadata with plain chunk objects
         plain = Metadata({"w": TensorStorageMetadata(md.properties, md.size, list(md.chunks))})
         assert _reads(plan) == _reads(create_local_load_plan(target, plain)[0])
