@@ -78,18 +78,14 @@ def test_dir_of_the_package_is_its_api():
     assert "importlib" not in dir(dcp) and "extend_path" not in dir(dcp)
 
 
-# The umbrella's part is done (step_storage imports integrity only to check a step); what is
-# left is in other packages (issue 57, C18): strict, so each mark goes once its part is in.
-_LAZY_PACKAGES = pytest.mark.xfail(strict=True, reason="core/__init__.py and storage_fs/__init__.py import "
-                                   "torch eagerly; core.backends imports core.storage, storage_fs.backend "
-                                   "imports filesystem and torch_dcp at module level")
+# issue 57 C18: `latest` still checks a step through core.metadata, which imports torch
 _TORCH_FREE_CHECK = pytest.mark.xfail(strict=True, reason="as for ls, and storage_fs.integrity.check_complete "
                                       "parses .metadata through core.metadata, which imports torch")
 
 
-@pytest.mark.parametrize("command", [pytest.param("ls", marks=_LAZY_PACKAGES),
+@pytest.mark.parametrize("command", ["ls",
                                      pytest.param("latest", marks=_TORCH_FREE_CHECK),
-                                     pytest.param("clean", marks=_LAZY_PACKAGES)])
+                                     "clean"])
 def test_ls_latest_and_clean_import_no_torch(tmp_path, command):
     with dcp.CheckpointManager(tmp_path / "root") as mgr:
         mgr.save(1, {"w": torch.ones(4)})

@@ -12,13 +12,14 @@ import ctypes
 import errno
 import os
 import sys
-from typing import Any, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional
 
 from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 
 from .tuning import PREADV_MAX_BYTES
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MAPPING", "cached", "drop_cache", "exchange", "malloc_trim", "map_file", "populate_read", "pread_exact",
            "readv_exact", "reserve", "tensor_bytes", "unmap"]
