@@ -264,9 +264,11 @@ class _Persister:
                 StandardSavePlanner.plan_cache.install(reply.cache)
                 writer.mirror.note_cache(StandardSavePlanner.plan_cache.export(reply.cache[0]))
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the future
-            logger.error("async_save #%d%s failed on rank %s: %s: %s", seq,
+            rank, world_size = process_rank()
+            rank = board.rank if board is not None else rank
+            logger.error("async_save #%d%s failed%s: %s: %s", seq,
                          f" into {response.checkpoint_id}" if response.checkpoint_id else "",
-                         board.rank if board is not None else "-", type(exc).__name__, exc)
+                         f" on rank {rank}" if board is not None or world_size > 1 else "", type(exc).__name__, exc)
             if board is not None and not (isinstance(exc, AsyncSaveError) and exc.failed_ranks):
                 board.publish_failure(seq, "".join(traceback.format_exception_only(type(exc), exc)).strip())
             if board is not None or not delivered:
