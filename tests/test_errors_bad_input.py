@@ -67,6 +67,28 @@ def test_a_directory_of_checkpoints_names_the_one_to_pass(tmp_path, capsys):
     with pytest.raises(CheckpointNotFoundError) as info:
         dcp.load(_state(), checkpoint_id=tmp_path / "step_20")
     assert "directory of" not in str(info.value)
+    assert f"`hp-dcp ls {tmp_path}` lists them" in str(_load_error(tmp_path))
+
+
+def _load_error(root) -> str:
+    import hyper_parallel_dcp as dcp
+
+    with pytest.raises(CheckpointNotFoundError) as info:
+        dcp.load(_state(), checkpoint_id=root)
+    return str(info.value)
+
+
+def test_checkpoints_not_named_by_the_manager_get_a_command_that_finds_them(tmp_path, capsys):
+    import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp.cli import main as cli_main
+
+    for step in (5, 40):
+        dcp.save(_state(), checkpoint_id=tmp_path / f"ckpt-{step}", no_dist=True)
+    text = _load_error(tmp_path)
+    assert f"directory of 2 checkpoint(s): pass one of them, e.g. the newest, {tmp_path}/ckpt-40 " in text
+    assert f"`hp-dcp inspect {tmp_path}/ckpt-40` shows what it holds" in text and "hp-dcp ls" not in text
+    capsys.readouterr()
+    assert cli_main(["inspect", str(tmp_path / "ckpt-40")]) == 0  # the command it suggests finds it
 
 def test_missing_key_names_it_and_loads_nothing_silently(ckpt):
     import hyper_parallel_dcp as dcp

@@ -9,6 +9,7 @@ from collections import defaultdict
 from typing import Optional
 
 from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo, TensorStorageMetadata
+from hyper_parallel_dcp.core.steps import parse_step_name
 
 from .files import CheckpointFiles, Location, as_checkpoint_files
 from .layout import METADATA_FILE
@@ -76,5 +77,7 @@ def checkpoints_inside_hint(root: CheckpointFiles) -> str:
     if not steps:
         return ""
     newest = root.child(max(steps)[1])
-    return (f"; it is a directory of {len(steps)} checkpoint(s): pass one of them, e.g. the newest, {newest} "
-            f"(`hp-dcp ls {root}` lists them)")
+    # `hp-dcp ls` lists a manager's step_N directories only; other names it would not find
+    managed = all(parse_step_name(name) is not None for _, name in steps)
+    tool = f"`hp-dcp ls {root}` lists them" if managed else f"`hp-dcp inspect {newest}` shows what it holds"
+    return f"; it is a directory of {len(steps)} checkpoint(s): pass one of them, e.g. the newest, {newest} ({tool})"
