@@ -44,7 +44,9 @@ TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"]
 PYTEST = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", "-ra"]
 DOCS_DEPS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 # the top-level tests also check the docs build, the .metadata JSON schema and YAML target specs
-INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", *DOCS_DEPS]
+# the framework integrations' pinned versions (the umbrella's [lightning] / [accelerate] extras)
+INTEGRATION_FRAMEWORKS = ["pytorch-lightning==2.6.6", "accelerate==1.16.0"]
+INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", *DOCS_DEPS, *INTEGRATION_FRAMEWORKS]
 
 
 def _install_torch(session: nox.Session) -> None:
