@@ -125,7 +125,8 @@ MYPY_TARGETS: dict[str, list[str]] = {
     "storage-object": ["-p", "hyper_parallel_dcp.storage_object"],
     "umbrella": ["-m", "hyper_parallel_dcp", "-m", "hyper_parallel_dcp.api", "-m", "hyper_parallel_dcp.demo",
                  "-m", "hyper_parallel_dcp.manager", "-m", "hyper_parallel_dcp.retention",
-                 "-m", "hyper_parallel_dcp.step_storage", "-p", "hyper_parallel_dcp.cli", "-p", "hyper_parallel_dcp.benchmarks"],
+                 "-m", "hyper_parallel_dcp.step_storage", "-p", "hyper_parallel_dcp.cli", "-p", "hyper_parallel_dcp.benchmarks",
+                 "-m", "hyper_parallel_dcp.torch_compat", "-p", "hyper_parallel_dcp.integrations"],
 }
 
 

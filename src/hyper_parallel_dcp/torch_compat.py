@@ -125,6 +125,7 @@ class StorageWriter(tstorage.StorageWriter):
     def __init__(self, path: Optional[PathLike] = None, *, sync_files: bool = True) -> None:
         super().__init__()
         self._fs = FileSystemWriter(path, sync_files=sync_files)
+        self._finishes = True  # whether this rank's finish() commits (it then fsyncs there)
 
     @property
     def checkpoint_id(self) -> Optional[str]:
@@ -138,6 +139,7 @@ class StorageWriter(tstorage.StorageWriter):
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self._fs.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
                                        use_collectives=use_collectives)
+        self._finishes = is_coordinator or not use_collectives
 
     def prepare_local_plan(self, plan: tplan.SavePlan) -> tplan.SavePlan:
         self._fs.prepare_local_plan(SavePlan(()))  # the coordinator takes the save lock
@@ -157,7 +159,8 @@ class StorageWriter(tstorage.StorageWriter):
         save_plan = SavePlan(tuple(mine), save_id=plan.storage_data if isinstance(plan.storage_data, str) else None)
         try:
             results = self._fs.execute_write(save_plan, _TorchPlannerData(planner, items))  # type: ignore[arg-type]
-            self._fs.sync_written()  # torch commits once every rank's write_data returned
+            if not self._finishes:  # torch commits once every rank's write_data returned; the
+                self._fs.sync_written()  # committing rank's fsyncs overlap the gather of results
         except BaseException as exc:
             self._fs.abort(exc)
             raise

@@ -28,7 +28,7 @@ __all__ = ["through_us"]
 def through_us() -> Iterator[None]:
     """torch's ``FileSystemWriter`` / ``FileSystemReader`` are the plugin's while inside."""
     saved = tdcp.FileSystemWriter, tdcp.FileSystemReader
-    tdcp.FileSystemWriter, tdcp.FileSystemReader = StorageWriter, StorageReader  # type: ignore[misc]
+    tdcp.FileSystemWriter, tdcp.FileSystemReader = StorageWriter, StorageReader  # type: ignore[assignment,misc]
     try:
         yield
     finally:

@@ -24,12 +24,12 @@ from ..torch_compat import StorageReader, StorageWriter
 __all__ = ["ModelParallelStrategy"]
 
 
-def _save(state: dict[str, Any], path: Path) -> None:
-    tdcp.save(state, storage_writer=StorageWriter(path))
+def _save(converted_state: dict[str, Any], path: Path) -> None:  # Lightning's signatures
+    tdcp.save(converted_state, storage_writer=StorageWriter(path))
 
 
-def _load(state: dict[str, Any], path: Path) -> None:
-    tdcp.load(state, storage_reader=StorageReader(path))
+def _load(module_state: dict[str, Any], path: Path) -> None:
+    tdcp.load(module_state, storage_reader=StorageReader(path))
 
 
 @contextlib.contextmanager
