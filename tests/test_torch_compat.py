@@ -1,13 +1,16 @@
 """``hyper_parallel_dcp.torch_compat``: torch's save / async_save / load write and read our format.
 
 Two gloo ranks save FSDP2 + Adam state (through ``get_state_dict``) plus objects with
-``torch.distributed.checkpoint.save`` and ``async_save`` (thread and process executors)
-into our format; the checkpoints pass ``hp-dcp verify`` and load with our ``load`` in one
-process and on 2 ranks into another layout, bit-exact.  Our native 2-rank save loads
-with torch's ``load`` through the plugin into another layout.
+``torch.distributed.checkpoint.save`` (with and without collectives) and ``async_save``
+(thread and process executors) into our format; the checkpoints pass ``hp-dcp verify``
+and load with our ``load`` in one process and on 2 ranks into another layout, bit-exact.
+Our native 2-rank save loads with torch's ``load`` through the plugin into another
+layout; a flipped byte fails a verified load through torch's API, naming file and FQN.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from hyper_parallel_dcp.core.testing import free_port_pair, run_console_script, 
 pytestmark = pytest.mark.distributed
 
 OBJECTS = {"step": 7, "extra": {"lr": 0.1, "tags": ["a", "b"]}}
-SAVES = ("sync", "thread", "process")
+SAVES = ("sync", "thread", "process", "per_rank")
 
 
 def _fsdp_state(world_size: int):
@@ -61,6 +64,7 @@ def _torch_saves(rank: int, world_size: int, root: str) -> dict:
     tdcp.async_save(sd, storage_writer=StorageWriter(f"{root}/thread")).result()
     tdcp.async_save(sd, storage_writer=StorageWriter(f"{root}/process"),
                     async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    tdcp.save(sd, storage_writer=StorageWriter(f"{root}/per_rank"), use_collectives=False)
     ours = {"w": distribute_tensor(torch.arange(60.0).view(6, 10), mesh, [Shard(0)]), "b": torch.arange(5.0),
             **OBJECTS}
     dcp.save(ours, checkpoint_id=f"{root}/native")
@@ -126,11 +130,16 @@ def test_plugin_checkpoints_are_ours_and_verify(runs):
     root, ref, _ = runs
     for name in SAVES:
         path = root / name
+        files = sorted(p.name for p in path.iterdir())
+        if name == "per_rank":  # torch's use_collectives=False: every rank its own metadata, no dedup
+            assert files == ["0.metadata", "1.metadata", "_rank0_.bytes", "_rank0_.safetensors", "_rank1_.bytes",
+                             "_rank1_.safetensors"]
+            continue
         assert (path / ".metadata").read_bytes()[:1] == b"{"  # our JSON, not torch's pickle
-        assert sorted(p.name for p in path.iterdir()) == [".metadata", "_rank0_.safetensors", "_rank1_.bytes",
-                                                          "_rank1_.safetensors"]
+        assert files == [".metadata", "_rank0_.safetensors", "_rank1_.bytes", "_rank1_.safetensors"]
         done = run_console_script("hp-dcp", "hyper_parallel_dcp.cli", "verify", str(path))
         assert done.returncode == 0, done.stdout + done.stderr
+    assert (root / "per_rank" / "0.metadata").read_bytes()[:1] == b"{"
     assert any(k.startswith("optim.state.") for k in ref) and ref["step"] == 7
 
 
@@ -159,18 +168,30 @@ def test_native_checkpoint_loads_with_torch_through_the_plugin(runs):
         assert got["step"] == 7 and got["extra.lr"] == 0.1 and got["extra.tags"] == ["a", "b"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_single_process_round_trip_both_ways(tmp_path):
     import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp.core.errors import CorruptCheckpointError
     from hyper_parallel_dcp.torch_compat import StorageReader, StorageWriter
 
     sd = {"a": torch.randn(4, 6), "h": torch.arange(10, dtype=torch.float16), "o": {"lr": 0.1, "t": [1, 2]}}
-    with pytest.warns(UserWarning, match="single process"):
-        tdcp.save(sd, storage_writer=StorageWriter(tmp_path / "p"))
+    tdcp.save(sd, storage_writer=StorageWriter(tmp_path / "p"))
     dcp.save(sd, checkpoint_id=tmp_path / "n")
     for name in ("p", "n"):
         back = {"a": torch.zeros(4, 6), "h": torch.zeros(10, dtype=torch.float16), "o": {"lr": 0.0, "t": None}}
-        with pytest.warns(UserWarning, match="single process"):
-            tdcp.load(back, storage_reader=StorageReader(tmp_path / name, verify=True))
+        tdcp.load(back, storage_reader=StorageReader(tmp_path / name, verify=True))
         assert torch.equal(back["a"], sd["a"]) and torch.equal(back["h"], sd["h"]) and back["o"] == sd["o"]
+    # a flipped byte in a chunk: a verified load through torch's API names it
+    shard = tmp_path / "p" / "_rank0_.safetensors"
+    blob = bytearray(shard.read_bytes())
+    blob[-3] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    back = {"a": torch.zeros(4, 6), "h": torch.zeros(10, dtype=torch.float16), "o": {"lr": 0.0, "t": None}}
+    with pytest.raises(CheckpointException) as failed:  # torch wraps a failure in its BaseException
+        tdcp.load(back, storage_reader=StorageReader(tmp_path / "p", verify=True))
+    error = failed.value.failures[0][0]
+    assert isinstance(error, CorruptCheckpointError)
+    assert re.search(r"checksum mismatch in \S+_rank0_.safetensors: 'h' chunk", str(error)), str(error)
