@@ -44,7 +44,12 @@ TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"]
 PYTEST = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", "-ra"]
 DOCS_DEPS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 # the top-level tests also check the docs build, the .metadata JSON schema and YAML target specs
-INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", *DOCS_DEPS]
+# the framework integrations' pinned versions (the umbrella's [lightning] / [accelerate] /
+# [torchtitan] extras); torchtitan's checkpoint component imports only tyro and spmd_types
+# of its dependencies, so it comes without the rest (datasets, wandb, tensorboard, ...)
+INTEGRATION_FRAMEWORKS = ["pytorch-lightning==2.6.6", "accelerate==1.16.0", "tyro==1.0.17", "spmd_types==0.2.3"]
+TORCHTITAN = "torchtitan==0.3.0"
+INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", *DOCS_DEPS, *INTEGRATION_FRAMEWORKS]
 
 
 def _install_torch(session: nox.Session) -> None:
@@ -97,6 +102,7 @@ def _install_everything(session: nox.Session, *extra: str, tests: bool = True) -
 def integration(session: nox.Session) -> None:
     """All packages together: the top-level cross-package, multi-process, end-to-end tests."""
     _install_everything(session, *INTEGRATION_DEPS)
+    session.install("--no-deps", TORCHTITAN)
     session.run(*PYTEST, "tests", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
@@ -119,7 +125,8 @@ MYPY_TARGETS: dict[str, list[str]] = {
     "storage-object": ["-p", "hyper_parallel_dcp.storage_object"],
     "umbrella": ["-m", "hyper_parallel_dcp", "-m", "hyper_parallel_dcp.api", "-m", "hyper_parallel_dcp.demo",
                  "-m", "hyper_parallel_dcp.manager", "-m", "hyper_parallel_dcp.retention",
-                 "-m", "hyper_parallel_dcp.step_storage", "-p", "hyper_parallel_dcp.cli", "-p", "hyper_parallel_dcp.benchmarks"],
+                 "-m", "hyper_parallel_dcp.step_storage", "-p", "hyper_parallel_dcp.cli", "-p", "hyper_parallel_dcp.benchmarks",
+                 "-m", "hyper_parallel_dcp.torch_compat", "-p", "hyper_parallel_dcp.integrations"],
 }
 
 

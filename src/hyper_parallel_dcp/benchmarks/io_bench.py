@@ -166,8 +166,8 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
         rec.info["rank_bytes"] = sum(t.numel() * t.element_size() for t in local_tensors(sd, owned_only=True, rank=rank))
         _save_cases(rec, sd, ours, theirs, rank, reps)
         _load_cases(rec, _OurLoads(ours), sd, target, flipped, theirs, reps)
-        _rm(ours, rank)
-        _rm(theirs, rank)
+        for path in (ours, theirs, _plugin_path(ours)):
+            _rm(path, rank)
         return {"times": rec.times, "info": rec.info}
     _references(rec, sd, root, rank, reps)
 
@@ -179,8 +179,8 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     _n_to_1_cases(rec, our_load, shapes, theirs, rank, reps2)
     if cfg.get("async", True):
         _async_cases(rec, sd, root, rank, async_reps(reps2))
-    _rm(ours, rank)
-    _rm(theirs, rank)
+    for path in (ours, theirs, _plugin_path(ours)):
+        _rm(path, rank)
     return {"times": rec.times, "info": rec.info}
 
 
@@ -215,10 +215,12 @@ def _save_cases(rec: _Recorder, sd: dict, ours: Path, theirs: Path, rank: int, r
 
     import hyper_parallel_dcp as hp
     from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+    from hyper_parallel_dcp.torch_compat import StorageWriter
 
     def torch_save(cached: bool) -> None:
         tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(theirs), planner=DefaultSavePlanner(enable_plan_caching=cached))
 
+    plugin = _plugin_path(ours)
     torch_save(True)
     _rm(theirs, rank)
     _wait_for_removals()
@@ -231,6 +233,14 @@ def _save_cases(rec: _Recorder, sd: dict, ours: Path, theirs: Path, rank: int, r
                     _timed(lambda: hp.save(sd, checkpoint_id=ours))[0])
             _rm(theirs, rank)
             rec.add("torch.save_cached_plan" if warm else "torch.save", _timed(functools.partial(torch_save, warm))[0])
+        # torch's API (its default planner, no plan cache) writing our format: the plugin's cost
+        _rm(plugin, rank)
+        rec.add("plugin.save", _timed(lambda: tdcp.save(sd, storage_writer=StorageWriter(plugin)))[0])
+
+
+def _plugin_path(ours: Path) -> Path:
+    """Where the ``torch_compat`` plugin's checkpoint of a case goes (beside ours)."""
+    return ours.with_name("plugin")
 
 
 def _wait_for_removals() -> None:
@@ -270,10 +280,15 @@ def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, fli
     layout in a process pays one-time costs (78 ms against 40 ms, dense)."""
     import torch.distributed.checkpoint as tdcp
 
+    from hyper_parallel_dcp.torch_compat import StorageReader
+
     def theirs_load(dest: dict) -> None:
         tdcp.load(dest, storage_reader=tdcp.FileSystemReader(theirs))
 
-    for name, load in (("ours", our_load), ("torch", theirs_load)):
+    def plugin_load(dest: dict) -> None:  # torch's API and planner reading the plugin's checkpoint
+        tdcp.load(dest, storage_reader=StorageReader(_plugin_path(our_load.path)))
+
+    for name, load in (("ours", our_load), ("torch", theirs_load), ("plugin", plugin_load)):
         load(target)
         load(flipped)
         for _ in range(load_reps(reps)):

@@ -70,6 +70,9 @@ def evaluate_goals(io: dict[str, Any], planning: Optional[dict[str, Any]]) -> li
         goal(f"{kind}: resharded load Shard(0)→Shard(1) ≤ 1.3× same-layout load",
              _ratio(_med(s, "ours.load_resharded"), _med(s, "ours.load")), 1.3,
              "{:.2f}×" + ("" if floor is None else f" (the same copies from memory: {floor:.2f}×)"))
+        for case in ("save", "load"):
+            goal(f"{kind}: torch's {case} through the torch_compat plugin ≤ 1.1× our {case}",
+                 _ratio(_med(s, "plugin." + case), _med(s, "ours." + case)), 1.1, "{:.2f}×")
         goal(f"{kind}: async blocking (first save) ≤ 1.3× fresh host copy",
              _ratio(_med(s, "ours.async_blocking_first"), _med(s, "ref.clone")), 1.3, "{:.2f}×")
         goal(f"{kind}: async blocking (later saves) ≤ 2× copy into preallocated buffers",
@@ -221,6 +224,14 @@ def _io_lines(kind: str, d: dict[str, Any]) -> list[str]:
         r = _ratio(_med(s, "ours." + key), _med(s, refkey)) if refkey else None
         ours_cell = _fmt(o) if o else str(info.get("ours." + key.split("_")[0], "—"))
         lines.append(f"| {label} | {ours_cell} | {_fmt(t)} | {'' if r is None else f'{r:.2f}×'} |")
+    if "plugin.save" in s:
+        lines += ["", "torch's `save` / `load` with the `torch_compat` plugin (our format, torch's planners):", "",
+                  "| case | plugin | hyper-parallel-dcp | torch FileSystemWriter/Reader | plugin / ours |",
+                  "|---|---|---|---|---|"]
+        for key in ("save", "load", "load_resharded"):
+            r = _ratio(_med(s, "plugin." + key), _med(s, "ours." + key))
+            lines.append(f"| {key} | {_fmt(s.get('plugin.' + key))} | {_fmt(s.get('ours.' + key))} | "
+                         f"{_fmt(s.get('torch.' + key))} | {'' if r is None else f'{r:.2f}×'} |")
     lines.append("")
     lines.append(f"Bytes read from storage by all ranks vs the checkpoint's bytes: same layout "
                  f"{info.get('ours.load.bytes_read', 0):,} vs {info.get('bytes_needed', 0):,}; "

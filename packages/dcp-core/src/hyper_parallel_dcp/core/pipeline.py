@@ -31,7 +31,7 @@ from .stateful import expand_stateful, restore_stateful
 from .storage import StorageReader, StorageWriter, WriteResult
 from .timing import log_info, phase
 
-__all__ = ["ReadExecutor", "load_state_dict", "process_rank", "save_state_dict"]
+__all__ = ["ReadExecutor", "attach_results", "load_state_dict", "process_rank", "save_state_dict"]
 
 # (final plan of this rank, reader, planner, group) -> None; the plan's planner_data is the
 # rank's ReaderAssignment (its replica groups and every group the load needs)
@@ -65,7 +65,9 @@ _RESULT_SIZE = attrgetter("file_size")
 _RESULT_DIGEST = attrgetter("header_digest")
 
 
-def _attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+def attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+    """``metadata`` (a global plan's) with every rank's write results: storage entries,
+    file sizes, header digests and the per-rank copies of objects."""
     md = copy.copy(metadata)
     storage_data: dict[MetadataIndex, StorageInfo] = {}
     md.files = {}
@@ -218,7 +220,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             planned = global_metadata[0]
             if planned is None:
                 planned = global_metadata[0] = build_metadata[0]()
-            metadata = _attach_results(planned, all_results)
+            metadata = attach_results(planned, all_results)
             storage_writer.prepare_finalize(metadata, all_results)
         gathered_results.append(all_results)
         final_metadata.append(metadata)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from .metadata import Metadata, MetadataIndex, chunk_key
+from .objects import serialize_object
 
 __all__ = [
     "LoadItemType",
@@ -160,6 +161,11 @@ class SavePlanner(abc.ABC):
     @abc.abstractmethod
     def resolve_data(self, write_item: WriteItem) -> Any:
         """The tensor (a view of shape ``write_item.sizes``) or object to write."""
+
+    def object_bytes(self, write_item: WriteItem) -> bytes:
+        """The stored bytes of a non-tensor item: ``torch.save`` of :meth:`resolve_data`
+        (a planner that holds them serialised already returns those)."""
+        return serialize_object(self.resolve_data(write_item))
 
     def create_global_plan_deferred(self, all_plans: list[SavePlan]
                                     ) -> tuple[list[SavePlan], Callable[[], Metadata]]:

@@ -13,7 +13,6 @@ import torch
 import xxhash
 
 from hyper_parallel_dcp.core.metadata import Metadata, StorageInfo, TensorStorageMetadata, chunk_key
-from hyper_parallel_dcp.core.objects import serialize_object
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel_dcp.core.storage import WriteResult
 
@@ -79,7 +78,7 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
 
         def write_objects(f: BinaryIO) -> None:
             for it in objects:
-                blob = serialize_object(planner.resolve_data(it))
+                blob = planner.object_bytes(it)
                 placed_objs.append((f.tell(), len(blob), xxhash.xxh3_64_hexdigest(blob)))
                 f.write(blob)
 

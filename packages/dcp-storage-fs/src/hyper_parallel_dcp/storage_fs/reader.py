@@ -445,6 +445,12 @@ class FileSystemReader(StorageReader):
 
     def read_object(self, item: ReadItem) -> Any:
         """The stored object; from a per-rank checkpoint, the copy this rank saved (SPEC §4)."""
+        blob, file = self.read_object_bytes(item)
+        return deserialize_object(blob, fqn=item.storage_index.fqn, file=file)
+
+    def read_object_bytes(self, item: ReadItem) -> tuple[bytes, str]:
+        """``(stored bytes, file)`` of the object :meth:`read_object` restores, checked
+        (length, and the checksum with ``verify``), not unpickled."""
         info = self.chunks().storage_info(item.storage_index)
         if self.metadata is not None and self.metadata.rank_objects:
             info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info
@@ -461,7 +467,7 @@ class FileSystemReader(StorageReader):
         if self.verify and info.checksum is not None and xxhash.xxh3_64_hexdigest(blob) != info.checksum:
             raise CorruptCheckpointError(
                 f"checksum mismatch in {file}: object {item.storage_index.fqn!r} does not match its recorded xxh3")
-        return deserialize_object(blob, fqn=item.storage_index.fqn, file=str(file))
+        return blob, str(file)
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Read this rank's items in file order, into the planner's regions where it has them."""

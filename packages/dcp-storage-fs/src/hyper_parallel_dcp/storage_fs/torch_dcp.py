@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo
-from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import ReadItem
 
 from .layout import METADATA_FILE
@@ -188,9 +187,9 @@ class TorchDCPReader(FileSystemReader):
             stored = stored.narrow(d, o, n)
         copy_into(dest, stored)
 
-    def read_object(self, item: ReadItem) -> Any:
+    def read_object_bytes(self, item: ReadItem) -> tuple[bytes, str]:
         index = item.storage_index
         info = self.chunks().storage_info(index)
         blob = self._item_bytes(index, info)
         self.bytes_read += len(blob)
-        return deserialize_object(blob, fqn=index.fqn, file=str(self._root() / info.relative_path))
+        return blob, str(self._root() / info.relative_path)

@@ -1,0 +1,249 @@
+"""``torch.distributed.checkpoint`` storage plugins that write and read this library's format (SPEC §15).
+
+``torch.distributed.checkpoint.save(sd, storage_writer=StorageWriter(path))``, its
+``async_save`` (thread and process executors) and ``load(sd, storage_reader=StorageReader(path))``
+keep torch's planners; what lands on disk is ours: safetensors shards, the JSON
+``.metadata`` with a checksum per chunk, the atomic commit of :class:`FileSystemWriter`.
+A checkpoint written through the plugin loads with :func:`hyper_parallel_dcp.load` into
+any layout, and one written by :func:`hyper_parallel_dcp.save` (or by torch's own
+``FileSystemWriter``) loads through :class:`StorageReader`.
+
+The writer translates torch's write items into ours and runs :class:`FileSystemWriter`
+(the same file writer and commit as a native save); the reader translates our metadata
+into torch's and reads with :class:`FileSystemReader`'s batched reads.  Benchmark rows
+``plugin save`` / ``plugin load`` of ``hp-dcp-bench io`` (docs/integrations.md).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import uuid
+from dataclasses import replace
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import metadata as tmd
+from torch.distributed.checkpoint import planner as tplan
+from torch.distributed.checkpoint import storage as tstorage
+from torch.futures import Future
+
+from hyper_parallel_dcp.core import metadata as ours
+from hyper_parallel_dcp.core.metadata import MetadataIndex
+from hyper_parallel_dcp.core.objects import serialize_object
+from hyper_parallel_dcp.core.pipeline import attach_results
+from hyper_parallel_dcp.core.planner import LoadItemType, ReadItem, SavePlan, WriteItem, WriteItemType
+from hyper_parallel_dcp.core.storage import ReadDestination
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, storage_reader_for_path
+
+__all__ = ["StorageReader", "StorageWriter", "metadata_from_torch", "metadata_to_torch"]
+
+PathLike = Union[str, os.PathLike]
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _is_local(checkpoint_id: PathLike) -> bool:
+    return "://" not in str(checkpoint_id)
+
+
+def _index(index: tmd.MetadataIndex) -> MetadataIndex:
+    return MetadataIndex(index.fqn, None if index.offset is None else tuple(index.offset), index.index)
+
+
+def metadata_from_torch(metadata: tmd.Metadata) -> ours.Metadata:
+    """torch's global save metadata as ours (shapes, dtypes, chunks; no storage entries yet)."""
+    entries: dict[str, ours.StorageMetadata] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, tmd.TensorStorageMetadata):
+            chunks = [ours.ChunkStorageMetadata(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
+            entries[fqn] = ours.TensorStorageMetadata(ours.TensorProperties(entry.properties.dtype),
+                                                      torch.Size(entry.size), chunks)
+        else:
+            entries[fqn] = ours.BytesStorageMetadata()
+    return ours.Metadata(entries)
+
+
+def metadata_to_torch(metadata: ours.Metadata) -> tmd.Metadata:
+    """Our metadata as torch's planners read it (shapes, dtypes, chunks)."""
+    entries: dict[str, Any] = {}
+    size, chunk = torch.Size, tmd.ChunkStorageMetadata
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, ours.TensorStorageMetadata):
+            table = ours.ChunkTable.of(entry.chunks, len(entry.size))
+            chunks = [chunk(size(o), size(s)) for o, s in zip(table.offset_tuples(), table.size_tuples())]
+            entries[fqn] = tmd.TensorStorageMetadata(tmd.TensorProperties(dtype=entry.properties.dtype),
+                                                     size(entry.size), chunks)
+        else:
+            entries[fqn] = tmd.BytesStorageMetadata()
+    return tmd.Metadata(entries)
+
+
+def _write_item(item: tplan.WriteItem) -> WriteItem:
+    if item.type is tplan.WriteItemType.BYTE_IO:
+        return WriteItem(MetadataIndex(item.index.fqn), WriteItemType.BYTE_IO)
+    data = item.tensor_data
+    assert data is not None, f"{item.index.fqn!r}: a tensor write item without tensor data"
+    sizes = tuple(data.chunk.sizes)
+    dtype = data.properties.dtype
+    return WriteItem(MetadataIndex(item.index.fqn, tuple(data.chunk.offsets)), WriteItemType.TENSOR, sizes,
+                     tuple(data.size), ours.dtype_name(dtype), math.prod(sizes) * dtype.itemsize)
+
+
+class _TorchPlannerData:
+    """torch's planner as the data source ``write_rank_files`` reads (``resolve_data``,
+    ``object_bytes``): torch serialises objects itself, and those bytes are stored as is."""
+
+    resolved_data_stable = True  # torch's planners return views of the (staged) state dict
+
+    def __init__(self, planner: tplan.SavePlanner, items: dict[MetadataIndex, tplan.WriteItem]) -> None:
+        self._planner = planner
+        self._items = items
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        data = self._planner.resolve_data(self._items[item.index])
+        return data.detach() if isinstance(data, torch.Tensor) else data
+
+    def object_bytes(self, item: WriteItem) -> bytes:
+        data = self.resolve_data(item)
+        return data.getvalue() if isinstance(data, io.BytesIO) else serialize_object(data)
+
+
+class StorageWriter(tstorage.StorageWriter):
+    """torch's ``StorageWriter`` interface over :class:`FileSystemWriter`: our files, torch's plans.
+
+    ``sync_files=False`` skips the fsyncs (throwaway checkpoints only).  A multi-rank save
+    with torch's ``use_collectives=False`` writes ``{rank}.metadata`` files, as a native one.
+    """
+
+    def __init__(self, path: Optional[PathLike] = None, *, sync_files: bool = True) -> None:
+        super().__init__()
+        self._fs = FileSystemWriter(path, sync_files=sync_files)
+        self._finishes = True  # whether this rank's finish() commits (it then fsyncs there)
+
+    @property
+    def checkpoint_id(self) -> Optional[str]:
+        return None if self._fs.path is None else str(self._fs.path)
+
+    def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
+        self._fs.reset(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, rank: int = 0, use_collectives: bool = True,
+                              **kwargs: Any) -> None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._fs.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
+                                       use_collectives=use_collectives)
+        self._finishes = is_coordinator or not use_collectives
+
+    def prepare_local_plan(self, plan: tplan.SavePlan) -> tplan.SavePlan:
+        self._fs.prepare_local_plan(SavePlan(()))  # the coordinator takes the save lock
+        return plan
+
+    def prepare_global_plan(self, plans: list[tplan.SavePlan]) -> list[tplan.SavePlan]:
+        save_id = uuid.uuid4().hex  # names the staging directory every rank writes into
+        return [replace(plan, storage_data=save_id) for plan in plans]
+
+    def write_data(self, plan: tplan.SavePlan, planner: tplan.SavePlanner) -> Future:
+        items: dict[MetadataIndex, tplan.WriteItem] = {}
+        mine = []
+        for item in plan.items:
+            translated = _write_item(item)
+            items[translated.index] = item
+            mine.append(translated)
+        save_plan = SavePlan(tuple(mine), save_id=plan.storage_data if isinstance(plan.storage_data, str) else None)
+        try:
+            results = self._fs.execute_write(save_plan, _TorchPlannerData(planner, items))  # type: ignore[arg-type]
+            if not self._finishes:  # torch commits once every rank's write_data returned; the
+                self._fs.sync_written()  # committing rank's fsyncs overlap the gather of results
+        except BaseException as exc:
+            self._fs.abort(exc)
+            raise
+        return _done([tstorage.WriteResult(items[r.index].index, r.storage_data.length, r) for r in results])
+
+    def finish(self, metadata: tmd.Metadata, results: list[list[tstorage.WriteResult]]) -> None:
+        written = [[result.storage_data for result in rank_results] for rank_results in results]
+        self._fs.finalize_checkpoint(attach_results(metadata_from_torch(metadata), written), written)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
+        return _is_local(checkpoint_id)
+
+
+class StorageReader(tstorage.StorageReader):
+    """torch's ``StorageReader`` interface over :class:`FileSystemReader` (or, for a torch
+    DCP directory, :class:`TorchDCPReader`): our reads, torch's plans.  ``verify=True``
+    checks the stored checksum of every chunk and object read."""
+
+    def __init__(self, path: Optional[PathLike] = None, *, verify: bool = False) -> None:
+        super().__init__()
+        self.path = path
+        self.verify = verify
+        self._fs: Optional[FileSystemReader] = None
+        self._metadata: Optional[ours.Metadata] = None
+
+    @property
+    def checkpoint_id(self) -> Optional[str]:
+        return None if self.path is None else str(self.path)
+
+    def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+        self._fs = None
+        self._metadata = None
+
+    def _reader(self) -> FileSystemReader:
+        if self._fs is None:
+            if self.path is None:
+                raise ValueError("torch_compat.StorageReader has no checkpoint path: pass checkpoint_id or a path")
+            self._fs = storage_reader_for_path(self.path, self.verify)
+        return self._fs
+
+    def read_metadata(self) -> tmd.Metadata:
+        self._metadata = self._reader().load_metadata()
+        return metadata_to_torch(self._metadata)
+
+    def set_up_storage_reader(self, metadata: tmd.Metadata, is_coordinator: bool, *args: Any, rank: int = 0,
+                              **kwargs: Any) -> None:
+        if self._metadata is None:
+            self.read_metadata()
+        assert self._metadata is not None
+        self._reader().set_up_storage_reader(self._metadata, is_coordinator=is_coordinator, rank=rank)
+
+    def prepare_local_plan(self, plan: tplan.LoadPlan) -> tplan.LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[tplan.LoadPlan]) -> list[tplan.LoadPlan]:
+        return plans
+
+    def read_data(self, plan: tplan.LoadPlan, planner: tplan.LoadPlanner) -> Future:
+        reader = self._reader()
+        theirs: dict[int, tplan.ReadItem] = {}
+        mine = []
+        byte_io = tplan.LoadItemType.BYTE_IO
+        for item in plan.items:
+            translated = ReadItem(LoadItemType.BYTE_IO if item.type is byte_io else LoadItemType.TENSOR,
+                                  _index(item.dest_index), tuple(item.dest_offsets), _index(item.storage_index),
+                                  tuple(item.storage_offsets), tuple(item.lengths))
+            theirs[id(translated)] = item
+            mine.append(translated)
+        ordered = reader.sort_items(mine)
+        tensors = []
+        for item in ordered:
+            if item.type is LoadItemType.BYTE_IO:  # torch's planner unpickles: it gets the stored bytes
+                planner.load_bytes(theirs[id(item)], io.BytesIO(reader.read_object_bytes(item)[0]))
+            else:
+                tensors.append(item)
+        reads = (ReadDestination(item, planner.resolve_tensor(theirs[id(item)]).detach()) for item in tensors)
+        for item, value in reader.read_stream(reads):
+            planner.commit_tensor(theirs[id(item)], value)
+        return _done(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
+        return _is_local(checkpoint_id)
