@@ -28,9 +28,15 @@ from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner,
 from hyper_parallel_dcp.core.reader_assignment import ChunkExchange, ReaderAssignment, exchanged_reads
 from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader
 
+from .prefetch import ReadAhead
 from .schedule import ExchangeMessage, exchange_messages
 
 __all__ = ["ChunkExchanges"]
+
+#: bytes of runs the read-ahead thread may hold ahead of the packing and sending
+_AHEAD_BYTES = 32 << 20
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 _PieceKey = tuple[int, tuple[int, ...], tuple[int, ...]]  # (exchange position, storage_offsets, lengths)
 
@@ -95,6 +101,7 @@ class ChunkExchanges:
         if self.exchanges:
             self._split(plan, batch_bytes)
         self._posted: list[tuple[ExchangeMessage, torch.Tensor, Any]] = []
+        self._landed = 0  # receives filled in so far
         self._sending: collections.deque = collections.deque()
 
     def _split(self, plan: LoadPlan, batch_bytes: int) -> None:
@@ -128,9 +135,15 @@ class ChunkExchanges:
         left = [len(message.pieces) for message in self.sends]
         mine = [i for i, x in enumerate(self.exchanges) if x.reader == self.rank]
         copies = _Copies(self.planner)
+        stream = None
         try:
-            # read_stream yields in the order given
-            for i, (_, run) in zip(mine, self.reader.read_stream(self._runs(mine))):
+            # read on a thread, in the order given: storage stays busy while this one packs and sends
+            nbytes = sum(self.exchanges[i].dtype.itemsize * self.exchanges[i].rows[1] *
+                         math.prod(self.exchanges[i].shape[1:]) for i in mine)
+            depth = max(2, min(256, len(mine) * _AHEAD_BYTES // max(nbytes, 1)))
+            # the runs' buffers are made on the thread as it gets to them
+            stream = ReadAhead(lambda _: self.reader.read_stream(self._runs(mine)), mine[:1], depth)
+            for i, (_, run) in zip(mine, stream):
                 x = self.exchanges[i]
                 row0 = x.rows[0]
                 for peer, offsets, lengths in x.pieces:
@@ -148,9 +161,13 @@ class ChunkExchanges:
                     if not left[m]:
                         copies.flush()
                         self._send(self.sends[m], buffer)
+                self._land_arrived(block=False)
             copies.flush()
         except Exception as exc:  # noqa: BLE001 - raised after every message went out
             self.error = exc
+        finally:
+            if stream is not None:
+                stream.close()
         for m, message in enumerate(self.sends):  # after a failure: what is left, unfilled
             if left[m]:
                 left[m] = 0
@@ -158,7 +175,8 @@ class ChunkExchanges:
                 self._send(message, torch.empty(message.nbytes, dtype=torch.uint8) if buffer is None else buffer)
 
     def _runs(self, mine: list[int]) -> Iterator[ReadDestination]:
-        """The contiguous row run of each chunk this rank reads, as reads into fresh buffers."""
+        """The contiguous row run of each chunk this rank reads, as reads into fresh buffers
+        (made as the read-ahead thread gets to them)."""
         for i in mine:
             x = self.exchanges[i]
             zeros = (0,) * len(x.shape)
@@ -189,25 +207,35 @@ class ChunkExchanges:
                 f"within {self.timeout:g} s ({TIMEOUT_ENV}) on rank {self.rank}; rank {peer} died or hangs "
                 f"({type(exc).__name__}: {exc})", "exchange", (peer,)) from exc
 
+    def _land_arrived(self, block: bool) -> None:
+        """Fill in the pieces of the receives that arrived (in order; ``block``: all of them)."""
+        posted = self._posted
+        while self._landed < len(posted):
+            message, buffer, work = posted[self._landed]
+            if not block and not work.is_completed():
+                return
+            self._landed += 1
+            self._wait((work,), message.peer, sending=False)
+            if self.error is not None:
+                continue
+            try:
+                copies = _Copies(self.planner)
+                for i, offsets, lengths, at in message.pieces:
+                    dtype = self.exchanges[i].dtype
+                    source = buffer[at:at + math.prod(lengths) * dtype.itemsize].view(dtype).view(lengths)
+                    self._land(i, offsets, lengths, source, copies)
+                copies.flush()
+            except Exception as exc:  # noqa: BLE001 - the other receives still complete
+                self.error = exc
+            posted[self._landed - 1] = (message, _EMPTY, work)  # its memory goes now
+
     def finish(self) -> Optional[BaseException]:
         """Wait for the sends, then for each receive, filling its pieces in; the first error."""
         try:
             while self._sending:
                 entry = self._sending.popleft()
                 self._wait(entry, entry[2], sending=True)
-            for message, buffer, work in self._posted:
-                self._wait((work,), message.peer, sending=False)
-                if self.error is not None:
-                    continue
-                try:
-                    copies = _Copies(self.planner)
-                    for i, offsets, lengths, at in message.pieces:
-                        dtype = self.exchanges[i].dtype
-                        source = buffer[at:at + math.prod(lengths) * dtype.itemsize].view(dtype).view(lengths)
-                        self._land(i, offsets, lengths, source, copies)
-                    copies.flush()
-                except Exception as exc:  # noqa: BLE001 - the other receives still complete
-                    self.error = exc
+            self._land_arrived(block=True)
         except CheckpointTimeoutError as exc:
             return exc
         return self.error
