@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -98,7 +99,13 @@ def _load_one(path: str, case: str, exchange: str, copies: bool | None) -> dict:
 
 
 def _load(rank: int, world: int, root: str, runs: list[tuple[str, str, str, bool | None]]) -> list[dict]:
-    return [_load_one(os.path.join(root, saved), case, exchange, copies) for saved, case, exchange, copies in runs]
+    out = []
+    for saved, case, exchange, copies in runs:
+        try:
+            out.append(_load_one(os.path.join(root, saved), case, exchange, copies))
+        except Exception as exc:  # noqa: BLE001 - the broken checkpoint's error, on every rank
+            out.append({"error": f"{type(exc).__name__}: {exc}"})
+    return out
 
 
 def _needed(case: str) -> int:
@@ -124,14 +131,20 @@ def test_resharded_loads_read_each_byte_once(tmp_path) -> None:
     """Shard(0) → Shard(1) (2-D, uneven bf16, 3-D; 1-D tensors stay contiguous reads), 40
     small tensors, ragged flat ranges saved on 3 ranks, world 4 → 2 and 2 → 4; then the
     auto rule: readers whose reads are memory copies keep their direct reads (each rank
-    spans whole chunks), others exchange."""
+    spans whole chunks), others exchange; a truncated file fails the load on every rank."""
     root = str(tmp_path)
     run_distributed(_save, 2, root, ["dense", "small"], timeout=120)
     run_distributed(_save, 3, root, ["ragged"], timeout=120)
     run_distributed(_save, 4, root, ["dense"], timeout=120)
+    shutil.copytree(tmp_path / "dense2", tmp_path / "bad2")
+    victim = sorted((tmp_path / "bad2").glob("*.safetensors"))[0]
+    os.truncate(victim, victim.stat().st_size - 8)
     runs = [("dense2", "dense", "1", None), ("small2", "small", "1", None), ("ragged3", "ragged", "1", None),
-            ("dense4", "dense", "1", None), ("dense2", "dense", "auto", True), ("dense2", "dense", "auto", False)]
+            ("dense4", "dense", "1", None), ("dense2", "dense", "auto", True), ("dense2", "dense", "auto", False),
+            ("bad2", "dense", "1", None)]
     per_rank = run_distributed(_load, 2, root, runs, timeout=120)
+    # a reader's failure reaches every rank (its peers do not wait for the pieces forever)
+    assert all(victim.name in rank[6]["error"] for rank in per_rank), [rank[6] for rank in per_rank]
     for i, (_, case, _, _) in enumerate(runs[:4]):
         _check_read_once([rank[i] for rank in per_rank], case)
     direct, remote = [rank[4] for rank in per_rank], [rank[5] for rank in per_rank]

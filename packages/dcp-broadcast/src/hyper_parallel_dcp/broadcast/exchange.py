@@ -187,7 +187,8 @@ class ChunkExchanges:
 
     def _send(self, message: ExchangeMessage, buffer: torch.Tensor) -> None:
         while len(self._sending) >= self.max_in_flight:
-            self._wait(self._sending.popleft(), message.peer, sending=True)
+            entry = self._sending.popleft()
+            self._wait(entry, entry[2], sending=True)
         self.bytes_sent += message.nbytes
         self._sending.append((dist.isend(buffer, dst=message.peer, tag=message.tag), buffer, message.peer))
 
