@@ -175,7 +175,7 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     our_load = _OurLoads(ours)
     _load_cases(rec, our_load, sd, target, flipped, theirs, reps)
     _piece_copies(rec, shapes, target, flipped, world_size, rank, reps)
-    _capped_load_cases(rec, ours, sd, target, flipped, root, cfg, reps2)
+    _capped_load_cases(rec, ours, sd, target, flipped, root, cfg, reps)
     _cold_load_cases(rec, our_load, target, ours, theirs, reps2)
     _n_to_1_cases(rec, our_load, shapes, theirs, rank, reps2)
     if cfg.get("async", True):
@@ -290,7 +290,7 @@ def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, fli
 
 
 def _capped_load_cases(rec: _Recorder, ours: Path, sd: dict, target: dict, flipped: dict, root: Path,
-                       cfg: dict[str, Any], reps2: int) -> None:
+                       cfg: dict[str, Any], reps: int) -> None:
     """Same-layout and resharded loads through the shared storage bandwidth cap (storage
     off the host: what the page cache shares between local ranks is read once per rank).
     The resharded load reads each stored chunk once and exchanges the pieces
@@ -298,7 +298,7 @@ def _capped_load_cases(rec: _Recorder, ours: Path, sd: dict, target: dict, flipp
     from .throttle import SharedBandwidth, ThrottledFileSystemReader
 
     bandwidth = SharedBandwidth(root / "bandwidth.state", cfg.get("cap_mb_s", 200.0) * 1e6)
-    for _ in range(reps2):
+    for _ in range(reps):  # a few seconds each at the default sizes: one sample alone varied by a third
         for name, dest in (("ours.load_capped", target), ("ours.load_resharded_capped", flipped)):
             reader = ThrottledFileSystemReader(ours, bandwidth)
             rec.add(name, _timed(functools.partial(_load_into, dest, reader))[0])

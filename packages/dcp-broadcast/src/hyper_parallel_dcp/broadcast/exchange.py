@@ -2,10 +2,14 @@
 non-contiguous pieces of is read once, as one contiguous run of its rows, by its reader,
 which copies its own pieces out and sends every other member its pieces point to point.
 
-Serves the resharded-load rows of the benchmark (``Shard(0)`` saved, ``Shard(1)`` loaded):
-there every rank's column slice of a chunk spans nearly the whole chunk in the file, so
-the ranks together read 1.72× (dense) and 1.97× (small tensors) the checkpoint; exchanged,
-1.00×.  Exports :class:`ChunkExchanges`.
+Serves the benchmark rows ``load, Shard(0)→Shard(1), under the storage cap`` (200 MB/s
+shared; ``io_bench._capped_load_cases``): every rank's column slice of a chunk spans
+nearly the whole chunk in the file, so reading directly the ranks together read 1.725×
+(dense) and 1.984× (small tensors) the checkpoint, in 1.70-1.73× and 1.71-1.83× the time
+of a same-layout load; exchanged, 1.000× in 1.06-1.26× and 1.16-1.41× (default sizes,
+2 ranks, three runs on a shared 2-core machine).  From the page cache it does not pay
+(gloo is slower than the copy), so ``HP_DCP_CHUNK_EXCHANGE=auto`` leaves it off there.
+Exports :class:`ChunkExchanges`.
 
 No deadlock: every rank posts all its receives before it reads or sends anything, and
 waits for them only after its own sends and broadcasts are launched.

@@ -363,7 +363,8 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
         plan, metadata = local_step(), metadata_of()
         splits = split_reads(plan, metadata)
         # a chunk exchange costs more than it saves where every rank's reads are memory copies
-        return target_layout(plan, metadata), splits, bool(splits) and storage_reader.reads_are_copies()
+        copies = bool(splits) and CHUNK_EXCHANGE.get() is None and storage_reader.reads_are_copies()
+        return target_layout(plan, metadata), splits, copies
 
     def global_step(gathered: list[Any]) -> list[Any]:
         with phase("build_global_plan", rank):
