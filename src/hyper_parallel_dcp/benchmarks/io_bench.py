@@ -175,6 +175,7 @@ def io_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]
     our_load = _OurLoads(ours)
     _load_cases(rec, our_load, sd, target, flipped, theirs, reps)
     _piece_copies(rec, shapes, target, flipped, world_size, rank, reps)
+    _capped_load_cases(rec, ours, sd, target, flipped, root, cfg, reps)
     _cold_load_cases(rec, our_load, target, ours, theirs, reps2)
     _n_to_1_cases(rec, our_load, shapes, theirs, rank, reps2)
     if cfg.get("async", True):
@@ -301,6 +302,30 @@ def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, fli
     rec.info["bytes_needed"] = rec.info["global_bytes"]
     _check_equal(target, sd, "same-layout load")
     _check_equal(flipped, sd, "resharded load")
+
+
+def _capped_load_cases(rec: _Recorder, ours: Path, sd: dict, target: dict, flipped: dict, root: Path,
+                       cfg: dict[str, Any], reps: int) -> None:
+    """Same-layout and resharded loads through the shared storage bandwidth cap (storage
+    off the host: what the page cache shares between local ranks is read once per rank).
+    The resharded load reads each stored chunk once and exchanges the pieces
+    (``broadcast.exchange``); its bytes read, summed over the ranks, are recorded."""
+    from .throttle import SharedBandwidth, ThrottledFileSystemReader
+
+    bandwidth = SharedBandwidth(root / "bandwidth.state", cfg.get("cap_mb_s", 200.0) * 1e6)
+    for _ in range(reps):  # a few seconds each at the default sizes: one sample alone varied by a third
+        for name, dest in (("ours.load_capped", target), ("ours.load_resharded_capped", flipped)):
+            reader = ThrottledFileSystemReader(ours, bandwidth)
+            rec.add(name, _timed(functools.partial(_load_into, dest, reader))[0])
+            rec.info[name + ".bytes_read"] = _sum_over_ranks(reader.bytes_read)
+    _check_equal(target, sd, "same-layout load under the cap")
+    _check_equal(flipped, sd, "resharded load under the cap")
+
+
+def _load_into(dest: dict, reader: Any) -> None:
+    import hyper_parallel_dcp as hp
+
+    hp.load(dest, storage_reader=reader)
 
 
 def _load_pieces(shapes: list, dest: dict, world_size: int, rank: int, flip: bool,

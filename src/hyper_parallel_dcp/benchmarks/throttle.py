@@ -67,6 +67,9 @@ class ThrottledFileSystemReader(FileSystemReader):
     def _charge(self, before: int) -> None:
         self.throttled_s += self.bandwidth.consume(self.bytes_read - before)
 
+    def reads_are_copies(self) -> bool:
+        return False  # it stands in for storage outside the host, page cache or not
+
     def read_into(self, item: ReadItem, dest: Any) -> None:
         before = self.bytes_read
         super().read_into(item, dest)

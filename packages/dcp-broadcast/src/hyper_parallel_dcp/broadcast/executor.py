@@ -1,7 +1,8 @@
 """The read executor of a read-once + broadcast load, called on every rank instead of
 ``storage_reader.execute_read``: each replicated shard is read by one member of its
 replica group (``ReadItem.source``) and broadcast to the others; this rank's tail is read
-last.  Exports :func:`make_read_executor`, :class:`BroadcastReadExecutor`,
+last.  Chunks several ranks need column slices of are read once and sent in pieces
+(:mod:`.exchange`), around the same walk.  Exports :func:`make_read_executor`, :class:`BroadcastReadExecutor`,
 :class:`BroadcastStats`, ``MAX_IN_FLIGHT``, ``DEFAULT_BATCH_BYTES``."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD
 from hyper_parallel_dcp.core.storage import StorageReader, commit_read, read_items, resolve_destinations
 from hyper_parallel_dcp.core.timing import phase
 
+from .exchange import ChunkExchanges
 from .groups import broadcast_groups_for_load
 from .prefetch import ReadAhead
 from .schedule import (
@@ -58,6 +60,9 @@ class BroadcastStats:
     tail_items: int = 0
     groups_used: int = 0
     groups_created: int = 0
+    #: stored chunks this rank read or received pieces of for others (chunk exchanges), bytes it sent
+    exchanged_chunks: int = 0
+    bytes_exchanged: int = 0
     #: main-thread time spent launching broadcasts and waiting for them to land
     broadcast_seconds: float = 0.0
 
@@ -156,13 +161,33 @@ class BroadcastReadExecutor:
         Raises ``ValueError`` on every rank for inconsistent plans or unusable ``groups``;
         an error of this rank's planner is raised here and as ``ValueError`` on the other
         ranks before any group exists; a read failure after this rank's broadcasts are done."""
+        me = dist.get_rank()
+        self._timeout = collective_timeout()
+        exchanges = ChunkExchanges(plan, storage_reader, planner, me, self.batch_bytes or DEFAULT_BATCH_BYTES,
+                                   self.max_in_flight, self._timeout)
+        if exchanges.exchanges:
+            with phase("exchange_chunks", me):
+                exchanges.start()
+        error: Optional[BaseException] = None
+        try:
+            self._read_and_broadcast(exchanges.plan, storage_reader, planner, process_group, me)
+        finally:
+            if exchanges.exchanges:
+                with phase("exchange_chunks_wait", me):
+                    error = exchanges.finish()
+                self.stats.exchanged_chunks = len(exchanges.exchanges)
+                self.stats.bytes_exchanged = exchanges.bytes_sent
+        if error is not None:
+            raise error
+
+    def _read_and_broadcast(self, plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner,
+                            process_group: Optional[dist.ProcessGroup], me: int) -> None:
         required = required_groups(plan)
         if not required:
             # nothing is replicated anywhere (the same on every rank): the plain read path
             self.stats = BroadcastStats(tail_items=len(plan.items))
             storage_reader.execute_read(plan, planner)
             return
-        me = dist.get_rank()
         # what can fail on one rank alone fails before the groups exist, and travels with their exchange
         try:
             schedule = rank_schedule(plan, me, storage_reader.sort_items)
@@ -177,7 +202,6 @@ class BroadcastReadExecutor:
         # every wait has a deadline: the arrival checks name a rank that died before the exchange
         arrivals = DistWrapper(process_group, use_dist=True)
         arrivals.arrive("broadcast_groups")
-        self._timeout = collective_timeout()
         with broadcast_groups_for_load(required, me, self.groups, process_group, local_error=local_error,
                                        timeout=self._timeout) as groups:
             self.stats.groups_used = len(groups)

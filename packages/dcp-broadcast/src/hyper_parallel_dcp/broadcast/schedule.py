@@ -1,18 +1,21 @@
 """Pure scheduling of a read-once + broadcast load (no process group, no tensors): the
 load's replica groups, each rank's walk and where broadcasts are launched, from the rank's
 own plan.  Every rank walks a subsequence of one global order and flushes batches at
-positions fixed by it, so common broadcasts launch in the same order: no deadlock."""
+positions fixed by it, so common broadcasts launch in the same order: no deadlock.
+:func:`exchange_messages` packs the pieces of chunk exchanges into point-to-point messages
+that both sides of each pair compute alike."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, Union
 
 from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key, sort_read_items
-from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, ReplicaGroup
+from hyper_parallel_dcp.core.reader_assignment import ChunkExchange, ReaderAssignment, ReplicaGroup
 
-__all__ = ["BroadcastOp", "LaunchStep", "RankSchedule", "ShardInfo", "ShardStep", "ShardTask", "plan_broadcasts",
+__all__ = ["BroadcastOp", "ExchangeMessage", "LaunchStep", "RankSchedule", "ShardInfo", "ShardStep", "ShardTask", "exchange_messages", "plan_broadcasts",
            "rank_schedule", "replica_groups_of", "required_groups"]
 
 RankTuple = tuple[int, ...]
@@ -153,3 +156,56 @@ def plan_broadcasts(shards: Sequence[ShardInfo], batch_bytes: int) -> list[Step]
     for key in sorted(open_batches):
         flush(key)
     return steps
+
+
+#: bytes a piece's offset in a message is rounded up to (any dtype views it in place)
+_PIECE_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class ExchangeMessage:
+    """One point-to-point message of the chunk exchanges: between this rank and ``peer``
+    (the receiver when this rank sends, the chunks' reader when it receives), the ``tag``-th
+    of the pair, ``nbytes`` long, holding ``pieces``: ``(exchange position, storage_offsets,
+    lengths, byte offset)``, each the stored slice in row-major order."""
+
+    peer: int
+    tag: int
+    nbytes: int
+    pieces: tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
+
+
+def exchange_messages(exchanges: Sequence[ChunkExchange], rank: int,
+                      received: Sequence[Sequence[tuple[tuple[int, ...], tuple[int, ...]]]],
+                      batch_bytes: int) -> tuple[list[ExchangeMessage], list[ExchangeMessage]]:
+    """``(messages rank sends, messages it receives)`` for its ``exchanges`` (in the global
+    order, the same on both sides of each pair).  ``received[i]``: the sorted
+    ``(storage_offsets, lengths)`` this rank takes from exchange ``i`` when another rank
+    reads it (what that reader's ``pieces`` list for this rank).  The pieces between two
+    ranks go in order, packed into messages of at most ``batch_bytes`` (a larger piece
+    alone)."""
+    pairs: dict[tuple[bool, int], list[tuple[int, tuple[int, ...], tuple[int, ...], int]]] = {}
+    for i, x in enumerate(exchanges):
+        itemsize = x.dtype.itemsize
+        if x.reader == rank:
+            for peer, offsets, lengths in x.pieces:
+                if peer != rank:
+                    pairs.setdefault((True, peer), []).append((i, offsets, lengths, math.prod(lengths) * itemsize))
+        else:
+            for offsets, lengths in received[i]:
+                pairs.setdefault((False, x.reader), []).append((i, offsets, lengths, math.prod(lengths) * itemsize))
+    sends: list[ExchangeMessage] = []
+    receives: list[ExchangeMessage] = []
+    for (sending, peer), pieces in sorted(pairs.items()):
+        out = sends if sending else receives
+        messages: list[list] = [[]]
+        sizes = [0]
+        for i, offsets, lengths, nbytes in pieces:
+            if messages[-1] and sizes[-1] + nbytes > batch_bytes:
+                messages.append([])
+                sizes.append(0)
+            messages[-1].append((i, offsets, lengths, sizes[-1]))
+            sizes[-1] = -(-(sizes[-1] + nbytes) // _PIECE_ALIGN) * _PIECE_ALIGN
+        out += [ExchangeMessage(peer, tag, size, tuple(packed))
+                for tag, (packed, size) in enumerate(zip(messages, sizes))]
+    return sends, receives

@@ -25,8 +25,16 @@ from .layout import is_tensor_leaf
 from .load_planning import StandardLoadPlanner
 from .metadata import Metadata, MetadataIndex, StorageInfo, pack_metadata, storage_table, unpack_metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from .reader_assignment import apply_reader_assignment, assign_readers_from_layouts, target_layout
+from .reader_assignment import (
+    apply_chunk_exchanges,
+    apply_reader_assignment,
+    assign_chunk_exchanges,
+    assign_readers_from_layouts,
+    split_reads,
+    target_layout,
+)
 from .save_planning import StandardSavePlanner
+from .settings import CHUNK_EXCHANGE
 from .stateful import expand_stateful, restore_stateful
 from .storage import StorageReader, StorageWriter, WriteResult
 from .timing import log_info, phase
@@ -353,12 +361,26 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
         dw.check("plan", error)
         return planner.finish_plan(local[0])
 
-    def global_step(layouts: list[Any]) -> list[Any]:
-        with phase("build_global_plan", rank):
-            return assign_readers_from_layouts(layouts)
+    def layout_step() -> tuple[Any, Any, bool]:
+        plan, metadata = local_step(), metadata_of()
+        splits = split_reads(plan, metadata)
+        # a chunk exchange costs more than it saves where every rank's reads are memory copies
+        copies = bool(splits) and CHUNK_EXCHANGE.get() is None and storage_reader.reads_are_copies()
+        return target_layout(plan, metadata), splits, copies
 
-    reply = dw.reduce_scatter("plan", lambda: target_layout(local_step(), metadata_of()), global_step)
-    return planner.finish_plan(apply_reader_assignment(local[0], reply, dw.rank))
+    def global_step(gathered: list[Any]) -> list[Any]:
+        with phase("build_global_plan", rank):
+            replies = assign_readers_from_layouts([layout for layout, _, _ in gathered])
+            exchange = CHUNK_EXCHANGE.get()
+            if exchange is None:
+                exchange = not all(copies for _, splits, copies in gathered if splits)
+            if not exchange:
+                return [(reply, ()) for reply in replies]
+            return list(zip(replies, assign_chunk_exchanges([splits for _, splits, _ in gathered], replies)))
+
+    reply, exchanges = dw.reduce_scatter("plan", layout_step, global_step)
+    plan = apply_chunk_exchanges(apply_reader_assignment(local[0], reply, dw.rank), exchanges)
+    return planner.finish_plan(plan)
 
 
 def _execute_read(plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner, dw: DistWrapper,

@@ -6,6 +6,13 @@ identical and picks the readers (:func:`assign_readers_from_layouts`: largest sh
 first, to the member with the fewest bytes so far, ties to the lowest rank; SPEC §5);
 each rank applies its answer to its own plan (:func:`apply_reader_assignment`).
 :func:`assign_readers` runs the three steps in one process (``hp-dcp explain``, tests).
+
+A stored chunk that several ranks need column slices of (a ``Shard(0)`` chunk loaded as
+``Shard(1)``: each slice spans nearly the whole chunk in the file) is read once, as one
+contiguous run of its rows, by one of them, which sends each other rank its pieces
+(SPEC §14): every rank lists those reads (:func:`split_reads`), the coordinator picks the
+readers (:func:`assign_chunk_exchanges`), each rank takes its answer into its plan
+(:func:`apply_chunk_exchanges`).
 """
 
 from __future__ import annotations
@@ -14,13 +21,15 @@ import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
+from .chunks import slice_span
 from .metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from .planner import LoadItemType, LoadPlan, order_key
+from .planner import LoadItemType, LoadPlan, ReadItem, order_key
 
-__all__ = ["AssignmentReply", "ReaderAssignment", "ReplicaGroup", "TargetLayout", "apply_reader_assignment",
-           "assign_readers", "assign_readers_from_layouts", "target_layout"]
+__all__ = ["AssignmentReply", "ChunkExchange", "ReaderAssignment", "ReplicaGroup", "SplitRead", "TargetLayout",
+           "apply_chunk_exchanges", "apply_reader_assignment", "assign_chunk_exchanges", "assign_readers",
+           "assign_readers_from_layouts", "exchanged_reads", "split_reads", "target_layout"]
 
 RankTuple = tuple[int, ...]
 # A rank tuple on the wire: a range when its ranks step evenly (every device-mesh group),
@@ -44,6 +53,29 @@ class ReplicaGroup:
     source: int
 
 
+# a rank's read of a stored chunk that is not contiguous in it: (fqn, dest offsets, chunk
+# offsets, chunk position, chunk sizes, storage_offsets, lengths, stored dtype)
+SplitRead = tuple[str, tuple[int, ...], tuple[int, ...], int, tuple[int, ...], tuple[int, ...], tuple[int, ...], Any]
+# a piece a chunk's reader sends: (rank, storage_offsets, lengths)
+Piece = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class ChunkExchange:
+    """A stored chunk (``storage_index``, with its position) read once: ``reader`` reads its
+    rows ``[rows[0], rows[0] + rows[1])`` — one contiguous run of the file — and sends every
+    other member the pieces it needs.  ``pieces``: on the reader, every member's
+    ``(rank, storage_offsets, lengths)`` sorted; on the other members, empty (each knows its
+    own from its plan).  ``shape`` and ``dtype``: the stored chunk's."""
+
+    storage_index: MetadataIndex
+    shape: tuple[int, ...]
+    dtype: Any
+    rows: tuple[int, int]
+    reader: int
+    pieces: tuple[Piece, ...] = ()
+
+
 @dataclass(frozen=True)
 class ReaderAssignment:
     """A rank's part of the reader assignment, carried as ``LoadPlan.planner_data``.
@@ -51,10 +83,13 @@ class ReaderAssignment:
     ``groups``: the multi-member replica groups this rank is in, in the global order
     ``(fqn, offset)``.  ``required``: every multi-member rank tuple of the load, sorted —
     the same on every rank, which makes creating the groups a well-formed collective.
+    ``exchanges``: the chunks this rank reads for others or receives pieces of, in the
+    global order.
     """
 
     groups: tuple[ReplicaGroup, ...] = ()
     required: tuple[RankTuple, ...] = ()
+    exchanges: tuple[ChunkExchange, ...] = ()
 
 
 def _pack(ranks: RankTuple) -> PackedRanks:
@@ -232,3 +267,105 @@ def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata) -> list[Lo
     return [apply_reader_assignment(p, reply, r) for r, (p, reply) in enumerate(zip(all_plans, replies))]
 
 
+
+
+def split_reads(plan: LoadPlan, metadata: Metadata) -> tuple[SplitRead, ...]:
+    """The tensor reads of ``plan`` that are not contiguous in their stored chunk (what
+    :func:`assign_chunk_exchanges` may serve from one contiguous read of the chunk)."""
+    sd = metadata.state_dict_metadata
+    out = []
+    contiguous = _Contiguity()
+    for item in plan.items:
+        index = item.storage_index
+        if item.type is not LoadItemType.TENSOR or len(item.lengths) < 2 or index.index is None:
+            continue
+        md = sd[index.fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        sizes = tuple(md.chunks[index.index].sizes)
+        if not contiguous(sizes, item.storage_offsets, item.lengths):
+            out.append((index.fqn, item.dest_index.offset or (), index.offset or (), index.index, sizes,
+                        item.storage_offsets, item.lengths, md.properties.dtype))
+    return tuple(out)
+
+
+def assign_chunk_exchanges(splits: Sequence[Sequence[SplitRead]],
+                           replies: Optional[Sequence[AssignmentReply]] = None) -> list[tuple[ChunkExchange, ...]]:
+    """The coordinator's step: per rank, the :class:`ChunkExchange` entries it takes part in.
+
+    A chunk is exchanged when two ranks or more need non-contiguous pieces of it (reads of
+    a shard that ``replies`` puts in a replica group are left to its broadcast).  Its
+    reader is one of them, chosen by bytes: largest run first, to the member with the
+    fewest bytes read for exchanges so far, ties to the lowest rank.  The run read is the
+    chunk's rows from the first piece's first row to the last piece's last row."""
+    grouped = {(fqn, offsets) for reply in replies or () if reply is not None for fqn, offsets, _, _ in reply[0]}
+    by_chunk: dict[tuple[str, tuple[int, ...]], list] = {}
+    for rank, reads in enumerate(splits):
+        for fqn, dest, chunk, pos, sizes, offsets, lengths, dtype in reads:
+            if (fqn, dest) in grouped:
+                continue
+            entry = by_chunk.get((fqn, chunk))
+            if entry is None:
+                entry = by_chunk[(fqn, chunk)] = [pos, sizes, dtype, set()]
+            entry[3].add((rank, offsets, lengths))
+    chosen = []
+    for (fqn, chunk), (pos, sizes, dtype, pieces) in by_chunk.items():
+        ranks = sorted({p[0] for p in pieces})
+        if len(ranks) < 2:
+            continue
+        first = min(p[1][0] for p in pieces)
+        rows = (first, max(p[1][0] + p[2][0] for p in pieces) - first)
+        nbytes = rows[1] * math.prod(sizes[1:]) * dtype.itemsize
+        chosen.append((-nbytes, order_key(MetadataIndex(fqn, chunk)), (fqn, chunk, pos, sizes, dtype, rows, ranks,
+                                                                      tuple(sorted(pieces)))))
+    chosen.sort(key=lambda c: c[:2])
+    assigned: Counter = Counter()
+    out: list[list[tuple[str, ChunkExchange]]] = [[] for _ in splits]
+    for neg_bytes, key, (fqn, chunk, pos, sizes, dtype, rows, ranks, pieces) in chosen:
+        reader = min(ranks, key=assigned.__getitem__)
+        assigned[reader] -= neg_bytes
+        index = MetadataIndex(fqn, chunk, pos)
+        out[reader].append((key, ChunkExchange(index, sizes, dtype, rows, reader, pieces)))
+        receiving = ChunkExchange(index, sizes, dtype, rows, reader)
+        for rank in ranks:
+            if rank != reader:
+                out[rank].append((key, receiving))
+    return [tuple(x for _, x in sorted(entries, key=lambda e: e[0])) for entries in out]
+
+
+def apply_chunk_exchanges(plan: LoadPlan, exchanges: tuple[ChunkExchange, ...]) -> LoadPlan:
+    """``plan`` with its :class:`ReaderAssignment` carrying ``exchanges`` and the reads they
+    serve taking their chunk's reader as ``source`` (``plan`` unchanged without any)."""
+    if not exchanges:
+        return plan
+    data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
+    plan = replace(plan, planner_data=replace(data, exchanges=exchanges))
+    items = [replace(item, source=x.reader) if x is not None else item for item, x in exchanged_reads(plan)]
+    return replace(plan, items=tuple(items))
+
+
+def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkExchange]]]:
+    """Every item of ``plan`` with the :class:`ChunkExchange` that serves it (``None``: read
+    as planned): the reads :func:`split_reads` listed — not contiguous in their chunk, not
+    a replica group's — of the chunks in the plan's exchanges."""
+    data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
+    of_chunk = {(x.storage_index.fqn, x.storage_index.offset): x for x in data.exchanges}
+    grouped = {group.dest_index for group in data.groups}
+    contiguous = _Contiguity()
+    for item in plan.items:
+        index = item.storage_index
+        x = of_chunk.get((index.fqn, index.offset)) if of_chunk and item.type is LoadItemType.TENSOR else None
+        served = x is not None and item.dest_index not in grouped and \
+            not contiguous(x.shape, item.storage_offsets, item.lengths)
+        yield item, x if served else None
+
+
+class _Contiguity(dict):
+    """Whether a slice ``(offsets, lengths)`` of a chunk of ``sizes`` is one run of it,
+    computed once per distinct triple (a model repeats a few thousands of times)."""
+
+    def __call__(self, sizes: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
+        key = (sizes, offsets, lengths)
+        found = self.get(key)
+        if found is None:
+            found = self[key] = slice_span(sizes, offsets, lengths)[2]
+        return found

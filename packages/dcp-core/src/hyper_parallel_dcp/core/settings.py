@@ -19,6 +19,7 @@ __all__ = [
     "ASYNC_SHUTDOWN_TIMEOUT",
     "ASYNC_TIMEOUT",
     "BROADCASTS_IN_FLIGHT",
+    "CHUNK_EXCHANGE",
     "COLLECTIVE_TIMEOUT",
     "DEFAULT_TIMEOUT_S",
     "FAULT",
@@ -137,6 +138,12 @@ ALIGNED_WRITES: Setting[bool | None] = Setting(
     "folios (faster loads from the page cache, resharded ones most); 0: on 256 KiB boundaries; auto "
     "(the default): 2 MiB unless the machine is a VM whose host reclaims free guest memory (virtio-balloon "
     "free page reporting), where each fresh 2 MiB folio costs a host fault")
+CHUNK_EXCHANGE: Setting[bool | None] = Setting(
+    "HP_DCP_CHUNK_EXCHANGE", None, _flag_or_auto,
+    "1: a resharded load with read-once + broadcast reads a stored chunk that several ranks need column "
+    "slices of once, as one run, on one of them, and sends the others their pieces; 0: every rank reads its "
+    "slices itself; auto (the default): 1 unless the storage reader says that its reads are memory copies "
+    "(a FileSystemReader whose files are all in the page cache)")
 OBJECT_LOCK_STALE_AFTER: Setting[float] = Setting(
     "HP_DCP_OBJECT_LOCK_STALE_AFTER", 60.0, _seconds,
     "object storage: seconds after which a save's lock object that was not renewed counts as left by a "
@@ -155,5 +162,5 @@ LOG_CONFIG: Setting[str] = Setting(
 #: Every setting, in the order ``docs/tuning.md`` lists them.
 SETTINGS: tuple[Setting, ...] = (
     LOG_CONFIG, COLLECTIVE_TIMEOUT, ASYNC_TIMEOUT, ASYNC_GLOO_PORT, ASYNC_SHUTDOWN_TIMEOUT, MAILBOX_POLL_MAX,
-    FILES_KEPT, READ_AHEAD, BROADCASTS_IN_FLIGHT, ALIGNED_WRITES, OBJECT_LOCK_STALE_AFTER, FAULT, FAULT_ONCE,
+    FILES_KEPT, READ_AHEAD, BROADCASTS_IN_FLIGHT, CHUNK_EXCHANGE, ALIGNED_WRITES, OBJECT_LOCK_STALE_AFTER, FAULT, FAULT_ONCE,
 )

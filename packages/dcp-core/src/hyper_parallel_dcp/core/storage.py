@@ -160,6 +160,13 @@ class StorageReader(abc.ABC):
                 self.read_into(item, dest)
                 yield item, dest
 
+    def reads_are_copies(self) -> bool:
+        """Whether reading this checkpoint's bytes costs this rank no more than a memory copy
+        (a local cache already holds them): then a chunk that several ranks need column slices
+        of is cheaper read by each than sent over the process group (``HP_DCP_CHUNK_EXCHANGE``
+        auto).  Default: ``False``."""
+        return False
+
     @property
     def collectives_required(self) -> bool:
         """False when the metadata came from per-rank files (no global view was written)."""

@@ -29,6 +29,7 @@ from .files import LocalFiles
 from .layout import METADATA_FILE
 from .mapping import FileMapping, MappingArena
 from .metadata_io import StoredMetadata, chunk_sizes, load_checkpoint_metadata, read_stored_metadata
+from .posix import cached
 from .safetensors_header import (
     HeaderEntry,
     SafetensorsHeaderError,
@@ -302,6 +303,23 @@ class FileSystemReader(StorageReader):
     @property
     def collectives_required(self) -> bool:
         return self._is_global
+
+    def reads_are_copies(self) -> bool:
+        """Whether every file of the checkpoint is wholly in this host's page cache
+        (``cachestat``; ``False`` where the kernel cannot tell)."""
+        files = self.metadata.files if self.metadata is not None else {}
+        root = self._root()
+        for name, size in files.items():
+            try:
+                fd = os.open(root / name, os.O_RDONLY)
+            except OSError:
+                return False
+            try:
+                if not cached(fd, 0, size):
+                    return False
+            finally:
+                os.close(fd)
+        return bool(files)
 
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
         self.metadata = metadata
