@@ -20,12 +20,17 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from hyper_parallel_dcp.core.steps import parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
 
 __all__ = ["LocalCopies", "LocalTierFullError", "free_bytes"]
 
 logger = logging.getLogger(__name__)
+
+#: a copy's files: (name, size), in the order they are sent and written
+Manifest = list[tuple[str, int]]
 
 
 class LocalTierFullError(OSError):
@@ -58,6 +63,10 @@ def is_full(exc: BaseException) -> bool:
     return False
 
 
+def _manifest(sizes: dict[str, int]) -> Manifest:
+    return sorted(sizes.items(), key=lambda item: (item[0] == ".metadata", item[0]))
+
+
 class LocalCopies:
     """The copies that ``holder`` keeps under the node-local ``directory``."""
 
@@ -77,17 +86,32 @@ class LocalCopies:
             os.unlink(self._marker(step, rank))
         shutil.rmtree(self.copy_dir(step, rank), ignore_errors=True)
 
-    def read_files(self, step: int, rank: int) -> list[tuple[str, bytes]]:
-        """Every file of a copy, ``.metadata`` last (the order a receiver writes them in)."""
+    def read_payload(self, step: int, rank: int) -> tuple[Manifest, torch.Tensor]:
+        """Every file of a copy as (name, size) pairs, ``.metadata`` last (the order a receiver
+        writes them in), and their bytes one after another in one uint8 tensor (read in place:
+        the tensor is what goes on the wire)."""
         root = self.copy_dir(step, rank)
-        names = sorted(os.listdir(root), key=lambda n: (n == ".metadata", n))
-        return [(name, (root / name).read_bytes()) for name in names]
+        manifest = _manifest({name: (root / name).stat().st_size for name in os.listdir(root)})
+        data = torch.empty(sum(n for _, n in manifest), dtype=torch.uint8)
+        view, at = memoryview(data.numpy()), 0
+        for name, n in manifest:
+            with open(root / name, "rb", buffering=0) as f:
+                got = f.readinto(view[at:at + n])
+            if got != n:
+                raise OSError(f"{root / name} changed while it was read: {got} of {n} bytes")
+            at += n
+        return manifest, data
 
-    def write_files(self, step: int, rank: int, files: list[tuple[str, bytes]]) -> None:
+    def write_payload(self, step: int, rank: int, manifest: Manifest, data: torch.Tensor) -> None:
         """Write a copy received from another rank (replacing any old one), then fsync it."""
         self.discard(step, rank)
         root = self.copy_dir(step, rank)
-        needed = sum(len(data) for _, data in files)
+        needed = sum(n for _, n in manifest)
+        view, at = memoryview(data.numpy()), 0
+        files = []
+        for name, n in manifest:
+            files.append((name, view[at:at + n]))
+            at += n
         if free_bytes(self.directory) < needed:
             raise full_error(self.directory, needed, f"the replica of rank {rank}, step {step}")
         root.mkdir(parents=True, exist_ok=True)
@@ -107,10 +131,10 @@ class LocalCopies:
         record = {"step": step, "rank": rank, "holder": self.holder, "world_size": world_size, "files": sizes}
         write_file_atomic(self._marker(step, rank), lambda f: f.write(json.dumps(record).encode()), unique_temp=True)
 
-    def held(self, world_size: int) -> dict[int, list[int]]:
-        """``{step: [rank, ...]}``: the committed copies this holder keeps for a job of
+    def held(self, world_size: int) -> dict[int, dict[int, Manifest]]:
+        """``{step: {rank: manifest}}``: the committed copies this holder keeps for a job of
         ``world_size`` whose files are all there at their recorded sizes (a partial copy is not)."""
-        out: dict[int, list[int]] = {}
+        out: dict[int, dict[int, Manifest]] = {}
         for step, markers in self._markers().items():
             for rank, record in markers.items():
                 if record.get("holder") != self.holder or record.get("world_size") != world_size:
@@ -120,7 +144,7 @@ class LocalCopies:
                     logger.warning("local checkpoint tier: the copy of rank %d, step %d in %s is not used: %s",
                                    rank, step, self.copy_dir(step, rank), problem)
                     continue
-                out.setdefault(step, []).append(rank)
+                out.setdefault(step, {})[rank] = _manifest(record["files"])
         return out
 
     def _problem(self, step: int, rank: int, record: dict[str, Any]) -> Optional[str]:

@@ -33,13 +33,13 @@ from hyper_parallel_dcp.core.faults import fault_error, fault_point
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from hyper_parallel_dcp.core.stateful import expand_stateful
 
-from .local_copies import LocalCopies, LocalTierFullError, free_bytes, full_error, is_full
+from .local_copies import LocalCopies, LocalTierFullError, Manifest, free_bytes, full_error, is_full
 
 __all__ = ["LocalTier", "LocalTierFullError"]
 
 logger = logging.getLogger(__name__)
 
-Files = list[tuple[str, bytes]]
+Payload = tuple[Manifest, torch.Tensor]
 
 
 def node_identity(node: Union[int, str, None]) -> str:
@@ -176,7 +176,7 @@ class LocalTier:
     def _save_step(self, step: int, staged: Any, nbytes: int) -> None:
         rank, copies = self._rank, LocalCopies(self.dir, self._rank)
         error: Optional[BaseException] = None
-        files: Files = []
+        payload: Payload = ([], torch.empty(0, dtype=torch.uint8))
         try:
             self._arena.complete()
             copies.discard(step, rank)
@@ -191,18 +191,18 @@ class LocalTier:
                     raise full_error(self.dir, nbytes, f"rank {rank}'s copy of step {step}", exc) from exc
                 raise
             fault_point("local.write", rank)
-            files = copies.read_files(step, rank)
+            payload = copies.read_payload(step, rank)
         except Exception as exc:  # noqa: BLE001 - exchanged below: every rank gives up on this step
             error = exc
-        manifests = self._gather((None if error else [(n, len(d)) for n, d in files], _text(error)))
+        manifests = self._gather((None if error else payload[0], _text(error)))
         failed = {r: text for r, (_, text) in enumerate(manifests) if text}
         received: list[int] = []
         if not failed:
             try:
-                for source, got in self._exchange({p: files for p in self.peers(rank)},
+                for source, got in self._exchange({p: payload[1] for p in self.peers(rank)},
                                                   {s: manifests[s][0] for s in range(self._world)
                                                    if rank in self.peers(s)}).items():
-                    copies.write_files(step, source, got)
+                    copies.write_payload(step, source, manifests[source][0], got)
                     received.append(source)
                 fault_point("local.replicate", rank)
             except Exception as exc:  # noqa: BLE001
@@ -228,26 +228,33 @@ class LocalTier:
                         step, self.dir, self.stats["bytes"], self.peers(0),
                         f"; deleted local step(s) {deleted}" if deleted else "")
 
-    def _exchange(self, sends: dict[int, Files], receives: dict[int, list[tuple[str, int]]]) -> dict[int, Files]:
-        """Send ``sends[dst]`` to each ``dst`` and receive, from each ``src``, the files that
-        ``receives[src]`` lists (names and sizes); every transfer in flight at once (no order
-        between ranks can deadlock)."""
+    def _payload(self, copies: LocalCopies, step: int, rank: int, manifest: Manifest) -> torch.Tensor:
+        """The bytes of ``rank``'s copy as listed; zeros when it cannot be read as listed (the
+        receiver waits for that many bytes, and their checksums then fail there: no hang)."""
+        try:
+            listed, data = copies.read_payload(step, rank)
+            if listed == manifest:
+                return data
+            problem = f"its files are now {listed}, not {manifest}"
+        except OSError as exc:
+            problem = _text(exc)
+        logger.warning("local checkpoint tier: rank %d cannot send rank %d's copy of step %d: %s", self._rank, rank,
+                       step, problem)
+        return torch.zeros(sum(n for _, n in manifest), dtype=torch.uint8)
+
+    def _exchange(self, sends: dict[int, torch.Tensor], receives: dict[int, Manifest]) -> dict[int, torch.Tensor]:
+        """Send ``sends[dst]`` to each ``dst`` and receive from each ``src`` the bytes of the
+        files ``receives[src]`` lists; every transfer in flight at once (no order between ranks
+        can deadlock)."""
         requests, buffers = [], {}
-        for dst, files in sorted(sends.items()):
-            payload = torch.frombuffer(bytearray(b"".join(d for _, d in files)), dtype=torch.uint8)
-            requests.append(dist.isend(payload, dst, group=self._group))
+        for dst, data in sorted(sends.items()):
+            requests.append(dist.isend(data, dst, group=self._group))
         for src, manifest in sorted(receives.items()):
             buffers[src] = torch.empty(sum(n for _, n in manifest), dtype=torch.uint8)
             requests.append(dist.irecv(buffers[src], src, group=self._group))
         for request in requests:
             request.wait()
-        out = {}
-        for src, manifest in receives.items():
-            data, at, out[src] = buffers[src].numpy().tobytes(), 0, []
-            for name, n in manifest:
-                out[src].append((name, data[at:at + n]))
-                at += n
-        return out
+        return buffers
 
     def restore(self, state_dict: dict[str, Any], persistent_step: Optional[int], *, verify: bool = True,
                 allow_partial_load: bool = False) -> Optional[int]:
@@ -262,10 +269,12 @@ class LocalTier:
         gathered = self._gather((copies.held(self._world), persistent_step))
         persistent_step = gathered[0][1]
         holders: dict[int, dict[int, list[int]]] = {}
+        manifests: dict[tuple[int, int], Manifest] = {}  # (step, rank) -> the files of its copies
         for holder, (held, _) in enumerate(gathered):
             for step, ranks in held.items():
-                for r in ranks:
+                for r, manifest in ranks.items():
                     holders.setdefault(step, {}).setdefault(r, []).append(holder)
+                    manifests[step, r] = manifest
         for step in sorted(holders, reverse=True):
             if persistent_step is not None and persistent_step > step:
                 break
@@ -275,15 +284,15 @@ class LocalTier:
                     logger.warning("local checkpoint tier: step %d is not complete: no copy of rank(s) %s is left",
                                    step, missing[:8])
                 continue
-            if self._restore_step(step, holders[step], state_dict, verify, allow_partial_load):
+            if self._restore_step(step, holders[step], manifests, state_dict, verify, allow_partial_load):
                 return step
         if rank == 0 and holders:
             logger.warning("local checkpoint tier: no local step to restore (newest persistent step: %s); "
                            "loading from the persistent tier", persistent_step)
         return None
 
-    def _restore_step(self, step: int, holders: dict[int, list[int]], state_dict: dict[str, Any], verify: bool,
-                      allow_partial_load: bool) -> bool:
+    def _restore_step(self, step: int, holders: dict[int, list[int]], manifests: dict[tuple[int, int], Manifest],
+                      state_dict: dict[str, Any], verify: bool, allow_partial_load: bool) -> bool:
         rank, copies = self._rank, LocalCopies(self.dir, self._rank)
         sources = {r: sorted(hs, key=lambda h, r=r: (h != r, h)) for r, hs in holders.items()}
         attempt = dict.fromkeys(range(self._world), 0)
@@ -294,12 +303,12 @@ class LocalTier:
             fetch = {r: sources[r][attempt[r]] for r in pending if sources[r][attempt[r]] != r}
             error: Optional[BaseException] = None
             try:
-                sends = {dst: copies.read_files(step, dst) for dst, src in fetch.items() if src == rank}
-                manifests = self._gather({dst: [(n, len(d)) for n, d in files] for dst, files in sends.items()})
-                receives = {fetch[rank]: manifests[fetch[rank]][rank]} if rank in fetch else {}
-                for _, files in self._exchange(sends, receives).items():
-                    copies.write_files(step, rank, files)
-                    received += sum(len(d) for _, d in files)
+                sends = {dst: self._payload(copies, step, dst, manifests[step, dst])
+                         for dst, src in fetch.items() if src == rank}
+                receives = {fetch[rank]: manifests[step, rank]} if rank in fetch else {}
+                for src, data in self._exchange(sends, receives).items():
+                    copies.write_payload(step, rank, receives[src], data)
+                    received += data.numel()
                 if rank in pending:
                     api.load(state_dict, checkpoint_id=str(copies.copy_dir(step, rank)), no_dist=True, verify=verify,
                              allow_partial_load=allow_partial_load)
