@@ -257,7 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             local_dir = tempfile.mkdtemp(prefix="hp-dcp-bench-local-", dir=local_root)
             try:
                 result["local"] = _run_local(dict(cfg, root=str(Path(tmp) / "local"), local_root=local_dir,
-                                                  steps=5), args.timeout, log)
+                                                  steps=8), args.timeout, log)
             finally:
                 shutil.rmtree(local_dir, ignore_errors=True)
         if "convert" in sections:

@@ -53,9 +53,11 @@ def local_tier_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[s
         for t in sd.values():
             t.add_(1.0)
         tier.wait()  # the previous local save has landed: the copy below does not compete with it
+        dist.barrier()  # every rank copies at once in both measurements: the same contention
         t0 = time.perf_counter()
         torch._foreach_copy_(list(host.values()), list(sd.values()))
         copy_s = time.perf_counter() - t0
+        dist.barrier()
         mgr.save(step, sd)
         if step > 1:  # later saves: the first allocates the staging buffers
             times["ref.copy_preallocated"].append(copy_s)
