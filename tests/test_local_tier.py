@@ -5,6 +5,7 @@ corrupt copy, a rank killed mid local save and a full local disk each fall back 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyper_parallel_dcp.core.testing import FileReads, run_distributed
+from hyper_parallel_dcp.core.testing import FileReads, run_console_script, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -94,6 +95,12 @@ def test_lost_node_restores_from_replicas_bit_exact_without_reading_the_persiste
     assert sorted(p.name for p in (tmp_path / "node0/step_5").iterdir()) == sorted(
         [f"rank_{r}" for r in range(4)] + [f"rank_{r}.commit" for r in range(4)])
     assert all(s["replica_bytes"] > s["bytes"] for s in saved)  # files: the tensors and their headers
+    out = run_console_script("hp-dcp", "hyper_parallel_dcp.cli", "ls", str(tmp_path / "persist"), "--local",
+                             str(tmp_path / "node0"), "--json")
+    listed = json.loads(out.stdout)
+    assert out.returncode == 0 and listed["latest"] == 3
+    assert [(r["step"], r["ranks"]) for r in listed["local"][str(tmp_path / "node0")]] == [(4, [0, 1, 2, 3]),
+                                                                                          (5, [0, 1, 2, 3])]
     shutil.rmtree(tmp_path / "node1")  # the node is lost with its local disk
     restored = run_distributed(_restore_worker, 4, str(tmp_path), timeout=120, env=TIMEOUTS)
     assert [r["step"] for r in restored] == [5] * 4  # local step 5 is newer than persistent step 3

@@ -135,7 +135,7 @@ class LocalCopies:
         """``{step: {rank: manifest}}``: the committed copies this holder keeps for a job of
         ``world_size`` whose files are all there at their recorded sizes (a partial copy is not)."""
         out: dict[int, dict[int, Manifest]] = {}
-        for step, markers in self._markers().items():
+        for step, markers in self.markers().items():
             for rank, record in markers.items():
                 if record.get("holder") != self.holder or record.get("world_size") != world_size:
                     continue
@@ -158,7 +158,8 @@ class LocalCopies:
                 return f"{name} has {actual} bytes, {size} were written"
         return None if record.get("files") else "its marker lists no file"
 
-    def _markers(self) -> dict[int, dict[int, dict[str, Any]]]:
+    def markers(self) -> dict[int, dict[int, dict[str, Any]]]:
+        """``{step: {rank: marker record}}`` of every committed copy in the directory (any holder)."""
         out: dict[int, dict[int, dict[str, Any]]] = {}
         try:
             entries = list(os.scandir(self.directory))
@@ -178,7 +179,7 @@ class LocalCopies:
         """Delete the copies this holder keeps of steps older than its ``keep_last`` newest
         committed ones, and this rank's uncommitted copies older than ``newest``; the steps touched."""
         mine = {step: [r for r, rec in markers.items() if rec.get("holder") == self.holder]
-                for step, markers in self._markers().items()}
+                for step, markers in self.markers().items()}
         committed = sorted(s for s, ranks in mine.items() if ranks)
         doomed = {s: ranks for s, ranks in mine.items() if s in committed[:-keep_last]}
         try:
