@@ -5,6 +5,7 @@ corrupt copy, a rank killed mid local save and a full local disk each fall back 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,13 +21,32 @@ pytestmark = pytest.mark.distributed
 TIMEOUTS = {"HP_DCP_COLLECTIVE_TIMEOUT": "10"}
 
 
-def _state(step: int, rank: int) -> dict:
-    return {"w": torch.full((64, 4), float(step)), f"own{rank}": torch.arange(1000.0) + 100 * step + rank,
-            "train": {"step": step}}
+@functools.cache
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (4,))
 
 
-def _zeros(rank: int) -> dict:
-    return {"w": torch.zeros(64, 4), f"own{rank}": torch.zeros(1000), "train": {"step": -1}}
+def _sharded(full: torch.Tensor) -> torch.Tensor:
+    """``full`` as a DTensor sharded by rows over the 4 ranks."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows = full.shape[0] // 4  # this rank's rows, without a collective
+    return DTensor.from_local(full[dist.get_rank() * rows:][:rows].clone(), _mesh(), [Shard(0)], run_check=False)
+
+
+def _state(step: int, rank: int, sharded: bool = False) -> dict:
+    """Replicated, rank-own and (``sharded``: DTensor's first use costs seconds a process) sharded leaves."""
+    sd = {"w": torch.full((64, 4), float(step)), f"own{rank}": torch.arange(1000.0) + 100 * step + rank,
+          "train": {"step": step}}
+    return {**sd, "sharded": _sharded(torch.arange(256.0).reshape(32, 8) * step)} if sharded else sd
+
+
+def _zeros(rank: int, sharded: bool = False) -> dict:
+    sd = {"w": torch.zeros(64, 4), f"own{rank}": torch.zeros(1000), "train": {"step": -1}}
+    return {**sd, "sharded": _sharded(torch.zeros(32, 8))} if sharded else sd
 
 
 def _manager(root: str, rank: int, **kw):
@@ -36,12 +56,13 @@ def _manager(root: str, rank: int, **kw):
     return CheckpointManager(f"{root}/persist", save_interval_steps=3, local=tier, **kw), tier
 
 
-def _save_worker(rank: int, world_size: int, root: str, last: int, fault: str = "", at: int = 0) -> dict:
+def _save_worker(rank: int, world_size: int, root: str, last: int, fault: str = "", at: int = 0,
+                 sharded: bool = False) -> dict:
     mgr, tier = _manager(root, rank)
     for step in range(1, last + 1):
         if step == at:
             os.environ["HP_DCP_FAULT"] = fault
-        mgr.save(step, _state(step, rank))
+        mgr.save(step, _state(step, rank, sharded))
     mgr.close()
     return {"error": None if tier.last_error is None else str(tier.last_error), **tier.stats}
 
@@ -54,7 +75,7 @@ class _Lines(list):
         pass
 
 
-def _restore_worker(rank: int, world_size: int, root: str) -> dict:
+def _restore_worker(rank: int, world_size: int, root: str, sharded: bool = False) -> dict:
     import logging
 
     lines = _Lines()
@@ -62,13 +83,13 @@ def _restore_worker(rank: int, world_size: int, root: str) -> dict:
     logging.getLogger("hyper_parallel_dcp").addHandler(handler)
     logging.getLogger("hyper_parallel_dcp").setLevel(logging.INFO)
     mgr, tier = _manager(root, rank)
-    target = _zeros(rank)
+    target = _zeros(rank, sharded)
     with FileReads() as reads:
         step = mgr.restore(target)
     persist = os.path.realpath(f"{root}/persist")
-    expected = _state(step, rank) if step is not None else _zeros(rank)
+    expected = _state(step, rank, sharded) if step is not None else _zeros(rank, sharded)
     exact = all(torch.equal(target[k], expected[k]) for k in ("w", f"own{rank}")) and target["train"] == expected[
-        "train"]
+        "train"] and (not sharded or torch.equal(target["sharded"].to_local(), expected["sharded"].to_local()))
     mgr.close()
     return {"step": step, "exact": exact, "log": "".join(lines), "persistent_bytes": reads.bytes_from(
         lambda path, _: os.path.realpath(path).startswith(persist)), **tier.stats}
@@ -146,13 +167,13 @@ def test_a_corrupt_local_copy_is_replaced_by_its_replica_and_logged(
 def test_a_rank_killed_mid_local_save_leaves_that_step_never_loaded(tmp_path: Path) -> None:
     from hyper_parallel_dcp.core.testing import run_ranks
 
-    out = run_ranks(_save_worker, 4, str(tmp_path), 4, "local.replicate@1", 4, timeout=120,
+    out = run_ranks(_save_worker, 4, str(tmp_path), 4, "local.replicate@1", 4, True, timeout=180,
                     env={"HP_DCP_COLLECTIVE_TIMEOUT": "4"})
     assert out[1][0] == "died" and all(out[r][0] == "ok" for r in (0, 2, 3)), out
     assert all(out[r][1]["error"] for r in (0, 2, 3))  # their wait for rank 1 timed out: logged, not raised
     assert not list(tmp_path.glob("node*/step_4/*.commit"))  # nothing of step 4 committed
-    restored = run_distributed(_restore_worker, 4, str(tmp_path), timeout=120, env=TIMEOUTS)
-    assert [r["step"] for r in restored] == [3] * 4 and all(r["exact"] for r in restored)
+    restored = run_distributed(_restore_worker, 4, str(tmp_path), True, timeout=180, env=TIMEOUTS)
+    assert [r["step"] for r in restored] == [3] * 4 and all(r["exact"] for r in restored)  # DTensor shards too
     assert [r["persistent_bytes"] for r in restored] == [0] * 4  # local step 3 is as new as the persistent one
 
 
