@@ -143,6 +143,7 @@ def test_both_copies_of_one_rank_lost_restores_from_the_persistent_tier(
     assert [r["step"] for r in restored] == [3] * 4 and all(r["exact"] for r in restored)
     assert all(r["persistent_bytes"] > 0 for r in restored)
     assert "step 5 is not complete: no copy of rank(s) [2] is left" in restored[0]["log"]
+    assert not list(root.glob("node*/step_*/*"))  # the newer local steps of the abandoned run are gone
 
 
 def test_a_corrupt_local_copy_is_replaced_by_its_replica_and_logged(
@@ -188,3 +189,18 @@ def test_a_full_local_disk_is_an_error_naming_dir_and_bytes_and_the_persistent_s
     restored = run_distributed(_restore_worker, 4, str(tmp_path), timeout=120, env=TIMEOUTS)
     assert [r["step"] for r in restored] == [3] * 4 and all(r["exact"] for r in restored)
     assert all(r["persistent_bytes"] > 0 for r in restored)
+
+
+def test_one_process_without_a_process_group(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from hyper_parallel_dcp import CheckpointManager, LocalTier
+
+    with CheckpointManager(tmp_path / "persist", save_interval_steps=2,
+                           local=LocalTier(tmp_path / "local", interval_steps=1, keep_last=1)) as mgr:
+        assert [mgr.save(step, _state(step, 0)) for step in (1, 2, 3)] == [True] * 3
+    assert mgr.all_steps() == [2] and sorted(p.name for p in (tmp_path / "local").iterdir()) == ["step_3"]
+    target = _zeros(0)
+    with CheckpointManager(tmp_path / "persist", local=LocalTier(tmp_path / "local", interval_steps=1)) as mgr:
+        assert mgr.restore(target) == 3
+    assert torch.equal(target["own0"], _state(3, 0)["own0"]) and target["train"] == {"step": 3}
+    with pytest.raises(ValueError, match=r"LocalTier\(replicas=...\) must be an integer >= 0, got -1"):
+        LocalTier(tmp_path, interval_steps=1, replicas=-1)

@@ -175,6 +175,18 @@ class LocalCopies:
                     out.setdefault(step, {})[int(record["rank"])] = record
         return out
 
+    def drop_newer(self, step: int, own_rank: int) -> list[int]:
+        """Delete the copies this holder keeps of steps newer than ``step`` and this rank's own
+        (a job went back to ``step``: those belong to an abandoned run); the steps touched."""
+        newer = sorted(s for s in self.markers() if s > step)
+        for other in newer:
+            ranks = {r for r, rec in self.markers().get(other, {}).items() if rec.get("holder") == self.holder}
+            for rank in ranks | {own_rank}:
+                self.discard(other, rank)
+            with suppress(OSError):
+                os.rmdir(self.directory / step_name(other))
+        return newer
+
     def retain(self, keep_last: int, newest: int, own_rank: int) -> list[int]:
         """Delete the copies this holder keeps of steps older than its ``keep_last`` newest
         committed ones, and this rank's uncommitted copies older than ``newest``; the steps touched."""

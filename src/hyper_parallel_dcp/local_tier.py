@@ -291,6 +291,14 @@ class LocalTier:
                            "loading from the persistent tier", persistent_step)
         return None
 
+    def forget_after(self, step: int) -> None:
+        """The job resumed from persistent ``step``: delete the local copies this rank holds of
+        newer steps, so that no later restore mixes them with the new run's (no collective)."""
+        dropped = LocalCopies(self.dir, self._rank).drop_newer(step, self._rank)
+        if dropped:
+            logger.info("local checkpoint tier: rank %d deleted its copies of local step(s) %s in %s, newer than "
+                        "step %d restored from the persistent tier", self._rank, dropped, self.dir, step)
+
     def _restore_step(self, step: int, holders: dict[int, list[int]], manifests: dict[tuple[int, int], Manifest],
                       state_dict: dict[str, Any], verify: bool, allow_partial_load: bool) -> bool:
         rank, copies = self._rank, LocalCopies(self.dir, self._rank)

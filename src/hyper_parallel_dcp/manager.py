@@ -375,7 +375,9 @@ class CheckpointManager:
         older one is loaded (with ``allow_partial_load=True`` a key it lacks may keep the damaged
         step's value).  ``load_kwargs`` go to :func:`hyper_parallel_dcp.load`.  The step is held
         against deletion while it loads; a save in flight is waited for first.  Collective, like
-        ``load``; any target layout.
+        ``load``; any target layout.  With ``local``, the newest step complete in either tier
+        (see :meth:`LocalTier.restore`); ``step=K`` reads the persistent tier only, and local
+        copies newer than a step restored from the persistent tier are deleted.
 
         Returns ``None`` when there is nothing to resume (a missing root, no complete step, every
         step damaged), after logging one line naming the root; ``required=True`` raises
@@ -417,6 +419,8 @@ class CheckpointManager:
             if not failed:
                 if dw.is_coordinator:
                     logger.info("checkpoint manager: restored step %d from %s", chosen, self._steps.location(chosen))
+                if self.local is not None:
+                    self.local.forget_after(chosen)
                 return chosen
             if wanted is not None or not all(damaged for damaged, _ in failed.values()):
                 if error is not None:
