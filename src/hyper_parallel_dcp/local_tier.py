@@ -100,8 +100,9 @@ class LocalTier:
         #: the last local save: ``step``, ``blocked_s`` (staging), ``bytes`` (this rank's),
         #: ``replica_bytes`` (received); the last restore: ``restored_step``, ``received_bytes``
         self.stats: dict[str, Any] = {}
-        self._group: Any = None
+        self._group: Any = None  # None with _distributed: the default group (gloo: a restore before any save)
         self._nodes: Optional[list[str]] = None
+        self._distributed = False
         self._rank, self._world = 0, 1
         self._arena = StagingArena()
         self._job: Optional[threading.Thread] = None
@@ -109,12 +110,22 @@ class LocalTier:
     def due(self, step: int) -> bool:
         return step % self.interval_steps == 0
 
+    def _restore_group(self) -> None:
+        """For a restore: this rank, and the gloo group of the saves, or, before any save, the
+        default group if it is gloo (creating a group costs 0.05-0.15 s of a 0.5 s recovery)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._distributed = True
+            self._rank, self._world = dist.get_rank(), dist.get_world_size()
+            if self._group is None and "gloo" not in str(dist.get_backend()):
+                self._setup()
+
     def _setup(self) -> None:
         """Once, collectively: a gloo group of its own (the background thread's exchanges must
         not interleave with the training's collectives) and every rank's node."""
         if self._nodes is not None:
             return
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._distributed = True
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
             self._group = dist.new_group(backend="gloo",
                                          timeout=datetime.timedelta(seconds=collective_timeout() or 1800))
@@ -128,7 +139,7 @@ class LocalTier:
                            "another node (a lost node restores from the persistent tier)", self._world, self.node)
 
     def _gather(self, obj: Any) -> list[Any]:
-        if self._group is None:
+        if not self._distributed:
             return [obj]
         out: list[Any] = [None] * self._world
         dist.all_gather_object(out, obj, group=self._group)
@@ -263,7 +274,7 @@ class LocalTier:
         (load from the persistent tier).  A rank whose copy is missing or fails its checksums
         receives the replica's bytes from its holder (and keeps them as its copy again).
         Collective; reads nothing from the persistent tier."""
-        self._setup()
+        self._restore_group()
         self.wait()
         rank, copies = self._rank, LocalCopies(self.dir, self._rank)
         gathered = self._gather((copies.held(self._world), persistent_step))
