@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {name: f"hyper_parallel_dcp.{module}" for module, nam
     "core.errors": ("CheckpointError", "CheckpointException"),
     "storage_fs": ("FileSystemWriter", "FileSystemReader"),
     "manager": ("CheckpointManager",),
+    "local_tier": ("LocalTier", "LocalTierFullError"),
 }.items() for name in names}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -37,6 +37,7 @@ from hyper_parallel_dcp.core.errors import (
 )
 from hyper_parallel_dcp.core.stateful import expand_stateful
 
+from .local_tier import LocalTier
 from .retention import best_steps, steps_to_delete
 from .step_storage import step_storage_for
 
@@ -106,7 +107,8 @@ class CheckpointManager:
     :func:`hyper_parallel_dcp.async_save` (returns once staged).  ``save_on_preemption``
     installs a SIGTERM handler (from the main thread): the next :meth:`save` after a SIGTERM
     reached any rank saves, waits until it has landed and sets :attr:`preempted` (one small
-    collective per ``save`` call).
+    collective per ``save`` call).  ``local``: a :class:`LocalTier`, saved every its
+    ``interval_steps`` beside this persistent tier (SPEC §13) and restored from first.
 
     :meth:`save`, :meth:`restore`, :meth:`wait` and :meth:`close` are collective over the
     default process group; leaving a ``with`` block on an exception closes without a
@@ -118,7 +120,7 @@ class CheckpointManager:
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = 3,
                  keep_every: Optional[int] = None, save_interval_steps: int = 1, async_save: bool = False,
                  keep_best: Optional[int] = None, best_metric: Optional[str] = None, best_mode: str = "min",
-                 save_on_preemption: bool = False):
+                 save_on_preemption: bool = False, local: Optional[LocalTier] = None):
         self.keep_last = _positive_or_none("keep_last", keep_last)
         self.keep_every = _positive_or_none("keep_every", keep_every)
         interval = _positive_or_none("save_interval_steps", save_interval_steps)
@@ -133,6 +135,9 @@ class CheckpointManager:
         self.best_metric = best_metric
         self.best_mode = best_mode
         self.async_save = bool(async_save)
+        if local is not None and not isinstance(local, LocalTier):
+            raise ValueError(f"local must be a LocalTier or None, got {type(local).__name__}")
+        self.local = local
         if not isinstance(root, (str, os.PathLike)):
             raise ValueError(f"root must be a path or URL, got {type(root).__name__}")
         self.root = root
@@ -171,7 +176,7 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
              metrics: Optional[dict[str, Any]] = None) -> bool:
         """Save ``state_dict`` as ``step`` when ``step % save_interval_steps == 0`` or ``force``;
-        True when this call saved.  Collective: every rank calls with the same ``step``.
+        True when this call saved (in either tier).  Collective: every rank calls with the same ``step``.
 
         Synchronous: committed and its retention done when this returns.  ``async_save=True``:
         returns once staged, after the previous async save landed (its error is raised on every
@@ -186,6 +191,10 @@ class CheckpointManager:
         dw = DistWrapper(None, use_dist=True)
         preempting = self.save_on_preemption and any(
             dw.all_gather("checkpoint manager: preemption check", lambda: self._signal_received))
+        if self.local is not None and self.local.due(step):
+            self.local.save(step, state_dict)  # first: it only stages here
+            if not (force or preempting or step % self.save_interval_steps == 0):
+                return True
         if not (force or preempting or step % self.save_interval_steps == 0):
             return False
 
@@ -366,7 +375,9 @@ class CheckpointManager:
         older one is loaded (with ``allow_partial_load=True`` a key it lacks may keep the damaged
         step's value).  ``load_kwargs`` go to :func:`hyper_parallel_dcp.load`.  The step is held
         against deletion while it loads; a save in flight is waited for first.  Collective, like
-        ``load``; any target layout.
+        ``load``; any target layout.  With ``local``, the newest step complete in either tier
+        (see :meth:`LocalTier.restore`); ``step=K`` reads the persistent tier only, and local
+        copies newer than a step restored from the persistent tier are deleted.
 
         Returns ``None`` when there is nothing to resume (a missing root, no complete step, every
         step damaged), after logging one line naming the root; ``required=True`` raises
@@ -378,6 +389,11 @@ class CheckpointManager:
         self._check_open()
         wanted = None if step is None else _check_step(step)
         self.wait()
+        if self.local is not None and wanted is None:
+            restored = self.local.restore(state_dict, self.latest_step(), verify=verify,
+                                          allow_partial_load=bool(load_kwargs.get("allow_partial_load")))
+            if restored is not None:
+                return restored
         dw = DistWrapper(None, use_dist=True)
         skipped: list[int] = []
         while True:
@@ -403,6 +419,8 @@ class CheckpointManager:
             if not failed:
                 if dw.is_coordinator:
                     logger.info("checkpoint manager: restored step %d from %s", chosen, self._steps.location(chosen))
+                if self.local is not None:
+                    self.local.forget_after(chosen)
                 return chosen
             if wanted is not None or not all(damaged for damaged, _ in failed.values()):
                 if error is not None:
@@ -464,6 +482,8 @@ class CheckpointManager:
         Re-raises (on every rank, once) the error of an async save that failed; that step counts
         as an interrupted save."""
         self._check_open()
+        if self.local is not None:
+            self.local.wait()
         if self._inflight is None and not self._retention_due:
             return
         dw = DistWrapper(None, use_dist=True)
@@ -489,6 +509,8 @@ class CheckpointManager:
             self._previous_handler = None
         if self.async_save:
             async_persist.shutdown_writer()
+        if self.local is not None:
+            self.local.close(wait=False)  # close() waited; on an exception a peer may never come
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -50,10 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bcast-mib", type=float, help="size of the replicated state dict for broadcast loads")
     p.add_argument("--bcast-worlds", default="2,4", help="replication factors for broadcast loads (default 2,4)")
     p.add_argument("--cap-mb-s", type=float, default=200.0, help="shared storage bandwidth cap for broadcast loads")
+    p.add_argument("--local-mib", type=float, help="state per rank of the local tier section (default: --bcast-mib)")
     p.add_argument("--reps", type=int, help="repetitions per case (secondary cases too)")
     p.add_argument("--plan-worlds", help="comma-separated simulated world sizes for planning")
-    p.add_argument("--sections", default="io,broadcast,convert,planning",
-                   help="comma-separated subset of io,broadcast,convert,planning")
+    p.add_argument("--sections", default="io,broadcast,local,convert,planning",
+                   help="comma-separated subset of io,broadcast,local,convert,planning")
     p.add_argument("--workdir", help="where checkpoints are written (default: a temp dir; needs ~3x the sizes)")
     p.add_argument("--out", default="docs/benchmarks", help="output folder (default docs/benchmarks)")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for each multi-process run (s)")
@@ -141,6 +142,21 @@ def _run_broadcast(cfg: dict[str, Any], worlds: Sequence[int], timeout: float, l
     return {"cap_mb_s": cfg["cap_mb_s"], "mib": cfg["bcast_mib"], "runs": runs}
 
 
+def _run_local(cfg: dict[str, Any], timeout: float, log) -> dict[str, Any]:
+    from hyper_parallel_dcp.core.testing import run_distributed
+
+    from .local_bench import local_tier_worker
+
+    results = run_distributed(local_tier_worker, 4, cfg, timeout=timeout)
+    out = {"cap_mb_s": cfg["cap_mb_s"], "summary": _summaries(results[0]["times"]), "info": results[0]["info"]}
+    s, info = out["summary"], out["info"]
+    log(f"local tier: recovery {s['local.recovery']['median']:.3f}s vs persistent "
+        f"{s['persistent.recovery']['median']:.3f}s, {info['local.persistent_bytes']} bytes from persistent; "
+        f"blocked per save {s['local.save_blocked']['median']:.4f}s vs preallocated copy "
+        f"{s['ref.copy_preallocated']['median']:.4f}s; bit-exact {info['all_exact']}")
+    return out
+
+
 def _run_convert(root: Path, mib: float, reps: int, log) -> dict[str, Any]:
     from .io_bench import feature_available
 
@@ -204,6 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "reps": args.reps or reps,
         "reps_secondary": args.reps or reps2,
         "cap_mb_s": args.cap_mb_s,
+        "local_mib": args.local_mib or bcast_mib,
     }
     worlds = tuple(int(w) for w in args.plan_worlds.split(",")) if args.plan_worlds else plan_worlds
     sections = set(args.sections.split(","))
@@ -235,6 +252,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if "broadcast" in sections:
             bworlds = [int(w) for w in args.bcast_worlds.split(",") if w]
             result["broadcast"] = _run_broadcast(dict(cfg, root=str(Path(tmp) / "bcast")), bworlds, args.timeout, log)
+        if "local" in sections:
+            local_root = Path("/dev/shm") if Path("/dev/shm").is_dir() and not args.workdir else Path(tmp)
+            local_dir = tempfile.mkdtemp(prefix="hp-dcp-bench-local-", dir=local_root)
+            try:
+                result["local"] = _run_local(dict(cfg, root=str(Path(tmp) / "local"), local_root=local_dir,
+                                                  steps=8), args.timeout, log)
+            finally:
+                shutil.rmtree(local_dir, ignore_errors=True)
         if "convert" in sections:
             result["convert"] = _run_convert(Path(tmp) / "convert", cfg["bcast_mib"], cfg["reps"], log)
     finally:

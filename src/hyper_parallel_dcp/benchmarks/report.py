@@ -154,6 +154,10 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         lines += _io_lines(kind, d)
     if result.get("broadcast"):
         lines += _broadcast_lines(result["broadcast"])
+    if result.get("local"):
+        from .local_bench import local_lines
+
+        lines += local_lines(result["local"])
     if result.get("convert"):
         lines += _convert_lines(result["convert"])
     if result.get("planning"):

@@ -99,8 +99,11 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "ls", "roots:run_ls", "list the steps of a CheckpointManager root: complete or not, size, age, metrics",
         "List every step_N directory under ROOT, complete or not, with its size, age and metrics; then what "
-        "dead saves left behind (what 'hp-dcp clean --dry-run' lists with the same --grace).  Changes nothing.",
-        "hp-dcp ls /ckpt --json", "", (_ROOT, _GRACE, _JSON)),
+        "dead saves left behind (what 'hp-dcp clean --dry-run' lists with the same --grace); with --local, the "
+        "steps of a LocalTier directory too (which ranks' copies are committed there).  Changes nothing.",
+        "hp-dcp ls /ckpt --local /dev/shm/hp-dcp/run1 --json", "",
+        (_ROOT, _GRACE, _JSON, (("--local",), {"action": "append", "default": [], "metavar": "DIR",
+                                               "help": "a node-local LocalTier directory to list too (repeatable)"}))),
     Command(
         "clean", "roots:run_clean", "remove what dead saves left under a CheckpointManager root",
         "Remove what saves that died left under ROOT: hidden .step_N.hp-dcp-staging-*/-old-* directories, lock "

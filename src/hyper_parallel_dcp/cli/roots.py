@@ -89,9 +89,10 @@ def run_ls(args: Any) -> int:
     # what clean removes: leftovers of dead saves not touched for --grace, of steps whose
     # save lock nobody holds (probing a lock changes nothing)
     leftovers = steps.find_leftovers(older_than=latest, grace=args.grace)
+    local = {d: _local_rows(d) for d in args.local}
     if args.json:
         print_json({"root": str(root), "latest": latest, "steps": rows,
-                    "leftovers": [_leftover_json(x) for x in leftovers]})
+                    "leftovers": [_leftover_json(x) for x in leftovers], **({"local": local} if local else {})})
         return EXIT_OK
     if not rows:
         print(f"{root}: no step_N directories")
@@ -106,7 +107,24 @@ def run_ls(args: Any) -> int:
         grace = "" if args.grace == CLEAN_GRACE_S else f" --grace {args.grace:g}"
         print(f"{len(leftovers)} leftover(s) of dead saves ({format_bytes(sum(x.bytes for x in leftovers))}): "
               f"'hp-dcp clean {root}{grace}' removes them")
+    for directory, local_rows in local.items():
+        print(f"\nlocal tier {directory}:")
+        print_table(["step", "committed copies of ranks", "size"],
+                    [(r["step"], ",".join(map(str, r["ranks"])) or "none", format_bytes(r["bytes"]))
+                     for r in local_rows], right=(0, 2))
     return EXIT_OK
+
+
+def _local_rows(directory: str) -> list[dict[str, Any]]:
+    """The steps of a node-local tier directory: the ranks whose copies are committed there, bytes."""
+    from pathlib import Path
+
+    from hyper_parallel_dcp.local_copies import LocalCopies
+
+    existing_dir(directory, "local tier directory")
+    return [{"step": step, "ranks": sorted(records), "bytes": sum(sum(r.get("files", {}).values())
+                                                                  for r in records.values())}
+            for step, records in sorted(LocalCopies(Path(directory), -1).markers().items())]
 
 
 def run_clean(args: Any) -> int:

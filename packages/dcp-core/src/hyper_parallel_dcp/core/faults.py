@@ -1,34 +1,46 @@
-"""A test hook: a process kills itself (SIGKILL) at a named checkpoint phase.
+"""A test hook: a process kills itself (SIGKILL) at a named checkpoint phase, or a write fails.
 
 Inert unless ``HP_DCP_FAULT=<phase>@<rank>[,...]`` is set (``@<rank>`` left out: every
 rank); with ``HP_DCP_FAULT_ONCE=<file>`` only the first process to get there dies (it
 creates the file).  Phases: :data:`PHASES` (``save.commit``: on the coordinator just
-before ``.metadata`` is written, elsewhere after its own files are).
+before ``.metadata`` is written, elsewhere after its own files are; ``local.write``: a local
+tier's copy written, not yet sent to its replica peers; ``local.replicate``: replicas written,
+not yet committed).  :func:`fault_error` phases (``local.full``) raise ``ENOSPC`` instead.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
 
 from .settings import FAULT, FAULT_ONCE
 
-__all__ = ["PHASES", "fault_point"]
+__all__ = ["PHASES", "fault_error", "fault_point"]
 
 PHASES = ("save.setup", "save.plan", "save.write", "save.commit",
-          "load.setup", "load.plan", "load.read", "load.broadcast")
+          "load.setup", "load.plan", "load.read", "load.broadcast", "local.write", "local.replicate", "local.full")
+
+
+def _named(phase: str, rank: int) -> bool:
+    spec = FAULT.get()
+    for entry in spec.split(",") if spec else ():
+        name, _, who = entry.strip().partition("@")
+        if name == phase and (not who or int(who) == rank):
+            return True
+    return False
+
+
+def fault_error(phase: str, rank: int) -> None:
+    """Raise ``OSError(ENOSPC)`` here if ``HP_DCP_FAULT`` names ``phase`` for ``rank`` (a full disk)."""
+    if _named(phase, rank):
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by HP_DCP_FAULT={FAULT.get()})")
 
 
 def fault_point(phase: str, rank: int) -> None:
     """Die here if ``HP_DCP_FAULT`` names ``phase`` for ``rank`` (see the module doc)."""
-    spec = FAULT.get()
-    if not spec:
-        return
-    for entry in spec.split(","):
-        name, _, who = entry.strip().partition("@")
-        if name != phase or (who and int(who) != rank):
-            continue
+    if _named(phase, rank):
         once = FAULT_ONCE.get()
         if once:
             try:
