@@ -78,14 +78,7 @@ def test_dir_of_the_package_is_its_api():
     assert "importlib" not in dir(dcp) and "extend_path" not in dir(dcp)
 
 
-# issue 57 C18: `latest` still checks a step through core.metadata, which imports torch
-_TORCH_FREE_CHECK = pytest.mark.xfail(strict=True, reason="as for ls, and storage_fs.integrity.check_complete "
-                                      "parses .metadata through core.metadata, which imports torch")
-
-
-@pytest.mark.parametrize("command", ["ls",
-                                     pytest.param("latest", marks=_TORCH_FREE_CHECK),
-                                     "clean"])
+@pytest.mark.parametrize("command", ["ls", "latest", "clean"])
 def test_ls_latest_and_clean_import_no_torch(tmp_path, command):
     with dcp.CheckpointManager(tmp_path / "root") as mgr:
         mgr.save(1, {"w": torch.ones(4)})
@@ -94,3 +87,21 @@ def test_ls_latest_and_clean_import_no_torch(tmp_path, command):
             "print('torch' in sys.modules, rc, file=sys.stderr)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stderr.strip().splitlines()[-1] == "False 0", proc.stderr
+
+
+def test_latest_decides_from_the_json_and_checks_a_torch_dcp_step_fully(tmp_path, capsys):
+    import torch.distributed.checkpoint as tdcp
+
+    root = tmp_path / "root"
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(root / "step_1"), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save({"w": torch.ones(4)}, checkpoint_id=str(root / "step_2"), no_dist=True)
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(root / "step_3"), no_dist=True)
+    doc = json.loads((root / "step_3" / ".metadata").read_text())
+    (root / "step_3" / ".metadata").write_text(json.dumps({**doc, "format_version": 99}))  # a newer writer's
+    assert hp_dcp(["latest", str(root)]) == 0
+    assert capsys.readouterr().out.strip() == str(root / "step_2")  # the pickle: check_complete
+    (root / "step_2" / "__0_0.distcp").unlink()
+    assert hp_dcp(["latest", str(root)]) == 0
+    assert capsys.readouterr().out.strip() == str(root / "step_1")

@@ -59,6 +59,33 @@ def test_async_save_to_s3(s3_test_env, s3_proxy):
     assert all(torch.equal(sd[k], full[k]) for k in full)
 
 
+def _async_ranks_worker(rank, world_size, url, full):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import hyper_parallel_dcp as dcp
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    sd = {"embed": distribute_tensor(full["embed"], mesh, [Shard(0)]), "bias": full["bias"]}
+    dcp.async_save(sd, checkpoint_id=url).get_result(timeout=120)  # default arguments
+    back = {"embed": distribute_tensor(torch.zeros_like(full["embed"]), mesh, [Shard(0)]),
+            "bias": torch.zeros_like(full["bias"])}
+    dcp.load(back, checkpoint_id=url)
+    return torch.equal(back["embed"].full_tensor(), full["embed"]) and torch.equal(back["bias"], full["bias"])
+
+
+@pytest.mark.distributed
+def test_async_save_to_s3_on_two_ranks_with_default_arguments(s3_test_env):
+    from hyper_parallel_dcp.core.testing import free_port_pair
+    from hyper_parallel_dcp.storage_object import ObjectStore
+
+    url = f"s3://{BUCKET}/async2/step_1"
+    env = {**s3_test_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_pair())}  # torchrun's
+    assert run_distributed(_async_ranks_worker, 2, url, _full(), env=env, timeout=240) == [True, True]
+    names = sorted(key.rsplit("/", 1)[1] for key, _ in ObjectStore(BUCKET).list_objects("async2/step_1/"))
+    assert names == [".metadata", "_rank0_.safetensors", "_rank1_.safetensors"]  # no mailbox objects
+
+
 # ------------------------------------------------------------ hp-dcp and hp-dcp-convert
 def test_tools_on_s3_urls(s3_test_env, s3_proxy, tmp_path, capsys):
     import json

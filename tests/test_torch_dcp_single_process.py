@@ -275,3 +275,33 @@ def test_zstd_compressed_torch_checkpoint(tmp_path):
     target = {"w": torch.zeros(3, 4)}
     dcp.load(target, checkpoint_id=path, no_dist=True)
     assert torch.equal(target["w"], value)
+
+
+class RunInfo:
+    """A user class: its objects load only once it is allow-listed."""
+
+    def __init__(self, name: str, steps: int) -> None:
+        self.name, self.steps = name, steps
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunInfo) and vars(self) == vars(other)
+
+
+def test_converters_carry_a_user_class_object_as_its_stored_bytes(tmp_path):
+    from hyper_parallel_dcp.offline_transform.blocks import CheckpointBlocks
+    from hyper_parallel_dcp.offline_transform.cli import main as convert
+
+    info = RunInfo("run1", 7)
+    _torch_save({"w": torch.arange(6.0), "info": info, "plain": [{"lr": 0.1}]}, tmp_path / "torch")
+    ours, back = str(tmp_path / "ours"), str(tmp_path / "back")
+    assert convert(["torch-dcp-to-dcp", str(tmp_path / "torch"), ours]) == 0  # was: refused, not allow-listed
+    assert convert(["dcp-to-torch-dcp", ours, back]) == 0
+    stored = [CheckpointBlocks(p).object_bytes("info") for p in (tmp_path / "torch", ours, back)]
+    assert stored[0] == stored[1] == stored[2]  # the pickle's bytes, never unpickled on the way
+    for path in (ours, back):
+        target = {"w": torch.zeros(6), "info": None}
+        with pytest.raises(UnsafeObjectError, match="RunInfo"):  # the load applies the allow-list
+            dcp.load(target, checkpoint_id=path, no_dist=True)
+        with torch.serialization.safe_globals([RunInfo]):
+            dcp.load(target, checkpoint_id=path, no_dist=True)
+        assert target["info"] == info and torch.equal(target["w"], torch.arange(6.0))

@@ -22,8 +22,6 @@ import time
 from contextlib import ExitStack
 from typing import Any, Optional, Union
 
-import torch.distributed as dist
-
 from hyper_parallel_dcp import api, async_persist
 from hyper_parallel_dcp.core.backends import url_scheme
 from hyper_parallel_dcp.core.collectives import DistWrapper
@@ -220,10 +218,7 @@ class CheckpointManager:
         if self.async_save:
             staging_error: Optional[BaseException] = None
             try:
-                # several ranks saving to a URL exchange plans through a gloo group (the default
-                # exchanges files in the checkpoint directory, which a bucket is not)
-                use_gloo = url_scheme(location) != "file" and dist.is_initialized() and dist.get_world_size() > 1
-                response = async_persist.async_save(state_dict, checkpoint_id=location, use_gloo=use_gloo)
+                response = async_persist.async_save(state_dict, checkpoint_id=location)
                 self._inflight = (step, response)
                 if dw.is_coordinator:
                     staged = response.staging.staged_bytes

@@ -148,7 +148,7 @@ def test_header_size_cap_is_the_library_cap(tmp_path):
 # ------------------------------------------------------------------ metadata_complete
 def test_metadata_complete_needs_json_of_a_known_format_version(tmp_path):
     from hyper_parallel_dcp.core.metadata import FORMAT_VERSION
-    from hyper_parallel_dcp.storage_fs.metadata_io import metadata_complete
+    from hyper_parallel_dcp.storage_fs.latest import metadata_complete
 
     assert not metadata_complete(tmp_path / "absent")
     assert not metadata_complete(tmp_path)  # no .metadata
@@ -166,5 +166,6 @@ def test_storage_fs_layout_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, hyper_parallel_dcp.storage_fs.layout; assert 'torch' not in sys.modules"
+    code = ("import sys, hyper_parallel_dcp.storage_fs.layout, hyper_parallel_dcp.storage_fs.latest; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -43,7 +43,8 @@ def gloo_init_method() -> str:
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not (addr and port):
         raise AssertionError(
-            "async_save(use_gloo=True) builds a CPU gloo group in the writer processes and needs the "
+            "async_save(use_gloo=True), or on several ranks to a URL such as s3://, builds a CPU gloo group in the "
+            "writer processes and needs the "
             "MASTER_ADDR and MASTER_PORT environment variables (the writers use MASTER_PORT + 1, or "
             f"{settings.ASYNC_GLOO_PORT.name})"
         )
@@ -60,19 +61,18 @@ def gloo_init_method() -> str:
 def choose_mode(*, no_dist: bool, world_size: int, use_collectives: bool, use_gloo: bool,
                 target: Any) -> tuple[Mode, Optional[str]]:
     """The :class:`Mode` of a save and, for ``FILES``, its mailbox directory ``target`` (the
-    checkpoint directory); ``ValueError`` when that is not a local directory."""
+    checkpoint directory).  Several ranks saving to a URL (``s3://``) use ``GLOO`` without
+    ``use_gloo``: a bucket is no place for a mailbox that is polled.  ``ValueError`` for
+    ``FILES`` without a ``target``."""
     if no_dist or world_size == 1:
         return Mode.LOCAL, None
     if not use_collectives:
         return Mode.NONE, None
-    if use_gloo:
+    if use_gloo or (target is not None and url_scheme(target) != "file"):
         return Mode.GLOO, None
     if target is None:
         raise ValueError("async_save(use_gloo=False) exchanges plans through the checkpoint directory and needs "
                          "checkpoint_id")
-    if url_scheme(target) != "file":
-        raise ValueError(f"async_save(use_gloo=False) on several ranks exchanges plans through files in the "
-                         f"checkpoint directory; {target} is not a local path: pass use_gloo=True")
     return Mode.FILES, str(target)
 
 

@@ -193,12 +193,13 @@ class _Persister:
                 # staging a new layout allocates thousands of objects: no full collections
                 with gc_paused():
                     state_dict, _ = expand_stateful(state_dict)  # a Stateful leaf: its state_dict()
-                    gloo_init = gloo_init_method() if use_gloo and use_collectives else None
                     writer = storage_writer_for(checkpoint_id, storage_writer, caller="async_save")
                     mode, mailbox_dir = choose_mode(
                         no_dist=no_dist, world_size=world_size, use_collectives=use_collectives, use_gloo=use_gloo,
                         target=checkpoint_id if checkpoint_id is not None else getattr(writer, "path", None))
                     local = mode is Mode.LOCAL
+                    # use_gloo asks for MASTER_ADDR/MASTER_PORT even where one process needs no group
+                    gloo_init = gloo_init_method() if mode is Mode.GLOO or (use_gloo and use_collectives) else None
                     request = SaveRequest(
                         seq=seq, storage_writer=writer, planner=clean_planner(planner), mode=mode,
                         rank=0 if local else rank, world_size=1 if local else world_size, no_dist=no_dist,
@@ -338,7 +339,7 @@ def async_save(
     a CPU gloo group of the writers (needs ``MASTER_ADDR``/``MASTER_PORT``, else
     ``AssertionError``; port ``MASTER_PORT + 1`` or ``$HP_DCP_ASYNC_GLOO_PORT``);
     ``use_gloo=False`` → ``LOCAL_PLAN_{rank}.pkl`` / ``STORAGE_DATA_{rank}.pkl`` files in
-    the checkpoint directory (needs ``checkpoint_id``); ``use_collectives=False`` → none,
+    the checkpoint directory (needs ``checkpoint_id``), or to a URL (``s3://``) the gloo group; ``use_collectives=False`` → none,
     ``{rank}.metadata`` each.  With collectives every rank (of ``process_group``, when
     given) must call.  A ``Stateful`` leaf is saved as its state dict.
 

@@ -15,8 +15,9 @@ from .__about__ import __version__ as __version__
 _EXPORTS = {
     "chunks": ("ChunkBox", "flat_range_to_boxes"),
     "errors": ("CheckpointError", "CheckpointException", "CheckpointFormatError", "CheckpointNotFoundError",
-               "ConcurrentSaveError", "CorruptCheckpointError", "MismatchError", "MissingKeyError",
-               "MissingRegionError", "UnsafeObjectError", "UnsupportedPlacementError", "UnsupportedTensorError"),
+               "CheckpointStoreLostError", "ConcurrentSaveError", "CorruptCheckpointError", "MismatchError",
+               "MissingKeyError", "MissingRegionError", "UnsafeObjectError", "UnsupportedPlacementError",
+               "UnsupportedTensorError"),
     "layout": ("TensorShards", "to_tensor_shards"),
     "load_planning": ("StandardLoadPlanner",),
     "metadata": ("FORMAT_VERSION", "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",

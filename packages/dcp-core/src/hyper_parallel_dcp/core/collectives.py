@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 
 from . import exit_drain
-from .errors import CheckpointException, CheckpointTimeoutError, format_ranks, remote_error_class
+from .errors import (
+    CheckpointException,
+    CheckpointStoreLostError,
+    CheckpointTimeoutError,
+    format_ranks,
+    remote_error_class,
+)
 from .settings import COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT_S
 from .timing import phase
 
@@ -62,6 +68,15 @@ def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
         time.sleep(delay)
         # at most 1 ms between looks (a look costs ~5 us of CPU)
         delay = min(delay * 2, 0.001)
+
+
+def _store_address(store: Any) -> str:
+    """``host:port`` of a TCP store (under its prefixes), else what kind of store it is."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return f"TCP store at {store.host}:{store.port}"
+    return type(store).__name__
 
 
 def _default_store() -> Any:
@@ -190,18 +205,20 @@ class DistWrapper:
         _arrivals[gid] = (store, seq)
         name = "hp-dcp/arrive/" + ",".join(map(str, gid)) if len(gid) <= 16 else f"hp-dcp/arrive/{hash(gid):x}"
         keys = [f"{name}/{seq}/{r}" for r in range(self.world_size)]
-        store.set(keys[self.rank], b"1")
         try:
+            store.set(keys[self.rank], b"1")
             _wait_all(store, keys, self.timeout)
-        except Exception:  # noqa: BLE001 - a store timeout, or the store itself is gone
-            missing = []
-            for r, key in enumerate(keys):
-                try:
-                    present = store.check([key])
-                except Exception:  # noqa: BLE001
-                    present = False
-                if not present:
-                    missing.append(self._group_ranks[r] if self._group_ranks else r)
+        except Exception as exc:  # noqa: BLE001 - a store timeout, or the store itself is gone
+            try:
+                present = [store.check([key]) for key in keys]
+            except Exception:  # noqa: BLE001 - nobody can be told apart as alive or dead now
+                raise CheckpointStoreLostError(
+                    f"checkpoint phase '{self._step}' ({collective}): the job's {_store_address(store)} went away "
+                    f"while rank {self._global_rank()} waited there for the others ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}); the process hosting it died (rank 0, unless "
+                    "a launcher's agent hosts the store, as torchrun's does). Restart the job.",
+                    self._step) from None
+            missing = [self._group_ranks[r] if self._group_ranks else r for r, ok in enumerate(present) if not ok]
             if not missing:
                 raise
             raise CheckpointTimeoutError(

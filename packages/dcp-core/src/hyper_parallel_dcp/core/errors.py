@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointException",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
+    "CheckpointStoreLostError",
     "CheckpointTimeoutError",
     "ConcurrentSaveError",
     "CorruptCheckpointError",
@@ -88,6 +89,11 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
     def __reduce__(self):  # picklable across processes
         return (type(self), (str(self), self.phase, self.missing_ranks))
+
+
+class CheckpointStoreLostError(CheckpointTimeoutError):
+    """The job's store went away while a rank waited at it for the others: its host (often
+    rank 0) died, so the others cannot be told apart as alive or dead."""
 
 
 class CheckpointException(CheckpointError):

@@ -12,16 +12,28 @@ import io
 import pickle
 import re
 import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .errors import CorruptCheckpointError, UnsafeObjectError
 
-__all__ = ["deserialize_object", "serialize_object"]
+__all__ = ["StoredObject", "deserialize_object", "serialize_object"]
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """A non-tensor leaf given as its stored (``torch.save``) bytes, written as they are:
+    the converters carry an object across formats without unpickling it."""
+
+    data: bytes
 
 
 def serialize_object(obj: Any) -> bytes:
+    """The stored bytes of a non-tensor leaf: ``torch.save``'s, or a :class:`StoredObject`'s own."""
+    if isinstance(obj, StoredObject):
+        return obj.data
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()

@@ -36,7 +36,7 @@ from .reader_assignment import (
 from .save_planning import StandardSavePlanner
 from .settings import CHUNK_EXCHANGE
 from .stateful import expand_stateful, restore_stateful
-from .storage import StorageReader, StorageWriter, WriteResult
+from .storage import StorageReader, StorageWriter, WriteResult, read_metadata_once
 from .timing import log_info, phase
 
 __all__ = ["ReadExecutor", "attach_results", "load_state_dict", "process_rank", "save_state_dict"]
@@ -254,17 +254,19 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
 
 def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
-                    rank: int) -> tuple[Callable[[], Metadata], bool]:
-    """``(metadata_of, collectives_required)``: ``metadata_of()`` parses the checkpoint's
-    metadata (call it in a failure-propagating step); whether the checkpoint allows
-    collectives (not merged ``{rank}.metadata``).  With collectives the coordinator alone
-    reads and broadcasts; a failure to read is raised on every rank.
+                    rank: int) -> tuple[StorageReader, Callable[[], Metadata], bool]:
+    """``(reader, metadata_of, collectives_required)``: the reader of the checkpoint
+    (``storage_reader.reader_for`` the stored metadata); ``metadata_of()`` parses the
+    checkpoint's metadata (call it in a failure-propagating step); whether the checkpoint
+    allows collectives (not merged ``{rank}.metadata``).  With collectives the coordinator
+    alone reads (the only open of the metadata in the job) and broadcasts; a failure to
+    read is raised on every rank.
     """
     fault_point("load.setup", rank)
     if not dw.use_dist:
         with phase("read_metadata", rank):
-            metadata = storage_reader.read_metadata()
-        return (lambda: metadata), storage_reader.collectives_required
+            storage_reader, metadata = read_metadata_once(storage_reader)
+        return storage_reader, (lambda: metadata), storage_reader.collectives_required
 
     def read_step() -> tuple[Any, bool]:
         return storage_reader.read_metadata_payload(), storage_reader.collectives_required
@@ -273,6 +275,7 @@ def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
     # {rank}.metadata alone would leave the others waiting)
     with phase("read_metadata", rank):
         payload, collectives_required = dw.broadcast_step("read_metadata", read_step)
+    storage_reader = storage_reader.reader_for(payload)
     parsed: list[Metadata] = []
 
     def metadata_of() -> Metadata:
@@ -281,7 +284,7 @@ def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
                 parsed.append(storage_reader.metadata_from_payload(payload))
         return parsed[0]
 
-    return metadata_of, collectives_required
+    return storage_reader, metadata_of, collectives_required
 
 
 def load_state_dict(
@@ -309,7 +312,7 @@ def load_state_dict(
     with phase("load", rank), gc_paused():
         first = DistWrapper(process_group, use_dist=use_collectives and world_size > 1,
                             coordinator_rank=coordinator_rank)
-        metadata_of, collectives_required = _share_metadata(storage_reader, first, rank)
+        storage_reader, metadata_of, collectives_required = _share_metadata(storage_reader, first, rank)
         use_collectives = use_collectives and collectives_required and world_size > 1
         dw = DistWrapper(process_group, use_dist=use_collectives, coordinator_rank=coordinator_rank)
         # decided once, for the planner and the read; replica groups come from

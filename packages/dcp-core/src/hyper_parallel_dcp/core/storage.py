@@ -25,6 +25,7 @@ __all__ = [
     "WriteResult",
     "commit_read",
     "read_items",
+    "read_metadata_once",
     "resolve_destinations",
 ]
 
@@ -123,6 +124,13 @@ class StorageReader(abc.ABC):
         (raise :class:`CheckpointFormatError` naming the source).  Default: ``payload``."""
         return payload
 
+    def reader_for(self, payload: Any) -> StorageReader:
+        """On every rank, the reader of the checkpoint whose :meth:`read_metadata_payload`
+        is ``payload``: ``self``, or one for the other format the stored bytes show (a
+        directory's reader and a torch DCP pickle), so that no rank opens the metadata a
+        second time to tell the format.  Default: ``self``."""
+        return self
+
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
         """Called on every rank once the metadata is known: a reader keeps what its reads
         need from here (with collectives only the coordinator called ``load_metadata``)."""
@@ -179,6 +187,14 @@ class ReadDestination(NamedTuple):
 
     item: ReadItem
     dest: Optional[torch.Tensor]
+
+
+def read_metadata_once(reader: StorageReader) -> tuple[StorageReader, Metadata]:
+    """One process's metadata read: ``(the reader for the checkpoint, its metadata)``, the
+    stored metadata read once (:meth:`StorageReader.reader_for` picks the reader)."""
+    payload = reader.read_metadata_payload()
+    reader = reader.reader_for(payload)
+    return reader, reader.metadata_from_payload(payload)
 
 
 def resolve_destinations(planner: LoadPlanner, items: Iterable[ReadItem]) -> Iterator[ReadDestination]:

@@ -14,8 +14,9 @@ import torch
 from hyper_parallel_dcp.core.backends import storage_reader_for
 from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.layout import TensorShards
-from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from hyper_parallel_dcp.core.metadata import MetadataIndex, TensorStorageMetadata
 from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
+from hyper_parallel_dcp.core.storage import read_metadata_once
 from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
 from hyper_parallel_dcp.storage_fs.torch_dcp import TorchDCPReader
 
@@ -29,8 +30,7 @@ class CheckpointBlocks:
 
     def __init__(self, path: Union[str, os.PathLike]) -> None:
         self.path = path
-        self.reader = storage_reader_for(path, None)
-        self.metadata: Metadata = self.reader.load_metadata()
+        self.reader, self.metadata = read_metadata_once(storage_reader_for(path, None))
 
     def tensor(self, fqn: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata[fqn]

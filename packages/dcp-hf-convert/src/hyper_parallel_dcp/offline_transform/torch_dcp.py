@@ -14,15 +14,19 @@ import logging
 import math
 import os
 import pickle
+import pickletools
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator, Union
 
 import torch
 
 from hyper_parallel_dcp.core.chunks import ChunkBox
+from hyper_parallel_dcp.core.errors import UnsafeObjectError
 from hyper_parallel_dcp.core.flatten import torch_style_leaves
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.metadata import BytesStorageMetadata, TensorStorageMetadata
+from hyper_parallel_dcp.core.objects import StoredObject
 from hyper_parallel_dcp.core.planner import WriteItem
 from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.torch_dcp import is_torch_dcp_checkpoint
@@ -60,6 +64,26 @@ def _read_block(source: CheckpointBlocks, buffer: StagingBuffer, fqn: str, box: 
     return source.read_block(fqn, box, buffer.exact(box.sizes, source.tensor(fqn).properties.dtype))
 
 
+def _pickles_a_list(blob: bytes) -> bool:
+    """Whether the ``torch.save`` archive ``blob`` holds a list, told from its pickle's
+    first opcode (nothing unpickled: any other object is carried as its bytes)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            first = next(op for op, _, _ in pickletools.genops(archive.read(name)) if op.name not in ("PROTO", "FRAME"))
+    except Exception:  # noqa: BLE001 - not a readable archive: carried as it is
+        return False
+    return first.name == "EMPTY_LIST"
+
+
+def _plain_object(source: CheckpointBlocks, fqn: str) -> Any:
+    """Object ``fqn`` restored, or ``None`` when it holds a class not allow-listed."""
+    try:
+        return source.read_object(fqn)
+    except UnsafeObjectError:
+        return None
+
+
 def _check_batch(batch_bytes: int) -> None:
     if batch_bytes <= 0:
         raise ValueError(f"batch_bytes must be positive, got {batch_bytes}")
@@ -69,8 +93,8 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                              progress: bool = False) -> ConversionReport:
     """Convert the torch DCP checkpoint at ``src`` into a hyper-parallel-dcp checkpoint at ``dst``.
 
-    Same keys, dtypes and values, in row blocks of at most ``batch_bytes``; objects restored
-    with ``weights_only`` rules (:class:`UnsafeObjectError` naming a class not allow-listed).
+    Same keys, dtypes and values, in row blocks of at most ``batch_bytes``; objects carried
+    as their stored bytes, never unpickled (a load applies the allow-list).
     ``dst`` is created, or its checkpoint replaced atomically.  Raises ``ValueError`` for a
     source that is not a torch DCP checkpoint or a batch size below 1,
     :class:`CheckpointNotFoundError` / :class:`CheckpointFormatError` for a missing or
@@ -87,7 +111,7 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                       for box in _blocks(md, batch_bytes)]
             plan_sd[fqn] = TensorShards(tuple(md.size), md.properties.dtype, pieces)
         else:
-            plan_sd[fqn] = source.read_object(fqn)
+            plan_sd[fqn] = StoredObject(source.object_bytes(fqn))  # as stored: a load applies the allow-list
 
     def fetch(item: WriteItem) -> torch.Tensor:
         assert item.index.offset is not None and item.sizes is not None
@@ -125,7 +149,7 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
             if isinstance(md, BytesStorageMetadata):
                 blob = source.object_bytes(fqn)
                 leaves: dict[str, Any] = {fqn: None}
-                if blob[:2] == b"PK" and isinstance(obj := source.read_object(fqn), list):
+                if _pickles_a_list(blob) and isinstance(obj := _plain_object(source, fqn), list):
                     leaves = torch_style_leaves(obj, fqn)  # torch stores a list holding dicts element-wise
                 for key, value in leaves.items():
                     if key != fqn or value is not None:

@@ -32,10 +32,11 @@ def local_storage_writer(checkpoint_id: Union[str, os.PathLike]) -> StorageWrite
 
 
 def local_storage_reader(checkpoint_id: Union[str, os.PathLike], *, verify: Optional[bool] = None) -> StorageReader:
-    """:func:`storage_reader_for_path` of a local checkpoint directory."""
-    from .torch_dcp import storage_reader_for_path  # on first use (see the module docstring)
+    """The :class:`~.torch_dcp.DirectoryReader` of a local checkpoint directory (ours or torch DCP)."""
+    from .torch_dcp import DirectoryReader  # on first use (see the module docstring)
 
-    return storage_reader_for_path(local_path(checkpoint_id), verify)
+    path = local_path(checkpoint_id)
+    return DirectoryReader(path) if verify is None else DirectoryReader(path, verify=verify)
 
 
 def local_files(location: Union[str, os.PathLike]) -> LocalFiles:

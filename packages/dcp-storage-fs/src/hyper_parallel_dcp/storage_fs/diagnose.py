@@ -4,7 +4,6 @@ none raises for a bad checkpoint."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from typing import Optional
 
@@ -12,13 +11,11 @@ from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInf
 from hyper_parallel_dcp.core.steps import parse_step_name
 
 from .files import CheckpointFiles, Location, as_checkpoint_files
+from .latest import STEP_NAME
 from .layout import METADATA_FILE
 from .safetensors_header import HeaderEntry, SafetensorsHeaderError, entry_mismatch, read_header
 
-__all__ = ["STEP_NAME", "checkpoints_inside_hint", "header_disagreement", "header_mismatch", "item_name"]
-
-#: a directory name ending in a step number (``step_100``, ``ckpt-2000``, ``300``); group 1 is the step
-STEP_NAME = re.compile(r"(\d+)$")
+__all__ = ["checkpoints_inside_hint", "header_disagreement", "header_mismatch", "item_name"]
 
 
 def item_name(index: MetadataIndex) -> str:

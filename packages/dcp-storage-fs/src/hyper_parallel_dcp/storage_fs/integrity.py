@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Callable, Optional, Union
 import xxhash
 
 from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointFormatError, CorruptCheckpointError, format_ranks
+from hyper_parallel_dcp.core.format_version import format_version_of
 from hyper_parallel_dcp.core.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -22,10 +22,10 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
 )
 
-from .diagnose import STEP_NAME, checkpoints_inside_hint, header_disagreement, header_mismatch, item_name
+from .diagnose import checkpoints_inside_hint, header_disagreement, header_mismatch, item_name
 from .files import CheckpointFiles, LocalFiles, Location, as_checkpoint_files
+from .latest import newest_checkpoint
 from .layout import METADATA_FILE
-from .metadata_io import format_version_of
 from .rank_metadata import merge_rank_metadata, rank_metadata_names
 from .safetensors_header import SafetensorsHeaderError, read_header
 from .torch_dcp_format import is_torch_dcp_checkpoint, read_torch_dcp_metadata
@@ -34,7 +34,6 @@ from .tuning import VERIFY_BLOCK_BYTES
 __all__ = ["CompletenessReport", "VerifyReport", "check_complete", "find_latest_checkpoint", "checkpoints_inside_hint",
            "header_disagreement", "verify_checkpoint"]
 
-_MANAGER_STEP = re.compile(r"^step_\d+$")
 #: More problems than this are summarised (a wholly wrong directory would list thousands).
 _MAX_PROBLEMS = 200
 
@@ -211,34 +210,9 @@ def _stored_items(md: Metadata) -> list[tuple[MetadataIndex, StorageInfo]]:
 
 
 def find_latest_checkpoint(root: Location) -> Optional[Union[Path, str]]:
-    """The complete checkpoint under ``root`` whose directory name ends in the highest step.
-
-    Tries the non-hidden subdirectories whose names end in an integer (``step_100``,
-    ``300``), newest first; where there are ``step_N`` ones (a ``CheckpointManager`` root)
-    only those.  Returns its ``Path`` (a URL for an object store), or ``None``.
-    """
-    base = as_checkpoint_files(root)
-    try:
-        entries = base.entries()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    candidates = []
-    manager_steps = []
-    for name, size in entries:
-        if name.startswith("."):
-            continue
-        match = STEP_NAME.search(name)
-        if match and size is None:
-            candidates.append((int(match.group(1)), name))
-            if _MANAGER_STEP.match(name):
-                manager_steps.append(candidates[-1])
-    if manager_steps:
-        candidates = manager_steps
-    for _, name in sorted(candidates, reverse=True):
-        child = base.child(name)
-        if check_complete(child).complete:
-            return child.target
-    return None
+    """The complete checkpoint (:func:`check_complete`) under ``root`` whose directory name
+    ends in the highest step, as :func:`~.latest.newest_checkpoint` picks it; ``None`` if none."""
+    return newest_checkpoint(root, lambda child: check_complete(child).complete)
 
 
 def _hash_range(f, offset: int, length: int, buf: bytearray) -> tuple[str, int]:

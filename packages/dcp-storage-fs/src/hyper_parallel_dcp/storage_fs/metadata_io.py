@@ -1,18 +1,15 @@
 """Reading a checkpoint's metadata from any location: :func:`read_stored_metadata` (what
 one rank reads and the load broadcasts), :meth:`StoredMetadata.parse` (on every rank),
-:func:`load_checkpoint_metadata` (both), :func:`chunk_sizes` (a stored chunk's shape);
-:func:`metadata_complete` and :func:`format_version_of` look at the JSON only."""
+:func:`load_checkpoint_metadata` (both), :func:`chunk_sizes` (a stored chunk's shape)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import (
-    FORMAT_VERSION,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -25,28 +22,7 @@ from .files import Location, as_checkpoint_files
 from .layout import METADATA_FILE
 from .rank_metadata import load_rank_metadata, merge_rank_metadata
 
-__all__ = ["StoredMetadata", "chunk_sizes", "format_version_of", "load_checkpoint_metadata", "metadata_complete",
-           "parse_metadata", "read_stored_metadata"]
-
-
-def format_version_of(text: bytes) -> Optional[int]:
-    """The integer ``format_version`` of a metadata JSON document; ``None`` when it has none."""
-    try:
-        doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    version = doc.get("format_version") if isinstance(doc, dict) else None
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
-
-
-def metadata_complete(location: Location) -> bool:
-    """Whether ``location`` has a ``.metadata`` that parses as JSON of a format version this
-    code reads (``hp-dcp latest``'s test: no digest check, no other file read)."""
-    try:
-        version = format_version_of(as_checkpoint_files(location).read(METADATA_FILE))
-    except OSError:
-        return False
-    return version is not None and 1 <= version <= FORMAT_VERSION
+__all__ = ["StoredMetadata", "chunk_sizes", "load_checkpoint_metadata", "parse_metadata", "read_stored_metadata"]
 
 
 @dataclass(frozen=True)

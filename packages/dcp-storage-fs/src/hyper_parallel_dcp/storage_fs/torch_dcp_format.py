@@ -128,17 +128,18 @@ def _dtype_of(props: Any, where: str) -> torch.dtype:
     return dtype
 
 
-def read_torch_dcp_metadata(path: Union[str, os.PathLike]
+def read_torch_dcp_metadata(path: Union[str, os.PathLike], raw: Optional[bytes] = None,
                             ) -> tuple[schema.Metadata, dict[schema.MetadataIndex, tuple[str, ...]]]:
-    """Parse the pickled ``.metadata`` of a torch DCP checkpoint: ``(metadata, transforms)``,
-    ``transforms`` the stream-transform descriptors of the items that have any.
+    """Parse the pickled ``.metadata`` of a torch DCP checkpoint at ``path`` (its bytes
+    ``raw`` when already read): ``(metadata, transforms)``, ``transforms`` the
+    stream-transform descriptors of the items that have any.
 
     Raises :class:`CheckpointNotFoundError` when the file is missing, :class:`UnsafeObjectError`
     naming a class outside the allow-list, :class:`CheckpointFormatError` for anything else.
     """
     file = Path(path) / METADATA_FILE
     try:
-        raw = file.read_bytes()
+        raw = file.read_bytes() if raw is None else raw
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{Path(path)} holds no checkpoint: {METADATA_FILE} is missing") from None
     source = str(file)

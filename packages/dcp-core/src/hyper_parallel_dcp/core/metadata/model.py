@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..errors import CheckpointFormatError
+from ..format_version import FORMAT_VERSION
 
 __all__ = [
     "FORMAT_VERSION",
@@ -39,8 +40,6 @@ __all__ = [
     "tensor_metadata_from_columns",
 ]
 
-#: Version of the ``.metadata`` JSON schema this code writes and the newest it reads.
-FORMAT_VERSION = 2
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 

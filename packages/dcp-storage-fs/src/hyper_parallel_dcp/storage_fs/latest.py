@@ -1,0 +1,71 @@
+"""The newest complete checkpoint under a root of step directories, decided without torch:
+:func:`newest_checkpoint` (``hp-dcp latest``, and ``integrity.find_latest_checkpoint`` with
+its full check) and :func:`metadata_complete`, a look at ``.metadata``'s JSON only.
+Exports those two and :data:`STEP_NAME`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from hyper_parallel_dcp.core.format_version import FORMAT_VERSION, format_version_of
+from hyper_parallel_dcp.core.steps import parse_step_name
+
+from .files import CheckpointFiles, Location, as_checkpoint_files
+from .layout import METADATA_FILE, RANK_METADATA
+
+__all__ = ["STEP_NAME", "metadata_complete", "newest_checkpoint"]
+
+#: A directory name ending in a step number (``step_100``, ``global_step2000``, ``300``).
+STEP_NAME = re.compile(r"(\d+)$")
+
+FullCheck = Callable[[CheckpointFiles], bool]
+
+
+def metadata_complete(location: Location, full_check: Optional[FullCheck] = None) -> bool:
+    """Whether ``location`` has a ``.metadata`` that parses as JSON of a format version this
+    code reads (no digest check, no other file read).  What JSON cannot tell, a torch DCP
+    pickle or ``{rank}.metadata`` files without ``.metadata``, ``full_check`` decides
+    (``False`` without one)."""
+    files = as_checkpoint_files(location)
+    try:
+        text = files.read(METADATA_FILE)
+    except OSError:
+        try:
+            rank_local = any(RANK_METADATA.match(name) for name, size in files.entries() if size is not None)
+        except OSError:
+            return False
+        return rank_local and full_check is not None and full_check(files)
+    if text[:1] == b"\x80":  # a pickle: torch DCP
+        return full_check is not None and full_check(files)
+    version = format_version_of(text)
+    return version is not None and 1 <= version <= FORMAT_VERSION
+
+
+def newest_checkpoint(root: Location, is_complete: FullCheck) -> Optional[Union[Path, str]]:
+    """The complete checkpoint under ``root`` whose directory name ends in the highest step.
+
+    Tries the non-hidden subdirectories whose names end in an integer (``step_100``,
+    ``300``), newest first, with ``is_complete``; where there are ``step_N`` ones (a
+    ``CheckpointManager`` root) only those.  Returns its ``Path`` (a URL for an object
+    store), or ``None``.
+    """
+    base = as_checkpoint_files(root)
+    try:
+        entries = base.entries()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    candidates = []
+    manager_steps = []
+    for name, size in entries:
+        match = STEP_NAME.search(name)
+        if match and size is None and not name.startswith("."):
+            candidates.append((int(match.group(1)), name))
+            if parse_step_name(name) is not None:
+                manager_steps.append(candidates[-1])
+    for _, name in sorted(manager_steps or candidates, reverse=True):
+        child = base.child(name)
+        if is_complete(child):
+            return child.target
+    return None
