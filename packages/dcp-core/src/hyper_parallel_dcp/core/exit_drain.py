@@ -2,7 +2,7 @@
 
 A gloo worker thread that releases finished work at exit needs the GIL during
 finalization and dies through a ``noexcept`` destructor (``SIGABRT``, see
-``tools/exit_abort_repro.py``).  At ``atexit`` :func:`drain_collective_threads` hands the
+``docs/faults.md``).  At ``atexit`` :func:`drain_collective_threads` hands the
 GIL over until no other thread runs, at most :data:`DRAIN_LIMIT_S`; the first checkpoint
 collective of a process installs it (:func:`install`).
 """
