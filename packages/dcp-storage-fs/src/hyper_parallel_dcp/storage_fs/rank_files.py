@@ -17,7 +17,9 @@ from hyper_parallel_dcp.core.objects import serialize_object
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel_dcp.core.storage import WriteResult
 
+from .incremental import ReferenceBase
 from .layout import objects_file_name, tensors_file_name
+from .posix import tensor_bytes
 from .safetensors_header import header_digest, stored_layout, to_stored
 from .safetensors_stream import LateDigests, TensorEntry, encode_header, write_safetensors
 
@@ -40,13 +42,21 @@ def _labeller(item: WriteItem) -> Callable[[], str]:  # built only when an error
     return lambda: f"{item.index.fqn!r} chunk at {list(item.index.offset or ())}"
 
 
+def _digest_before_write(tensor: torch.Tensor) -> str:
+    tensor = tensor.detach().to("cpu").contiguous()
+    return xxhash.xxh3_64_hexdigest(tensor_bytes(tensor))
+
+
 def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile, *,
-                     files_written: Optional[Callable[[], None]] = None) -> list[WriteResult]:
+                     files_written: Optional[Callable[[], None]] = None,
+                     base: Optional[ReferenceBase] = None) -> list[WriteResult]:
     """Write ``plan``'s tensor chunks (``(fqn, offset)`` order, each hashed) and pickled
     objects through ``write_file(name, data_writer) -> size``; one :class:`WriteResult` per item.
 
     ``files_written()``, when given, is called once both files are written; the chunks of
-    a ``resolved_data_stable`` planner are hashed after it (:class:`LateDigests`).  Errors
+    a ``resolved_data_stable`` planner are hashed after it (:class:`LateDigests`).  With
+    ``base`` (an incremental save), each chunk is hashed first and one the base holds
+    equal is not written: its result names the base's bytes.  Errors
     of ``write_file`` and of ``planner.resolve_data`` propagate unchanged.
     """
     # the storage key sorts in (fqn, offset) order: the sort key and the safetensors key
@@ -55,6 +65,20 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
     tensors = [it for _, it in keyed]
     objects = sorted((it for it in plan.items if it.type is WriteItemType.BYTE_IO), key=lambda it: it.index.fqn)
     results: list[WriteResult] = []
+    referenced: list[WriteResult] = []
+    if base is not None:
+        changed = []
+        for key, it in keyed:
+            assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
+            stored_dtype, _ = stored_layout(_dtype(it.dtype), it.sizes)
+            found = base.reference(it.index.fqn, it.index.offset, stored_dtype, tuple(it.sizes), key,
+                                   _digest_before_write(to_stored(planner.resolve_data(it))))
+            if found is None:
+                changed.append((key, it))
+            else:
+                referenced.append(WriteResult(it.index, *found))
+        keyed = changed
+        tensors = [it for _, it in keyed]
     if tensors:
         tensors_name = tensors_file_name(rank)
         entries = []
@@ -95,7 +119,7 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
         results[:0] = [WriteResult(it.index, StorageInfo(tensors_name, offset, length, digest, tensor_entry.key),
                                    tensors_size, header_xxh3)
                        for it, tensor_entry, (offset, length, digest) in zip(tensors, entries, placed)]
-    return results
+    return referenced + results
 
 
 def with_stored_as(metadata: Metadata) -> Metadata:

@@ -26,6 +26,7 @@ from hyper_parallel_dcp.core.settings import FILES_KEPT
 from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, read_items
 
 from .files import LocalFiles
+from .incremental import missing_file_error
 from .layout import METADATA_FILE
 from .mapping import FileMapping, MappingArena
 from .metadata_io import StoredMetadata, chunk_sizes, load_checkpoint_metadata, read_stored_metadata
@@ -57,13 +58,13 @@ class _OpenFile:
     from the metadata and the header is not parsed (docs/perf/storage.md).
     """
 
-    def __init__(self, path: Path, expected_size: Optional[int], digest: Optional[str]) -> None:
+    def __init__(self, path: Path, expected_size: Optional[int], digest: Optional[str], stored_name: str = "") -> None:
         self.path = path
         self.name = str(path)
         try:
             self.fobj = open(path, "rb")
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"checkpoint file {path} is missing") from None
+            raise missing_file_error(self.name, stored_name) from None
         try:
             self.fd = self.fobj.fileno()
             self.size = os.fstat(self.fd).st_size
@@ -326,7 +327,7 @@ class FileSystemReader(StorageReader):
             return opened
         metadata = self.metadata
         opened = _OpenFile(self._root() / name, metadata.files.get(name) if metadata else None,
-                           metadata.header_digests.get(name) if metadata else None)
+                           metadata.header_digests.get(name) if metadata else None, name)
         self._handles[name] = opened
         self._latest = opened
         if len(self._handles) > self.files_kept:
@@ -453,7 +454,7 @@ class FileSystemReader(StorageReader):
             with open(file, "rb") as f:
                 blob = os.pread(f.fileno(), info.length, info.offset)
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"checkpoint file {file} is missing") from None
+            raise missing_file_error(str(file), info.relative_path) from None
         if len(blob) != info.length:
             raise CorruptCheckpointError(f"{item.storage_index.fqn!r}: {file} is truncated ({len(blob)} of "
                                          f"{info.length} bytes at offset {info.offset})")
