@@ -335,3 +335,14 @@ def test_plan_cache_goal_wants_the_warm_save_strictly_faster():
     assert row["met"] is False and row["value"] == pytest.approx(1.0)  # as fast is not faster
     io["small"] = io.pop("dense")
     assert not any("plan cache" in g["goal"] for g in evaluate_goals(io, None))  # the goal is the dense one
+
+
+def test_incremental_section_counts_the_bytes_it_wrote(tmp_path):
+    from hyper_parallel_dcp.benchmarks.incremental_bench import incremental_goals, incremental_lines, run_incremental
+
+    inc = run_incremental(tmp_path / "inc", 8, 1, lambda msg: None)
+    assert inc["bit_exact"] and 0 < inc["changed_bytes"] <= 0.02 * inc["total_bytes"]
+    # the changed tensors' data plus one safetensors header and the .metadata, nothing else
+    assert inc["changed_bytes"] < inc["written_bytes"] <= 1.05 * inc["changed_bytes"] + 64 * 1024
+    assert [g["limit"] for g in incremental_goals(inc)] == [1.05, 0.1]
+    assert "| incremental |" in "\n".join(incremental_lines(inc))

@@ -52,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-mb-s", type=float, default=200.0, help="shared storage bandwidth cap for broadcast loads")
     p.add_argument("--reps", type=int, help="repetitions per case (secondary cases too)")
     p.add_argument("--plan-worlds", help="comma-separated simulated world sizes for planning")
-    p.add_argument("--sections", default="io,broadcast,convert,planning",
-                   help="comma-separated subset of io,broadcast,convert,planning")
+    p.add_argument("--sections", default="io,broadcast,convert,incremental,planning",
+                   help="comma-separated subset of io,broadcast,convert,incremental,planning")
     p.add_argument("--workdir", help="where checkpoints are written (default: a temp dir; needs ~3x the sizes)")
     p.add_argument("--out", default="docs/benchmarks", help="output folder (default docs/benchmarks)")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for each multi-process run (s)")
@@ -237,6 +237,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result["broadcast"] = _run_broadcast(dict(cfg, root=str(Path(tmp) / "bcast")), bworlds, args.timeout, log)
         if "convert" in sections:
             result["convert"] = _run_convert(Path(tmp) / "convert", cfg["bcast_mib"], cfg["reps"], log)
+        if "incremental" in sections:
+            from .incremental_bench import run_incremental
+
+            result["incremental"] = run_incremental(Path(tmp) / "incremental", cfg["bcast_mib"], cfg["reps"], log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if "planning" in sections:
@@ -246,6 +250,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .report import evaluate_goals, write_markdown, write_plots
 
     result["goals"] = evaluate_goals(result["io"], result.get("planning"))
+    if result.get("incremental"):
+        from .incremental_bench import incremental_goals
+
+        result["goals"] += incremental_goals(result["incremental"])
     result["total_s"] = time.perf_counter() - started
     (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
     write_markdown(out_dir / "README.md", result)

@@ -145,6 +145,10 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         lines += _broadcast_lines(result["broadcast"])
     if result.get("convert"):
         lines += _convert_lines(result["convert"])
+    if result.get("incremental"):
+        from .incremental_bench import incremental_lines
+
+        lines += incremental_lines(result["incremental"])
     if result.get("planning"):
         lines += _planning_lines(result["planning"])
     # the plots that write_plots draws for the sections that ran (a page must not link a
