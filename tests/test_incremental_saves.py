@@ -196,3 +196,16 @@ def test_incremental_save_on_s3(s3_test_env, s3_proxy):
     with pytest.raises(CheckpointNotFoundError, match=f"{root}/step_1/_rank0_.safetensors is missing: checkpoint "
                                                       "step_2 is an incremental save"):
         dcp.load(out, checkpoint_id=f"{root}/step_2", no_dist=True)
+
+
+def test_manager_incremental_on_s3_keeps_the_base(s3_test_env, s3_proxy):
+    from hyper_parallel_dcp import CheckpointManager
+    from hyper_parallel_dcp.storage_object.testing import TEST_BUCKET
+
+    with CheckpointManager(f"s3://{TEST_BUCKET}/managed", keep_last=1, incremental=True) as manager:
+        for step in range(1, 4):
+            manager.save(step, {"base": _model(), "lora": _lora(step)})
+        assert manager.all_steps() == [1, 3]  # 2 deleted; 1 holds the base that 3 points at
+        out = {"base": {k: torch.zeros_like(v) for k, v in _model().items()}, "lora": torch.zeros(16, 16)}
+        assert manager.restore(out) == 3
+    assert torch.equal(out["lora"], _lora(3)) and all(torch.equal(out["base"][k], v) for k, v in _model().items())
