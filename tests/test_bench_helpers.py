@@ -338,11 +338,12 @@ def test_plan_cache_goal_wants_the_warm_save_strictly_faster():
 
 
 def test_incremental_section_counts_the_bytes_it_wrote(tmp_path):
-    from hyper_parallel_dcp.benchmarks.incremental_bench import incremental_goals, incremental_lines, run_incremental
+    from hyper_parallel_dcp.benchmarks.incremental_bench import incremental_goals, run_incremental
+    from hyper_parallel_dcp.benchmarks.report import _incremental_lines
 
     inc = run_incremental(tmp_path / "inc", 8, 1, lambda msg: None)
     assert inc["bit_exact"] and 0 < inc["changed_bytes"] <= 0.02 * inc["total_bytes"]
     # the changed tensors' data plus one safetensors header and the .metadata, nothing else
     assert inc["changed_bytes"] < inc["written_bytes"] <= 1.05 * inc["changed_bytes"] + 64 * 1024
     assert [g["limit"] for g in incremental_goals(inc)] == [1.05, 0.1]
-    assert "| incremental |" in "\n".join(incremental_lines(inc))
+    assert "| incremental |" in "\n".join(_incremental_lines(inc))

@@ -5,7 +5,7 @@ One process, the ``dense`` bf16 model of the preset's broadcast size; each save 
 Measured: the seconds of a full save and of an incremental one from it, the bytes the
 incremental save put into its own directory (data files, headers and ``.metadata``)
 against the changed bytes, and a bit-exact load of the incremental checkpoint.
-Exports :func:`run_incremental`, :func:`incremental_goals` and :func:`incremental_lines`.
+Exports :func:`run_incremental` and :func:`incremental_goals` (``report`` renders the section).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["incremental_goals", "incremental_lines", "run_incremental"]
+__all__ = ["incremental_goals", "run_incremental"]
 
 #: the share of the model's bytes that changes between the two saves
 CHANGED_SHARE = 0.02
@@ -79,17 +79,3 @@ def incremental_goals(inc: dict[str, Any]) -> list[dict[str, Any]]:
         {"goal": "incremental save time <= 0.1x a full save", "measured": f"{inc['time_ratio']:.3f}x",
          "value": inc["time_ratio"], "limit": 0.1, "met": inc["time_ratio"] <= 0.1},
     ]
-
-
-def incremental_lines(inc: dict[str, Any]) -> list[str]:
-    """The section of the results page."""
-    s = inc["summary"]
-    return ["", "## Incremental save (frozen base, 2 % changed; one process)", "",
-            "| save | seconds (median, min-max) | bytes written |", "|---|---|---|",
-            f"| full | {s['full']['median']:.3f} ({s['full']['min']:.3f}-{s['full']['max']:.3f}) | "
-            f"{inc['total_bytes']} model bytes |",
-            f"| incremental | {s['incremental']['median']:.3f} ({s['incremental']['min']:.3f}-"
-            f"{s['incremental']['max']:.3f}) | {inc['written_bytes']} ({inc['written_over_changed']:.3f}x the "
-            f"{inc['changed_bytes']} changed) |",
-            "", f"Incremental / full time: {inc['time_ratio']:.3f}x; the load of the incremental checkpoint is "
-            f"{'bit-exact' if inc['bit_exact'] else 'NOT bit-exact'}."]
