@@ -145,7 +145,8 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks side by side with torch.distributed.checkpoint (results in docs/benchmarks/)."""
-    _install_everything(session, "matplotlib")
+    # zstandard, zipnn: the compression section's codecs (bench-only, pinned)
+    _install_everything(session, "matplotlib", "zstandard==0.25.0", "zipnn==0.5.4")
     session.run("python", "-m", "hyper_parallel_dcp.benchmarks", *session.posargs)
 
 

@@ -52,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-mb-s", type=float, default=200.0, help="shared storage bandwidth cap for broadcast loads")
     p.add_argument("--reps", type=int, help="repetitions per case (secondary cases too)")
     p.add_argument("--plan-worlds", help="comma-separated simulated world sizes for planning")
-    p.add_argument("--sections", default="io,broadcast,convert,incremental,planning",
-                   help="comma-separated subset of io,broadcast,convert,incremental,planning")
+    p.add_argument("--sections", default="io,broadcast,convert,incremental,compression,planning",
+                   help="comma-separated subset of io,broadcast,convert,incremental,compression,planning")
     p.add_argument("--workdir", help="where checkpoints are written (default: a temp dir; needs ~3x the sizes)")
     p.add_argument("--out", default="docs/benchmarks", help="output folder (default docs/benchmarks)")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for each multi-process run (s)")
@@ -241,6 +241,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .incremental_bench import run_incremental
 
             result["incremental"] = run_incremental(Path(tmp) / "incremental", cfg["bcast_mib"], cfg["reps"], log)
+        if "compression" in sections:
+            from .compression_bench import run_compression
+
+            result["compression"] = run_compression(512 if args.preset == "quick" else 1024, 5, cfg["reps"], log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if "planning" in sections:

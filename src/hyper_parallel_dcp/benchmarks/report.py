@@ -147,6 +147,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         lines += _convert_lines(result["convert"])
     if result.get("incremental"):
         lines += _incremental_lines(result["incremental"])
+    if result.get("compression"):
+        lines += _compression_lines(result["compression"])
     if result.get("planning"):
         lines += _planning_lines(result["planning"])
     # the plots that write_plots draws for the sections that ran (a page must not link a
@@ -273,6 +275,18 @@ def _incremental_lines(inc: dict[str, Any]) -> list[str]:
             f"{inc['changed_bytes']} changed) |",
             "", f"Incremental / full time: {inc['time_ratio']:.3f}x; the load of the incremental checkpoint is "
             f"{'bit-exact' if inc['bit_exact'] else 'NOT bit-exact'}."]
+
+
+def _compression_lines(c: dict[str, Any]) -> list[str]:
+    """The section of ``compression_bench``."""
+    lines = ["", "## Lossless compression of trained state (one process)", ""]
+    if "status" in c:
+        return lines + [c["status"]]
+    lines += [f"An MLP of hidden size {c['hidden']} after {c['steps']} Adam steps; {c['threads']} threads.", "",
+              "| data | codec | compressed share | compress MB/s | decompress MB/s | bit-exact |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['data']} | {r['codec']} | {100 * r['share']:.1f} % | {r['compress_mb_s']:.0f} | "
+              f"{r['decompress_mb_s']:.0f} | {'yes' if r['bit_exact'] else 'NO'} |" for r in c["rows"]]
+    return lines
 
 
 def _planning_lines(p: dict[str, Any]) -> list[str]:
