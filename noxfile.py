@@ -43,8 +43,9 @@ PACKAGES: dict[str, tuple[str, list[str], list[str]]] = {
 TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"]
 PYTEST = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", "-ra"]
 DOCS_DEPS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
-# the top-level tests also check the docs build, the .metadata JSON schema and YAML target specs
-INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", *DOCS_DEPS]
+# the top-level tests also check the docs build, the .metadata JSON schema and YAML target specs,
+# and compressed checkpoints (storage-fs's [zstd] extra, pinned as tested)
+INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", "zstandard==0.25.0", *DOCS_DEPS]
 
 
 def _install_torch(session: nox.Session) -> None:

@@ -25,7 +25,7 @@ CheckpointId = Union[str, os.PathLike]
 def save(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = None,
          storage_writer: Optional[StorageWriter] = None, planner: Optional[SavePlanner] = None,
          no_dist: bool = False, use_collectives: bool = True, process_group: Optional[Any] = None,
-         incremental_from: Optional[CheckpointId] = None) -> Metadata:
+         incremental_from: Optional[CheckpointId] = None, compression: Optional[str] = None) -> Metadata:
     """Save a (sharded) state dict; every rank writes only the shards it owns.
 
     ``state_dict`` is a nested dict whose leaves are DTensors, tensors (treated as
@@ -39,6 +39,8 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = 
     a checkpoint beside this one (same parent directory or prefix); a chunk whose bytes
     equal the same chunk there (xxh3 compared before the write) is not written, the new
     ``.metadata`` points at its bytes there (SPEC §14; that checkpoint must then be kept).
+    ``compression="zstd"`` (the ``[zstd]`` extra; filesystem only): tensor chunks stored
+    byte-plane split and zstd-compressed in frames (``storage_fs.compression``).
 
     Raises ``ValueError`` without a destination or for an ``incremental_from`` elsewhere, :class:`UnsupportedPlacementError` for a
     ``Partial`` DTensor, :class:`ConcurrentSaveError` when another save into the same
@@ -46,7 +48,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = 
     any rank fails.
     """
     writer = storage_writer_for(checkpoint_id, storage_writer)
-    writer.set_incremental_base(incremental_from)
+    writer.configure_save(incremental_from=incremental_from, compression=compression)
     return save_state_dict(state_dict, writer, planner,
                            process_group=process_group, no_dist=no_dist, use_collectives=use_collectives)
 

@@ -227,7 +227,7 @@ class CheckpointManager:
                 writer = None
                 if base_location is not None:
                     writer = storage_writer_for(location, None)
-                    writer.set_incremental_base(base_location)
+                    writer.configure_save(incremental_from=base_location)
                 response = async_persist.async_save(state_dict, checkpoint_id=location, use_gloo=use_gloo,
                                                     storage_writer=writer)
                 self._inflight = (step, response)

@@ -50,13 +50,15 @@ class StorageWriter(abc.ABC):
                               use_collectives: bool = True) -> None:
         """Called on every rank before planning (and before a plan-cache hit)."""
 
-    def set_incremental_base(self, checkpoint_id: Union[str, os.PathLike, None]) -> None:
-        """Make the saves of this writer incremental from ``checkpoint_id`` (``None``: full;
-        SPEC §14): a chunk equal to the same chunk there is referenced, not written.
-        Default: ``ValueError``, this writer cannot."""
-        if checkpoint_id is not None:
-            raise ValueError(f"{type(self).__name__} cannot save incrementally (incremental_from="
-                             f"{os.fspath(checkpoint_id)!r}); use the filesystem or object-store writer")
+    def configure_save(self, *, incremental_from: Union[str, os.PathLike, None] = None,
+                       compression: Optional[str] = None) -> None:
+        """SPEC §14 options of this writer's saves: ``incremental_from`` (a chunk equal to the
+        same chunk of that checkpoint is referenced, not written) and ``compression``
+        (``"zstd"``).  Default: ``ValueError`` for either, this writer has neither."""
+        if incremental_from is not None or compression is not None:
+            raise ValueError(f"{type(self).__name__} has no incremental saves or compression (incremental_from="
+                             f"{incremental_from!r}, compression={compression!r}); use the filesystem or "
+                             "object-store writer")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan

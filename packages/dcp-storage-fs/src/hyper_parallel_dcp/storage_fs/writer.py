@@ -45,9 +45,12 @@ class FileSystemWriter(StorageWriter):
         # (metadata, its JSON, the .metadata written but not committed) from prepare_finalize
         self._prepared: Optional[tuple[Metadata, bytes, Optional[PendingFile]]] = None
         self.incremental_from: Optional[str] = None
+        self.compression: Optional[str] = None
 
-    def set_incremental_base(self, checkpoint_id: Union[str, os.PathLike, None]) -> None:
-        self.incremental_from = None if checkpoint_id is None else os.fspath(checkpoint_id)
+    def configure_save(self, *, incremental_from: Union[str, os.PathLike, None] = None,
+                       compression: Optional[str] = None) -> None:
+        self.incremental_from = None if incremental_from is None else os.fspath(incremental_from)
+        self.compression = compression
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -134,7 +137,8 @@ class FileSystemWriter(StorageWriter):
         base = None if self.incremental_from is None else reference_base(self.incremental_from, self._target())
         try:
             results = write_rank_files(plan, planner, self.rank, write_file,
-                                       files_written=start_sync if self.sync_files else None, base=base)
+                                       files_written=start_sync if self.sync_files else None, base=base,
+                                       compression=self.compression)
         except BaseException:
             if not started:  # else the files are the sync thread's: abort() waits for it
                 for written in pending:

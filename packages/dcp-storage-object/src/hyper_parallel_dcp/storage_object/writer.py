@@ -140,8 +140,11 @@ class ObjectStoreWriter(StorageWriter):
         self.incremental_from: Optional[str] = None
         self.reset(url)
 
-    def set_incremental_base(self, checkpoint_id: Union[str, Any, None]) -> None:
-        self.incremental_from = None if checkpoint_id is None else str(checkpoint_id)
+    def configure_save(self, *, incremental_from: Union[str, Any, None] = None, compression: Optional[str] = None) -> None:
+        if compression is not None:
+            raise ValueError(f"compression={compression!r}: compressed checkpoints are written to a filesystem only "
+                             "for now (the object-store reader reads plain safetensors chunks)")
+        self.incremental_from = None if incremental_from is None else str(incremental_from)
 
     def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
         if checkpoint_id is not None:
