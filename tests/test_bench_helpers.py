@@ -349,16 +349,18 @@ def test_incremental_section_counts_the_bytes_it_wrote(tmp_path):
     assert "| incremental |" in "\n".join(_incremental_lines(inc))
 
 
-def test_compression_section_round_trips_every_codec():
+def test_compression_section_round_trips_every_codec(tmp_path):
     pytest.importorskip("zstandard")
     pytest.importorskip("zipnn")
     from hyper_parallel_dcp.benchmarks.compression_bench import run_compression
     from hyper_parallel_dcp.benchmarks.report import _compression_lines
 
-    c = run_compression(64, 2, 1, lambda msg: None)
+    c = run_compression(64, 2, 1, lambda msg: None, tmp_path / "c", cap_mb_s=2000.0)
     assert [(r["data"], r["codec"]) for r in c["rows"]] == [
         (data, codec) for data in ("bf16 weights", "fp32 Adam moments")
         for codec in ("byte-planes+zstd", "zstd (torch DCP)", "zipnn")]
     assert all(r["bit_exact"] and 0 < r["share"] < 1.05 for r in c["rows"]), c["rows"]
     assert c["rows"][0]["raw_bytes"] == sum(2 * n for n in (64 * 256, 256, 256 * 64, 64, 64, 64, 64 * 64, 64))
+    t = c["throttled"]
+    assert t["plain"]["bit_exact"] and t["zstd"]["bit_exact"] and t["zstd"]["bytes"] < t["plain"]["bytes"]
     assert "| bf16 weights | zipnn |" in "\n".join(_compression_lines(c))

@@ -244,7 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if "compression" in sections:
             from .compression_bench import run_compression
 
-            result["compression"] = run_compression(512 if args.preset == "quick" else 1024, 5, cfg["reps"], log)
+            result["compression"] = run_compression(512 if args.preset == "quick" else 1024, 5, cfg["reps"], log,
+                                                    Path(tmp) / "compression", cfg["cap_mb_s"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if "planning" in sections:

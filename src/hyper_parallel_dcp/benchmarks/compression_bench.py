@@ -3,15 +3,17 @@
 A small MLP is trained for a few Adam steps in the benchmark itself; its weights (cast to
 bf16) and its fp32 Adam moments are compressed by:
 
-- ``byte-planes+zstd``: the planned checkpoint codec, measured here before it is wired
-  into ``save``: each tensor's bytes split into byte planes by element width, zstd level
-  1 per plane in frames of :data:`FRAME_BYTES` raw bytes (a partial load would decompress only
-  the frames it touches), a plane that does not shrink stored raw, frames on a thread pool;
+- ``byte-planes+zstd``: ``save(compression="zstd")``'s codec (``storage_fs.compression``:
+  byte planes by element width, zstd level 3 in 4 MiB frames), a tensor per thread;
 - ``zstd`` : torch DCP's ``stream.zstd`` extension (``ZStandard``, one stream per tensor);
 - ``zipnn``: the ZipNN package (its own byte grouping, zstd/Huffman).
 
 Each gives the compressed share of the bytes and compress / decompress MB/s (median of
-``reps``), checked bit-exact.  Needs the bench-only packages ``zstandard`` and ``zipnn``;
+``reps``), checked bit-exact.  Then the trained state (weights and moments) is saved and
+loaded through the checkpoint, compressed and not, under the shared bandwidth cap of
+``throttle`` (``cap_mb_s``): a load's reads pass the cap as they happen; a save is its
+time plus its written bytes through the cap afterwards (no overlap: what compression
+saves on the link against what it costs on the CPU).  Needs the bench-only packages ``zstandard`` and ``zipnn``;
 without them the section says so.  Exports :func:`run_compression`.
 """
 
@@ -20,16 +22,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import io
 import os
+import shutil
 import statistics
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["FRAME_BYTES", "run_compression"]
-
-#: raw bytes per zstd frame of the planned codec
-FRAME_BYTES = 4 << 20
+__all__ = ["run_compression"]
 
 
 def _trained_state(hidden: int, steps: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -49,42 +50,20 @@ def _trained_state(hidden: int, steps: int) -> dict[str, dict[str, torch.Tensor]
             "fp32 Adam moments": moments}
 
 
-#: a plane whose first :data:`_PROBE` bytes do not shrink below this share is stored raw (the
-#: low mantissa bytes are noise: compressing them costs time and saves nothing)
-_RAW_ABOVE, _PROBE = 0.9, 64 << 10
+def _checkpoint_codec(zstandard: Any, pool: cf.ThreadPoolExecutor) -> tuple[Callable, Callable]:
+    """``storage_fs.compression`` as ``save(compression="zstd")`` runs it: a chunk per thread."""
+    from hyper_parallel_dcp.storage_fs.compression import decode_span, encode_chunk
 
+    def compress(tensors: list[torch.Tensor]) -> list[bytes]:
+        return list(pool.map(lambda t: encode_chunk(t.contiguous().view(-1).view(torch.uint8), t.element_size(),
+                                                    zstandard), tensors))
 
-def _byte_planes_codec(zstandard: Any, pool: cf.ThreadPoolExecutor) -> tuple[Callable, Callable]:
-    """Frame = per byte plane ``(stored raw?, bytes)``; frames compressed on ``pool``."""
-
-    def frames(t: torch.Tensor) -> list[torch.Tensor]:
-        raw = t.contiguous().view(-1).view(torch.uint8)
-        width = t.element_size()
-        step = FRAME_BYTES - FRAME_BYTES % width
-        return [raw[i:i + step].view(-1, width).t().contiguous() for i in range(0, raw.numel(), step)]
-
-    def one(planes: torch.Tensor) -> list[tuple[bool, bytes]]:
-        zc = zstandard.ZstdCompressor(level=1)
-        out = []
-        for plane in planes.numpy():
-            probe = plane[:_PROBE]
-            if len(zc.compress(probe)) > _RAW_ABOVE * len(probe):
-                out.append((True, plane.tobytes()))
-            else:
-                out.append((False, zc.compress(plane)))
-        return out
-
-    def compress(tensors: list[torch.Tensor]) -> list[list[list[tuple[bool, bytes]]]]:
-        return [list(pool.map(one, frames(t))) for t in tensors]
-
-    def unframe(frame: list[tuple[bool, bytes]]) -> bytes:
-        zd = zstandard.ZstdDecompressor()
-        planes = [data if raw else zd.decompress(data) for raw, data in frame]
-        stacked = torch.frombuffer(bytearray(b"".join(planes)), dtype=torch.uint8).view(len(planes), -1)
-        return stacked.t().contiguous().numpy().tobytes()
-
-    def decompress(blobs: list[list[list[tuple[bool, bytes]]]], tensors: list[torch.Tensor]) -> list[bytes]:
-        return [b"".join(pool.map(unframe, frame_blobs)) for frame_blobs in blobs]
+    def decompress(blobs: list[bytes], tensors: list[torch.Tensor]) -> list[bytes]:
+        def one(args: tuple[bytes, torch.Tensor]) -> bytes:
+            blob, t = args
+            return decode_span(lambda at, n: blob[at:at + n], 0, t.numel() * t.element_size(), t.element_size(),
+                               zstandard, lambda: "benchmark")[0]
+        return list(pool.map(one, zip(blobs, tensors)))
 
     return compress, decompress
 
@@ -122,21 +101,56 @@ def _zipnn_codec(zipnn: Any, dtype_name: str) -> tuple[Callable, Callable]:
     return compress, decompress
 
 
-def _size(blobs: Any) -> int:
-    if isinstance(blobs, (bytes, bytearray)):
-        return len(blobs)
-    if isinstance(blobs, tuple):
-        return len(blobs[1])
-    return sum(map(_size, blobs))
+def _size(blobs: list[bytes]) -> int:
+    return sum(map(len, blobs))
 
 
-def run_compression(hidden: int, steps: int, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
+def _throttled_checkpoints(states: dict[str, dict[str, torch.Tensor]], root: Path, cap_mb_s: float, reps: int,
+                           log: Callable[[str], None]) -> dict[str, Any]:
+    """Save and load of the trained state, plain and compressed, under the shared cap."""
+    import hyper_parallel_dcp as dcp
+
+    from .throttle import SharedBandwidth, ThrottledFileSystemReader
+
+    state = {what.split()[1]: tensors for what, tensors in states.items()}  # "weights", "Adam"
+    root.mkdir(parents=True, exist_ok=True)
+    bandwidth = SharedBandwidth(root / "link", cap_mb_s * 1e6)
+    out: dict[str, Any] = {"cap_mb_s": cap_mb_s}
+    for compression in (None, "zstd"):
+        path = root / f"ckpt-{compression}"
+        saves, loads = [], []
+        for _ in range(reps):
+            shutil.rmtree(path, ignore_errors=True)
+            t0 = time.perf_counter()
+            md = dcp.save(state, checkpoint_id=path, no_dist=True, compression=compression)
+            bandwidth.consume(sum(md.files.values()))
+            saves.append(time.perf_counter() - t0)
+            target = {k: {n: torch.empty_like(t) for n, t in v.items()} for k, v in state.items()}
+            t0 = time.perf_counter()
+            dcp.load(target, storage_reader=ThrottledFileSystemReader(path, bandwidth), no_dist=True)
+            loads.append(time.perf_counter() - t0)
+        exact = all(torch.equal(target[k][n], t) for k, v in state.items() for n, t in v.items())
+        key = compression or "plain"
+        out[key] = {"bytes": sum(md.files.values()), "save_s": statistics.median(saves),
+                    "load_s": statistics.median(loads), "bit_exact": exact}
+        log(f"compression: {key} checkpoint of the trained state under {cap_mb_s:g} MB/s: {out[key]['bytes']} B, "
+            f"save {out[key]['save_s']:.3f}s, load {out[key]['load_s']:.3f}s, bit-exact {exact}")
+    shutil.rmtree(root, ignore_errors=True)
+    out["save_speedup"] = out["plain"]["save_s"] / out["zstd"]["save_s"]
+    out["load_speedup"] = out["plain"]["load_s"] / out["zstd"]["load_s"]
+    return out
+
+
+def run_compression(hidden: int, steps: int, reps: int, log: Callable[[str], None], root: Optional[Path] = None,
+                    cap_mb_s: float = 200.0) -> dict[str, Any]:
     """Each codec on the trained state's weights and moments; ``{"status"}`` without the packages."""
     try:
         import zipnn
         import zstandard
     except ImportError as exc:
         return {"status": f"not measured: {exc.name} is not installed (bench-only: pip install zstandard zipnn)"}
+    from hyper_parallel_dcp.storage_fs.compression import FRAME_BYTES
+
     states = _trained_state(hidden, steps)
     out: dict[str, Any] = {"hidden": hidden, "steps": steps, "frame_bytes": FRAME_BYTES, "threads": os.cpu_count(),
                            "rows": []}
@@ -146,7 +160,7 @@ def run_compression(hidden: int, steps: int, reps: int, log: Callable[[str], Non
             raw = sum(t.numel() * t.element_size() for t in tensors)
             expected = [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
             dtype_name = "bfloat16" if tensors[0].dtype == torch.bfloat16 else "float32"
-            codecs = {"byte-planes+zstd": _byte_planes_codec(zstandard, pool), "zstd (torch DCP)": _torch_zstd_codec(),
+            codecs = {"byte-planes+zstd": _checkpoint_codec(zstandard, pool), "zstd (torch DCP)": _torch_zstd_codec(),
                       "zipnn": _zipnn_codec(zipnn, dtype_name)}
             for name, (compress, decompress) in codecs.items():
                 c_times, d_times = [], []
@@ -164,4 +178,6 @@ def run_compression(hidden: int, steps: int, reps: int, log: Callable[[str], Non
                 out["rows"].append(row)
                 log(f"compression {what}, {name}: {100 * row['share']:.1f} % of {raw} B, compress "
                     f"{row['compress_mb_s']:.0f} MB/s, decompress {row['decompress_mb_s']:.0f} MB/s, bit-exact {exact}")
+    if root is not None:
+        out["throttled"] = _throttled_checkpoints(states, root, cap_mb_s, reps, log)
     return out

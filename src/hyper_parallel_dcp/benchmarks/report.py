@@ -286,6 +286,12 @@ def _compression_lines(c: dict[str, Any]) -> list[str]:
               "| data | codec | compressed share | compress MB/s | decompress MB/s | bit-exact |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['data']} | {r['codec']} | {100 * r['share']:.1f} % | {r['compress_mb_s']:.0f} | "
               f"{r['decompress_mb_s']:.0f} | {'yes' if r['bit_exact'] else 'NO'} |" for r in c["rows"]]
+    t = c.get("throttled")
+    if t:
+        lines += ["", f"The trained state as a checkpoint under a {t['cap_mb_s']:g} MB/s shared cap:", "",
+                  "| checkpoint | bytes | save s | load s |", "|---|---|---|---|"]
+        lines += [f"| {k} | {t[k]['bytes']} | {t[k]['save_s']:.3f} | {t[k]['load_s']:.3f} |" for k in ("plain", "zstd")]
+        lines += ["", f"Compressed vs plain: save {t['save_speedup']:.2f}x, load {t['load_speedup']:.2f}x as fast."]
     return lines
 
 
