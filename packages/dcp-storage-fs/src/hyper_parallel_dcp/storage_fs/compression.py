@@ -13,15 +13,23 @@ payload as stored.  A load decompresses only the frames the slice it reads touch
 
 from __future__ import annotations
 
+import os
 import struct
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
+import xxhash
 
+from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
 from hyper_parallel_dcp.core.errors import CheckpointError, CorruptCheckpointError
+from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo, chunk_locator
+from hyper_parallel_dcp.core.planner import ReadItem
+
+from .incremental import missing_file_error
 
 __all__ = ["CODEC_SUFFIX", "FRAME_BYTES", "ZSTD_EXTRA", "decode_span", "encode_chunk", "is_compressed_file",
-           "zstd_module"]
+           "CompressedFiles", "read_compressed_into", "zstd_module"]
 
 #: the suffix of a rank's file of compressed chunks: ``_rank{r}_.zstd``
 CODEC_SUFFIX = ".zstd"
@@ -102,3 +110,83 @@ def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, widt
     joined = torch.cat(out) if len(out) > 1 else out[0]
     base = first * step
     return joined[start - base:end - base].numpy().tobytes(), len(blob) + _HEAD.size + 8 * count
+
+
+def read_compressed_into(fd: int, info: StorageInfo, sizes: tuple[int, ...], dtype: torch.dtype, item: ReadItem,
+                         dest: torch.Tensor, file: str, *, verify: bool) -> int:
+    """Copy ``item``'s slice of the compressed chunk ``info`` (of shape ``sizes``) from the open
+    file ``fd`` (named ``file``) into ``dest``; returns the payload bytes read.  ``verify``:
+    first compare the whole payload's xxh3 with ``info.checksum``.  Raises
+    :class:`CorruptCheckpointError` naming file and chunk, :class:`CheckpointError` naming the
+    extra without ``zstandard``."""
+    index = item.storage_index
+    label = f"{file}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
+    zstd = zstd_module(f"{file}: {index.fqn!r}, stored in the compressed file {info.relative_path},")
+
+    def read_at(position: int, length: int) -> bytes:
+        return os.pread(fd, max(0, min(length, info.length - position)), info.offset + position)
+
+    read = 0
+    if verify:
+        read = info.length
+        if xxhash.xxh3_64_hexdigest(read_at(0, info.length)) != info.checksum:
+            raise CorruptCheckpointError(f"checksum mismatch in {label}: the compressed chunk does not match its "
+                                         f"recorded xxh3 {info.checksum}")
+    lengths = tuple(item.lengths) if item.lengths else sizes
+    offsets = tuple(item.storage_offsets) if item.lengths else (0,) * len(sizes)
+    first, span, _ = slice_span(sizes, offsets, lengths)
+    width = dtype.itemsize
+    raw, spanned = decode_span(read_at, first * width, (first + span) * width, width, zstd, lambda: label)
+    if span:
+        source = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
+        dest.copy_(source.as_strided(lengths, row_major_strides(sizes), 0))
+    return read + spanned
+
+
+class CompressedFiles:
+    """The open ``.zstd`` files of a checkpoint (``root()``, its directory), for the reader."""
+
+    def __init__(self, root: Callable[[], Path]) -> None:
+        self._root = root
+        self._open: dict[str, Any] = {}
+        self._seen: tuple[Any, bool] = (None, False)  # (a metadata's files, whether one is compressed)
+
+    def any_in(self, metadata: Any) -> bool:
+        """Whether ``metadata`` (a ``Metadata`` or ``None``) names a compressed file (kept per file table)."""
+        files = None if metadata is None else metadata.files
+        if files is not self._seen[0]:
+            self._seen = (files, files is not None and any(map(is_compressed_file, files)))
+        return self._seen[1]
+
+    def read_item(self, metadata: Metadata, item: ReadItem, dest: torch.Tensor, offset: Optional[int], strides: Any,
+                  verified: Optional[set[MetadataIndex]]) -> Optional[int]:
+        """Read ``item`` into ``dest`` (``dest.as_strided(item.lengths, strides, offset)`` with an
+        ``offset``) when its chunk is in a compressed file: the payload bytes read; ``None``,
+        nothing done, otherwise.  ``verified``: check each chunk's payload checksum once (the
+        chunks checked are added).  Raises :class:`CheckpointNotFoundError` naming a missing
+        file (and, for a reference, who needs it), and what :func:`read_compressed_into` raises."""
+        index = item.storage_index
+        locate = chunk_locator(metadata)
+        where = None if locate is None else locate(index)
+        if where is None or not is_compressed_file(where[0]):
+            return None
+        name = where[0]
+        path = self._root() / name
+        handle = self._open.get(name)
+        if handle is None:
+            try:
+                handle = self._open[name] = open(path, "rb")
+            except FileNotFoundError:
+                raise missing_file_error(str(path), name) from None
+        verify = verified is not None and index not in verified
+        md = metadata.state_dict_metadata[index.fqn]
+        target = dest if offset is None else dest.as_strided(item.lengths, strides, offset)
+        read = read_compressed_into(handle.fileno(), metadata.storage_data[index], tuple(where[2]),  # type: ignore
+                                    md.properties.dtype, item, target, str(path), verify=verify)  # type: ignore
+        if verify:
+            verified.add(index)  # type: ignore[union-attr]
+        return read
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1].close()

@@ -19,20 +19,13 @@ import xxhash
 
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
-from hyper_parallel_dcp.core.metadata import (
-    ChunkLocation,
-    Metadata,
-    MetadataIndex,
-    StorageInfo,
-    chunk_location,
-    chunk_locator,
-)
+from hyper_parallel_dcp.core.metadata import ChunkLocation, Metadata, MetadataIndex, StorageInfo, chunk_locator
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import FILES_KEPT
 from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, read_items
 
-from .compression import decode_span, is_compressed_file, zstd_module
+from .compression import CompressedFiles
 from .files import LocalFiles
 from .incremental import missing_file_error
 from .layout import METADATA_FILE
@@ -261,7 +254,7 @@ class FileSystemReader(StorageReader):
         self._locator: Optional[ChunkLocator] = None
         self._verified: set[MetadataIndex] = set()
         self._reads = AdjacentReads()
-        self._compressed_files: dict[str, Any] = {}  # open files of compressed chunks
+        self._compressed_files = CompressedFiles(lambda: self._root())
         self._device_reads = DeviceReads()
         self._copies = PendingCopies()  # views of the files' mappings: copied before a file closes
         self._arena: Optional[MappingArena] = None  # where the open files are mapped
@@ -359,8 +352,7 @@ class FileSystemReader(StorageReader):
 
     def _close_all(self) -> None:
         self._finish_pending()
-        while self._compressed_files:
-            self._compressed_files.popitem()[1].close()
+        self._compressed_files.close()
         self._latest = None
         while self._handles:
             self._handles.popitem()[1].close()
@@ -374,13 +366,16 @@ class FileSystemReader(StorageReader):
         ``offset``, the slice goes into ``dest.as_strided(item.lengths, dest_strides, offset)``."""
         locator, open_file = self.chunks(), self._file
         adjacent, device_reads, copies = self._reads, self._device_reads, self._copies
-        compressed = self.metadata is not None and any(map(is_compressed_file, self.metadata.files))
+        compressed = self._compressed_files.any_in(self.metadata)
         spanned = 0
         try:
             for item, (dest, offset, dest_strides) in reads:
-                if compressed and self._read_compressed(item, dest if offset is None else
-                                                        dest.as_strided(item.lengths, dest_strides, offset)):
-                    continue
+                if compressed:  # a chunk of a .zstd file: decompressed (storage_fs.compression)
+                    read = self._compressed_files.read_item(self.metadata, item, dest, offset, dest_strides,
+                                                            self._verified if self.verify else None)
+                    if read is not None:
+                        spanned += read
+                        continue
                 (_, data_offset, sizes, strides, dtype), opened, (first, span, contiguous, count) = \
                     locator.locate(item, open_file)
                 lengths, itemsize = item.lengths, dtype.itemsize
@@ -407,45 +402,6 @@ class FileSystemReader(StorageReader):
                                            lengths, dest, None, strides)
         finally:
             self.bytes_read += spanned
-
-    def _read_compressed(self, item: ReadItem, dest: torch.Tensor) -> bool:
-        """Read ``item`` into ``dest`` when its chunk is compressed (decompressing only the frames
-        its slice touches); False, nothing done, for a chunk of a safetensors file."""
-        index = item.storage_index
-        where = chunk_location(self.metadata, index)  # type: ignore[arg-type]
-        if where is None or not is_compressed_file(where[0]):
-            return False
-        name, sizes = where[0], tuple(where[2])
-        info = self.chunks().storage_info(index)
-        zstd = zstd_module(f"{self._root()}: {index.fqn!r}, stored in the compressed file {name},")
-        dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype  # type: ignore[union-attr]
-        handle = self._compressed_files.get(name)
-        if handle is None:
-            try:
-                handle = self._compressed_files[name] = open(self._root() / name, "rb")
-            except FileNotFoundError:
-                raise missing_file_error(str(self._root() / name), name) from None
-        label = f"{self._root() / name}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
-
-        def read_at(position: int, length: int) -> bytes:
-            length = max(0, min(length, info.length - position))
-            return os.pread(handle.fileno(), length, info.offset + position)
-
-        if self.verify and index not in self._verified:
-            if xxhash.xxh3_64_hexdigest(read_at(0, info.length)) != info.checksum:
-                raise CorruptCheckpointError(f"checksum mismatch in {label}: the compressed chunk does not match "
-                                             f"its recorded xxh3 {info.checksum}")
-            self._verified.add(index)
-        lengths = tuple(item.lengths) if item.lengths else sizes
-        first, span, _ = slice_span(sizes, tuple(item.storage_offsets) if item.lengths else (0,) * len(sizes),
-                                    lengths)
-        width = dtype.itemsize
-        raw, read = decode_span(read_at, first * width, (first + span) * width, width, zstd, lambda: label)
-        self.bytes_read += read
-        if span:
-            source = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
-            dest.copy_(source.as_strided(lengths, row_major_strides(sizes), 0))
-        return True
 
     def _finish_pending(self) -> None:
         """Complete every queued read and copy (before a file closes, before handing on)."""
