@@ -144,10 +144,9 @@ def read_compressed_into(fd: int, info: StorageInfo, sizes: tuple[int, ...], dty
 
 
 class CompressedFiles:
-    """The open ``.zstd`` files of a checkpoint (``root()``, its directory), for the reader."""
+    """The open ``.zstd`` files of a checkpoint, for the reader."""
 
-    def __init__(self, root: Callable[[], Path]) -> None:
-        self._root = root
+    def __init__(self) -> None:
         self._open: dict[str, Any] = {}
         self._seen: tuple[Any, bool] = (None, False)  # (a metadata's files, whether one is compressed)
 
@@ -158,9 +157,9 @@ class CompressedFiles:
             self._seen = (files, files is not None and any(map(is_compressed_file, files)))
         return self._seen[1]
 
-    def read_item(self, metadata: Metadata, item: ReadItem, dest: torch.Tensor, offset: Optional[int], strides: Any,
-                  verified: Optional[set[MetadataIndex]]) -> Optional[int]:
-        """Read ``item`` into ``dest`` (``dest.as_strided(item.lengths, strides, offset)`` with an
+    def read_item(self, root: Path, metadata: Metadata, item: ReadItem, dest: torch.Tensor, offset: Optional[int],
+                  strides: Any, verified: Optional[set[MetadataIndex]]) -> Optional[int]:
+        """Read ``item`` of the checkpoint in directory ``root`` into ``dest`` (``dest.as_strided(item.lengths, strides, offset)`` with an
         ``offset``) when its chunk is in a compressed file: the payload bytes read; ``None``,
         nothing done, otherwise.  ``verified``: check each chunk's payload checksum once (the
         chunks checked are added).  Raises :class:`CheckpointNotFoundError` naming a missing
@@ -171,7 +170,7 @@ class CompressedFiles:
         if where is None or not is_compressed_file(where[0]):
             return None
         name = where[0]
-        path = self._root() / name
+        path = root / name
         handle = self._open.get(name)
         if handle is None:
             try:

@@ -254,7 +254,7 @@ class FileSystemReader(StorageReader):
         self._locator: Optional[ChunkLocator] = None
         self._verified: set[MetadataIndex] = set()
         self._reads = AdjacentReads()
-        self._compressed_files = CompressedFiles(lambda: self._root())
+        self._compressed_files = CompressedFiles()  # holds no reference to the reader: no cycle
         self._device_reads = DeviceReads()
         self._copies = PendingCopies()  # views of the files' mappings: copied before a file closes
         self._arena: Optional[MappingArena] = None  # where the open files are mapped
@@ -371,8 +371,8 @@ class FileSystemReader(StorageReader):
         try:
             for item, (dest, offset, dest_strides) in reads:
                 if compressed:  # a chunk of a .zstd file: decompressed (storage_fs.compression)
-                    read = self._compressed_files.read_item(self.metadata, item, dest, offset, dest_strides,
-                                                            self._verified if self.verify else None)
+                    read = self._compressed_files.read_item(self._root(), self.metadata, item, dest, offset,
+                                                            dest_strides, self._verified if self.verify else None)
                     if read is not None:
                         spanned += read
                         continue
