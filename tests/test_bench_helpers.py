@@ -335,3 +335,32 @@ def test_plan_cache_goal_wants_the_warm_save_strictly_faster():
     assert row["met"] is False and row["value"] == pytest.approx(1.0)  # as fast is not faster
     io["small"] = io.pop("dense")
     assert not any("plan cache" in g["goal"] for g in evaluate_goals(io, None))  # the goal is the dense one
+
+
+def test_incremental_section_counts_the_bytes_it_wrote(tmp_path):
+    from hyper_parallel_dcp.benchmarks.incremental_bench import incremental_goals, run_incremental
+    from hyper_parallel_dcp.benchmarks.report import _incremental_lines
+
+    inc = run_incremental(tmp_path / "inc", 8, 1, lambda msg: None)
+    assert inc["bit_exact"] and 0 < inc["changed_bytes"] <= 0.02 * inc["total_bytes"]
+    # the changed tensors' data plus one safetensors header and the .metadata, nothing else
+    assert inc["changed_bytes"] < inc["written_bytes"] <= 1.05 * inc["changed_bytes"] + 64 * 1024
+    assert [g["limit"] for g in incremental_goals(inc)] == [1.05, 0.1]
+    assert "| incremental |" in "\n".join(_incremental_lines(inc))
+
+
+def test_compression_section_round_trips_every_codec(tmp_path):
+    pytest.importorskip("zstandard")
+    pytest.importorskip("zipnn")
+    from hyper_parallel_dcp.benchmarks.compression_bench import run_compression
+    from hyper_parallel_dcp.benchmarks.report import _compression_lines
+
+    c = run_compression(64, 2, 1, lambda msg: None, tmp_path / "c", cap_mb_s=2000.0)
+    assert [(r["data"], r["codec"]) for r in c["rows"]] == [
+        (data, codec) for data in ("bf16 weights", "fp32 Adam moments")
+        for codec in ("byte-planes+zstd", "zstd (torch DCP)", "zipnn")]
+    assert all(r["bit_exact"] and 0 < r["share"] < 1.05 for r in c["rows"]), c["rows"]
+    assert c["rows"][0]["raw_bytes"] == sum(2 * n for n in (64 * 256, 256, 256 * 64, 64, 64, 64, 64 * 64, 64))
+    t = c["throttled"]
+    assert t["plain"]["bit_exact"] and t["zstd"]["bit_exact"] and t["zstd"]["bytes"] < t["plain"]["bytes"]
+    assert "| bf16 weights | zipnn |" in "\n".join(_compression_lines(c))

@@ -94,6 +94,23 @@ def test_metadata_validates_against_the_documented_schema(checkpoint: Path) -> N
     validator.validate(grouped)
 
 
+def test_incremental_metadata_validates_against_the_documented_schema(tmp_path: Path) -> None:
+    import hyper_parallel_dcp as dcp
+
+    validator = jsonschema.Draft202012Validator(documented_schema())
+    dcp.save({"a": torch.ones(3), "b": torch.zeros(2)}, checkpoint_id=tmp_path / "step_1", no_dist=True)
+    dcp.save({"a": torch.ones(3), "b": torch.ones(2)}, checkpoint_id=tmp_path / "step_2", no_dist=True,
+             incremental_from=tmp_path / "step_1")
+    doc = json.loads((tmp_path / "step_2" / ".metadata").read_text())
+    validator.validate(doc)
+    assert ["../step_1/_rank0_.safetensors", (tmp_path / "step_1" / "_rank0_.safetensors").stat().st_size] \
+        in doc["files"]
+    for name in ("../../x/y", "../x/y/z", "../../y", "../x/..", "../x/"):
+        bad = copy.deepcopy(doc)
+        bad["files"].append([name, 1])
+        assert not validator.is_valid(bad), name
+
+
 def _safetensors_entries(path: Path) -> tuple[int, dict]:
     raw = path.read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])

@@ -24,7 +24,8 @@ CheckpointId = Union[str, os.PathLike]
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = None,
          storage_writer: Optional[StorageWriter] = None, planner: Optional[SavePlanner] = None,
-         no_dist: bool = False, use_collectives: bool = True, process_group: Optional[Any] = None) -> Metadata:
+         no_dist: bool = False, use_collectives: bool = True, process_group: Optional[Any] = None,
+         incremental_from: Optional[CheckpointId] = None, compression: Optional[str] = None) -> Metadata:
     """Save a (sharded) state dict; every rank writes only the shards it owns.
 
     ``state_dict`` is a nested dict whose leaves are DTensors, tensors (treated as
@@ -34,14 +35,21 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = 
     global :class:`Metadata` is the same on every rank).  With ``use_collectives=False`` each
     rank writes ``{rank}.metadata`` on its own; ``no_dist=True`` saves from this process
     alone.  ``process_group`` checkpoints a sub-group (only its ranks call).  A ``Stateful``
-    leaf (a module, an optimizer) is saved as its ``state_dict()``.
+    leaf (a module, an optimizer) is saved as its ``state_dict()``.  ``incremental_from``:
+    a checkpoint beside this one (same parent directory or prefix); a chunk whose bytes
+    equal the same chunk there (xxh3 compared before the write) is not written, the new
+    ``.metadata`` points at its bytes there (SPEC §14; that checkpoint must then be kept).
+    ``compression="zstd"`` (the ``[zstd]`` extra; filesystem only): tensor chunks stored
+    byte-plane split and zstd-compressed in frames (``storage_fs.compression``).
 
-    Raises ``ValueError`` without a destination, :class:`UnsupportedPlacementError` for a
+    Raises ``ValueError`` without a destination or for an ``incremental_from`` elsewhere, :class:`UnsupportedPlacementError` for a
     ``Partial`` DTensor, :class:`ConcurrentSaveError` when another save into the same
     directory is running, and :class:`CheckpointException` (raised on every rank) when
     any rank fails.
     """
-    return save_state_dict(state_dict, storage_writer_for(checkpoint_id, storage_writer), planner,
+    writer = storage_writer_for(checkpoint_id, storage_writer)
+    writer.configure_save(incremental_from=incremental_from, compression=compression)
+    return save_state_dict(state_dict, writer, planner,
                            process_group=process_group, no_dist=no_dist, use_collectives=use_collectives)
 
 

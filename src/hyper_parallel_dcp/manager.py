@@ -23,7 +23,7 @@ from contextlib import ExitStack
 from typing import Any, Optional, Union
 
 from hyper_parallel_dcp import api, async_persist
-from hyper_parallel_dcp.core.backends import url_scheme
+from hyper_parallel_dcp.core.backends import storage_writer_for, url_scheme
 from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.errors import (
     CheckpointException,
@@ -36,7 +36,7 @@ from hyper_parallel_dcp.core.errors import (
 from hyper_parallel_dcp.core.stateful import expand_stateful
 
 from .local_tier import LocalTier
-from .retention import best_steps, steps_to_delete
+from .retention import best_steps, incremental_plan, referenced_steps, steps_to_delete
 from .step_storage import step_storage_for
 
 __all__ = ["CheckpointManager"]
@@ -107,6 +107,9 @@ class CheckpointManager:
     reached any rank saves, waits until it has landed and sets :attr:`preempted` (one small
     collective per ``save`` call).  ``local``: a :class:`LocalTier`, saved every its
     ``interval_steps`` beside this persistent tier (SPEC §13) and restored from first.
+    ``incremental``: each save references the chunks it shares with the newest earlier step
+    instead of writing them (SPEC §14), and every ``full_every``-th save (``None``: only the
+    first) is written in full; retention keeps every step a kept step points into.
 
     :meth:`save`, :meth:`restore`, :meth:`wait` and :meth:`close` are collective over the
     default process group; leaving a ``with`` block on an exception closes without a
@@ -118,7 +121,8 @@ class CheckpointManager:
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = 3,
                  keep_every: Optional[int] = None, save_interval_steps: int = 1, async_save: bool = False,
                  keep_best: Optional[int] = None, best_metric: Optional[str] = None, best_mode: str = "min",
-                 save_on_preemption: bool = False, local: Optional[LocalTier] = None):
+                 save_on_preemption: bool = False, local: Optional[LocalTier] = None,
+                 incremental: bool = False, full_every: Optional[int] = None):
         self.keep_last = _positive_or_none("keep_last", keep_last)
         self.keep_every = _positive_or_none("keep_every", keep_every)
         interval = _positive_or_none("save_interval_steps", save_interval_steps)
@@ -136,6 +140,9 @@ class CheckpointManager:
         if local is not None and not isinstance(local, LocalTier):
             raise ValueError(f"local must be a LocalTier or None, got {type(local).__name__}")
         self.local = local
+        self.incremental = bool(incremental)
+        self.full_every = _positive_or_none("full_every", full_every)
+        self._references: dict[int, set[int]] = {}  # step -> steps it points into (incremental saves)
         if not isinstance(root, (str, os.PathLike)):
             raise ValueError(f"root must be a path or URL, got {type(root).__name__}")
         self.root = root
@@ -199,7 +206,8 @@ class CheckpointManager:
         def write_info(_: list[None]) -> None:
             # rank 0's metrics are stored; checked here so that bad ones fail every rank, and
             # only on a saving step (reading an accelerator tensor costs a device sync)
-            info = {"step": step, "saved_at": time.time(), "metrics": _check_metrics(metrics)}
+            info = {"step": step, "saved_at": time.time(), "metrics": _check_metrics(metrics),
+                    **self._incremental_plan(step)}
             self._info_cache.pop(step, None)
             self._steps.write_info(step, info)
 
@@ -214,11 +222,18 @@ class CheckpointManager:
 
         self._land(dw, f"checkpoint manager: land the previous save, prepare step {step}", write_info, expand)
         location = self._steps.location(step)
+        self._references.pop(step, None)
+        base = self._incremental_plan(step)["incremental_from"]
+        base_location = None if base is None else self._steps.location(base)
         started = time.perf_counter()
         if self.async_save:
             staging_error: Optional[BaseException] = None
             try:
-                response = async_persist.async_save(state_dict, checkpoint_id=location)
+                writer = None
+                if base_location is not None:
+                    writer = storage_writer_for(location, None)
+                    writer.configure_save(incremental_from=base_location)
+                response = async_persist.async_save(state_dict, checkpoint_id=location, storage_writer=writer)
                 self._inflight = (step, response)
                 if dw.is_coordinator:
                     staged = response.staging.staged_bytes
@@ -237,7 +252,7 @@ class CheckpointManager:
                 self._settle_failed_step()
                 raise
         else:
-            metadata = api.save(expanded[0], checkpoint_id=location)
+            metadata = api.save(expanded[0], checkpoint_id=location, incremental_from=base_location)
             if dw.is_coordinator:
                 written = sum(metadata.files.values())
                 logger.info("checkpoint manager: step %d landed in %s: %.1f MiB (%d bytes) in %.3f s", step, location,
@@ -308,7 +323,7 @@ class CheckpointManager:
         if self.keep_best is not None and self.keep_last is not None:
             best = frozenset(best_steps(self._metric_values(complete), self.keep_best, self.best_mode))
         doomed = steps_to_delete(complete, keep_last=self.keep_last, keep_every=self.keep_every, best=best,
-                                 protected=protected)
+                                 protected=protected, references={s: self._step_references(s) for s in complete})
         saved = self._landed_step
         # newer steps than the one just saved (the protected one in flight is this job's own):
         # a trainer went back with restore(step=K), and retention and restore go by number
@@ -344,12 +359,24 @@ class CheckpointManager:
                         "interrupted saves", self.root, deleted, len(cleaned))
         return deleted
 
+    def _incremental_plan(self, step: int) -> dict[str, Any]:
+        return incremental_plan([s for s in self.all_steps() if s < step] if self.incremental else [],
+                                self._info, self.full_every)
+
+    def _info(self, step: int) -> Optional[dict[str, Any]]:
+        if step not in self._info_cache:
+            self._info_cache[step] = self._steps.read_info(step)
+        return self._info_cache[step]
+
+    def _step_references(self, step: int) -> set[int]:
+        if step not in self._references:
+            self._references[step] = referenced_steps(self._steps.location(step), self._info(step))
+        return self._references[step]
+
     def _metric_values(self, complete: list[int]) -> dict[int, float]:
         values = {}
         for step in complete:
-            if step not in self._info_cache:
-                self._info_cache[step] = self._steps.read_info(step)
-            value = (_stored_metrics(self._info_cache[step]) or {}).get(self.best_metric)
+            value = (_stored_metrics(self._info(step)) or {}).get(self.best_metric)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
                 values[step] = float(value)
         return values

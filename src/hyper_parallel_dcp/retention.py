@@ -2,14 +2,46 @@
 
 Kept, the union of: the newest ``keep_last`` complete steps (all with ``None``), every multiple
 of ``keep_every``, the best ``keep_best`` by a metric, the newest complete step and every
-``protected`` step (being written or read).  Everything else that is complete is deleted.
+``protected`` step (being written or read), and every step a kept step points into (an
+incremental save's references, SPEC §14: :func:`referenced_steps` reads them from a step's
+metadata).  Everything else that is complete is deleted.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+import os
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
-__all__ = ["best_steps", "steps_to_delete"]
+from hyper_parallel_dcp.core.metadata import referenced_checkpoint
+from hyper_parallel_dcp.core.steps import parse_step_name
+from hyper_parallel_dcp.storage_fs.metadata_io import load_checkpoint_metadata
+
+__all__ = ["best_steps", "incremental_plan", "referenced_steps", "steps_to_delete"]
+
+
+def incremental_plan(earlier: Sequence[int], info_of: Callable[[int], Optional[dict[str, Any]]],
+                     full_every: Optional[int]) -> dict[str, Any]:
+    """What a manager stores in a step's info: ``incremental_from``, the step its save references
+    (the newest of ``earlier``; ``None``: saved in full) and ``incremental_chain``, the saves since
+    the last full one (``info_of(step)`` gives an earlier step's): every ``full_every``-th is full."""
+    if not earlier:
+        return {"incremental_from": None, "incremental_chain": 0}
+    base = max(earlier)
+    chain = ((info_of(base) or {}).get("incremental_chain") or 0) + 1
+    if full_every is not None and chain >= full_every:
+        return {"incremental_from": None, "incremental_chain": 0}
+    return {"incremental_from": base, "incremental_chain": chain}
+
+
+def referenced_steps(location: Union[str, os.PathLike], info: Optional[dict[str, Any]] = None) -> set[int]:
+    """The steps whose files the checkpoint at ``location`` (a ``step_N``) points into, read from
+    its metadata unless its manager ``info`` says it was saved in full (a step saved before
+    incremental saves existed has no ``incremental_from`` either); raises what reading it raises."""
+    if info is not None and info.get("incremental_from") is None:
+        return set()
+    metadata, _ = load_checkpoint_metadata(location)
+    names = {referenced_checkpoint(name) for name in metadata.files}
+    return {step for step in map(parse_step_name, filter(None, names)) if step is not None}
 
 
 def best_steps(metric_by_step: Mapping[int, float], keep_best: int, mode: str) -> set[int]:
@@ -20,13 +52,20 @@ def best_steps(metric_by_step: Mapping[int, float], keep_best: int, mode: str) -
 
 
 def steps_to_delete(complete: Sequence[int], *, keep_last: Optional[int], keep_every: Optional[int] = None,
-                    best: frozenset[int] = frozenset(), protected: frozenset[int] = frozenset()) -> list[int]:
+                    best: frozenset[int] = frozenset(), protected: frozenset[int] = frozenset(),
+                    references: Optional[Mapping[int, Iterable[int]]] = None) -> list[int]:
     """The complete steps retention deletes, ascending, of ``complete`` (any order); ``best``: the
-    steps kept for their metric."""
+    steps kept for their metric; ``references``: step → the steps it points into (kept with it)."""
     steps = sorted(set(complete))
     if not steps or keep_last is None:
         return []
     keep = set(steps[-keep_last:]) | {steps[-1]} | set(best) | set(protected)
     if keep_every is not None:
         keep |= {s for s in steps if s % keep_every == 0}
+    todo = list(keep)
+    while references and todo:
+        for referenced in references.get(todo.pop(), ()):
+            if referenced not in keep:
+                keep.add(referenced)
+                todo.append(referenced)
     return [s for s in steps if s not in keep]

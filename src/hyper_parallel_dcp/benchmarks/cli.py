@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--local-mib", type=float, help="state per rank of the local tier section (default: --bcast-mib)")
     p.add_argument("--reps", type=int, help="repetitions per case (secondary cases too)")
     p.add_argument("--plan-worlds", help="comma-separated simulated world sizes for planning")
-    p.add_argument("--sections", default="io,broadcast,local,convert,planning",
-                   help="comma-separated subset of io,broadcast,local,convert,planning")
+    p.add_argument("--sections", default="io,broadcast,local,convert,incremental,compression,planning",
+                   help="comma-separated subset of io,broadcast,local,convert,incremental,compression,planning")
     p.add_argument("--workdir", help="where checkpoints are written (default: a temp dir; needs ~3x the sizes)")
     p.add_argument("--out", default="docs/benchmarks", help="output folder (default docs/benchmarks)")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline for each multi-process run (s)")
@@ -262,6 +262,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 shutil.rmtree(local_dir, ignore_errors=True)
         if "convert" in sections:
             result["convert"] = _run_convert(Path(tmp) / "convert", cfg["bcast_mib"], cfg["reps"], log)
+        if "incremental" in sections:
+            from .incremental_bench import run_incremental
+
+            result["incremental"] = run_incremental(Path(tmp) / "incremental", cfg["bcast_mib"], cfg["reps"], log)
+        if "compression" in sections:
+            from .compression_bench import run_compression
+
+            result["compression"] = run_compression(512 if args.preset == "quick" else 1024, 5, cfg["reps"], log,
+                                                    Path(tmp) / "compression", cfg["cap_mb_s"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if "planning" in sections:
@@ -271,6 +280,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .report import evaluate_goals, write_markdown, write_plots
 
     result["goals"] = evaluate_goals(result["io"], result.get("planning"))
+    if result.get("incremental"):
+        from .incremental_bench import incremental_goals
+
+        result["goals"] += incremental_goals(result["incremental"])
     result["total_s"] = time.perf_counter() - started
     (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
     write_markdown(out_dir / "README.md", result)

@@ -160,6 +160,10 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         lines += local_lines(result["local"])
     if result.get("convert"):
         lines += _convert_lines(result["convert"])
+    if result.get("incremental"):
+        lines += _incremental_lines(result["incremental"])
+    if result.get("compression"):
+        lines += _compression_lines(result["compression"])
     if result.get("planning"):
         lines += _planning_lines(result["planning"])
     # the plots that write_plots draws for the sections that ran (a page must not link a
@@ -282,6 +286,38 @@ def _convert_lines(c: dict[str, Any]) -> list[str]:
             e = c["summary"].get(key)
             r = _ratio(_med(c["summary"], key), _med(c["summary"], "ref.raw_read_write"))
             lines.append(f"| {key} | {_fmt(e)} | {'' if r is None else f'{r:.2f}×'} |")
+    return lines
+
+
+def _incremental_lines(inc: dict[str, Any]) -> list[str]:
+    """The section of ``incremental_bench``."""
+    s = inc["summary"]
+    return ["", "## Incremental save (frozen base, 2 % changed; one process)", "",
+            "| save | seconds (median, min-max) | bytes written |", "|---|---|---|",
+            f"| full | {s['full']['median']:.3f} ({s['full']['min']:.3f}-{s['full']['max']:.3f}) | "
+            f"{inc['total_bytes']} model bytes |",
+            f"| incremental | {s['incremental']['median']:.3f} ({s['incremental']['min']:.3f}-"
+            f"{s['incremental']['max']:.3f}) | {inc['written_bytes']} ({inc['written_over_changed']:.3f}x the "
+            f"{inc['changed_bytes']} changed) |",
+            "", f"Incremental / full time: {inc['time_ratio']:.3f}x; the load of the incremental checkpoint is "
+            f"{'bit-exact' if inc['bit_exact'] else 'NOT bit-exact'}."]
+
+
+def _compression_lines(c: dict[str, Any]) -> list[str]:
+    """The section of ``compression_bench``."""
+    lines = ["", "## Lossless compression of trained state (one process)", ""]
+    if "status" in c:
+        return lines + [c["status"]]
+    lines += [f"An MLP of hidden size {c['hidden']} after {c['steps']} Adam steps; {c['threads']} threads.", "",
+              "| data | codec | compressed share | compress MB/s | decompress MB/s | bit-exact |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['data']} | {r['codec']} | {100 * r['share']:.1f} % | {r['compress_mb_s']:.0f} | "
+              f"{r['decompress_mb_s']:.0f} | {'yes' if r['bit_exact'] else 'NO'} |" for r in c["rows"]]
+    t = c.get("throttled")
+    if t:
+        lines += ["", f"The trained state as a checkpoint under a {t['cap_mb_s']:g} MB/s shared cap:", "",
+                  "| checkpoint | bytes | save s | load s |", "|---|---|---|---|"]
+        lines += [f"| {k} | {t[k]['bytes']} | {t[k]['save_s']:.3f} | {t[k]['load_s']:.3f} |" for k in ("plain", "zstd")]
+        lines += ["", f"Compressed vs plain: save {t['save_speedup']:.2f}x, load {t['load_speedup']:.2f}x as fast."]
     return lines
 
 

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel_dcp.core.metadata import MetadataIndex, TensorStorageMetadata, dtype_name
+from hyper_parallel_dcp.core.metadata import MetadataIndex, TensorStorageMetadata, dtype_name, referenced_checkpoint
 from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
 from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, format_bytes, print_json, print_table
@@ -22,8 +22,9 @@ _RANK_FILE = re.compile(r"^(?:_rank(\d+)_\.|__(\d+)_\d+\.distcp$)")
 
 def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, Any]:
     """The ``inspect --json`` document of the checkpoint at ``path``: SPEC §9's keys, then ``path``,
-    ``problems`` (why it is not complete), ``files`` (name → bytes, writing rank) and ``ranks``
-    (files and bytes per writing rank); ``with_chunks`` adds each tensor's ``chunk_list``.  Reads
+    ``problems`` (why it is not complete), ``files`` (name → bytes, writing rank), ``ranks``
+    (files and bytes per writing rank), ``own_bytes`` (of its own files) and ``referenced_bytes``
+    (checkpoint → bytes of its chunks this incremental save points at, SPEC §14); ``with_chunks`` adds each tensor's ``chunk_list``.  Reads
     metadata and ``stat`` only; never raises for a bad checkpoint."""
     report = check_complete(path)
     doc: dict[str, Any] = {"complete": report.complete, "format": report.format,
@@ -61,6 +62,13 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
             entry_r["files"].append(name)
             entry_r["bytes"] += md.files[name]
     doc["ranks"] = [per_rank[r] for r in sorted(per_rank)]
+    doc["own_bytes"] = sum(size for name, size in md.files.items() if referenced_checkpoint(name) is None)
+    referenced: dict[str, int] = {}
+    for info in storage.values():
+        base = referenced_checkpoint(info.relative_path)
+        if base is not None:
+            referenced[base] = referenced.get(base, 0) + info.length
+    doc["referenced_bytes"] = dict(sorted(referenced.items()))
     return doc
 
 
@@ -78,6 +86,9 @@ def _print_human(doc: dict[str, Any], with_chunks: bool) -> None:
           f"{sum(t['chunks'] for t in tensors.values())} chunks)")
     print(f"objects         {len(doc['objects'])}")
     print(f"files           {len(doc['files'])} ({format_bytes(sum(f['bytes'] for f in doc['files'].values()))})")
+    if doc.get("referenced_bytes"):
+        print(f"own bytes       {format_bytes(doc['own_bytes'])}; referenced (incremental): " + ", ".join(
+            f"{format_bytes(n)} in {base}" for base, n in doc["referenced_bytes"].items()))
     if tensors:
         print()
         print_table(["FQN", "shape", "dtype", "chunks", "bytes"],

@@ -51,6 +51,16 @@ class StorageWriter(abc.ABC):
                               use_collectives: bool = True) -> None:
         """Called on every rank before planning (and before a plan-cache hit)."""
 
+    def configure_save(self, *, incremental_from: Union[str, os.PathLike, None] = None,
+                       compression: Optional[str] = None) -> None:
+        """SPEC §14 options of this writer's saves: ``incremental_from`` (a chunk equal to the
+        same chunk of that checkpoint is referenced, not written) and ``compression``
+        (``"zstd"``).  Default: ``ValueError`` for either, this writer has neither."""
+        if incremental_from is not None or compression is not None:
+            raise ValueError(f"{type(self).__name__} has no incremental saves or compression (incremental_from="
+                             f"{incremental_from!r}, compression={compression!r}); use the filesystem or "
+                             "object-store writer")
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 

@@ -19,11 +19,13 @@ from hyper_parallel_dcp.core.metadata import (
     MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
+    is_file_name,
     metadata_from_json,
 )
 
 from .diagnose import checkpoints_inside_hint, header_disagreement, header_mismatch, item_name
 from .files import CheckpointFiles, LocalFiles, Location, as_checkpoint_files
+from .incremental import missing_file_error
 from .latest import newest_checkpoint
 from .layout import METADATA_FILE
 from .rank_metadata import merge_rank_metadata, rank_metadata_names
@@ -168,7 +170,7 @@ def check_complete(path: Location) -> CompletenessReport:
     for name, expected in sorted(named.items()):
         file = root.where(name)
         sizes[name] = None
-        if "/" in name or "\\" in name or name in ("", ".", ".."):
+        if not is_file_name(name):
             _add(problems, f"{root}: the metadata names an invalid file {name!r}")
             continue
         try:
@@ -177,7 +179,7 @@ def check_complete(path: Location) -> CompletenessReport:
             _add(problems, f"{file} cannot be examined: {exc}")
             continue
         if actual is None:
-            _add(problems, f"{file} is missing")
+            _add(problems, str(missing_file_error(file, name)))
             continue
         sizes[name] = actual
         if expected >= 0 and actual != expected:

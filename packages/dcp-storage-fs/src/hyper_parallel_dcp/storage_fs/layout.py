@@ -8,21 +8,27 @@ from pathlib import Path
 
 from .mailbox_names import MAILBOX_FILE
 
-__all__ = ["CHECKPOINT_FILE", "METADATA_FILE", "RANK_METADATA", "TMP_SUFFIX", "is_checkpoint_artifact", "lock_path",
+__all__ = ["CHECKPOINT_FILE", "METADATA_FILE", "RANK_METADATA", "TMP_SUFFIX", "compressed_file_name",
+           "is_checkpoint_artifact", "lock_path",
            "objects_file_name", "rank_metadata_file", "staging_dir", "stale_prefixes", "tensors_file_name"]
 
 METADATA_FILE = ".metadata"
 RANK_METADATA = re.compile(r"^(\d+)\.metadata$")  # group 1 is the rank
 #: the files a checkpoint consists of (what a new save into its location replaces)
-CHECKPOINT_FILE = re.compile(r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes))$")
+CHECKPOINT_FILE = re.compile(r"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes|zstd))$")
 TMP_SUFFIX = ".hp-dcp-tmp"  # a file written under its temporary name (``atomic``)
 
-_ARTIFACT = re.compile(rf"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes)|.*{re.escape(TMP_SUFFIX)}|"
+_ARTIFACT = re.compile(rf"^(\.metadata|\d+\.metadata|_rank\d+_\.(safetensors|bytes|zstd)|.*{re.escape(TMP_SUFFIX)}|"
                        rf"{MAILBOX_FILE})$")
 
 
 def tensors_file_name(rank: int) -> str:
     return f"_rank{rank}_.safetensors"
+
+
+def compressed_file_name(rank: int) -> str:
+    """Rank ``rank``'s file of compressed tensor chunks (``compression``)."""
+    return f"_rank{rank}_.zstd"
 
 
 def objects_file_name(rank: int) -> str:

@@ -3,8 +3,10 @@ safetensors file and its objects file) and :func:`with_stored_as` (the metadata 
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import copy
 import functools
+import os
 from dataclasses import replace
 from operator import itemgetter
 from typing import Any, BinaryIO, Callable, Optional
@@ -16,7 +18,10 @@ from hyper_parallel_dcp.core.metadata import Metadata, StorageInfo, TensorStorag
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel_dcp.core.storage import WriteResult
 
-from .layout import objects_file_name, tensors_file_name
+from .compression import encode_chunk, zstd_module
+from .incremental import ReferenceBase
+from .layout import compressed_file_name, objects_file_name, tensors_file_name
+from .posix import tensor_bytes
 from .safetensors_header import header_digest, stored_layout, to_stored
 from .safetensors_stream import LateDigests, TensorEntry, encode_header, write_safetensors
 
@@ -39,13 +44,22 @@ def _labeller(item: WriteItem) -> Callable[[], str]:  # built only when an error
     return lambda: f"{item.index.fqn!r} chunk at {list(item.index.offset or ())}"
 
 
+def _digest_before_write(tensor: torch.Tensor) -> str:
+    tensor = tensor.detach().to("cpu").contiguous()
+    return xxhash.xxh3_64_hexdigest(tensor_bytes(tensor))
+
+
 def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile, *,
-                     files_written: Optional[Callable[[], None]] = None) -> list[WriteResult]:
+                     files_written: Optional[Callable[[], None]] = None,
+                     base: Optional[ReferenceBase] = None, compression: Optional[str] = None) -> list[WriteResult]:
     """Write ``plan``'s tensor chunks (``(fqn, offset)`` order, each hashed) and pickled
     objects through ``write_file(name, data_writer) -> size``; one :class:`WriteResult` per item.
 
     ``files_written()``, when given, is called once both files are written; the chunks of
-    a ``resolved_data_stable`` planner are hashed after it (:class:`LateDigests`).  Errors
+    a ``resolved_data_stable`` planner are hashed after it (:class:`LateDigests`).  With
+    ``base`` (an incremental save), each chunk is hashed first and one the base holds
+    equal is not written: its result names the base's bytes.  ``compression="zstd"``: the
+    chunks go to ``_rank{r}_.zstd`` instead, compressed on threads (``storage_fs.compression``).  Errors
     of ``write_file`` and of ``planner.resolve_data`` propagate unchanged.
     """
     # the storage key sorts in (fqn, offset) order: the sort key and the safetensors key
@@ -54,6 +68,23 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
     tensors = [it for _, it in keyed]
     objects = sorted((it for it in plan.items if it.type is WriteItemType.BYTE_IO), key=lambda it: it.index.fqn)
     results: list[WriteResult] = []
+    referenced: list[WriteResult] = []
+    if base is not None:
+        changed = []
+        for key, it in keyed:
+            assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
+            stored_dtype, _ = stored_layout(_dtype(it.dtype), it.sizes)
+            found = base.reference(it.index.fqn, it.index.offset, stored_dtype, tuple(it.sizes), key,
+                                   _digest_before_write(to_stored(planner.resolve_data(it))))
+            if found is None:
+                changed.append((key, it))
+            else:
+                referenced.append(WriteResult(it.index, *found))
+        keyed = changed
+        tensors = [it for _, it in keyed]
+    if tensors and compression is not None:
+        results += _write_compressed(tensors, keyed, planner, rank, write_file, compression)
+        tensors = []
     if tensors:
         tensors_name = tensors_file_name(rank)
         entries = []
@@ -94,7 +125,34 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
         results[:0] = [WriteResult(it.index, StorageInfo(tensors_name, offset, length, digest, tensor_entry.key),
                                    tensors_size, header_xxh3)
                        for it, tensor_entry, (offset, length, digest) in zip(tensors, entries, placed)]
-    return results
+    return referenced + results
+
+
+def _write_compressed(tensors: list[WriteItem], keyed: list[tuple[str, WriteItem]], planner: SavePlanner, rank: int,
+                      write_file: WriteFile, compression: str) -> list[WriteResult]:
+    """The chunks ``tensors`` compressed into the rank's ``.zstd`` file, a window of chunks at a
+    time on a thread pool (zstd releases the GIL), written in order; their results."""
+    if compression != "zstd":
+        raise ValueError(f"compression={compression!r}: the codecs are 'zstd' (or None)")
+    zstd = zstd_module("save(compression='zstd')")
+    name = compressed_file_name(rank)
+    placed: list[tuple[int, int, str]] = []
+    threads = max(1, min(8, os.cpu_count() or 1))
+
+    def encode(item: WriteItem) -> bytes:
+        tensor = to_stored(planner.resolve_data(item)).detach().to("cpu").contiguous()
+        return encode_chunk(tensor.view(-1).view(torch.uint8), tensor.element_size(), zstd)
+
+    def write_payloads(f: BinaryIO) -> None:
+        with cf.ThreadPoolExecutor(threads, thread_name_prefix="hp-dcp-zstd") as pool:
+            for at in range(0, len(tensors), 2 * threads):  # a window: not every chunk held at once
+                for payload in pool.map(encode, tensors[at:at + 2 * threads]):
+                    placed.append((f.tell(), len(payload), xxhash.xxh3_64_hexdigest(payload)))
+                    f.write(payload)
+
+    size = write_file(name, write_payloads)
+    return [WriteResult(it.index, StorageInfo(name, offset, length, digest, key), size)
+            for (key, it), (offset, length, digest) in zip(keyed, placed)]
 
 
 def with_stored_as(metadata: Metadata) -> Metadata:

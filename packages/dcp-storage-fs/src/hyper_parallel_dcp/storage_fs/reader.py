@@ -25,7 +25,9 @@ from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner,
 from hyper_parallel_dcp.core.settings import FILES_KEPT
 from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, read_items
 
+from .compression import CompressedFiles
 from .files import LocalFiles
+from .incremental import missing_file_error
 from .layout import METADATA_FILE
 from .mapping import FileMapping, MappingArena
 from .metadata_io import StoredMetadata, chunk_sizes, load_checkpoint_metadata, read_stored_metadata
@@ -58,13 +60,13 @@ class _OpenFile:
     from the metadata and the header is not parsed (docs/perf/storage.md).
     """
 
-    def __init__(self, path: Path, expected_size: Optional[int], digest: Optional[str]) -> None:
+    def __init__(self, path: Path, expected_size: Optional[int], digest: Optional[str], stored_name: str = "") -> None:
         self.path = path
         self.name = str(path)
         try:
             self.fobj = open(path, "rb")
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"checkpoint file {path} is missing") from None
+            raise missing_file_error(self.name, stored_name) from None
         try:
             self.fd = self.fobj.fileno()
             self.size = os.fstat(self.fd).st_size
@@ -253,6 +255,7 @@ class FileSystemReader(StorageReader):
         self._locator: Optional[ChunkLocator] = None
         self._verified: set[MetadataIndex] = set()
         self._reads = AdjacentReads()
+        self._compressed_files = CompressedFiles()  # holds no reference to the reader: no cycle
         self._device_reads = DeviceReads()
         self._copies = PendingCopies()  # views of the files' mappings: copied before a file closes
         self._arena: Optional[MappingArena] = None  # where the open files are mapped
@@ -344,7 +347,7 @@ class FileSystemReader(StorageReader):
             return opened
         metadata = self.metadata
         opened = _OpenFile(self._root() / name, metadata.files.get(name) if metadata else None,
-                           metadata.header_digests.get(name) if metadata else None)
+                           metadata.header_digests.get(name) if metadata else None, name)
         self._handles[name] = opened
         self._latest = opened
         if len(self._handles) > self.files_kept:
@@ -367,6 +370,7 @@ class FileSystemReader(StorageReader):
 
     def _close_all(self) -> None:
         self._finish_pending()
+        self._compressed_files.close()
         self._latest = None
         while self._handles:
             self._handles.popitem()[1].close()
@@ -380,9 +384,16 @@ class FileSystemReader(StorageReader):
         ``offset``, the slice goes into ``dest.as_strided(item.lengths, dest_strides, offset)``."""
         locator, open_file = self.chunks(), self._file
         adjacent, device_reads, copies = self._reads, self._device_reads, self._copies
+        compressed = self._compressed_files.any_in(self.metadata)
         spanned = 0
         try:
             for item, (dest, offset, dest_strides) in reads:
+                if compressed:  # a chunk of a .zstd file: decompressed (storage_fs.compression)
+                    read = self._compressed_files.read_item(self._root(), self.metadata, item, dest, offset,
+                                                            dest_strides, self._verified if self.verify else None)
+                    if read is not None:
+                        spanned += read
+                        continue
                 (_, data_offset, sizes, strides, dtype), opened, (first, span, contiguous, count) = \
                     locator.locate(item, open_file)
                 lengths, itemsize = item.lengths, dtype.itemsize
@@ -477,7 +488,7 @@ class FileSystemReader(StorageReader):
             with open(file, "rb") as f:
                 blob = os.pread(f.fileno(), info.length, info.offset)
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"checkpoint file {file} is missing") from None
+            raise missing_file_error(str(file), info.relative_path) from None
         if len(blob) != info.length:
             raise CorruptCheckpointError(f"{item.storage_index.fqn!r}: {file} is truncated ({len(blob)} of "
                                          f"{info.length} bytes at offset {info.offset})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 

@@ -15,6 +15,7 @@ from hyper_parallel_dcp.core.storage import StorageWriter, WriteResult
 from . import posix
 from .atomic import PendingFile, fsync_dir, write_file_atomic, write_file_pending
 from .commit import SaveLock, commit_directory, remove_stale_staging
+from .incremental import reference_base
 from .layout import METADATA_FILE, RANK_METADATA, objects_file_name, rank_metadata_file, staging_dir, tensors_file_name
 from .rank_files import with_stored_as, write_rank_files
 
@@ -43,6 +44,13 @@ class FileSystemWriter(StorageWriter):
         self._syncing: Optional[_BackgroundSync] = None
         # (metadata, its JSON, the .metadata written but not committed) from prepare_finalize
         self._prepared: Optional[tuple[Metadata, bytes, Optional[PendingFile]]] = None
+        self.incremental_from: Optional[str] = None
+        self.compression: Optional[str] = None
+
+    def configure_save(self, *, incremental_from: Union[str, os.PathLike, None] = None,
+                       compression: Optional[str] = None) -> None:
+        self.incremental_from = None if incremental_from is None else os.fspath(incremental_from)
+        self.compression = compression
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id is not None:
@@ -126,9 +134,11 @@ class FileSystemWriter(StorageWriter):
             started.append(_BackgroundSync(pending))
             self._syncing = started[0]
 
+        base = None if self.incremental_from is None else reference_base(self.incremental_from, self._target())
         try:
             results = write_rank_files(plan, planner, self.rank, write_file,
-                                       files_written=start_sync if self.sync_files else None)
+                                       files_written=start_sync if self.sync_files else None, base=base,
+                                       compression=self.compression)
         except BaseException:
             if not started:  # else the files are the sync thread's: abort() waits for it
                 for written in pending:

@@ -9,6 +9,7 @@ deletes ``.metadata`` first so a half-deleted checkpoint never looks complete).
 from __future__ import annotations
 
 import io
+import posixpath
 from typing import BinaryIO, Optional
 
 from hyper_parallel_dcp.storage_fs.files import CheckpointFiles, RangeReader
@@ -31,7 +32,10 @@ class ObjectFiles(CheckpointFiles):
         self.target = f"{scheme}://{bucket}/{prefix}" if prefix else f"{scheme}://{bucket}"
 
     def key(self, name: str) -> str:
-        """The key of object ``name`` under the prefix."""
+        """The key of object ``name`` under the prefix (``../<checkpoint>/<file>``: of the
+        checkpoint beside it, an incremental save's reference)."""
+        if name.startswith("../") and self.prefix:
+            return posixpath.normpath(f"{self.prefix}/{name}").lstrip("/")
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def names(self) -> list[str]:

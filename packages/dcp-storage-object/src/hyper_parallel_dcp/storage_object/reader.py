@@ -20,12 +20,13 @@ import torch
 import xxhash
 
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
-from hyper_parallel_dcp.core.errors import CheckpointFormatError, CorruptCheckpointError
-from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo
+from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
+from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo, referenced_checkpoint
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.storage import StorageReader, read_items
 from hyper_parallel_dcp.storage_fs.host_memory import accelerator_available
+from hyper_parallel_dcp.storage_fs.incremental import missing_file_error
 from hyper_parallel_dcp.storage_fs.metadata_io import chunk_sizes, load_checkpoint_metadata
 from hyper_parallel_dcp.storage_fs.posix import tensor_bytes
 from hyper_parallel_dcp.storage_fs.sinks import copy_into
@@ -186,7 +187,12 @@ class ObjectStoreReader(StorageReader):
         """One ranged GET into ``dest``; checks the object's size against the metadata."""
         files = self._files()
         expected = (self.metadata.files if self.metadata else {}).get(name)
-        total = files.store.get_range_into(files.key(name), start, dest)
+        try:
+            total = files.store.get_range_into(files.key(name), start, dest)
+        except CheckpointNotFoundError:
+            if referenced_checkpoint(name) is None:
+                raise
+            raise missing_file_error(f"{self.url}/{name}", name) from None
         if expected is not None and total != expected:
             raise CorruptCheckpointError(f"{self.url}/{name} has {total} bytes but the metadata records "
                                          f"{expected} (truncated or replaced)")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Union
 from hyper_parallel_dcp.core.metadata import Metadata, metadata_to_json
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner
 from hyper_parallel_dcp.core.storage import StorageWriter, WriteResult
+from hyper_parallel_dcp.storage_fs.incremental import reference_base
 from hyper_parallel_dcp.storage_fs.layout import CHECKPOINT_FILE, METADATA_FILE, RANK_METADATA, rank_metadata_file
 from hyper_parallel_dcp.storage_fs.rank_files import with_stored_as, write_rank_files
 
@@ -136,7 +137,14 @@ class ObjectStoreWriter(StorageWriter):
         self.is_coordinator = True
         self.atomic = True
         self._lock: Optional[ObjectLease] = None
+        self.incremental_from: Optional[str] = None
         self.reset(url)
+
+    def configure_save(self, *, incremental_from: Union[str, Any, None] = None, compression: Optional[str] = None) -> None:
+        if compression is not None:
+            raise ValueError(f"compression={compression!r}: compressed checkpoints are written to a filesystem only "
+                             "for now (the object-store reader reads plain safetensors chunks)")
+        self.incremental_from = None if incremental_from is None else str(incremental_from)
 
     def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
         if checkpoint_id is not None:
@@ -198,9 +206,12 @@ class ObjectStoreWriter(StorageWriter):
             raise
 
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        files = self._files()
+        base = None if self.incremental_from is None else reference_base(
+            ObjectFiles(self.incremental_from, store=files.store), files)
         with cf.ThreadPoolExecutor(self.settings.upload_concurrency, thread_name_prefix="hp-dcp-upload") as pool:
             return write_rank_files(plan, planner, self.rank,
-                                    lambda name, data_writer: self._write_object(name, data_writer, pool))
+                                    lambda name, data_writer: self._write_object(name, data_writer, pool), base=base)
 
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Every rank's execute_write returned (all_reduce): each data object is complete.

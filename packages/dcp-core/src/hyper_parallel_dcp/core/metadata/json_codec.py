@@ -2,7 +2,8 @@
 
 Format 2 is column-shaped (per tensor, flat integer arrays; file names once in a file
 table) and ends with ``metadata_digest``, the xxh3-64 of everything before it.  Format 1
-still loads (:mod:`.json_v1`).  Exports :func:`metadata_to_json`, :func:`metadata_from_json` and :data:`METADATA_DIGEST`.
+still loads (:mod:`.json_v1`).  Exports :func:`metadata_to_json`, :func:`metadata_from_json`, :data:`METADATA_DIGEST` and
+the file-name rules :func:`is_file_name` and :func:`referenced_checkpoint`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import xxhash
 
 from ..errors import CheckpointFormatError, CorruptCheckpointError
 from .json_v1 import parse_v1
-from .json_values import HEX16, flat_ints, int_tuple, is_file_name
+from .json_values import HEX16, flat_ints, int_tuple, is_file_name, referenced_checkpoint
 from .locations import FileNames, StorageTable, TensorStorage, checked_chunks, storage_table
 from .model import (
     FORMAT_VERSION,
@@ -34,7 +35,7 @@ from .model import (
     dtype_name,
 )
 
-__all__ = ["METADATA_DIGEST", "metadata_from_json", "metadata_to_json"]
+__all__ = ["METADATA_DIGEST", "is_file_name", "metadata_from_json", "metadata_to_json", "referenced_checkpoint"]
 
 #: The last member of a written ``.metadata``: the xxh3-64 of the document without it
 #: (``docs/format.md``, "metadata digest").  An optional key of format 2.

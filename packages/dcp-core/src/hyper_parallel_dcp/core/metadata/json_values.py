@@ -2,17 +2,17 @@
 
 Each raises :class:`~hyper_parallel_dcp.core.errors.CheckpointFormatError` saying what was
 expected and what was found.  Exports :func:`int_tuple`, :func:`flat_ints`,
-:func:`is_file_name` and :data:`HEX16`.
+:func:`is_file_name`, :func:`referenced_checkpoint` and :data:`HEX16`.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import CheckpointFormatError
 
-__all__ = ["HEX16", "flat_ints", "int_tuple", "is_file_name"]
+__all__ = ["HEX16", "flat_ints", "int_tuple", "is_file_name", "referenced_checkpoint"]
 
 #: An xxh3-64 digest as the format writes it.
 HEX16 = re.compile(r"[0-9a-f]{16}")
@@ -43,6 +43,21 @@ def flat_ints(value: Any, what: str, length: int, *, low: int = 0) -> list[int]:
     return value
 
 
-def is_file_name(name: Any) -> bool:
-    """Whether ``name`` may name a data file: a plain name inside the checkpoint directory."""
+def _plain_name(name: Any) -> bool:
     return isinstance(name, str) and "/" not in name and "\\" not in name and name not in ("", ".", "..")
+
+
+def referenced_checkpoint(name: Any) -> Optional[str]:
+    """The checkpoint beside this one that file ``name`` is in, for a name ``../<checkpoint>/<file>``
+    (an incremental save's reference to an earlier checkpoint's bytes, SPEC §14); else ``None``."""
+    if isinstance(name, str) and name.startswith("../"):
+        parts = name[3:].split("/")
+        if len(parts) == 2 and _plain_name(parts[0]) and _plain_name(parts[1]):
+            return parts[0]
+    return None
+
+
+def is_file_name(name: Any) -> bool:
+    """Whether ``name`` may name a data file: a plain name inside the checkpoint directory, or
+    ``../<checkpoint>/<file>``, a file of a checkpoint beside it (:func:`referenced_checkpoint`)."""
+    return _plain_name(name) or referenced_checkpoint(name) is not None

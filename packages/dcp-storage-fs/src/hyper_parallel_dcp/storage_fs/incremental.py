@@ -1,0 +1,99 @@
+"""Incremental saves (SPEC §14): chunks equal to an earlier checkpoint's are referenced, not written.
+
+:func:`reference_base` reads the earlier checkpoint's metadata once per writing rank;
+:meth:`ReferenceBase.reference` answers, for a chunk about to be written and its xxh3,
+where the same bytes already are: a :class:`StorageInfo` whose file is
+``../<base>/<file>``, relative to the new checkpoint (a reference never points at another
+reference: a chain of incremental saves points straight at the bytes).
+:func:`missing_file_error` is what a read of a referenced file that is gone raises.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from hyper_parallel_dcp.core.errors import CheckpointNotFoundError
+from hyper_parallel_dcp.core.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+    chunk_location,
+    referenced_checkpoint,
+)
+
+from .files import CheckpointFiles, Location, as_checkpoint_files
+from .metadata_io import load_checkpoint_metadata
+
+__all__ = ["ReferenceBase", "missing_file_error", "reference_base"]
+
+
+class ReferenceBase:
+    """The chunks of ``metadata`` (checkpoint ``name``, beside the one being saved)."""
+
+    def __init__(self, metadata: Metadata, name: str) -> None:
+        self.metadata = metadata
+        self.name = name
+
+    def reference(self, fqn: str, offsets: tuple[int, ...], stored_dtype: torch.dtype, sizes: tuple[int, ...],
+                  key: str, digest: str) -> Optional[tuple[StorageInfo, int, Optional[str]]]:
+        """``(where the bytes are, that file's size, its header digest)`` when the base stores
+        the chunk of ``fqn`` at ``offsets`` with the same sizes, stored dtype, key and xxh3
+        ``digest``; else ``None``.  The file is named relative to the new checkpoint."""
+        md = self.metadata.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata) or (md.properties.stored_as or md.properties.dtype) != stored_dtype:
+            return None
+        index = MetadataIndex(fqn, offsets)
+        where = chunk_location(self.metadata, index)
+        info = (self.metadata.storage_data or {}).get(index)
+        if where is None or info is None or tuple(where[2]) != tuple(sizes) or info.key != key or \
+                info.checksum != digest:
+            return None
+        name = posixpath.normpath(f"../{self.name}/{info.relative_path}")
+        size = self.metadata.files.get(info.relative_path)
+        if size is None:
+            return None
+        rebased = StorageInfo(name, info.offset, info.length, info.checksum, info.key)
+        return rebased, size, self.metadata.header_digests.get(info.relative_path)
+
+
+def _parent_and_name(files: CheckpointFiles) -> tuple[str, str]:
+    target = files.target
+    text = os.path.abspath(target) if isinstance(target, Path) else str(target).rstrip("/")
+    parent, _, name = text.rpartition("/")
+    return parent, name
+
+
+def reference_base(base: Location, target: Location) -> ReferenceBase:
+    """The checkpoint ``base`` as seen from ``target`` (the checkpoint being saved).
+
+    Raises ``ValueError`` unless ``base`` is another checkpoint in the same parent
+    directory (or prefix) as ``target``, and what :func:`load_checkpoint_metadata` raises
+    for a missing or unreadable ``base``."""
+    base_files, target_files = as_checkpoint_files(base), as_checkpoint_files(target)
+    (base_parent, name), (target_parent, target_name) = _parent_and_name(base_files), _parent_and_name(target_files)
+    if base_parent != target_parent or name == target_name or not name:
+        raise ValueError(f"incremental_from={os.fspath(base)!r} must be another checkpoint beside {target_files} "
+                         "(the same parent directory or prefix): the new .metadata names its files by a path "
+                         "relative to itself, ../<checkpoint>/<file>")
+    metadata, _ = load_checkpoint_metadata(base_files)
+    return ReferenceBase(metadata, name)
+
+
+def missing_file_error(where: str, name: str) -> CheckpointNotFoundError:
+    """The error for file ``name`` of a checkpoint, missing at ``where`` (how it is shown)."""
+    base = referenced_checkpoint(name)
+    if base is None:
+        return CheckpointNotFoundError(f"checkpoint file {where} is missing")
+    where = where.replace(os.sep, "/")
+    scheme, _, path = where.rpartition("://")  # a URL's "//" stays
+    shown = f"{scheme}://{posixpath.normpath(path)}" if scheme else posixpath.normpath(path)
+    needing = posixpath.basename(where[:-len(name)].rstrip("/"))
+    return CheckpointNotFoundError(
+        f"checkpoint file {shown} is missing: checkpoint {needing} is an incremental save whose unchanged chunks "
+        f"are stored in {base}, which was deleted or damaged; restore {base}, or load a checkpoint saved in full")

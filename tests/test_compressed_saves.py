@@ -1,0 +1,124 @@
+"""``save(..., compression="zstd")`` (SPEC §14): byte planes + zstd frames in ``_rank{r}_.zstd``.
+Bit-exact round trips (every dtype, resharded loads on 2 ranks that decompress only the
+frames they touch), the error without the extra, and a corrupt frame named."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from hyper_parallel_dcp.core.errors import CheckpointError, CorruptCheckpointError
+from hyper_parallel_dcp.core.testing import run_distributed
+
+pytest.importorskip("zstandard")
+
+ROWS, COLS = 3000, 1000  # 12 MB of fp32: three 4 MiB frames
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(11)
+    weights = torch.randn(ROWS, COLS, generator=g)
+    return {"big": weights, "w_bf16": weights[:300, :700].bfloat16(), "ints": torch.arange(-5, 10),
+            "flags": torch.rand(17, generator=g) > 0.5, "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 4), "zeros": torch.zeros(512, 512), "meta": {"epoch": 3}}
+
+
+def _zeros_like(sd: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"epoch": 0} for k, v in sd.items()}
+
+
+def test_round_trip_is_bit_exact_and_writes_no_safetensors(tmp_path):
+    import hyper_parallel_dcp as dcp
+
+    sd = _state()
+    dcp.save(sd, checkpoint_id=tmp_path / "z", no_dist=True, compression="zstd")
+    names = sorted(os.listdir(tmp_path / "z"))
+    assert names == [".metadata", "_rank0_.bytes", "_rank0_.zstd"]
+    raw = sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
+    # the zeros compress to nearly nothing; random fp32 mantissas do not
+    assert (tmp_path / "z" / "_rank0_.zstd").stat().st_size < raw - 512 * 512 * 4 * 0.99
+    for verify in (False, True):
+        out = _zeros_like(sd)
+        dcp.load(out, checkpoint_id=tmp_path / "z", no_dist=True, verify=verify)
+        assert out["meta"] == {"epoch": 3}
+        assert all(torch.equal(out[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor))
+    dcp.save(sd, checkpoint_id=tmp_path / "plain", no_dist=True)  # off by default: plain safetensors
+    assert sorted(os.listdir(tmp_path / "plain")) == [".metadata", "_rank0_.bytes", "_rank0_.safetensors"]
+    with pytest.raises(ValueError, match="'lz4'"):
+        dcp.save(sd, checkpoint_id=tmp_path / "x", no_dist=True, compression="lz4")
+
+
+def _resharded_worker(rank: int, world_size: int, path: str, dim: int) -> tuple[bool, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp.storage_fs import FileSystemReader
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = _state()["big"]
+    target = {"big": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(dim)])}
+    reader = FileSystemReader(path)
+    dcp.load(target, storage_reader=reader)
+    return torch.equal(target["big"].full_tensor(), full), reader.bytes_read
+
+
+@pytest.mark.distributed
+def test_a_resharded_load_decompresses_only_the_frames_it_touches(tmp_path):
+    import hyper_parallel_dcp as dcp
+
+    dcp.save({"big": _state()["big"]}, checkpoint_id=tmp_path / "z", no_dist=True, compression="zstd")
+    payload = (tmp_path / "z" / "_rank0_.zstd").stat().st_size
+    (exact0, read0), (exact1, read1) = run_distributed(_resharded_worker, 2, str(tmp_path / "z"), 0)
+    assert exact0 and exact1
+    # rows [0, 1500) are bytes [0, 6 MB): frames 0 and 1 of 3; rows [1500, 3000) frames 1 and 2
+    assert 0.6 * payload < read0 < 0.75 * payload and 0.6 * payload < read1 < 0.75 * payload, (read0, read1, payload)
+    (exact0, _), (exact1, _) = run_distributed(_resharded_worker, 2, str(tmp_path / "z"), 1)  # column halves
+    assert exact0 and exact1
+
+
+def test_without_the_extra_the_error_names_it(tmp_path, monkeypatch):
+    import hyper_parallel_dcp as dcp
+
+    sd = {"w": torch.ones(4, 4)}
+    dcp.save(sd, checkpoint_id=tmp_path / "z", no_dist=True, compression="zstd")
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # an import of it now fails
+    with pytest.raises(CheckpointError, match=r"pip install 'hyper-parallel-dcp-storage-fs\[zstd\]'"):
+        dcp.save(sd, checkpoint_id=tmp_path / "y", no_dist=True, compression="zstd")
+    with pytest.raises(CheckpointError, match=r"'w', stored in the compressed file _rank0_.zstd, needs zstd "
+                                              r"compression, which is not installed: pip install "
+                                              r"'hyper-parallel-dcp-storage-fs\[zstd\]'"):
+        dcp.load({"w": torch.zeros(4, 4)}, checkpoint_id=tmp_path / "z", no_dist=True)
+
+
+def test_a_corrupt_frame_names_the_chunk_and_the_file(tmp_path):
+    import hyper_parallel_dcp as dcp
+
+    dcp.save({"big": _state()["big"]}, checkpoint_id=tmp_path / "z", no_dist=True, compression="zstd")
+    path = tmp_path / "z" / "_rank0_.zstd"
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2  # inside frame 1 of 3
+    data[middle:middle + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=rf"{path}: 'big' chunk at offsets \[0, 0\]: compressed frame 1 "
+                                                     "of 3 is corrupt"):
+        dcp.load({"big": torch.zeros(ROWS, COLS)}, checkpoint_id=tmp_path / "z", no_dist=True)
+    with pytest.raises(CorruptCheckpointError, match=rf"checksum mismatch in {path}: 'big'"):
+        dcp.load({"big": torch.zeros(ROWS, COLS)}, checkpoint_id=tmp_path / "z", no_dist=True, verify=True)
+
+
+def test_compressed_incremental_save_references_an_uncompressed_base(tmp_path):
+    import hyper_parallel_dcp as dcp
+
+    sd = _state()
+    dcp.save(sd, checkpoint_id=tmp_path / "step_1", no_dist=True)
+    changed = {**sd, "ints": sd["ints"] + 1}
+    md = dcp.save(changed, checkpoint_id=tmp_path / "step_2", no_dist=True, compression="zstd",
+                  incremental_from=tmp_path / "step_1")
+    assert sorted(md.files) == ["../step_1/_rank0_.safetensors", "_rank0_.bytes", "_rank0_.zstd"]
+    out = _zeros_like(sd)
+    dcp.load(out, checkpoint_id=tmp_path / "step_2", no_dist=True, verify=True)
+    assert all(torch.equal(out[k], v) for k, v in changed.items() if isinstance(v, torch.Tensor))
