@@ -49,8 +49,9 @@ DOCS_DEPS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.
 # of its dependencies, so it comes without the rest (datasets, wandb, tensorboard, ...)
 INTEGRATION_FRAMEWORKS = ["pytorch-lightning==2.6.6", "accelerate==1.16.0", "tyro==1.0.17", "spmd_types==0.2.3"]
 TORCHTITAN = "torchtitan==0.3.0"
-# compressed checkpoints: storage-fs's [zstd] extra, pinned as tested
-INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", "zstandard==0.25.0", *DOCS_DEPS,
+# compressed checkpoints: storage-fs's [zstd] extra, pinned as tested; zipnn for the compression
+# benchmark section's own test
+INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", "zstandard==0.25.0", "zipnn==0.5.4", *DOCS_DEPS,
                     *INTEGRATION_FRAMEWORKS]
 
 
