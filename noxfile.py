@@ -41,7 +41,7 @@ PACKAGES: dict[str, tuple[str, list[str], list[str]]] = {
     "storage-object": ("packages/dcp-storage-object", ["core", "storage-fs"], []),
 }
 TEST_TOOLS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100"]
-PYTEST = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", "-ra"]
+PYTEST = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", "-ra", "--durations=12"]
 DOCS_DEPS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
 # the top-level tests also check the docs build, the .metadata JSON schema and YAML target specs
 # the framework integrations' pinned versions (the umbrella's [lightning] / [accelerate] /
