@@ -156,15 +156,15 @@ class ChunkExchanges:
                         self._land(i, offsets, lengths, source, copies)
                         continue
                     m, at = where[(peer, i, offsets, lengths)]
-                    buffer = buffers[m]
-                    if buffer is None:
-                        buffer = buffers[m] = torch.empty(self.sends[m].nbytes, dtype=torch.uint8)
-                    copies.add(buffer[at:at + source.numel() * source.element_size()].view(x.dtype).view(lengths),
+                    held = buffers[m]
+                    if held is None:
+                        held = buffers[m] = torch.empty(self.sends[m].nbytes, dtype=torch.uint8)
+                    copies.add(held[at:at + source.numel() * source.element_size()].view(x.dtype).view(lengths),
                                source)
                     left[m] -= 1
                     if not left[m]:
                         copies.flush()
-                        self._send(self.sends[m], buffer)
+                        self._send(self.sends[m], held)
                 self._land_arrived(block=False)
             copies.flush()
         except Exception as exc:  # noqa: BLE001 - raised after every message went out
@@ -175,8 +175,8 @@ class ChunkExchanges:
         for m, message in enumerate(self.sends):  # after a failure: what is left, unfilled
             if left[m]:
                 left[m] = 0
-                buffer = buffers[m]
-                self._send(message, torch.empty(message.nbytes, dtype=torch.uint8) if buffer is None else buffer)
+                held = buffers[m]
+                self._send(message, torch.empty(message.nbytes, dtype=torch.uint8) if held is None else held)
 
     def _runs(self, mine: list[int]) -> Iterator[ReadDestination]:
         """The contiguous row run of each chunk this rank reads, as reads into fresh buffers

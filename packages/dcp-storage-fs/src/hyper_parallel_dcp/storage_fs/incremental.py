@@ -78,7 +78,7 @@ def reference_base(base: Location, target: Location) -> ReferenceBase:
     base_files, target_files = as_checkpoint_files(base), as_checkpoint_files(target)
     (base_parent, name), (target_parent, target_name) = _parent_and_name(base_files), _parent_and_name(target_files)
     if base_parent != target_parent or name == target_name or not name:
-        raise ValueError(f"incremental_from={os.fspath(base)!r} must be another checkpoint beside {target_files} "
+        raise ValueError(f"incremental_from={str(base_files)!r} must be another checkpoint beside {target_files} "
                          "(the same parent directory or prefix): the new .metadata names its files by a path "
                          "relative to itself, ../<checkpoint>/<file>")
     metadata, _ = load_checkpoint_metadata(base_files)

@@ -384,12 +384,13 @@ class FileSystemReader(StorageReader):
         ``offset``, the slice goes into ``dest.as_strided(item.lengths, dest_strides, offset)``."""
         locator, open_file = self.chunks(), self._file
         adjacent, device_reads, copies = self._reads, self._device_reads, self._copies
-        compressed = self._compressed_files.any_in(self.metadata)
+        metadata = self.metadata
+        compressed = metadata is not None and self._compressed_files.any_in(metadata)
         spanned = 0
         try:
             for item, (dest, offset, dest_strides) in reads:
-                if compressed:  # a chunk of a .zstd file: decompressed (storage_fs.compression)
-                    read = self._compressed_files.read_item(self._root(), self.metadata, item, dest, offset,
+                if compressed and metadata is not None:  # a chunk of a .zstd file (storage_fs.compression)
+                    read = self._compressed_files.read_item(self._root(), metadata, item, dest, offset,
                                                             dest_strides, self._verified if self.verify else None)
                     if read is not None:
                         spanned += read
