@@ -219,6 +219,10 @@ def test_quick_mode_smoke(tmp_path):
     for row in result["planning"]["rows"]:
         # a rank receives its own replica groups and readers only, never the world's plans
         assert 0 < row["ours_load_rank_received_bytes"] <= 2 * row["ours_load_rank_own_plan_bytes"]
+    # the local tier section: node 1's two ranks restored from their replicas, nothing from the persistent tier
+    local = result["local"]["info"]
+    assert local["all_exact"] and local["local.persistent_bytes"] == 0
+    assert local["local.received_bytes"] >= 2 * local["bytes_per_rank"]
     assert "| goal | measured | met |" in (tmp_path / "README.md").read_text()
 
 

@@ -92,9 +92,13 @@ def local_tier_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[s
         info["persistent.step"], info["persistent.bytes"] = step, reader.bytes_read
         info["persistent.exact"] = all(torch.equal(target[k], sd[k]) for k in sd)
         mgr.close()
-    exact = [None] * world_size
-    dist.all_gather_object(exact, info["local.exact"] and info["persistent.exact"])
-    info["all_exact"] = all(exact)
+    # over every rank: node 1's ranks are the ones that receive replicas (and could read the persistent tier)
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, (info["local.exact"] and info["persistent.exact"], info["local.received_bytes"] or 0,
+                                      info["local.persistent_bytes"]))
+    info["all_exact"] = all(exact for exact, _, _ in per_rank)
+    info["local.received_bytes"] = sum(received for _, received, _ in per_rank)
+    info["local.persistent_bytes"] = sum(persistent for _, _, persistent in per_rank)
     return {"times": times, "info": info}
 
 
