@@ -49,10 +49,10 @@ def _zeros(rank: int, sharded: bool = False) -> dict:
     return {**sd, "sharded": _sharded(torch.zeros(32, 8))} if sharded else sd
 
 
-def _manager(root: str, rank: int, **kw):
+def _manager(root: str, rank: int, per_node: int = 2, **kw):
     from hyper_parallel_dcp import CheckpointManager, LocalTier
 
-    tier = LocalTier(f"{root}/node{rank // 2}", interval_steps=1, keep_last=2, node=rank // 2)
+    tier = LocalTier(f"{root}/node{rank // per_node}", interval_steps=1, keep_last=2, node=rank // per_node)
     return CheckpointManager(f"{root}/persist", save_interval_steps=3, local=tier, **kw), tier
 
 
@@ -204,3 +204,73 @@ def test_one_process_without_a_process_group(tmp_path: Path, caplog: pytest.LogC
     assert torch.equal(target["own0"], _state(3, 0)["own0"]) and target["train"] == {"step": 3}
     with pytest.raises(ValueError, match=r"LocalTier\(replicas=...\) must be an integer >= 0, got -1"):
         LocalTier(tmp_path, interval_steps=1, replicas=-1)
+
+
+@functools.cache
+def _world_mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _layout_state(step: int, rank: int, world: int, dim: int) -> dict:
+    """What any world size saves and loads alike: a replicated tensor, an object and a
+    DTensor sharded on ``dim`` over the ``world`` ranks."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    full = torch.arange(256.0).reshape(32, 8) * step
+    n = full.shape[dim] // world
+    local = full.narrow(dim, rank * n, n).clone()
+    return {"w": torch.full((64, 4), float(step)), "train": {"step": step},
+            "sharded": DTensor.from_local(local, _world_mesh(world), [Shard(dim)], run_check=False)}
+
+
+def _layout_save(rank: int, world_size: int, root: str, last: int) -> dict:
+    mgr, tier = _manager(root, rank, per_node=world_size // 2)
+    for step in range(1, last + 1):
+        mgr.save(step, _layout_state(step, rank, world_size, 0))
+    mgr.close()
+    return {"error": None if tier.last_error is None else str(tier.last_error)}
+
+
+def _layout_restore(rank: int, world_size: int, root: str, per_node: int, dim: int) -> dict:
+    import logging
+
+    lines = _Lines()
+    logging.getLogger("hyper_parallel_dcp").addHandler(logging.StreamHandler(lines))
+    logging.getLogger("hyper_parallel_dcp").setLevel(logging.INFO)
+    mgr, tier = _manager(root, rank, per_node=per_node)
+    target = _layout_state(0, rank, world_size, dim)
+    with FileReads() as reads:
+        step = mgr.restore(target)
+    expected = _layout_state(step, rank, world_size, dim)
+    exact = torch.equal(target["w"], expected["w"]) and target["train"] == expected["train"] and torch.equal(
+        target["sharded"].to_local(), expected["sharded"].to_local())
+    mgr.close()
+    persist = os.path.realpath(f"{root}/persist")
+    return {"step": step, "exact": exact, "log": "".join(lines), "persistent_bytes": reads.bytes_from(
+        lambda path, _: os.path.realpath(path).startswith(persist)), **tier.stats}
+
+
+@pytest.mark.parametrize("saved, restored, per_node, dim", [(4, 2, 1, 0), (2, 4, 2, 1)])
+def test_another_world_size_restores_from_the_local_tier_bit_exact(tmp_path: Path, saved: int, restored: int,
+                                                                   per_node: int, dim: int) -> None:
+    """4 ranks as 2 nodes → 2 ranks (one a node: rank 1 holds old ranks 3's copy and 1's
+    replica), and 2 → 4 with the DTensor sharded on another dim: local step 4 (newer than
+    persistent step 3) from the copies the new ranks hold, none read from the persistent tier."""
+    assert [s["error"] for s in run_distributed(_layout_save, saved, str(tmp_path), 4, timeout=180,
+                                                env=TIMEOUTS)] == [None] * saved
+    out = run_distributed(_layout_restore, restored, str(tmp_path), per_node, dim, timeout=180, env=TIMEOUTS)
+    assert [r["step"] for r in out] == [4] * restored and all(r["exact"] for r in out)
+    assert [r["persistent_bytes"] for r in out] == [0] * restored
+    assert [r["saved_world_size"] for r in out] == [saved] * restored
+    assert all(r["received_bytes"] > 0 for r in out[1:])  # their shards' rows were saved on other ranks
+    assert f"restored step 4, saved by {saved} ranks" in out[0]["log"]
+    assert not list(tmp_path.glob("node*/.restore/*"))  # the received copies are gone once loaded
+    if saved == 4:  # node 1's disk lost: old ranks 1 and 3 have no copy on the 2 ranks → persistent tier
+        shutil.rmtree(tmp_path / "node1")
+        out = run_distributed(_layout_restore, 2, str(tmp_path), 1, 0, timeout=180, env=TIMEOUTS)
+        assert [r["step"] for r in out] == [3, 3] and all(r["exact"] for r in out)
+        assert all(r["persistent_bytes"] > 0 for r in out)
+        assert ("step 4 is not complete: no copy of rank(s) [1, 3] is left on the 2 rank(s) of this job (saved by 4 "
+                "ranks)") in out[0]["log"]

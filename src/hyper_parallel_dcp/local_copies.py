@@ -134,13 +134,17 @@ class LocalCopies:
         record = {"step": step, "rank": rank, "holder": self.holder, "world_size": world_size, "files": sizes}
         write_file_atomic(self._marker(step, rank), lambda f: f.write(json.dumps(record).encode()), unique_temp=True)
 
-    def held(self, world_size: int) -> dict[int, dict[int, Manifest]]:
+    def held(self, world_size: int, job_world: int = 0) -> dict[int, dict[int, Manifest]]:
         """``{step: {rank: manifest}}``: the committed copies this holder keeps for a job of
-        ``world_size`` whose files are all there at their recorded sizes (a partial copy is not)."""
+        ``world_size`` whose files are all there at their recorded sizes (a partial copy is not);
+        with ``job_world`` (a job of that size restores them) also those of holders ``h``
+        where ``h % job_world`` is this holder (old ranks beyond the new job's)."""
         out: dict[int, dict[int, Manifest]] = {}
         for step, markers in self.markers().items():
             for rank, record in markers.items():
-                if record.get("holder") != self.holder or record.get("world_size") != world_size:
+                holder = record.get("holder")
+                if not isinstance(holder, int) or record.get("world_size") != world_size or not (
+                        holder == self.holder or (job_world and holder % job_world == self.holder)):
                     continue
                 problem = self._problem(step, rank, record)
                 if problem:
@@ -149,6 +153,11 @@ class LocalCopies:
                     continue
                 out.setdefault(step, {})[rank] = _manifest(record["files"])
         return out
+
+    def worlds(self) -> set[int]:
+        """The world sizes of the jobs that committed copies here."""
+        return {rec["world_size"] for markers in self.markers().values() for rec in markers.values()
+                if isinstance(rec.get("world_size"), int)}
 
     def _problem(self, step: int, rank: int, record: dict[str, Any]) -> Optional[str]:
         root = self.copy_dir(step, rank)

@@ -7,8 +7,9 @@ into ``dir/step_N/rank_R``, sends the files' bytes over a gloo group to its repl
 (the same local rank on the next ``replicas`` nodes), writes the copies it receives, and,
 once every copy on every rank is written, commits each with a marker
 (:mod:`hyper_parallel_dcp.local_copies`).  :meth:`LocalTier.restore` loads the newest step
-that every rank's copy survives, fetching a lost or damaged copy from its replica holder.
-Exports :class:`LocalTier`.
+that every rank's copy survives, fetching a lost or damaged copy from its replica holder;
+a step saved by another world size is loaded resharded from the old copies the new ranks
+hold (:mod:`hyper_parallel_dcp.local_reshard`).  Exports :class:`LocalTier`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -30,10 +32,12 @@ from hyper_parallel_dcp.async_persist.arena import StagingArena
 from hyper_parallel_dcp.async_persist.staged import materialize
 from hyper_parallel_dcp.core.collectives import collective_timeout
 from hyper_parallel_dcp.core.faults import fault_error, fault_point
+from hyper_parallel_dcp.core.metadata import metadata_from_json
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from hyper_parallel_dcp.core.stateful import expand_stateful
 
 from .local_copies import LocalCopies, LocalTierFullError, Manifest, free_bytes, full_error, is_full
+from .local_reshard import CopiesReader, merged_view, needed_copies
 
 __all__ = ["LocalTier", "LocalTierFullError"]
 
@@ -272,35 +276,95 @@ class LocalTier:
         """Load the newest local step at least as new as ``persistent_step`` (the persistent
         tier's newest) whose every rank's copy is held by some rank; returns it, or ``None``
         (load from the persistent tier).  A rank whose copy is missing or fails its checksums
-        receives the replica's bytes from its holder (and keeps them as its copy again).
-        Collective; reads nothing from the persistent tier."""
+        receives the replica's bytes from its holder (and keeps them as its copy again).  A
+        step saved by another world size is loaded resharded from the old ranks' copies the
+        new ranks hold (:mod:`hyper_parallel_dcp.local_reshard`), each rank receiving those
+        its target needs.  Collective; reads nothing from the persistent tier."""
         self._restore_group()
         self.wait()
         rank, copies = self._rank, LocalCopies(self.dir, self._rank)
-        gathered = self._gather((copies.held(self._world), persistent_step))
+        held = {w: copies.held(w, self._world) for w in copies.worlds() - {self._world}}
+        held[self._world] = copies.held(self._world)
+        gathered = self._gather((held, persistent_step))
         persistent_step = gathered[0][1]
-        holders: dict[int, dict[int, list[int]]] = {}
-        manifests: dict[tuple[int, int], Manifest] = {}  # (step, rank) -> the files of its copies
-        for holder, (held, _) in enumerate(gathered):
-            for step, ranks in held.items():
-                for r, manifest in ranks.items():
-                    holders.setdefault(step, {}).setdefault(r, []).append(holder)
-                    manifests[step, r] = manifest
-        for step in sorted(holders, reverse=True):
+        holders: dict[tuple[int, int], dict[int, list[int]]] = {}  # (step, world) -> rank -> holders
+        manifests: dict[tuple[int, int], dict[int, Manifest]] = {}  # (step, world) -> rank -> its copy's files
+        for holder, (by_world, _) in enumerate(gathered):
+            for world, steps in by_world.items():
+                for step, ranks in steps.items():
+                    for r, manifest in ranks.items():
+                        holders.setdefault((step, world), {}).setdefault(r, []).append(holder)
+                        manifests.setdefault((step, world), {})[r] = manifest
+        for step, world in sorted(holders, key=lambda sw: (sw[0], sw[1] == self._world), reverse=True):
             if persistent_step is not None and persistent_step > step:
                 break
-            missing = [r for r in range(self._world) if r not in holders[step]]
+            missing = [r for r in range(world) if r not in holders[step, world]]
             if missing:
                 if rank == 0:
-                    logger.warning("local checkpoint tier: step %d is not complete: no copy of rank(s) %s is left",
-                                   step, missing[:8])
+                    logger.warning("local checkpoint tier: step %d is not complete: no copy of rank(s) %s is left%s",
+                                   step, missing[:8], "" if world == self._world else
+                                   f" on the {self._world} rank(s) of this job (saved by {world} ranks)")
                 continue
-            if self._restore_step(step, holders[step], manifests, state_dict, verify, allow_partial_load):
+            restore = self._restore_step if world == self._world else self._reshard_step
+            if restore(step, holders[step, world], manifests[step, world], state_dict, verify, allow_partial_load):
                 return step
         if rank == 0 and holders:
             logger.warning("local checkpoint tier: no local step to restore (newest persistent step: %s); "
                            "loading from the persistent tier", persistent_step)
         return None
+
+    def _reshard_step(self, step: int, holders: dict[int, list[int]], manifests: dict[int, Manifest],
+                      state_dict: dict[str, Any], verify: bool, allow_partial_load: bool) -> bool:
+        """Load ``step`` saved by ``len(holders)`` ranks: each old rank's copy is read by its
+        lowest holder, which shares its metadata and sends its bytes to the ranks whose target
+        needs them; they load the copies they then hold as one merged checkpoint."""
+        rank, copies = self._rank, LocalCopies(self.dir, self._rank)
+        fetched = LocalCopies(self.dir / ".restore" / f"rank_{rank}", rank)
+        source = {r: min(hs) for r, hs in holders.items()}
+        error: Optional[BaseException] = None
+        try:
+            mine = {r: (copies.copy_dir(step, r) / ".metadata").read_bytes() for r in source if source[r] == rank}
+        except OSError as exc:
+            error, mine = exc, {}
+        shared = self._gather((mine, _text(error)))
+        needed: set[int] = set()
+        problems = [f"rank {h}: {text}" for h, (_, text) in enumerate(shared) if text]
+        if problems:
+            error = error or RuntimeError(f"a local copy's metadata cannot be read on {problems[0]}")
+        else:
+            try:
+                metas = {r: metadata_from_json(data, source=f"local copy of rank {r}, step {step} (on rank {h})")
+                         for h, (part, _) in enumerate(shared) for r, data in part.items()}
+                needed = needed_copies(state_dict, metas, rank, allow_partial_load)
+            except Exception as exc:  # noqa: BLE001 - exchanged below
+                error = exc
+        wants = self._gather(sorted(needed) if error is None else None)
+        received = 0
+        if all(w is not None for w in wants):
+            where = {r: os.path.relpath(copies.copy_dir(step, r), self.dir) for r in needed}
+            for r in sorted(holders):  # one round per old copy: a rank receives each at most once
+                dsts = [n for n, w in enumerate(wants) if r in w and n not in holders[r]]
+                sends = {n: self._payload(copies, step, r, manifests[r]) for n in dsts} if source[r] == rank else {}
+                for _, data in self._exchange(sends, {source[r]: manifests[r]} if rank in dsts else {}).items():
+                    fetched.write_payload(step, r, manifests[r], data)
+                    where[r], received = os.path.relpath(fetched.copy_dir(step, r), self.dir), received + data.numel()
+            try:
+                reader = CopiesReader(self.dir, merged_view({r: metas[r] for r in needed}, where), rank, verify=verify)
+                api.load(state_dict, storage_reader=reader, no_dist=True, allow_partial_load=allow_partial_load)
+            except Exception as exc:  # noqa: BLE001 - exchanged below
+                error = exc
+        shutil.rmtree(fetched.directory, ignore_errors=True)
+        failed = {r: text for r, text in enumerate(self._gather(_text(error))) if text}
+        if failed:
+            if rank == 0:
+                logger.warning("local checkpoint tier: step %d (saved by %d ranks) cannot be loaded here: rank %d: %s",
+                               step, len(holders), min(failed), failed[min(failed)])
+            return False
+        self.stats = {"restored_step": step, "received_bytes": received, "saved_world_size": len(holders)}
+        if rank == 0:
+            logger.info("local checkpoint tier: restored step %d, saved by %d ranks, from %s", step, len(holders),
+                        self.dir)
+        return True
 
     def forget_after(self, step: int) -> None:
         """The job resumed from persistent ``step``: delete the local copies this rank holds of
@@ -310,7 +374,7 @@ class LocalTier:
             logger.info("local checkpoint tier: rank %d deleted its copies of local step(s) %s in %s, newer than "
                         "step %d restored from the persistent tier", self._rank, dropped, self.dir, step)
 
-    def _restore_step(self, step: int, holders: dict[int, list[int]], manifests: dict[tuple[int, int], Manifest],
+    def _restore_step(self, step: int, holders: dict[int, list[int]], manifests: dict[int, Manifest],
                       state_dict: dict[str, Any], verify: bool, allow_partial_load: bool) -> bool:
         rank, copies = self._rank, LocalCopies(self.dir, self._rank)
         sources = {r: sorted(hs, key=lambda h, r=r: (h != r, h)) for r, hs in holders.items()}
@@ -322,9 +386,9 @@ class LocalTier:
             fetch = {r: sources[r][attempt[r]] for r in pending if sources[r][attempt[r]] != r}
             error: Optional[BaseException] = None
             try:
-                sends = {dst: self._payload(copies, step, dst, manifests[step, dst])
+                sends = {dst: self._payload(copies, step, dst, manifests[dst])
                          for dst, src in fetch.items() if src == rank}
-                receives = {fetch[rank]: manifests[step, rank]} if rank in fetch else {}
+                receives = {fetch[rank]: manifests[rank]} if rank in fetch else {}
                 for src, data in self._exchange(sends, receives).items():
                     copies.write_payload(step, rank, receives[src], data)
                     received += data.numel()
