@@ -68,11 +68,19 @@ def _manifest(sizes: dict[str, int]) -> Manifest:
 
 
 class LocalCopies:
-    """The copies that ``holder`` keeps under the node-local ``directory``."""
+    """The copies that ``holder`` keeps under the node-local ``directory``; in a job of
+    ``job_world`` ranks also those a holder ``h`` of a larger job left (``h % job_world ==
+    holder``: a job restarted on fewer ranks restores, and then retires, them)."""
 
-    def __init__(self, directory: Path, holder: int):
+    def __init__(self, directory: Path, holder: int, job_world: int = 0):
         self.directory = directory
         self.holder = holder
+        self.job_world = job_world
+
+    def _mine(self, record: dict[str, Any]) -> bool:
+        holder = record.get("holder")
+        return isinstance(holder, int) and (holder == self.holder or (
+            self.job_world > 0 and holder % self.job_world == self.holder))
 
     def copy_dir(self, step: int, rank: int) -> Path:
         return self.directory / step_name(step) / f"rank_{rank}"
@@ -134,17 +142,13 @@ class LocalCopies:
         record = {"step": step, "rank": rank, "holder": self.holder, "world_size": world_size, "files": sizes}
         write_file_atomic(self._marker(step, rank), lambda f: f.write(json.dumps(record).encode()), unique_temp=True)
 
-    def held(self, world_size: int, job_world: int = 0) -> dict[int, dict[int, Manifest]]:
+    def held(self, world_size: int) -> dict[int, dict[int, Manifest]]:
         """``{step: {rank: manifest}}``: the committed copies this holder keeps for a job of
-        ``world_size`` whose files are all there at their recorded sizes (a partial copy is not);
-        with ``job_world`` (a job of that size restores them) also those of holders ``h``
-        where ``h % job_world`` is this holder (old ranks beyond the new job's)."""
+        ``world_size`` whose files are all there at their recorded sizes (a partial copy is not)."""
         out: dict[int, dict[int, Manifest]] = {}
         for step, markers in self.markers().items():
             for rank, record in markers.items():
-                holder = record.get("holder")
-                if not isinstance(holder, int) or record.get("world_size") != world_size or not (
-                        holder == self.holder or (job_world and holder % job_world == self.holder)):
+                if not self._mine(record) or record.get("world_size") != world_size:
                     continue
                 problem = self._problem(step, rank, record)
                 if problem:
@@ -192,7 +196,7 @@ class LocalCopies:
         (a job went back to ``step``: those belong to an abandoned run); the steps touched."""
         newer = sorted(s for s in self.markers() if s > step)
         for other in newer:
-            ranks = {r for r, rec in self.markers().get(other, {}).items() if rec.get("holder") == self.holder}
+            ranks = {r for r, rec in self.markers().get(other, {}).items() if self._mine(rec)}
             for rank in ranks | {own_rank}:
                 self.discard(other, rank)
             with suppress(OSError):
@@ -202,7 +206,7 @@ class LocalCopies:
     def retain(self, keep_last: int, newest: int, own_rank: int) -> list[int]:
         """Delete the copies this holder keeps of steps older than its ``keep_last`` newest
         committed ones, and this rank's uncommitted copies older than ``newest``; the steps touched."""
-        mine = {step: [r for r, rec in markers.items() if rec.get("holder") == self.holder]
+        mine = {step: [r for r, rec in markers.items() if self._mine(rec)]
                 for step, markers in self.markers().items()}
         committed = sorted(s for s, ranks in mine.items() if ranks)
         doomed = {s: ranks for s, ranks in mine.items() if s in committed[:-keep_last]}

@@ -189,7 +189,7 @@ class LocalTier:
             logger.error("local checkpoint tier: step %d on rank %d failed: %s", step, self._rank, _text(exc))
 
     def _save_step(self, step: int, staged: Any, nbytes: int) -> None:
-        rank, copies = self._rank, LocalCopies(self.dir, self._rank)
+        rank, copies = self._rank, LocalCopies(self.dir, self._rank, self._world)
         error: Optional[BaseException] = None
         payload: Payload = ([], torch.empty(0, dtype=torch.uint8))
         try:
@@ -282,10 +282,8 @@ class LocalTier:
         its target needs.  Collective; reads nothing from the persistent tier."""
         self._restore_group()
         self.wait()
-        rank, copies = self._rank, LocalCopies(self.dir, self._rank)
-        held = {w: copies.held(w, self._world) for w in copies.worlds() - {self._world}}
-        held[self._world] = copies.held(self._world)
-        gathered = self._gather((held, persistent_step))
+        rank, copies = self._rank, LocalCopies(self.dir, self._rank, self._world)
+        gathered = self._gather(({w: copies.held(w) for w in copies.worlds() | {self._world}}, persistent_step))
         persistent_step = gathered[0][1]
         holders: dict[tuple[int, int], dict[int, list[int]]] = {}  # (step, world) -> rank -> holders
         manifests: dict[tuple[int, int], dict[int, Manifest]] = {}  # (step, world) -> rank -> its copy's files
@@ -318,7 +316,7 @@ class LocalTier:
         """Load ``step`` saved by ``len(holders)`` ranks: each old rank's copy is read by its
         lowest holder, which shares its metadata and sends its bytes to the ranks whose target
         needs them; they load the copies they then hold as one merged checkpoint."""
-        rank, copies = self._rank, LocalCopies(self.dir, self._rank)
+        rank, copies = self._rank, LocalCopies(self.dir, self._rank, self._world)
         fetched = LocalCopies(self.dir / ".restore" / f"rank_{rank}", rank)
         source = {r: min(hs) for r, hs in holders.items()}
         error: Optional[BaseException] = None
@@ -369,14 +367,14 @@ class LocalTier:
     def forget_after(self, step: int) -> None:
         """The job resumed from persistent ``step``: delete the local copies this rank holds of
         newer steps, so that no later restore mixes them with the new run's (no collective)."""
-        dropped = LocalCopies(self.dir, self._rank).drop_newer(step, self._rank)
+        dropped = LocalCopies(self.dir, self._rank, self._world).drop_newer(step, self._rank)
         if dropped:
             logger.info("local checkpoint tier: rank %d deleted its copies of local step(s) %s in %s, newer than "
                         "step %d restored from the persistent tier", self._rank, dropped, self.dir, step)
 
     def _restore_step(self, step: int, holders: dict[int, list[int]], manifests: dict[int, Manifest],
                       state_dict: dict[str, Any], verify: bool, allow_partial_load: bool) -> bool:
-        rank, copies = self._rank, LocalCopies(self.dir, self._rank)
+        rank, copies = self._rank, LocalCopies(self.dir, self._rank, self._world)
         sources = {r: sorted(hs, key=lambda h, r=r: (h != r, h)) for r, hs in holders.items()}
         attempt = dict.fromkeys(range(self._world), 0)
         pending = set(range(self._world))
