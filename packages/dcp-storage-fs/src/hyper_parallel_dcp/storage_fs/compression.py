@@ -13,6 +13,7 @@ payload as stored.  A load decompresses only the frames the slice it reads touch
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import struct
 from pathlib import Path
@@ -113,19 +114,18 @@ def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, widt
                                      f"bytes) does not cover bytes [{start}, {end}); a newer version may have written it")
     position = _HEAD.size + 8 * count + sum(sizes[:first])
     blob = memoryview(read_at(position, sum(sizes[first:last + 1])))
-    decompressor, words = zstd.ZstdDecompressor(), _words(width)
-    base = first * step
+    words, base = _words(width), first * step
     out = np.empty(min(count * step, (last + 1) * step) - base, np.uint8)
-    at = 0
-    for frame in range(first, last + 1):
-        data = blob[at:at + sizes[frame]]
-        at += sizes[frame]
+    starts = [sum(sizes[first:frame]) for frame in range(first, last + 2)]
+
+    def one(frame: int) -> None:
         try:
-            planes = decompressor.decompress(data)
+            planes = zstd.ZstdDecompressor().decompress(blob[starts[frame - first]:starts[frame - first + 1]])
         except zstd.ZstdError as exc:
             raise CorruptCheckpointError(f"{where()}: compressed frame {frame} of {count} is corrupt ({exc}); the "
                                          "checkpoint is damaged: restore it or load another") from None
-        if len(planes) % width or (frame < count - 1 and len(planes) != step):
+        if len(planes) % width or (frame < count - 1 and len(planes) != step) or frame * step + len(planes) < min(
+                end, (frame + 1) * step):
             raise CorruptCheckpointError(f"{where()}: compressed frame {frame} of {count} decompressed to "
                                          f"{len(planes)} bytes, not {step}")
         target = out[frame * step - base:frame * step - base + len(planes)]
@@ -137,6 +137,12 @@ def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, widt
             high = word << words(8 * width - 1)
             word >>= words(1)
             word |= high
+
+    if last > first:  # frames on threads (zstd and numpy release the GIL)
+        with cf.ThreadPoolExecutor(min(last - first + 1, os.cpu_count() or 1)) as pool:
+            list(pool.map(one, range(first, last + 1)))
+    else:
+        one(first)
     return out[start - base:end - base], len(blob) + _HEAD.size + 8 * count
 
 
