@@ -181,7 +181,7 @@ def run_compression(hidden: int, steps: int, reps: int, log: Callable[[str], Non
                     exact[name] = exact.get(name, True) and [bytes(b) for b in back] == expected
                     sizes[name] = _size(blobs)
             for name, (c_times, d_times) in times.items():
-                row = {"data": what, "codec": name, "raw_bytes": raw, "compressed_bytes": sizes[name],
+                row: dict[str, Any] = {"data": what, "codec": name, "raw_bytes": raw, "compressed_bytes": sizes[name],
                        "share": sizes[name] / raw, "compress_mb_s": raw / 1e6 / statistics.median(c_times),
                        "decompress_mb_s": raw / 1e6 / statistics.median(d_times), "bit_exact": exact[name],
                        "compress_mb_s_all": [raw / 1e6 / t for t in c_times],

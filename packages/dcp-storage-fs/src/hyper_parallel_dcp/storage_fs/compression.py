@@ -3,12 +3,17 @@
 ``save(..., compression="zstd")`` writes each rank's tensor chunks into ``_rank{r}_.zstd``
 (the file name in ``.metadata`` names the codec) instead of ``_rank{r}_.safetensors``: one
 payload per chunk, whose raw bytes are cut into frames of :data:`FRAME_BYTES` (a multiple
-of the element width); each frame's bytes are split into byte planes by element width
-(the exponent bytes of floats together compress, the low mantissa bytes do not dilute
-them) and zstd-compressed, with zstd's content checksum per frame.  A payload is ``<u32 frame bytes><u32 frame count>``, the
-frames' compressed sizes (u64 each), then the frames; its checksum is the xxh3 of the
-payload as stored.  A load decompresses only the frames the slice it reads touches
-(:func:`decode_span`).  Needs the ``zstandard`` package, the ``[zstd]`` extra.
+of the element width).  Codec version 1 rotates each element's word left by one bit (a
+float's sign bit next to its mantissa: its top byte is the exponent alone), splits the
+frame into byte planes by element width (the exponent bytes together compress, the
+mantissa bytes do not dilute them) and zstd-compresses it with few matches, with zstd's
+content checksum per frame.  Compression bench rows ``byte-planes+zstd`` (hidden 1024):
+bf16 weights 69.3 % -> 64.9 % of their bytes (ZipNN 64.2 %), fp32 Adam moments 83.4 % ->
+81.5 % (ZipNN 81.4 %).  A payload is ``<u32 frame bytes | codec version << 24><u32 frame
+count>``, the frames' compressed sizes (u64 each), then the frames; its checksum is the
+xxh3 of the payload as stored.  A load decompresses only the frames the slice it reads
+touches (:func:`decode_span`), on threads; version 0 payloads (no rotation) still load.
+Needs the ``zstandard`` package, the ``[zstd]`` extra.
 """
 
 from __future__ import annotations
