@@ -248,6 +248,29 @@ def test_throttled_reader_charges_every_byte_it_reads(tmp_path):
     assert free_at - t0 >= reader.bytes_read / 1e8
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_throttled_writer_charges_every_data_file_byte_to_the_link(tmp_path, compression):
+    import struct
+
+    import torch
+
+    import hyper_parallel_dcp as hp
+    from hyper_parallel_dcp.benchmarks.throttle import ThrottledFileSystemWriter
+
+    if compression:
+        pytest.importorskip("zstandard")
+    sd = {"a": torch.arange(4096, dtype=torch.float32).view(64, 64), "b": torch.ones(100, dtype=torch.bfloat16),
+          "meta": {"step": 3}}
+    bw = SharedBandwidth(tmp_path / "bw", 1e8)
+    t0 = __import__("time").time()
+    md = hp.save(sd, storage_writer=ThrottledFileSystemWriter(tmp_path / "ck", bw), no_dist=True, compression=compression)
+    target = {"a": torch.zeros(64, 64), "b": torch.zeros(100, dtype=torch.bfloat16), "meta": {"step": 0}}
+    hp.load(target, checkpoint_id=tmp_path / "ck", no_dist=True)
+    assert torch.equal(target["a"], sd["a"]) and target["meta"] == {"step": 3}
+    free_at = struct.unpack("d", (tmp_path / "bw").read_bytes())[0]
+    assert sum(md.files.values()) / 1e8 <= free_at - t0 < sum(md.files.values()) / 1e8 + 0.5
+
+
 def test_every_planning_goal_of_issue_13_is_a_goal_row():
     def row(layout, world, scale):
         return {"layout": layout, "world": world, "ours_global_save_s": 0.1 * scale, "ours_global_load_s": 0.05 * scale,

@@ -1,5 +1,5 @@
 """``save(..., compression="zstd")`` (SPEC §14): byte planes + zstd frames in ``_rank{r}_.zstd``.
-Bit-exact round trips (every dtype, resharded loads on 2 ranks that decompress only the
+Bit-exact round trips (every dtype, codec versions 0 and 1, resharded loads on 2 ranks that decompress only the
 frames they touch), the error without the extra, and a corrupt frame named."""
 
 from __future__ import annotations
@@ -122,3 +122,43 @@ def test_compressed_incremental_save_references_an_uncompressed_base(tmp_path):
     out = _zeros_like(sd)
     dcp.load(out, checkpoint_id=tmp_path / "step_2", no_dist=True, verify=True)
     assert all(torch.equal(out[k], v) for k, v in changed.items() if isinstance(v, torch.Tensor))
+
+
+def _v0_payload(raw: torch.Tensor, width: int, zstandard) -> bytes:
+    """A codec version 0 payload (before the sign-bit rotation): byte planes, zstd level 3."""
+    import struct
+
+    from hyper_parallel_dcp.storage_fs.compression import FRAME_BYTES
+
+    step = FRAME_BYTES - FRAME_BYTES % width
+    c = zstandard.ZstdCompressor(level=3, write_checksum=True)
+    frames = [c.compress(raw[at:at + step].view(-1, width).t().contiguous().numpy()) for at in range(0, raw.numel(), step)]
+    return struct.pack(f"<II{len(frames)}Q", step, len(frames), *map(len, frames)) + b"".join(frames)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.int8])
+def test_codec_v1_puts_the_exponent_alone_in_the_top_plane_and_v0_payloads_still_decode(dtype):
+    import struct
+
+    import zstandard
+
+    from hyper_parallel_dcp.storage_fs.compression import CODEC_VERSION, decode_span, encode_chunk
+
+    values = (torch.randn(1_200_000, generator=torch.Generator().manual_seed(5)) * 40).to(dtype)
+    raw, width = values.view(-1).view(torch.uint8), values.element_size()
+    v1 = encode_chunk(raw, width, zstandard)
+    step, count = struct.unpack("<II", v1[:8])
+    assert step >> 24 == CODEC_VERSION == 1 and count == -(-raw.numel() // (step & 0xFFFFFF))
+    if width in (2, 4) and dtype.is_floating_point:  # frame 0's top plane: the 8 exponent bits of each element
+        first = zstandard.ZstdDecompressor().decompress(v1[8 + 8 * count:8 + 8 * count + struct.unpack("<Q", v1[8:16])[0]])
+        n = len(first) // width
+        exponent = (values.view(-1)[:n].view({2: torch.int16, 4: torch.int32}[width]).to(torch.int64) >> (8 * width - 9)) & 0xFF
+        assert first[-n:] == bytes(exponent.to(torch.uint8).tolist())
+    start, end = 300_001 * width, 1_100_000 * width  # a span over frame boundaries (4 MiB frames)
+    for payload in (v1, _v0_payload(raw, width, zstandard)):
+        whole, _ = decode_span(lambda at, n, p=payload: p[at:at + n], 0, raw.numel(), width, zstandard, lambda: "t")
+        part, _ = decode_span(lambda at, n, p=payload: p[at:at + n], start, end, width, zstandard, lambda: "t")
+        assert whole.tobytes() == raw.numpy().tobytes() and part.tobytes() == raw.numpy()[start:end].tobytes()
+    newer = struct.pack("<I", (step & 0xFFFFFF) | (CODEC_VERSION + 1) << 24) + v1[4:]
+    with pytest.raises(CorruptCheckpointError, match="t: the frame table \\(codec version 2.*a newer version"):
+        decode_span(lambda at, n: newer[at:at + n], 0, raw.numel(), width, zstandard, lambda: "t")

@@ -6,6 +6,9 @@
 :class:`ThrottledFileSystemReader` charges every byte the reader takes from storage
 (``bytes_read``) to it, on both of the reader's read methods (``read_into``,
 ``read_object``); pass it to ``load(..., storage_reader=...)``.
+:class:`ThrottledFileSystemWriter` charges each data-file write to it as it happens (what
+a save's file bytes through a link cost; the writer's compression threads go on meanwhile);
+pass it to ``save(..., storage_writer=...)``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from pathlib import Path
 from typing import Any, Union
 
 from hyper_parallel_dcp.core.planner import ReadItem
-from hyper_parallel_dcp.storage_fs import FileSystemReader
+from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
 
-__all__ = ["SharedBandwidth", "ThrottledFileSystemReader"]
+__all__ = ["SharedBandwidth", "ThrottledFileSystemReader", "ThrottledFileSystemWriter"]
 
 _SLOT = struct.Struct("d")
 
@@ -80,3 +83,39 @@ class ThrottledFileSystemReader(FileSystemReader):
         value = super().read_object(item)
         self._charge(before)
         return value
+
+
+class _ThrottledFile:
+    """A file whose ``write`` calls pass the cap; other bytes (written through its
+    descriptor) pass it when the file is done (:meth:`charge_rest`)."""
+
+    def __init__(self, f: Any, bandwidth: SharedBandwidth) -> None:
+        self._f, self._bandwidth, self.charged = f, bandwidth, 0
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        self.charged += n
+        self._bandwidth.consume(n)
+        return n
+
+    def charge_rest(self) -> None:
+        self._f.flush()
+        self._bandwidth.consume(os.fstat(self._f.fileno()).st_size - self.charged)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+class ThrottledFileSystemWriter(FileSystemWriter):
+    """A :class:`FileSystemWriter` whose every data-file byte passes the shared cap as it is written."""
+
+    def __init__(self, path: Union[str, os.PathLike, None], bandwidth: SharedBandwidth, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.bandwidth = bandwidth
+
+    def data_writer(self, write: Any) -> Any:
+        def throttled(f: Any) -> None:
+            wrapped = _ThrottledFile(f, self.bandwidth)
+            write(wrapped)
+            wrapped.charge_rest()
+        return throttled

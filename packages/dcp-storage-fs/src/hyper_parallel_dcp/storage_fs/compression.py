@@ -3,21 +3,28 @@
 ``save(..., compression="zstd")`` writes each rank's tensor chunks into ``_rank{r}_.zstd``
 (the file name in ``.metadata`` names the codec) instead of ``_rank{r}_.safetensors``: one
 payload per chunk, whose raw bytes are cut into frames of :data:`FRAME_BYTES` (a multiple
-of the element width); each frame's bytes are split into byte planes by element width
-(the exponent bytes of floats together compress, the low mantissa bytes do not dilute
-them) and zstd-compressed, with zstd's content checksum per frame.  A payload is ``<u32 frame bytes><u32 frame count>``, the
-frames' compressed sizes (u64 each), then the frames; its checksum is the xxh3 of the
-payload as stored.  A load decompresses only the frames the slice it reads touches
-(:func:`decode_span`).  Needs the ``zstandard`` package, the ``[zstd]`` extra.
+of the element width).  Codec version 1 rotates each element's word left by one bit (a
+float's sign bit next to its mantissa: its top byte is the exponent alone), splits the
+frame into byte planes by element width (the exponent bytes together compress, the
+mantissa bytes do not dilute them) and zstd-compresses it with few matches, with zstd's
+content checksum per frame.  Compression bench rows ``byte-planes+zstd`` (hidden 1024):
+bf16 weights 69.3 % -> 64.9 % of their bytes (ZipNN 64.2 %), fp32 Adam moments 83.4 % ->
+81.5 % (ZipNN 81.4 %).  A payload is ``<u32 frame bytes | codec version << 24><u32 frame
+count>``, the frames' compressed sizes (u64 each), then the frames; its checksum is the
+xxh3 of the payload as stored.  A load decompresses only the frames the slice it reads
+touches (:func:`decode_span`), on threads; version 0 payloads (no rotation) still load.
+Needs the ``zstandard`` package, the ``[zstd]`` extra.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import struct
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import xxhash
 
@@ -28,13 +35,16 @@ from hyper_parallel_dcp.core.planner import ReadItem
 
 from .incremental import missing_file_error
 
-__all__ = ["CODEC_SUFFIX", "FRAME_BYTES", "ZSTD_EXTRA", "decode_span", "encode_chunk", "is_compressed_file",
+__all__ = ["CODEC_SUFFIX", "CODEC_VERSION", "FRAME_BYTES", "ZSTD_EXTRA", "decode_span", "encode_chunk", "is_compressed_file",
            "CompressedFiles", "read_compressed_into", "zstd_module"]
 
 #: the suffix of a rank's file of compressed chunks: ``_rank{r}_.zstd``
 CODEC_SUFFIX = ".zstd"
 #: raw bytes per frame (rounded down to the element width): what a partial load decompresses at least
 FRAME_BYTES = 4 << 20
+#: the payload's codec version (the top byte of its first u32): 1 rotates each word's sign bit
+#: next to the mantissa before the byte planes; 0 (older payloads) does not
+CODEC_VERSION = 1
 #: what to install for compressed checkpoints
 ZSTD_EXTRA = "hyper-parallel-dcp-storage-fs[zstd]"
 _HEAD = struct.Struct("<II")
@@ -60,56 +70,85 @@ def _frame_bytes(width: int) -> int:
     return FRAME_BYTES - FRAME_BYTES % width
 
 
-def encode_chunk(raw: torch.Tensor, width: int, zstd: Any, level: int = 3) -> bytes:
+def _params(zstd: Any) -> Any:
+    # zstd's fast strategy, a 128 KiB window, a 64-entry hash table, 7-byte matches: the
+    # exponent plane of trained weights is near i.i.d., so matches cost more than the
+    # Huffman-coded literals they replace; these find few (compression bench: bf16 exponent
+    # plane 29.8 % of its bytes vs 36.3 % at level 3, and faster)
+    return zstd.ZstdCompressionParameters(strategy=zstd.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6,
+                                          search_log=1, min_match=7, target_length=0, write_checksum=True)
+
+
+def _words(width: int) -> Any:
+    return {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(width)
+
+
+def encode_chunk(raw: torch.Tensor, width: int, zstd: Any) -> bytes:
     """The payload of one chunk: ``raw`` (its bytes, a flat uint8 CPU tensor) of ``width``-byte elements."""
-    step = _frame_bytes(width)
+    step, words = _frame_bytes(width), _words(width)
     # each frame carries zstd's content checksum: a damaged frame fails its decompression
-    compressor = zstd.ZstdCompressor(level=level, write_checksum=True)
-    frames = []
+    compressor = zstd.ZstdCompressor(compression_params=_params(zstd))
+    frames, flat = [], raw.numpy()
     for at in range(0, raw.numel(), step):
-        part = raw[at:at + step]
-        planes = part.view(-1, width).t().contiguous() if width > 1 else part
-        frames.append(compressor.compress(planes.numpy()))
-    head = _HEAD.pack(step, len(frames)) + struct.pack(f"<{len(frames)}Q", *map(len, frames))
+        part = flat[at:at + step]
+        if words is not None:  # the sign bit rotated next to the mantissa: the top plane is the exponent alone
+            word = part.view(words)
+            part = ((word << words(1)) | (word >> words(8 * width - 1))).view(np.uint8)
+            part = np.ascontiguousarray(part.reshape(-1, width).T)
+        frames.append(compressor.compress(part))
+    head = _HEAD.pack(step | CODEC_VERSION << 24, len(frames)) + struct.pack(f"<{len(frames)}Q", *map(len, frames))
     return b"".join([head, *frames])
 
 
 def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, width: int, zstd: Any,
-                where: Callable[[], str]) -> tuple[bytes, int]:
-    """``(raw bytes [start, end) of the chunk, payload bytes read)``; ``read_at(offset, n)``
-    reads the payload.  Raises :class:`CorruptCheckpointError` naming ``where()`` (the file
-    and chunk) and the frame for a frame that does not decompress to its size."""
+                where: Callable[[], str]) -> tuple[np.ndarray, int]:
+    """``(raw bytes [start, end) of the chunk as a uint8 array, payload bytes read)``;
+    ``read_at(offset, n)`` reads the payload.  Raises :class:`CorruptCheckpointError` naming
+    ``where()`` (the file and chunk) and the frame for a frame that does not decompress to its size."""
     head = read_at(0, _HEAD.size)
     if len(head) < _HEAD.size:
         raise CorruptCheckpointError(f"{where()}: compressed chunk truncated (no frame table)")
     step, count = _HEAD.unpack(head)
+    step, version = step & 0xFFFFFF, step >> 24
     sizes = struct.unpack(f"<{count}Q", read_at(_HEAD.size, 8 * count)) if count else ()
     if end <= start:
-        return b"", _HEAD.size + 8 * count
-    first, last = start // step, (end - 1) // step
-    if step == 0 or step % width or last >= count:
-        raise CorruptCheckpointError(f"{where()}: the frame table ({count} frames of {step} bytes) does not cover "
-                                     f"bytes [{start}, {end})")
+        return np.empty(0, np.uint8), _HEAD.size + 8 * count
+    first, last = start // step if step else 0, (end - 1) // step if step else 0
+    if step == 0 or step % width or last >= count or version > CODEC_VERSION:
+        raise CorruptCheckpointError(f"{where()}: the frame table (codec version {version}, {count} frames of {step} "
+                                     f"bytes) does not cover bytes [{start}, {end}); a newer version may have written it")
     position = _HEAD.size + 8 * count + sum(sizes[:first])
-    blob = read_at(position, sum(sizes[first:last + 1]))
-    decompressor = zstd.ZstdDecompressor()
-    out, at = [], 0
-    for frame in range(first, last + 1):
-        data = blob[at:at + sizes[frame]]
-        at += sizes[frame]
+    blob = memoryview(read_at(position, sum(sizes[first:last + 1])))
+    words, base = _words(width), first * step
+    out = np.empty(min(count * step, (last + 1) * step) - base, np.uint8)
+    starts = [sum(sizes[first:frame]) for frame in range(first, last + 2)]
+
+    def one(frame: int) -> None:
         try:
-            planes = decompressor.decompress(data)
+            planes = zstd.ZstdDecompressor().decompress(blob[starts[frame - first]:starts[frame - first + 1]])
         except zstd.ZstdError as exc:
             raise CorruptCheckpointError(f"{where()}: compressed frame {frame} of {count} is corrupt ({exc}); the "
                                          "checkpoint is damaged: restore it or load another") from None
-        if len(planes) % width or (frame < count - 1 and len(planes) != step):
+        if len(planes) % width or (frame < count - 1 and len(planes) != step) or frame * step + len(planes) < min(
+                end, (frame + 1) * step):
             raise CorruptCheckpointError(f"{where()}: compressed frame {frame} of {count} decompressed to "
                                          f"{len(planes)} bytes, not {step}")
-        raw = torch.frombuffer(bytearray(planes), dtype=torch.uint8)
-        out.append((raw.view(width, -1).t().contiguous() if width > 1 else raw).view(-1))
-    joined = torch.cat(out) if len(out) > 1 else out[0]
-    base = first * step
-    return joined[start - base:end - base].numpy().tobytes(), len(blob) + _HEAD.size + 8 * count
+        target = out[frame * step - base:frame * step - base + len(planes)]
+        columns = target.reshape(-1, width)  # a column per byte plane: 6x a transposed copy's speed
+        for byte, plane in enumerate(np.frombuffer(planes, np.uint8).reshape(width, -1)):
+            columns[:, byte] = plane
+        if version and words is not None:  # rotate the sign bit back
+            word = target.view(words)
+            high = word << words(8 * width - 1)
+            word >>= words(1)
+            word |= high
+
+    if last > first:  # frames on threads (zstd and numpy release the GIL)
+        with cf.ThreadPoolExecutor(min(last - first + 1, os.cpu_count() or 1)) as pool:
+            list(pool.map(one, range(first, last + 1)))
+    else:
+        one(first)
+    return out[start - base:end - base], len(blob) + _HEAD.size + 8 * count
 
 
 def read_compressed_into(fd: int, info: StorageInfo, sizes: tuple[int, ...], dtype: torch.dtype, item: ReadItem,
@@ -138,7 +177,7 @@ def read_compressed_into(fd: int, info: StorageInfo, sizes: tuple[int, ...], dty
     width = dtype.itemsize
     raw, spanned = decode_span(read_at, first * width, (first + span) * width, width, zstd, lambda: label)
     if span:
-        source = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
+        source = torch.from_numpy(raw).view(dtype)
         dest.copy_(source.as_strided(lengths, row_major_strides(sizes), 0))
     return read + spanned
 

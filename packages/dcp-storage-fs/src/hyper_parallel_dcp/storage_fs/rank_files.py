@@ -3,6 +3,7 @@ safetensors file and its objects file) and :func:`with_stored_as` (the metadata 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import copy
 import functools
@@ -144,11 +145,18 @@ def _write_compressed(tensors: list[WriteItem], keyed: list[tuple[str, WriteItem
         return encode_chunk(tensor.view(-1).view(torch.uint8), tensor.element_size(), zstd)
 
     def write_payloads(f: BinaryIO) -> None:
+        def put(payload: bytes) -> None:
+            placed.append((f.tell(), len(payload), xxhash.xxh3_64_hexdigest(payload)))
+            f.write(payload)
+
         with cf.ThreadPoolExecutor(threads, thread_name_prefix="hp-dcp-zstd") as pool:
-            for at in range(0, len(tensors), 2 * threads):  # a window: not every chunk held at once
-                for payload in pool.map(encode, tensors[at:at + 2 * threads]):
-                    placed.append((f.tell(), len(payload), xxhash.xxh3_64_hexdigest(payload)))
-                    f.write(payload)
+            window: collections.deque = collections.deque()  # 2 chunks a thread in flight: not all held at once
+            for item in tensors:  # the next chunks compress while one is written
+                window.append(pool.submit(encode, item))
+                if len(window) > 2 * threads:
+                    put(window.popleft().result())
+            while window:
+                put(window.popleft().result())
 
     size = write_file(name, write_payloads)
     return [WriteResult(it.index, StorageInfo(name, offset, length, digest, key), size)

@@ -100,6 +100,10 @@ class FileSystemWriter(StorageWriter):
             raise RuntimeError("FileSystemWriter: the plan carries no save_id")
         return staging_dir(target, self._save_id)
 
+    def data_writer(self, write: Any) -> Any:
+        """What writes a data file through ``write(f)``: ``write`` (the bench's throttled writer wraps ``f``)."""
+        return write
+
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         self._save_id = plan.save_id or "local"
         self._ensure_lock()  # a cached plan skips prepare_local_plan
@@ -124,7 +128,7 @@ class FileSystemWriter(StorageWriter):
         pending: list[PendingFile] = []
 
         def write_file(name: str, data_writer: Any) -> int:
-            written = write_file_pending(out_dir / name, data_writer)
+            written = write_file_pending(out_dir / name, self.data_writer(data_writer))
             pending.append(written)
             return written.size
 
