@@ -20,7 +20,7 @@ import io
 import math
 import os
 import uuid
-from dataclasses import replace
+from dataclasses import astuple, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -34,11 +34,11 @@ from torch.futures import Future
 
 from hyper_parallel_dcp.core import metadata as ours
 from hyper_parallel_dcp.core.gc_pause import gc_paused
-from hyper_parallel_dcp.core.metadata import MetadataIndex
+from hyper_parallel_dcp.core.metadata import MetadataIndex, StorageInfo
 from hyper_parallel_dcp.core.objects import serialize_object
 from hyper_parallel_dcp.core.pipeline import attach_results
 from hyper_parallel_dcp.core.planner import LoadItemType, ReadItem, SavePlan, WriteItem, WriteItemType
-from hyper_parallel_dcp.core.storage import ReadDestination
+from hyper_parallel_dcp.core.storage import ReadDestination, WriteResult
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, storage_reader_for_path
 
 __all__ = ["CachedSavePlanner", "StorageReader", "StorageWriter", "load", "metadata_from_torch", "metadata_to_torch", "save"]
@@ -185,10 +185,14 @@ class StorageWriter(tstorage.StorageWriter):
         except BaseException as exc:
             self._fs.abort(exc)
             raise
-        return _done([tstorage.WriteResult(items[r.index].index, r.storage_data.length, r) for r in results])
+        # torch gathers the results pickled: plain tuples unpickle 6x faster than our dataclasses
+        # (2000 chunks: 3 against 20 ms a rank, on the coordinator; 0.25 against 0.42 MB)
+        return _done([tstorage.WriteResult(items[r.index].index, r.storage_data.length,
+                                           (*astuple(r.storage_data), r.file_size, r.header_digest)) for r in results])
 
     def finish(self, metadata: tmd.Metadata, results: list[list[tstorage.WriteResult]]) -> None:
-        written = [[result.storage_data for result in rank_results] for rank_results in results]
+        written = [[WriteResult(_index(r.index), StorageInfo(*r.storage_data[:5]), *r.storage_data[5:])
+                    for r in rank_results] for rank_results in results]
         with gc_paused():
             self._fs.finalize_checkpoint(attach_results(metadata_from_torch(metadata), written), written)
 
