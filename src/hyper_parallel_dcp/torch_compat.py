@@ -286,8 +286,8 @@ class CachedSavePlanner(DefaultSavePlanner):
     cached for torch's ``FileSystemWriter`` (its ``storage_data`` a file prefix) must not be
     handed to :class:`StorageWriter` (a save id), nor the other way round."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, enable_plan_caching=True, **kwargs)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{**kwargs, "enable_plan_caching": True})
 
 
 def save(state_dict: dict[str, Any], path: PathLike, *, planner: Optional[tplan.SavePlanner] = None,

@@ -38,6 +38,7 @@ class CheckpointManager(_TitanCheckpointManager):
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         writer = StorageWriter(checkpoint_id)
+        result: Any
         if async_mode == AsyncMode.ASYNC:
             result = tdcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
