@@ -20,7 +20,7 @@ from hyper_parallel_dcp.core.testing import free_port_pair, run_console_script, 
 pytestmark = pytest.mark.distributed
 
 OBJECTS = {"step": 7, "extra": {"lr": 0.1, "tags": ["a", "b"]}}
-SAVES = ("sync", "thread", "process", "per_rank")
+SAVES = ("sync", "thread", "process", "per_rank", "cached")
 
 
 def _fsdp_state(world_size: int):
@@ -53,10 +53,12 @@ def _full(sd: dict) -> dict:
 
 def _torch_saves(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp import torch_compat
     from hyper_parallel_dcp.torch_compat import StorageWriter
 
     mesh, sd = _fsdp_state(world_size)
@@ -65,6 +67,12 @@ def _torch_saves(rank: int, world_size: int, root: str) -> dict:
     tdcp.async_save(sd, storage_writer=StorageWriter(f"{root}/process"),
                     async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
     tdcp.save(sd, storage_writer=StorageWriter(f"{root}/per_rank"), use_collectives=False)
+    # as the integrations save: torch's plan cache on; the second save runs from the cached
+    # plans, after a cached save of torch's own writer (whose plans must not be ours)
+    torch_compat.save(sd, f"{root}/cached")
+    tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(f"{root}/torch_cached"),
+              planner=DefaultSavePlanner(enable_plan_caching=True))
+    torch_compat.save(sd, f"{root}/cached")
     ours = {"w": distribute_tensor(torch.arange(60.0).view(6, 10), mesh, [Shard(0)]), "b": torch.arange(5.0),
             **OBJECTS}
     dcp.save(ours, checkpoint_id=f"{root}/native")
@@ -92,6 +100,7 @@ def _loads(rank: int, world_size: int, root: str, ref: dict) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp import torch_compat
     from hyper_parallel_dcp.torch_compat import StorageReader
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -104,6 +113,9 @@ def _loads(rank: int, world_size: int, root: str, ref: dict) -> dict:
               "step": 0, "extra": {"lr": 0.0, "tags": None}}
     tdcp.load(target, storage_reader=StorageReader(f"{root}/native", verify=True))
     out["native"] = _full(target)
+    target = _targets(ref, mesh)
+    torch_compat.load(target, f"{root}/cached")  # the integrations' load (GC paused)
+    out["cached_through_torch"] = _full(target)
     return out
 
 
@@ -156,7 +168,7 @@ def test_plugin_checkpoints_load_with_ours_in_one_process(runs):
 def test_plugin_checkpoints_load_with_ours_on_2_ranks_in_another_layout(runs):
     _, ref, loaded = runs
     for rank in range(2):
-        for name in SAVES:
+        for name in (*SAVES, "cached_through_torch"):
             _assert_same(loaded[rank][name], ref)
 
 

@@ -215,6 +215,7 @@ def _save_cases(rec: _Recorder, sd: dict, ours: Path, theirs: Path, rank: int, r
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     import hyper_parallel_dcp as hp
+    from hyper_parallel_dcp import torch_compat
     from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
     from hyper_parallel_dcp.torch_compat import StorageWriter
 
@@ -237,6 +238,11 @@ def _save_cases(rec: _Recorder, sd: dict, ours: Path, theirs: Path, rank: int, r
         # torch's API (its default planner, no plan cache) writing our format: the plugin's cost
         _rm(plugin, rank)
         rec.add("plugin.save", _timed(lambda: tdcp.save(sd, storage_writer=StorageWriter(plugin)))[0])
+        # as the integrations call it: torch's plan cache on (warmed by the first), GC paused
+        _rm(plugin, rank)
+        seconds = _timed(lambda: torch_compat.save(sd, plugin))[0]
+        if i:
+            rec.add("plugin.save_cached_plan", seconds)
 
 
 def _plugin_path(ours: Path) -> Path:
@@ -281,6 +287,7 @@ def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, fli
     layout in a process pays one-time costs (78 ms against 40 ms, dense)."""
     import torch.distributed.checkpoint as tdcp
 
+    from hyper_parallel_dcp import torch_compat
     from hyper_parallel_dcp.torch_compat import StorageReader
 
     def theirs_load(dest: dict) -> None:
@@ -289,12 +296,17 @@ def _load_cases(rec: _Recorder, our_load: _OurLoads, sd: dict, target: dict, fli
     def plugin_load(dest: dict) -> None:  # torch's API and planner reading the plugin's checkpoint
         tdcp.load(dest, storage_reader=StorageReader(_plugin_path(our_load.path)))
 
-    for name, load in (("ours", our_load), ("torch", theirs_load), ("plugin", plugin_load)):
+    def plugin_gc_paused(dest: dict) -> None:  # as the integrations call it
+        torch_compat.load(dest, _plugin_path(our_load.path))
+
+    for name, load in (("ours", our_load), ("torch", theirs_load), ("plugin", plugin_load),
+                       ("plugin_gc_paused", plugin_gc_paused)):
         load(target)
         load(flipped)
         for _ in range(load_reps(reps)):
             rec.add(f"{name}.load", _timed(functools.partial(load, target))[0])
-            rec.add(f"{name}.load_resharded", _timed(functools.partial(load, flipped))[0])
+            if name != "plugin_gc_paused":
+                rec.add(f"{name}.load_resharded", _timed(functools.partial(load, flipped))[0])
     # totals over all ranks: with read-once + broadcast one rank reads a replicated
     # shard for the others, so only the sums are comparable
     rec.info["ours.load.bytes_read"] = _sum_over_ranks(our_load.bytes_read[0])

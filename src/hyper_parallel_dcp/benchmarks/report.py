@@ -244,9 +244,13 @@ def _io_lines(kind: str, d: dict[str, Any]) -> list[str]:
         lines += ["", "torch's `save` / `load` with the `torch_compat` plugin (our format, torch's planners):", "",
                   "| case | plugin | hyper-parallel-dcp | torch FileSystemWriter/Reader | plugin / ours |",
                   "|---|---|---|---|---|"]
-        for key in ("save", "load", "load_resharded"):
-            r = _ratio(_med(s, "plugin." + key), _med(s, "ours." + key))
-            lines.append(f"| {key} | {_fmt(s.get('plugin.' + key))} | {_fmt(s.get('ours.' + key))} | "
+        for label, mine, key in (("save", "plugin.save", "save"), ("save, torch's plan cache on, GC paused "
+                                 "(the integrations')", "plugin.save_cached_plan", "save_cached_plan"),
+                                 ("load", "plugin.load", "load"), ("load, GC paused (the integrations')",
+                                 "plugin_gc_paused.load", "load"), ("load_resharded", "plugin.load_resharded",
+                                 "load_resharded")):
+            r = _ratio(_med(s, mine), _med(s, "ours." + key))
+            lines.append(f"| {label} | {_fmt(s.get(mine))} | {_fmt(s.get('ours.' + key))} | "
                          f"{_fmt(s.get('torch.' + key))} | {'' if r is None else f'{r:.2f}×'} |")
     lines.append("")
     lines.append(f"Bytes read from storage by all ranks vs the checkpoint's bytes: same layout "

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch.distributed.checkpoint as tdcp
 
+from ..core.gc_pause import gc_paused
 from ..torch_compat import StorageReader, StorageWriter
 
 __all__ = ["through_us"]
@@ -26,10 +27,12 @@ __all__ = ["through_us"]
 
 @contextlib.contextmanager
 def through_us() -> Iterator[None]:
-    """torch's ``FileSystemWriter`` / ``FileSystemReader`` are the plugin's while inside."""
+    """torch's ``FileSystemWriter`` / ``FileSystemReader`` are the plugin's while inside,
+    and the cyclic GC is paused (as a native save: see :func:`torch_compat.save`)."""
     saved = tdcp.FileSystemWriter, tdcp.FileSystemReader
     tdcp.FileSystemWriter, tdcp.FileSystemReader = StorageWriter, StorageReader  # type: ignore[assignment,misc]
     try:
-        yield
+        with gc_paused():
+            yield
     finally:
         tdcp.FileSystemWriter, tdcp.FileSystemReader = saved  # type: ignore[misc]

@@ -4,7 +4,7 @@ Replace ``from pytorch_lightning.strategies import ModelParallelStrategy`` by
 ``from hyper_parallel_dcp.integrations.lightning import ModelParallelStrategy``: the
 Trainer's ``save_checkpoint`` and ``fit(ckpt_path=...)`` then write and read the sharded
 checkpoint through :class:`~hyper_parallel_dcp.torch_compat.StorageWriter` /
-:class:`~hyper_parallel_dcp.torch_compat.StorageReader` (Lightning's planners and
+:class:`~hyper_parallel_dcp.torch_compat.StorageReader` (torch's default planner, its plan cache on, and
 ``meta.pt`` unchanged), and it resumes on another world size.
 """
 
@@ -16,20 +16,19 @@ from typing import Any, Iterator, Optional
 
 import lightning_fabric.strategies.model_parallel as fabric_model_parallel
 import pytorch_lightning.strategies.model_parallel as pl_model_parallel
-import torch.distributed.checkpoint as tdcp
 from pytorch_lightning.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 
-from ..torch_compat import StorageReader, StorageWriter
+from .. import torch_compat
 
 __all__ = ["ModelParallelStrategy"]
 
 
 def _save(converted_state: dict[str, Any], path: Path) -> None:  # Lightning's signatures
-    tdcp.save(converted_state, storage_writer=StorageWriter(path))
+    torch_compat.save(converted_state, path)  # torch's planner, its plan cache on
 
 
 def _load(module_state: dict[str, Any], path: Path) -> None:
-    tdcp.load(module_state, storage_reader=StorageReader(path))
+    torch_compat.load(module_state, path)
 
 
 @contextlib.contextmanager

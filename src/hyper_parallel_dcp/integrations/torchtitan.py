@@ -20,7 +20,8 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.components.checkpointer.dcp import CheckpointManager as _TitanCheckpointManager
 from torchtitan.tools.utils import GarbageCollection
 
-from ..torch_compat import StorageReader, StorageWriter
+from .. import torch_compat
+from ..torch_compat import StorageWriter
 
 __all__ = ["CheckpointManager"]
 
@@ -37,13 +38,14 @@ class CheckpointManager(_TitanCheckpointManager):
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         writer = StorageWriter(checkpoint_id)
+        result: Any
         if async_mode == AsyncMode.ASYNC:
             result = tdcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             result = tdcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,
                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
         else:
-            result = tdcp.save(state_dict, storage_writer=writer)
+            result = torch_compat.save(state_dict, checkpoint_id)  # torch's planner, its plan cache on
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
@@ -52,7 +54,7 @@ class CheckpointManager(_TitanCheckpointManager):
         if from_hf:
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
-        tdcp.load(state_dict, storage_reader=StorageReader(checkpoint_id))
+        torch_compat.load(state_dict, checkpoint_id)
         if MODEL in self.states:  # torchtitan flattens the model's states: put back as it does
             self.states[MODEL].load_state_dict(state_dict)
 
