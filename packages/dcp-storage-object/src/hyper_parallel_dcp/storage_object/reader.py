@@ -1,11 +1,9 @@
 """``ObjectStoreReader``: ranged GETs of exactly the bytes a load needs, many in flight.
 
-A read becomes byte ranges of its object (:func:`byte_runs` for a strided slice), small
-reads back to back in one object share a GET, and ranges longer than ``range_size`` are
-split over a pool of ``read_concurrency`` threads.  A piece lands in the destination when
-that is a contiguous CPU tensor of the stored dtype, else in a staging buffer copied from.
-Each response's object size is checked against ``.metadata``; ``verify`` hashes each
-touched chunk whole.
+Small reads back to back in one object share a GET, long ranges are split over
+``read_concurrency`` threads; a piece lands in the destination when it is a contiguous CPU
+tensor of the stored dtype, else in a staging buffer.  Object sizes are checked against
+``.metadata``.
 """
 
 from __future__ import annotations
@@ -311,10 +309,8 @@ class ObjectStoreReader(StorageReader):
 
     def read_stream(self, pairs: Iterable[tuple[ReadItem, Optional[torch.Tensor]]]
                     ) -> Iterator[tuple[ReadItem, Any]]:
-        """``(item, destination filled)`` or ``(item, object)`` for each ``(item, destination
-        or None for an object)``, in the order given, with the GETs of the items ahead in
-        flight: small reads back to back in one object share a GET (up to ``range_size``),
-        up to ~512 MiB of staging or ``4 * read_concurrency`` reads outstanding."""
+        """``(item, destination filled)`` or ``(item, object)`` for each ``(item, destination or
+        None)``, in order, with the GETs ahead in flight (~512 MiB or ``4 * read_concurrency``)."""
         pending: collections.deque[Any] = collections.deque()
         batch: list[tuple[ReadItem, torch.Tensor, _Slice]] = []
         staged = 0

@@ -1,11 +1,8 @@
 """``ObjectSteps``: a checkpoint-manager root on object storage (``s3://bucket/run/step_N``).
 
-The object-store ``StepStorage`` (``hyper_parallel_dcp.core.steps``), the filesystem's
-rules on a store without rename or ``flock``: a step is complete once its ``.metadata``
-exists; a deletion removes ``.metadata`` first and holds the step's save lock
-(``locks.py``); a reader makes a mark, then checks for a fresh lock, while a deletion
-takes the lock, then checks for fresh marks (S3 is strongly consistent: one of the two
-sees the other).  Staleness is judged by ``Last-Modified`` against this machine's clock.
+A step is complete once its ``.metadata`` exists; a deletion removes ``.metadata`` first
+under the step's save lock; a reader makes a mark, then checks for a fresh lock, a deletion
+takes the lock, then checks for fresh marks (S3 is strongly consistent).
 """
 
 from __future__ import annotations
@@ -177,15 +174,10 @@ class ObjectSteps:
     def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
                        max_step: Optional[int] = None, grace: float = 0.0,
                        check_running: bool = True) -> list[Leftover]:
-        """What dead saves left under ``root``, for steps not in ``protected``.
-
-        Lock and reader-mark objects of dead holders (only with ``check_running``); a
-        ``step_N/`` without ``.metadata`` when its step is below ``older_than``, no fresh lock
-        is on it and nothing in it changed in the last ``grace`` seconds, whatever it holds,
-        unless it holds ``{rank}.metadata`` objects (a checkpoint saved without collectives:
-        left alone, logged).  With ``max_step`` nothing of a higher step.
-        ``check_running=False`` reads no lock (so lists the objects of a running save too).
-        """
+        """What dead saves left under ``root``, for steps not in ``protected``: dead holders'
+        lock and mark objects (with ``check_running``), and a ``step_N/`` without ``.metadata``
+        below ``older_than``, unlocked, unchanged for ``grace`` s and without ``{rank}.metadata``
+        objects; nothing above ``max_step``.  ``check_running=False`` reads no lock."""
         base = self._key("")
         now = time.time()
         out: list[Leftover] = []
