@@ -66,15 +66,12 @@ def broadcast_groups_for_load(required: Sequence[RankTuple], rank: int,
                               process_group: Optional[dist.ProcessGroup] = None,
                               local_error: Optional[Exception] = None,
                               timeout: float = 0.0) -> Iterator[dict[RankTuple, Any]]:
-    """Yield ``{rank tuple: group}`` for the ``required`` groups (sorted, identical on
-    every rank, global ranks) that ``rank`` belongs to.
+    """Yield ``{rank tuple: group}`` for the ``required`` groups that ``rank`` belongs to.
 
-    A group of every rank is the default group; groups from ``provided`` are used as they
-    are; the others are created with ``dist.new_group`` (deadline ``timeout`` seconds when
-    above 0) and destroyed on exit.  Raises ``ValueError`` on every rank when a provided
-    group does not match its key; ``local_error`` (this rank could not prepare its part)
-    is raised here and, as a ``ValueError`` naming this rank, on every other rank, before
-    any group exists."""
+    Groups from ``provided`` are used as they are, the others created with ``dist.new_group``
+    and destroyed on exit.  Raises ``ValueError`` on every rank when a provided group does
+    not match its key; ``local_error`` is raised here and, as a ``ValueError`` naming this
+    rank, on every other rank, before any group exists."""
     if not required:
         if local_error is not None:
             raise local_error  # no collective follows: the pipeline's check spreads it
