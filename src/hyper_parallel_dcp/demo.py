@@ -1,11 +1,9 @@
 """End-to-end demo on CPU: ``python -m hyper_parallel_dcp``.
 
 A tiny language model, tensor-parallel over 4 gloo processes, trains and checkpoints through
-:class:`CheckpointManager` (every 250 steps, keeping the last 2), with sync and with async
-saves; 2 processes with another layout ``restore`` both runs and check every value; the
-weights are exported to Hugging Face safetensors and checked again.  Each phase prints its
-wall time (a save's row is what ``save`` blocks training for).  ``--keep DIR`` keeps the
-checkpoints under ``DIR``; otherwise they go to a temporary directory, removed at the end.
+:class:`CheckpointManager`, sync and async; 2 processes with another layout restore and check
+every value; the weights go to Hugging Face safetensors and are checked again.  ``--keep DIR``
+keeps the checkpoints.
 """
 
 from __future__ import annotations

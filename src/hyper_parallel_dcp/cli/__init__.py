@@ -1,9 +1,7 @@
 """``hp-dcp``: inspect, verify, explain, diff, find, list and clean checkpoints; convert to/from Hugging Face.
 
-Exit codes: 0 nothing wrong, 1 a problem found, 2 usage error.  ``--json`` prints one JSON
-object on stdout; progress bars go to a terminal's stderr only.  The commands are one table,
-:data:`COMMANDS`, each command's module imported when it runs.  Exports :func:`build_parser`
-and :func:`main`.
+Exit codes: 0 nothing wrong, 1 a problem found, 2 usage error.  The commands are one table,
+:data:`COMMANDS`, each module imported when it runs.  Exports :func:`build_parser` and :func:`main`.
 """
 
 from __future__ import annotations
