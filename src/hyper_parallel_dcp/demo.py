@@ -82,9 +82,7 @@ TRAIN_STEPS, SAVE_EVERY, KEEP = 1000, 250, 2
 
 
 def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -> dict[str, float]:
-    """Two training loops checkpointing through a CheckpointManager (sync, then async): the slowest
-    save of each kind, what it blocks training for and (async) when it had landed; with no compute
-    to overlap, the loop waits for each landing right after the save."""
+    """Two training loops (sync, then async) through a CheckpointManager; the slowest save times."""
     import hyper_parallel_dcp as dcp
 
     reference = reference_state_dict()
@@ -174,8 +172,7 @@ _MARKER = ".hp-dcp-demo"
 
 
 def _prepare_keep_dir(root: str) -> bool:
-    """Make ``root`` an empty directory of the demo's; False (said why) when it holds files
-    that are not a previous demo run's."""
+    """Make ``root`` an empty directory of the demo's; False (said why) when it holds other files."""
     if os.path.isdir(root) and os.listdir(root):
         if not os.path.isfile(os.path.join(root, _MARKER)):
             print(f"--keep {root}: the directory is not empty and holds no earlier demo run; pass a new or empty "

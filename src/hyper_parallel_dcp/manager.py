@@ -75,8 +75,7 @@ def _stored_metrics(info: Optional[dict[str, Any]]) -> Optional[dict[Any, Any]]:
 
 
 def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
-    """``None`` for a load that worked, else (whether the step is damaged, what failed); damage is
-    what ``hp-dcp verify`` finds (a checksum, a header, metadata, a file), a missing key is not."""
+    """``None`` for a load that worked, else (whether the step is damaged, what failed)."""
     if error is None:
         return None
     damaged = isinstance(error, (CorruptCheckpointError, CheckpointFormatError, OSError)) and not isinstance(
@@ -246,8 +245,7 @@ class CheckpointManager:
         return True
 
     def _land(self, dw: DistWrapper, label: str, then: Any = None, local: Any = None) -> None:
-        """One collective step: the save in flight lands and ``local()`` runs on every rank, then
-        ``then`` on the coordinator; a failure anywhere is raised on every rank."""
+        """One collective step: the save in flight lands, ``local()`` runs, then ``then`` on the coordinator."""
         inflight, self._inflight = self._inflight, None
 
         def land() -> None:
@@ -264,8 +262,7 @@ class CheckpointManager:
             self._landed_step = inflight[0]
 
     def _settle_failed_step(self) -> None:
-        """The step just started failed on some rank: wait for this rank's own async save of it
-        (it fails too, or lands), so the next ``save``/``wait`` does not raise it again."""
+        """The step just started failed somewhere: wait for this rank's async save of it, not raising it."""
         inflight, self._inflight = self._inflight, None
         self._retention_due = True
         if inflight is None:
@@ -279,8 +276,7 @@ class CheckpointManager:
 
     def _retain(self, dw: DistWrapper, protected: frozenset[int], local_error: Optional[BaseException] = None,
                 run: bool = True, label: str = "checkpoint manager: retention") -> list[int]:
-        """Retention by the coordinator, every rank returning once it is done; ``local_error`` (this
-        rank's failure just before) is raised on every rank instead; ``run=False`` only exchanges it."""
+        """Retention by the coordinator (``run=False``: none), raising ``local_error`` on every rank."""
         def check() -> None:
             if local_error is not None:
                 raise local_error
@@ -425,8 +421,7 @@ class CheckpointManager:
 
     def _choose_step(self, held: ExitStack, wanted: Optional[int], skipped: list[int],
                      _gathered: Any = None) -> tuple[Optional[int], list[int]]:
-        """On the coordinator: ``wanted`` or the newest whole complete step not ``skipped`` (held
-        in ``held``; ``None``: none), and ``skipped`` with the steps skipped here added."""
+        """On the coordinator: ``wanted`` or the newest intact complete step not ``skipped``, held."""
         skipped = list(skipped)
         if wanted is not None:
             problems = self._steps.completeness_problems(wanted)

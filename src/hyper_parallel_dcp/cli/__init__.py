@@ -144,8 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert(argv: Sequence[str]) -> int:
-    """``hp-dcp convert``: ``argv`` verbatim to ``offline_transform.cli.main``, whose exit code is
-    ours; 2 with an install hint when the conversion package is missing."""
+    """``hp-dcp convert``: ``argv`` to ``offline_transform.cli.main``; 2 when that package is missing."""
     try:
         from hyper_parallel_dcp.offline_transform.cli import main as convert_main
     except ImportError:

@@ -216,8 +216,7 @@ class BroadcastReadExecutor:
 
     def _walk(self, steps: list, tasks: Sequence[ShardTask], shards: list[torch.Tensor], tail: Sequence[ReadItem],
               reads: _Reads, groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner) -> None:
-        """Read this rank's shards and launch the broadcasts in step order, read the tail
-        while the last ones are in flight, then land them all, oldest first."""
+        """Read and broadcast in step order, read the tail while the last are in flight, land them all."""
         pending: collections.deque[_InFlight] = collections.deque()
         for step in steps:
             if isinstance(step, LaunchStep):

@@ -39,8 +39,7 @@ def _provided_problem(rank: int, ranks: RankTuple, group: Any) -> Optional[str]:
 
 def _groups_to_create(required: Sequence[RankTuple], rank: int, provided: dict, whole: RankTuple,
                       process_group: Optional[dist.ProcessGroup], local_error: Optional[Exception]) -> list[RankTuple]:
-    """The required groups some member was not given, from one small all-gather; an invalid
-    entry or ``local_error`` on any rank is raised on every rank before any ``new_group``."""
+    """The required groups some member was not given; errors on any rank raised on every rank."""
     lacking: list[RankTuple] = []
     errors = [] if local_error is None else [f"rank {rank}: {type(local_error).__name__}: {local_error}"]
     for ranks in required:

@@ -138,7 +138,3 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     if not args.quiet:
         print(f"{prog}: {args.command}: {report.summary()}")
     return EXIT_OK
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -53,8 +53,7 @@ def is_trainer_checkpoint(sd_md: Mapping[str, Any]) -> bool:
 
 
 def _model_weights(src: PathLike, sd_md: Mapping[str, Any], key_mapping: KeyMapping, said: bool) -> KeyMapping:
-    """The mapping that keeps the :data:`MODEL_PREFIX` subtree, stripped, then ``key_mapping``;
-    ``said``: log what is exported and what is left out."""
+    """The mapping that keeps the :data:`MODEL_PREFIX` subtree, stripped, then ``key_mapping``."""
     inside = sum(1 for fqn, md in sd_md.items() if fqn.startswith(MODEL_PREFIX)
                  and isinstance(md, TensorStorageMetadata))
     if not inside:

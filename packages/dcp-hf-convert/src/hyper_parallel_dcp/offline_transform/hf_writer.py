@@ -89,8 +89,7 @@ def plan_huggingface_shards(specs: Sequence[TensorSpec], max_shard_size: Union[i
 
 
 def _remove_stale(dst: Path, plan: HFShardPlan) -> None:
-    """Drop weight files of an earlier export that the new one does not replace (as
-    ``save_pretrained`` does); every other file in ``dst`` (config.json, tokenizer) stays."""
+    """Drop weight files of an earlier export that the new one does not replace; other files stay."""
     keep = set(plan.files)
     for entry in os.scandir(dst):
         stale_shard = _SHARD_FILE.match(entry.name) or entry.name == SINGLE_FILE

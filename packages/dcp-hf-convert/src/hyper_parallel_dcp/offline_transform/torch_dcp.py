@@ -54,14 +54,12 @@ def _blocks(md: TensorStorageMetadata, batch_bytes: int) -> Iterator[ChunkBox]:
 
 
 def _read_block(source: CheckpointBlocks, buffer: StagingBuffer, fqn: str, box: ChunkBox) -> torch.Tensor:
-    """Block ``box`` of ``fqn`` in ``buffer``, valid until the next read (fresh tensors per
-    block left freed blocks in the heap: peak RSS grew to ~5 batches)."""
+    """Block ``box`` of ``fqn`` in ``buffer``, valid until the next read."""
     return source.read_block(fqn, box, buffer.exact(box.sizes, source.tensor(fqn).properties.dtype))
 
 
 def _pickles_a_list(blob: bytes) -> bool:
-    """Whether the ``torch.save`` archive ``blob`` holds a list, told from its pickle's
-    first opcode (nothing unpickled: any other object is carried as its bytes)."""
+    """Whether the ``torch.save`` archive ``blob`` holds a list, from its pickle's first opcode."""
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as archive:
             name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))

@@ -104,9 +104,7 @@ _clients_lock = threading.Lock()
 
 
 def _shared_client(s: ObjectStoreSettings, env: dict[str, str]) -> Any:
-    """One botocore client (thread-safe; ~0.3 s to build) per process, settings and AWS
-    environment ``env``, which is applied explicitly: a store pickled into another process
-    (the async writer) uses the caller's variables."""
+    """One botocore client per process, settings and AWS environment ``env`` (applied explicitly)."""
     key = (os.getpid(), s, tuple(sorted(env.items())))
     with _clients_lock:
         if key in _clients:
@@ -209,8 +207,7 @@ class ObjectStore:
 
     def _call(self, op: str, key: str, fn: Callable[[], T], expected: tuple[int, ...] = (), otherwise: Any = None
               ) -> T:
-        """Run ``fn`` (one request), retrying transient errors; an HTTP error whose status is
-        in ``expected`` returns ``otherwise``; raise a permanent one named."""
+        """Run ``fn``, retrying transient errors; an HTTP status in ``expected`` returns ``otherwise``."""
         import botocore.exceptions as bx
 
         configure_from_env()

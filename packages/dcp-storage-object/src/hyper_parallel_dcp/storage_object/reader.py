@@ -91,8 +91,7 @@ class _Slice(NamedTuple):
 
 @dataclass(slots=True)
 class _Read:
-    """GETs in flight for one read item or a batch of small adjacent ones; ``targets``:
-    ``(item, destination, staging view to copy from or None)``."""
+    """GETs in flight for one or a batch of reads; ``targets``: ``(item, destination, staging view)``."""
 
     targets: list[tuple[ReadItem, torch.Tensor, Optional[torch.Tensor]]] = field(default_factory=list)
     futures: list[cf.Future] = field(default_factory=list)
@@ -164,8 +163,7 @@ class ObjectStoreReader(StorageReader):
         return info
 
     def _slice(self, item: ReadItem) -> _Slice:
-        """Where ``item``'s slice lies; raises :class:`CheckpointFormatError` for a slice
-        outside its chunk."""
+        """Where ``item``'s slice lies; :class:`CheckpointFormatError` for one outside its chunk."""
         assert self.metadata is not None
         index = item.storage_index
         info = self._info(index)
@@ -247,8 +245,7 @@ class ObjectStoreReader(StorageReader):
             run.futures.append(pool.submit(self._fetch, *piece))
 
     def _batchable(self, item: ReadItem) -> Optional[_Slice]:
-        """The slice of a small read whose bytes are contiguous in its object, which can
-        share one GET with its neighbours; ``None`` otherwise."""
+        """The slice of a small contiguous read that can share a GET with its neighbours, else ``None``."""
         if self.verify or item.type is LoadItemType.BYTE_IO:
             return None
         part = self._slice(item)
@@ -256,8 +253,7 @@ class ObjectStoreReader(StorageReader):
         return part if part.contiguous and 0 < nbytes < self.settings.range_size else None
 
     def _start_batch(self, batch: list[tuple[ReadItem, torch.Tensor, _Slice]]) -> _Read:
-        """One GET for several small reads lying back to back in one object (a model's many
-        small tensors: one request per ``range_size`` instead of one per tensor)."""
+        """One GET for several small reads lying back to back in one object."""
         if len(batch) == 1:
             return self._start(batch[0][0], batch[0][1])
         begin, end = _byte_range(batch[0][2])[0], _byte_range(batch[-1][2])[1]

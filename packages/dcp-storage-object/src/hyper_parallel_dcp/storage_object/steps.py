@@ -119,8 +119,7 @@ class ObjectSteps:
         return self._remove_locked(step, "deletion", lambda: not self._fresh_readers(step) and bool(self._objects(step)))
 
     def _remove_locked(self, step: int, what: str, still_wanted: Callable[[], bool]) -> bool:
-        """Remove ``step``'s objects holding its save lock (which also keeps a new save out), if
-        ``still_wanted()`` once the lock is held; False when the lock is taken or not wanted."""
+        """Remove ``step``'s objects under its save lock if ``still_wanted()``; False when not removed."""
         lease = ObjectLease(self.store, self._lock_key(step), what=what, target=self.location(step))
         try:
             lease.acquire(wait=False)
@@ -161,8 +160,7 @@ class ObjectSteps:
             mark.release()
 
     def _abandoned(self, key: str, modified: float, now: Optional[float] = None) -> bool:
-        """The lock or mark at ``key`` was left by a dead holder: not renewed for
-        ``lock_stale_after``, or its holder ran on this machine and its process is gone."""
+        """The lock or mark at ``key`` is stale, or its holder ran on this machine and is gone."""
         if is_stale(modified, self.store.settings.lock_stale_after, now):
             return True
         try:

@@ -26,8 +26,7 @@ __all__ = ["ObjectStoreWriter"]
 
 
 class _UploadStream:
-    """A write-only stream to one object: parts buffered (a semaphore bounds how many are
-    held) and uploaded by ``pool``; ``finish()`` returns the size, ``abort()`` cancels."""
+    """A write-only stream to one object, its parts uploaded by ``pool`` (a semaphore bounds them)."""
 
     def __init__(self, store: ObjectStore, key: str, pool: cf.ThreadPoolExecutor) -> None:
         self.store = store
