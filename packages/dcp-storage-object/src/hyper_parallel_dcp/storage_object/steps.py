@@ -57,8 +57,7 @@ class ObjectSteps:
         next(iter(self.store.list_objects(self._key(""), delimiter="/")), None)
 
     def list_steps(self) -> list[StepEntry]:
-        """Every ``step_N/`` prefix, ascending by step (a HEAD of each one's ``.metadata``,
-        several in flight: a root keeping hundreds of steps costs one round trip per batch)."""
+        """Every ``step_N/`` prefix, ascending by step (the ``.metadata`` HEADs several in flight)."""
         base = self._key("")
         found = sorted(step for key, size in self.store.list_objects(base, delimiter="/")
                        if size < 0 and (step := parse_step_name(key[len(base):].rstrip("/"))) is not None)
@@ -102,8 +101,7 @@ class ObjectSteps:
         return doc if isinstance(doc, dict) else None
 
     def write_info(self, step: int, info: dict[str, Any]) -> None:
-        """PUT the step's info object before its save starts (the save keeps it: it is not a
-        checkpoint object, so replacing the checkpoint does not delete it)."""
+        """PUT the step's info object before its save starts (not a checkpoint object: the save keeps it)."""
         self.store.put(f"{self._step_prefix(step)}/{INFO_FILE}", json.dumps(info, sort_keys=True).encode())
 
     def _fresh_readers(self, step: int) -> list[str]:
