@@ -75,10 +75,8 @@ def save_streaming(plan_sd: dict[str, Any], src: Any, dst: PathLike,
 
 def full_state_dict_to_dcp_format(state_dict: Mapping[str, Any], dst: PathLike, *,
                                   key_mapping: KeyMapping = None, progress: bool = False) -> ConversionReport:
-    """Save a full in-memory state dict (not modified) as a checkpoint at ``dst``, replacing
-    one there atomically: nested keys dotted, then renamed by ``key_mapping``; a chunk per
-    tensor, other leaves objects.  Raises what the save raises (``TypeError`` for a dtype
-    safetensors cannot store)."""
+    """Save a full in-memory state dict (not modified) as a checkpoint at ``dst``, replacing one there
+    atomically, keys dotted and renamed by ``key_mapping``; raises what the save raises."""
     flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
     names = map_keys(flat, key_mapping)
     plan_sd = {new: flat[old] for old, new in names.items()}

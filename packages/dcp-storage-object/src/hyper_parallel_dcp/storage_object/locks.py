@@ -66,9 +66,8 @@ def _machine() -> dict[str, str]:
 
 
 def holder_is_dead(doc: dict) -> bool:
-    """True when the lock's holder provably died: it ran on this machine, in this pid
-    namespace and boot, and its process (pid and start time) no longer exists.  False
-    when unknown (another machine, or no ``/proc``): then only staleness tells."""
+    """True when the lock's holder ran on this machine (same pid namespace and boot) and its process
+    is gone; False when unknown (another machine, no ``/proc``): then only staleness tells."""
     here = _machine()
     if not here["pidns"] or not here["boot"] or any(doc.get(k) != v for k, v in here.items()):
         return False
