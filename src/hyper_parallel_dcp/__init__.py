@@ -1,9 +1,7 @@
 """hyper-parallel-dcp: distributed checkpoints for PyTorch.
 
-``import hyper_parallel_dcp as dcp`` gives ``dcp.save``, ``dcp.load``, ``dcp.async_save``
-and the public classes.  Names are resolved lazily: importing the package imports
-nothing heavy.  The ``hyper_parallel_dcp`` namespace is shared by all six distributions,
-hence ``extend_path``.
+``import hyper_parallel_dcp as dcp`` gives ``dcp.save``, ``dcp.load``, ``dcp.async_save`` and
+the public classes, resolved lazily; the namespace is shared by all the distributions.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The public entry points ``save`` and ``load`` (``async_save`` is ``hyper_parallel_dcp.async_persist``'s).
-
-Both resolve the storage from ``checkpoint_id`` through the backend registry
-(``core.backends``) and run the one pipeline of ``core.pipeline``.
-"""
+"""The public entry points ``save`` and ``load``: the storage from ``checkpoint_id`` through
+``core.backends``, then the one pipeline of ``core.pipeline``."""
 
 from __future__ import annotations
 
@@ -28,24 +25,18 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = 
          incremental_from: Optional[CheckpointId] = None, compression: Optional[str] = None) -> Metadata:
     """Save a (sharded) state dict; every rank writes only the shards it owns.
 
-    ``state_dict`` is a nested dict whose leaves are DTensors, tensors (treated as
-    replicated), :class:`RaggedShard` or picklable objects; it is not modified.  With
-    ``use_collectives=True`` (default) every rank of the default group must call; replicated
-    chunks are written once, and the coordinator commits ``.metadata`` last (the returned
-    global :class:`Metadata` is the same on every rank).  With ``use_collectives=False`` each
-    rank writes ``{rank}.metadata`` on its own; ``no_dist=True`` saves from this process
-    alone.  ``process_group`` checkpoints a sub-group (only its ranks call).  A ``Stateful``
-    leaf (a module, an optimizer) is saved as its ``state_dict()``.  ``incremental_from``:
-    a checkpoint beside this one (same parent directory or prefix); a chunk whose bytes
-    equal the same chunk there (xxh3 compared before the write) is not written, the new
-    ``.metadata`` points at its bytes there (SPEC §14; that checkpoint must then be kept).
-    ``compression="zstd"`` (the ``[zstd]`` extra; filesystem only): tensor chunks stored
-    byte-plane split and zstd-compressed in frames (``storage_fs.compression``).
+    ``state_dict``: nested dict of DTensors, tensors (replicated), :class:`RaggedShard`,
+    ``Stateful`` or picklable leaves; not modified.  With ``use_collectives=True`` every rank
+    of the group calls and the coordinator commits ``.metadata`` last (the returned
+    :class:`Metadata` is the same on every rank); ``False``: each rank writes
+    ``{rank}.metadata``; ``no_dist=True``: this process alone.  ``incremental_from``: a
+    checkpoint beside this one whose equal chunks are referenced, not written (SPEC §14).
+    ``compression="zstd"`` (filesystem only): chunks zstd-compressed (``storage_fs.compression``).
 
-    Raises ``ValueError`` without a destination or for an ``incremental_from`` elsewhere, :class:`UnsupportedPlacementError` for a
-    ``Partial`` DTensor, :class:`ConcurrentSaveError` when another save into the same
-    directory is running, and :class:`CheckpointException` (raised on every rank) when
-    any rank fails.
+    Raises ``ValueError`` without a destination or for an ``incremental_from`` elsewhere,
+    :class:`UnsupportedPlacementError` for a ``Partial`` DTensor, :class:`ConcurrentSaveError`
+    when another save into the same directory runs, :class:`CheckpointException` (on every
+    rank) when any rank fails.
     """
     writer = storage_writer_for(checkpoint_id, storage_writer)
     writer.configure_save(incremental_from=incremental_from, compression=compression)
@@ -60,20 +51,14 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = 
          verify: Optional[bool] = None, allow_partial_load: bool = False, process_group: Optional[Any] = None) -> None:
     """Load a checkpoint into ``state_dict`` in place; returns ``None``.
 
-    Tensors (DTensor local shards, plain tensors, :class:`RaggedShard`) are filled in place
-    and must already have the target shape; a stored dtype other than the target's is cast
-    by the copy (as torch DCP does).  The layout may differ from the one saved.  Only keys
-    present in ``state_dict`` are loaded; a key the checkpoint lacks raises
-    :class:`MissingKeyError` unless ``allow_partial_load=True``, which leaves it untouched.
-    Non-tensor leaves are replaced in the nested dict; a ``Stateful`` leaf gets its state
-    dict filled and passed to its ``load_state_dict``.  ``process_group`` loads on a
-    sub-group (only its ranks call; read-once + broadcast is then off).  A
-    torch.distributed.checkpoint directory is read as is.  With collectives, replicated
-    shards are read by one rank of their replica group and broadcast to the others
-    (``broadcast_replicated_tensors``); shards below ``broadcast_batch_bytes`` are batched
-    (equal on all ranks; 0 disables).  ``verify=True`` checks the recorded xxh3 checksum of
-    every stored chunk the load reads; ``None`` keeps the reader's default (off for
-    :class:`FileSystemReader`).
+    Tensors are filled in place (any layout, the target's shape, a stored dtype cast by the
+    copy); non-tensor leaves are replaced, a ``Stateful`` gets ``load_state_dict``.  A key the
+    checkpoint lacks raises :class:`MissingKeyError` unless ``allow_partial_load=True``.  A
+    torch.distributed.checkpoint directory is read as is.  With collectives, replicated shards
+    are read by one rank and broadcast (``broadcast_replicated_tensors``), those below
+    ``broadcast_batch_bytes`` batched (0 disables).  ``verify=True`` checks the xxh3 checksum
+    of every chunk read; ``None`` keeps the reader's default.
+
 
     Raises ``ValueError`` for ``broadcast_groups`` without ``broadcast_replicated_tensors``
     or a negative batch size; :class:`CheckpointNotFoundError` for a missing checkpoint;

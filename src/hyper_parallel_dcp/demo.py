@@ -1,11 +1,9 @@
 """End-to-end demo on CPU: ``python -m hyper_parallel_dcp``.
 
 A tiny language model, tensor-parallel over 4 gloo processes, trains and checkpoints through
-:class:`CheckpointManager` (every 250 steps, keeping the last 2), with sync and with async
-saves; 2 processes with another layout ``restore`` both runs and check every value; the
-weights are exported to Hugging Face safetensors and checked again.  Each phase prints its
-wall time (a save's row is what ``save`` blocks training for).  ``--keep DIR`` keeps the
-checkpoints under ``DIR``; otherwise they go to a temporary directory, removed at the end.
+:class:`CheckpointManager`, sync and async; 2 processes with another layout restore and check
+every value; the weights go to Hugging Face safetensors and are checked again.  ``--keep DIR``
+keeps the checkpoints.
 """
 
 from __future__ import annotations
@@ -84,9 +82,7 @@ TRAIN_STEPS, SAVE_EVERY, KEEP = 1000, 250, 2
 
 
 def _train_worker(rank: int, world_size: int, sync_root: str, async_root: str) -> dict[str, float]:
-    """Two training loops checkpointing through a CheckpointManager (sync, then async): the slowest
-    save of each kind, what it blocks training for and (async) when it had landed; with no compute
-    to overlap, the loop waits for each landing right after the save."""
+    """Two training loops (sync, then async) through a CheckpointManager; the slowest save times."""
     import hyper_parallel_dcp as dcp
 
     reference = reference_state_dict()
@@ -176,8 +172,7 @@ _MARKER = ".hp-dcp-demo"
 
 
 def _prepare_keep_dir(root: str) -> bool:
-    """Make ``root`` an empty directory of the demo's; False (said why) when it holds files
-    that are not a previous demo run's."""
+    """Make ``root`` an empty directory of the demo's; False (said why) when it holds other files."""
     if os.path.isdir(root) and os.listdir(root):
         if not os.path.isfile(os.path.join(root, _MARKER)):
             print(f"--keep {root}: the directory is not empty and holds no earlier demo run; pass a new or empty "

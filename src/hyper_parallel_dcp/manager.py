@@ -1,12 +1,6 @@
-"""``CheckpointManager``: save every N steps, keep the last K, resume from the newest complete.
-
-Step ``N`` lives at ``root/step_N`` (so ``hp-dcp latest root`` finds it) and counts once its
-``.metadata`` is committed, the save's last, atomic act: a killed save is never a candidate.
-Retention runs on the coordinator inside a collective step once a save is durable; it never
-deletes the newest complete step, a step being written or read, or anything in ``root`` that
-is not ``step_N`` or a leftover of a save.  A failure on any rank (a save, an async save's
-landing, a restore) is raised on every rank, once.  All storage access goes through
-:mod:`hyper_parallel_dcp.step_storage`.  Exports :class:`CheckpointManager`.
+"""``CheckpointManager``: save every N steps into ``root/step_N``, keep the last K, resume from the
+newest complete step.  A failure on any rank is raised on every rank, once; storage access goes
+through :mod:`hyper_parallel_dcp.step_storage`.  Exports :class:`CheckpointManager`.
 """
 
 from __future__ import annotations
@@ -81,8 +75,7 @@ def _stored_metrics(info: Optional[dict[str, Any]]) -> Optional[dict[Any, Any]]:
 
 
 def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
-    """``None`` for a load that worked, else (whether the step is damaged, what failed); damage is
-    what ``hp-dcp verify`` finds (a checksum, a header, metadata, a file), a missing key is not."""
+    """``None`` for a load that worked, else (whether the step is damaged, what failed)."""
     if error is None:
         return None
     damaged = isinstance(error, (CorruptCheckpointError, CheckpointFormatError, OSError)) and not isinstance(
@@ -96,26 +89,17 @@ def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
 
 
 class CheckpointManager:
-    """Checkpoints of a training loop under ``root``: ``root/step_N`` per saved step.
+    """Checkpoints of a training loop under ``root``, one ``root/step_N`` per saved step (SPEC §8).
 
     Retention keeps the newest ``keep_last`` complete steps (``None``: all), every multiple of
-    ``keep_every``, and the best ``keep_best`` by ``best_metric`` (``best_mode`` ``"min"`` or
-    ``"max"``) of the metrics given to :meth:`save`, which saves when ``step %
-    save_interval_steps == 0`` (or ``force``).  ``async_save``: save through
-    :func:`hyper_parallel_dcp.async_save` (returns once staged).  ``save_on_preemption``
-    installs a SIGTERM handler (from the main thread): the next :meth:`save` after a SIGTERM
-    reached any rank saves, waits until it has landed and sets :attr:`preempted` (one small
-    collective per ``save`` call).  ``local``: a :class:`LocalTier`, saved every its
-    ``interval_steps`` beside this persistent tier (SPEC §13) and restored from first.
-    ``incremental``: each save references the chunks it shares with the newest earlier step
-    instead of writing them (SPEC §14), and every ``full_every``-th save (``None``: only the
-    first) is written in full; retention keeps every step a kept step points into.
-
-    :meth:`save`, :meth:`restore`, :meth:`wait` and :meth:`close` are collective over the
-    default process group; leaving a ``with`` block on an exception closes without a
-    collective.  :meth:`latest_step`, :meth:`all_steps` and :meth:`metrics` only read storage.
-    Raises ``ValueError`` for a setting out of range, ``NotADirectoryError`` naming ``root``
-    when it is an existing regular file; a missing ``root`` is an empty one.
+    ``keep_every``, the best ``keep_best`` by ``best_metric`` (``best_mode`` ``"min"``/``"max"``)
+    and every step a kept incremental step points into.  ``async_save``: saves return once
+    staged.  ``save_on_preemption``: a SIGTERM handler; the next :meth:`save` saves, waits and
+    sets :attr:`preempted`.  ``local``: a :class:`LocalTier` beside this tier (SPEC §13).
+    ``incremental``: saves reference the chunks shared with the newest earlier step (SPEC §14),
+    every ``full_every``-th (``None``: only the first) in full.  :meth:`save`, :meth:`restore`,
+    :meth:`wait` and :meth:`close` are collective.  Raises ``ValueError`` for a setting out of
+    range, ``NotADirectoryError`` when ``root`` is a regular file.
     """
 
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = 3,
@@ -181,15 +165,12 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
              metrics: Optional[dict[str, Any]] = None) -> bool:
         """Save ``state_dict`` as ``step`` when ``step % save_interval_steps == 0`` or ``force``;
-        True when this call saved (in either tier).  Collective: every rank calls with the same ``step``.
+        True when this call saved (in either tier).  Collective, same ``step`` on every rank.
 
-        Synchronous: committed and its retention done when this returns.  ``async_save=True``:
-        returns once staged, after the previous async save landed (its error is raised on every
-        rank, once, and this step is not saved) and its retention ran.  An error of this step on
-        any rank is raised on every rank.  ``metrics`` (small JSON values, rank 0's) are stored
-        with the step for ``keep_best``.  A step that exists is replaced atomically.  Raises
-        ``ValueError`` for a bad step or metrics, ``RuntimeError`` after :meth:`close`, and what
-        ``save``/``async_save`` raise.
+        ``async_save=True`` returns once staged, after the previous async save landed (its error
+        is raised on every rank, once).  ``metrics`` (rank 0's JSON values) are stored for
+        ``keep_best``.  Raises ``ValueError`` for a bad step or metrics, ``RuntimeError`` after
+        :meth:`close`, and what ``save``/``async_save`` raise.
         """
         self._check_open()
         step = _check_step(step)
@@ -204,8 +185,7 @@ class CheckpointManager:
             return False
 
         def write_info(_: list[None]) -> None:
-            # rank 0's metrics are stored; checked here so that bad ones fail every rank, and
-            # only on a saving step (reading an accelerator tensor costs a device sync)
+            # checked here so that bad metrics fail every rank, and only on a saving step
             info = {"step": step, "saved_at": time.time(), "metrics": _check_metrics(metrics),
                     **self._incremental_plan(step)}
             self._info_cache.pop(step, None)
@@ -214,9 +194,7 @@ class CheckpointManager:
         expanded: list[Any] = [state_dict]
 
         def expand() -> None:
-            # a Stateful's state_dict() failing on one rank is raised on every rank by this step
-            # (a trainer catching it alone would walk into the next collective: deadlock); an
-            # async save's staging errors are exchanged by the retention step below
+            # a Stateful's failure is raised on every rank by this step (else: a deadlock)
             if not self.async_save:
                 expanded[0], _ = expand_stateful(state_dict)
 
@@ -242,8 +220,7 @@ class CheckpointManager:
                                 time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - raised on every rank by the step below
                 staging_error = exc
-            # one collective: a staging error on any rank is raised on all, else the previous
-            # save's retention runs while this one is in flight (a job's first save also tidies)
+            # a staging error on any rank is raised on all, else the previous retention runs
             try:
                 self._retain(dw, protected=frozenset({step}), local_error=staging_error,
                              run=self._retention_due or not self._retained_once,
@@ -268,8 +245,7 @@ class CheckpointManager:
         return True
 
     def _land(self, dw: DistWrapper, label: str, then: Any = None, local: Any = None) -> None:
-        """One collective step: the save in flight lands and ``local()`` runs on every rank, then
-        ``then`` on the coordinator; a failure anywhere is raised on every rank."""
+        """One collective step: the save in flight lands, ``local()`` runs, then ``then`` on the coordinator."""
         inflight, self._inflight = self._inflight, None
 
         def land() -> None:
@@ -286,8 +262,7 @@ class CheckpointManager:
             self._landed_step = inflight[0]
 
     def _settle_failed_step(self) -> None:
-        """The step just started failed on some rank: wait for this rank's own async save of it
-        (it fails too, or lands), so the next ``save``/``wait`` does not raise it again."""
+        """The step just started failed somewhere: wait for this rank's async save of it, not raising it."""
         inflight, self._inflight = self._inflight, None
         self._retention_due = True
         if inflight is None:
@@ -301,8 +276,7 @@ class CheckpointManager:
 
     def _retain(self, dw: DistWrapper, protected: frozenset[int], local_error: Optional[BaseException] = None,
                 run: bool = True, label: str = "checkpoint manager: retention") -> list[int]:
-        """Retention by the coordinator, every rank returning once it is done; ``local_error`` (this
-        rank's failure just before) is raised on every rank instead; ``run=False`` only exchanges it."""
+        """Retention by the coordinator (``run=False``: none), raising ``local_error`` on every rank."""
         def check() -> None:
             if local_error is not None:
                 raise local_error
@@ -325,8 +299,7 @@ class CheckpointManager:
         doomed = steps_to_delete(complete, keep_last=self.keep_last, keep_every=self.keep_every, best=best,
                                  protected=protected, references={s: self._step_references(s) for s in complete})
         saved = self._landed_step
-        # newer steps than the one just saved (the protected one in flight is this job's own):
-        # a trainer went back with restore(step=K), and retention and restore go by number
+        # newer steps than the one just saved: a trainer went back with restore(step=K)
         newer = [s for s in complete if saved is not None and s > saved and s not in protected]
         if saved is not None and saved in complete and newer:
             logger.warning("checkpoint manager: step %d was just saved under %s, but newer step(s) %s exist: "
@@ -389,24 +362,16 @@ class CheckpointManager:
                 required: bool = False, **load_kwargs: Any) -> Optional[int]:
         """Load the newest complete, intact step (or ``step``) into ``state_dict`` in place; returns it.
 
-        Candidates are the steps with a committed ``.metadata``, newest first; one whose metadata
-        or file sizes are wrong is skipped before any data is read, and the chosen one is loaded
-        with ``verify`` (checksums checked as the bytes are read).  A step damaged on any rank
-        (:class:`CorruptCheckpointError`, :class:`CheckpointFormatError`, ``OSError``) is skipped
-        on every rank with a warning naming the step, the file and the failure, and the next
-        older one is loaded (with ``allow_partial_load=True`` a key it lacks may keep the damaged
-        step's value).  ``load_kwargs`` go to :func:`hyper_parallel_dcp.load`.  The step is held
-        against deletion while it loads; a save in flight is waited for first.  Collective, like
-        ``load``; any target layout.  With ``local``, the newest step complete in either tier
-        (see :meth:`LocalTier.restore`); ``step=K`` reads the persistent tier only, and local
-        copies newer than a step restored from the persistent tier are deleted.
+        A step damaged on any rank (:class:`CorruptCheckpointError`, :class:`CheckpointFormatError`,
+        ``OSError``) is skipped on every rank with a warning, and the next older one is loaded.
+        ``load_kwargs`` go to :func:`hyper_parallel_dcp.load`.  Collective.  With ``local``, the
+        newest step complete in either tier; ``step=K`` reads the persistent tier only.
 
-        Returns ``None`` when there is nothing to resume (a missing root, no complete step, every
-        step damaged), after logging one line naming the root; ``required=True`` raises
-        :class:`CheckpointNotFoundError` naming it instead.  ``step=K`` loads that step or raises
-        (:class:`CheckpointNotFoundError` when it is not complete, the load's error naming the
-        file when it is damaged).  A failure that is not damage (a missing key, a shape) is
-        raised as ``load`` raises it, on every rank; ``ValueError`` for a bad ``step``.
+        Returns ``None`` when there is nothing to resume, after logging one line naming the root;
+        ``required=True`` raises :class:`CheckpointNotFoundError` instead.  ``step=K`` loads that
+        step or raises (:class:`CheckpointNotFoundError` when it is not complete, the load's error
+        when it is damaged).  Other failures are raised as ``load`` raises them, on every rank;
+        ``ValueError`` for a bad ``step``.
         """
         self._check_open()
         wanted = None if step is None else _check_step(step)
@@ -433,8 +398,7 @@ class CheckpointManager:
                     raise  # a rank is gone: the step below would only wait for it
                 except Exception as exc:  # noqa: BLE001 - every rank decides alike below
                     error = exc
-                # every rank takes the same decision (without collectives load raised only where
-                # it failed); the coordinator holds the step until every rank has read it
+                # every rank decides alike; the coordinator holds the step until all have read it
                 outcomes = dw.all_gather(f"checkpoint manager: restore step {chosen}",
                                          functools.partial(_load_outcome, error))
             failed = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}
@@ -457,8 +421,7 @@ class CheckpointManager:
 
     def _choose_step(self, held: ExitStack, wanted: Optional[int], skipped: list[int],
                      _gathered: Any = None) -> tuple[Optional[int], list[int]]:
-        """On the coordinator: ``wanted`` or the newest whole complete step not ``skipped`` (held
-        in ``held``; ``None``: none), and ``skipped`` with the steps skipped here added."""
+        """On the coordinator: ``wanted`` or the newest intact complete step not ``skipped``, held."""
         skipped = list(skipped)
         if wanted is not None:
             problems = self._steps.completeness_problems(wanted)
@@ -499,10 +462,8 @@ class CheckpointManager:
             logger.warning("checkpoint manager: nothing to resume under %s: %s; starting from scratch", self.root, why)
 
     def wait(self) -> None:
-        """Return once every save in flight has landed and its retention is done; collective then.
-
-        Re-raises (on every rank, once) the error of an async save that failed; that step counts
-        as an interrupted save."""
+        """Return once every save in flight has landed and its retention is done (collective);
+        re-raises on every rank, once, the error of an async save that failed."""
         self._check_open()
         if self.local is not None:
             self.local.wait()
@@ -538,11 +499,8 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """:meth:`close`; when leaving on an exception, without its collective.
+        """:meth:`close`; on an exception without its collective (the other ranks may not come)."""
 
-        The exception is often this rank's alone while the others train on: a collective would
-        hang it until ``HP_DCP_COLLECTIVE_TIMEOUT``.  So this rank's writer only finishes its part
-        of the save in flight, and the retention due is left to the next job's first save."""
         if exc_type is None or self._closed:  # close() does nothing once closed
             self.close()
             return

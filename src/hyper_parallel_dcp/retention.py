@@ -1,10 +1,8 @@
 """Which complete checkpoints a :class:`CheckpointManager` keeps: a pure function of step numbers.
 
-Kept, the union of: the newest ``keep_last`` complete steps (all with ``None``), every multiple
-of ``keep_every``, the best ``keep_best`` by a metric, the newest complete step and every
-``protected`` step (being written or read), and every step a kept step points into (an
-incremental save's references, SPEC §14: :func:`referenced_steps` reads them from a step's
-metadata).  Everything else that is complete is deleted.
+Kept: the newest ``keep_last``, multiples of ``keep_every``, the best ``keep_best``, the
+newest complete and every ``protected`` step, and every step a kept step points into
+(SPEC §14).  Everything else that is complete is deleted.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Every storage operation of :class:`CheckpointManager`, ``hp-dcp ls`` and ``hp-dcp clean``.
 
-A manager root holds ``root/step_N`` per saved step (``step_007`` is not a step) beside the
-user's own files.  :class:`FileSystemSteps` is the ``core.steps.StepStorage`` of a filesystem
-root; :func:`step_storage_for` picks an object store's by URL scheme.  A killed save leaves
-hidden ``.step_N.hp-dcp-staging-*``/``-old-*`` directories and ``.step_N.hp-dcp-lock``, a
-``step_N/`` without ``.metadata`` and ``*.hp-dcp-tmp`` files.  Nothing of a step whose lock a
-running save holds (an ``flock``, from planning to commit) is touched, nor, with ``grace``,
-anything modified in the last ``grace`` seconds (a live save's files before it locks).
+:class:`FileSystemSteps` is the ``core.steps.StepStorage`` of a filesystem root (``root/step_N``
+beside the user's files); :func:`step_storage_for` picks an object store's by URL scheme.
+A step whose save lock is held (an ``flock``) is never touched, nor, with ``grace``,
+anything modified in the last ``grace`` seconds.
 """
 
 from __future__ import annotations
@@ -239,12 +236,10 @@ class FileSystemSteps:
                        max_step: Optional[int] = None, grace: float = 0.0,
                        check_running: bool = True) -> list[Leftover]:
         """What dead saves left under ``root``, for steps not in ``protected``: hidden staging/old
-        directories, lock files nobody holds, mailbox/temp files in complete step directories,
-        and step directories without ``.metadata`` below ``older_than`` (the newest complete
-        step) unless they hold ``{rank}.metadata`` files (a save without collectives: left
-        alone, logged).  Skipped: a step whose save lock is held, entries modified in the last
-        ``grace`` seconds, steps above ``max_step``.  ``check_running=False`` probes no lock (lists
-        no lock files, and so also the files of a running save)."""
+        directories, unheld lock files, mailbox/temp files in complete steps, and step directories
+        without ``.metadata`` below ``older_than`` unless they hold ``{rank}.metadata`` files.
+        Skipped: held steps, entries newer than ``grace`` s, steps above ``max_step``.
+        ``check_running=False`` probes no lock."""
         try:
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):

@@ -1,9 +1,7 @@
 """``hp-dcp``: inspect, verify, explain, diff, find, list and clean checkpoints; convert to/from Hugging Face.
 
-Exit codes: 0 nothing wrong, 1 a problem found, 2 usage error.  ``--json`` prints one JSON
-object on stdout; progress bars go to a terminal's stderr only.  The commands are one table,
-:data:`COMMANDS`, each command's module imported when it runs.  Exports :func:`build_parser`
-and :func:`main`.
+Exit codes: 0 nothing wrong, 1 a problem found, 2 usage error.  The commands are one table,
+:data:`COMMANDS`, each module imported when it runs.  Exports :func:`build_parser` and :func:`main`.
 """
 
 from __future__ import annotations
@@ -146,8 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert(argv: Sequence[str]) -> int:
-    """``hp-dcp convert``: ``argv`` verbatim to ``offline_transform.cli.main``, whose exit code is
-    ours; 2 with an install hint when the conversion package is missing."""
+    """``hp-dcp convert``: ``argv`` to ``offline_transform.cli.main``; 2 when that package is missing."""
     try:
         from hyper_parallel_dcp.offline_transform.cli import main as convert_main
     except ImportError:

@@ -1,9 +1,6 @@
-"""``hp-dcp diff``: per-tensor differences between two checkpoints, streamed.
-
-Tensors are compared one at a time in row blocks of at most ``block_bytes`` per side, each
-read through the load path (``offline_transform.blocks.CheckpointBlocks``: any backend, any
-layout), so memory stays near two blocks.  Exports :func:`diff_checkpoints`, its result
-types and ``run``.
+"""``hp-dcp diff``: per-tensor differences between two checkpoints, streamed in row blocks of at
+most ``block_bytes`` per side through the load path.  Exports :func:`diff_checkpoints`, its
+result types and ``run``.
 """
 
 from __future__ import annotations

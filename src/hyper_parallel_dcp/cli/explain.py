@@ -1,10 +1,8 @@
 """``hp-dcp explain``: a dry run of a resharded load, without processes or accelerators.
 
-Each simulated rank's target leaves are :class:`~hyper_parallel_dcp.core.layout.TensorShards`
-over meta-device views; the load planner's own functions run on them as ``load`` runs them
-(``create_local_load_plan`` per rank, ``assign_readers`` over all ranks).  Bytes are counted as
-``FileSystemReader.bytes_read`` counts them (the span of each stored chunk a read touches,
-plus the whole blob of each object).  Exports :func:`explain_load`, its result types and ``run``.
+The load planner's own functions run on meta-device views of each simulated rank's targets;
+bytes are counted as ``FileSystemReader.bytes_read`` counts them.  Exports
+:func:`explain_load`, its result types and ``run``.
 """
 
 from __future__ import annotations
@@ -262,10 +260,9 @@ class _Bytes:
 
 def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) -> LoadExplanation:
     """Simulate loading the checkpoint described by ``metadata`` into the ``spec`` layout: bytes and
-    files per rank, with and without read-once + broadcast.  Keys the planner rejects (missing,
-    mismatched, an uncovered region, a placement that does not fit) are reported in ``problems``
-    and left out of the counts.  ``progress`` (e.g. a tqdm factory) wraps the iteration over
-    ranks.  Neither argument is modified."""
+    files per rank, with and without read-once + broadcast.  Keys the planner rejects are
+    reported in ``problems`` and left out of the counts.  ``progress`` wraps the iteration
+    over ranks.  Neither argument is modified."""
     problems = _Problems()
     tensors, objects, keys = _target_layouts(metadata, spec, problems)
     ranks = range(spec.world_size) if progress is None else progress(range(spec.world_size))

@@ -1,7 +1,5 @@
 """``hp-dcp inspect``: what a checkpoint holds, where, and whether it is complete.
-
-Exports :func:`describe_checkpoint` (the ``--json`` document) and ``run``.
-"""
+Exports :func:`describe_checkpoint` (the ``--json`` document) and ``run``."""
 
 from __future__ import annotations
 
@@ -22,10 +20,8 @@ _RANK_FILE = re.compile(r"^(?:_rank(\d+)_\.|__(\d+)_\d+\.distcp$)")
 
 def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, Any]:
     """The ``inspect --json`` document of the checkpoint at ``path``: SPEC §9's keys, then ``path``,
-    ``problems`` (why it is not complete), ``files`` (name → bytes, writing rank), ``ranks``
-    (files and bytes per writing rank), ``own_bytes`` (of its own files) and ``referenced_bytes``
-    (checkpoint → bytes of its chunks this incremental save points at, SPEC §14); ``with_chunks`` adds each tensor's ``chunk_list``.  Reads
-    metadata and ``stat`` only; never raises for a bad checkpoint."""
+    ``problems``, ``files``, ``ranks``, ``own_bytes`` and ``referenced_bytes`` (SPEC §14);
+    ``with_chunks`` adds each tensor's ``chunk_list``.  Never raises for a bad checkpoint."""
     report = check_complete(path)
     doc: dict[str, Any] = {"complete": report.complete, "format": report.format,
                            "format_version": report.format_version, "tensors": {}, "objects": [], "path": str(path),

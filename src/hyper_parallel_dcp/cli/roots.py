@@ -1,8 +1,5 @@
 """The ``hp-dcp`` commands over a root of step directories: ``latest``, ``ls`` and ``clean``.
-
-``ls`` and ``clean`` go through :mod:`hyper_parallel_dcp.step_storage` (``ls`` lists what
-``clean --dry-run`` lists), ``latest`` through ``storage_fs.latest`` (no torch either).  Exports the three
-``run_*`` functions and :func:`format_age`.
+Exports the three ``run_*`` functions and :func:`format_age`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Read-once + broadcast loading of replicated shards (``hyper_parallel_dcp.broadcast``).
-
-:func:`make_read_executor` builds the read executor that ``load(...,
-broadcast_replicated_tensors=True)`` hands to the load pipeline (:mod:`.executor`); the
-pure scheduling is in :mod:`.schedule`, group lifetime in :mod:`.groups`, the read-ahead
-thread in :mod:`.prefetch`."""
+"""Read-once + broadcast loading of replicated shards: :func:`make_read_executor` builds the
+executor ``load(..., broadcast_replicated_tensors=True)`` hands to the load pipeline."""
 
 from .__about__ import __version__
 from .executor import DEFAULT_BATCH_BYTES, MAX_IN_FLIGHT, BroadcastReadExecutor, BroadcastStats, make_read_executor

@@ -1,8 +1,7 @@
-"""The read executor of a read-once + broadcast load, called on every rank instead of
-``storage_reader.execute_read``: each replicated shard is read by one member of its
-replica group (``ReadItem.source``) and broadcast to the others; this rank's tail is read
-last.  Chunks several ranks need column slices of are read once and sent in pieces
-(:mod:`.exchange`), around the same walk.  Exports :func:`make_read_executor`, :class:`BroadcastReadExecutor`,
+"""The read executor of a read-once + broadcast load, run on every rank instead of
+``storage_reader.execute_read``: each replicated shard is read by one member of its replica
+group and broadcast to the others, column slices go through :mod:`.exchange`, this rank's
+tail is read last.  Exports :func:`make_read_executor`, :class:`BroadcastReadExecutor`,
 :class:`BroadcastStats`, ``MAX_IN_FLIGHT``, ``DEFAULT_BATCH_BYTES``."""
 
 from __future__ import annotations
@@ -68,11 +67,9 @@ class BroadcastStats:
 
 
 class _Reads:
-    """This rank's reads for its groups, in schedule order, then its tail: resolved and
-    committed on the calling thread, the reader's ``read_stream`` on a :class:`ReadAhead`
-    thread from ``READ_AHEAD_MIN_BYTES`` of shards, else inline (faster below that size).
-    After the first failure further reads are skipped (the broadcasts still go out, so no
-    peer waits forever); the caller raises :attr:`error` once the walk is over."""
+    """This rank's reads for its groups, in schedule order, then its tail, on a :class:`ReadAhead`
+    thread from ``READ_AHEAD_MIN_BYTES`` of shards, else inline.  After the first failure
+    further reads are skipped (the broadcasts still go out); the caller raises :attr:`error`."""
 
     def __init__(self, reader: StorageReader, planner: LoadPlanner, ordered: list[ReadItem], depth: int) -> None:
         self.reader, self.planner = reader, planner
@@ -131,13 +128,12 @@ class _InFlight:
 class BroadcastReadExecutor:
     """Read replicated shards once per replica group and broadcast them.
 
-    ``groups``: caller-built ``{rank tuple: process group}``, used as is and left alive
-    (missing ones are created for the load and destroyed after it).  ``batch_bytes``:
-    shards smaller than this with the same group, source, dtype and device share one
-    broadcast (0 disables; equal on all ranks).  ``max_in_flight`` and ``read_ahead``
-    default to ``HP_DCP_BROADCASTS_IN_FLIGHT`` and ``HP_DCP_READ_AHEAD``.  ``stats``
-    describes the last call on this rank.  Raises ``ValueError`` for a negative
-    ``batch_bytes`` or ``max_in_flight`` below 1."""
+    ``groups``: caller-built ``{rank tuple: process group}``, used as is (missing ones are
+    created for the load and destroyed after it).  ``batch_bytes``: smaller shards with the
+    same group, source, dtype and device share one broadcast (0 disables; equal on all ranks).
+    ``max_in_flight`` and ``read_ahead`` default to ``HP_DCP_BROADCASTS_IN_FLIGHT`` and
+    ``HP_DCP_READ_AHEAD``.  Raises ``ValueError`` for a negative ``batch_bytes`` or
+    ``max_in_flight`` below 1."""
 
     def __init__(self, groups: Optional[dict[tuple[int, ...], Any]] = None,
                  batch_bytes: int = DEFAULT_BATCH_BYTES, max_in_flight: Optional[int] = None,
@@ -156,11 +152,10 @@ class BroadcastReadExecutor:
 
     def __call__(self, plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner,
                  process_group: Optional[dist.ProcessGroup] = None) -> None:
-        """Run this rank's part of the load (``plan``: its final plan) into the planner's
-        targets; every rank of the default group calls.
-        Raises ``ValueError`` on every rank for inconsistent plans or unusable ``groups``;
-        an error of this rank's planner is raised here and as ``ValueError`` on the other
-        ranks before any group exists; a read failure after this rank's broadcasts are done."""
+        """Run this rank's part of the load (``plan``: its final plan); every rank calls.
+        Raises ``ValueError`` on every rank for inconsistent plans, unusable ``groups`` or
+        another rank's planner error (before any group exists); a read failure after this
+        rank's broadcasts are done."""
         me = dist.get_rank()
         self._timeout = collective_timeout()
         exchanges = ChunkExchanges(plan, storage_reader, planner, me, self.batch_bytes or DEFAULT_BATCH_BYTES,
@@ -221,8 +216,7 @@ class BroadcastReadExecutor:
 
     def _walk(self, steps: list, tasks: Sequence[ShardTask], shards: list[torch.Tensor], tail: Sequence[ReadItem],
               reads: _Reads, groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner) -> None:
-        """Read this rank's shards and launch the broadcasts in step order, read the tail
-        while the last ones are in flight, then land them all, oldest first."""
+        """Read and broadcast in step order, read the tail while the last are in flight, land them all."""
         pending: collections.deque[_InFlight] = collections.deque()
         for step in steps:
             if isinstance(step, LaunchStep):

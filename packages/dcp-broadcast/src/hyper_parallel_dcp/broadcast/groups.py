@@ -39,8 +39,7 @@ def _provided_problem(rank: int, ranks: RankTuple, group: Any) -> Optional[str]:
 
 def _groups_to_create(required: Sequence[RankTuple], rank: int, provided: dict, whole: RankTuple,
                       process_group: Optional[dist.ProcessGroup], local_error: Optional[Exception]) -> list[RankTuple]:
-    """The required groups some member was not given, from one small all-gather; an invalid
-    entry or ``local_error`` on any rank is raised on every rank before any ``new_group``."""
+    """The required groups some member was not given; errors on any rank raised on every rank."""
     lacking: list[RankTuple] = []
     errors = [] if local_error is None else [f"rank {rank}: {type(local_error).__name__}: {local_error}"]
     for ranks in required:
@@ -66,15 +65,12 @@ def broadcast_groups_for_load(required: Sequence[RankTuple], rank: int,
                               process_group: Optional[dist.ProcessGroup] = None,
                               local_error: Optional[Exception] = None,
                               timeout: float = 0.0) -> Iterator[dict[RankTuple, Any]]:
-    """Yield ``{rank tuple: group}`` for the ``required`` groups (sorted, identical on
-    every rank, global ranks) that ``rank`` belongs to.
+    """Yield ``{rank tuple: group}`` for the ``required`` groups that ``rank`` belongs to.
 
-    A group of every rank is the default group; groups from ``provided`` are used as they
-    are; the others are created with ``dist.new_group`` (deadline ``timeout`` seconds when
-    above 0) and destroyed on exit.  Raises ``ValueError`` on every rank when a provided
-    group does not match its key; ``local_error`` (this rank could not prepare its part)
-    is raised here and, as a ``ValueError`` naming this rank, on every other rank, before
-    any group exists."""
+    Groups from ``provided`` are used as they are, the others created with ``dist.new_group``
+    and destroyed on exit.  Raises ``ValueError`` on every rank when a provided group does
+    not match its key; ``local_error`` is raised here and, as a ``ValueError`` naming this
+    rank, on every other rank, before any group exists."""
     if not required:
         if local_error is not None:
             raise local_error  # no collective follows: the pipeline's check spreads it

@@ -22,11 +22,9 @@ class _Failed:
 
 
 class ReadAhead:
-    """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead.
-
-    Yields what ``read_items`` yields, in its order; an exception it raises is re-raised
-    in the consuming thread where it happened.  ``close()`` (also on ``with`` exit) stops
-    the thread and closes the generator on it.  Raises ``ValueError`` for a depth below 1."""
+    """Iterate ``read_items(items)`` on a daemon thread, at most ``depth`` results ahead;
+    its exceptions are re-raised in the consuming thread, ``close()`` stops it.  Raises
+    ``ValueError`` for a depth below 1."""
 
     def __init__(self, read_items: Callable[[Sequence[Any]], Iterator[tuple[ReadItem, Any]]],
                  items: Sequence[Any], depth: int = READ_AHEAD.default) -> None:

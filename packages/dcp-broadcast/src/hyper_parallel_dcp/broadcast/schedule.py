@@ -1,9 +1,8 @@
-"""Pure scheduling of a read-once + broadcast load (no process group, no tensors): the
-load's replica groups, each rank's walk and where broadcasts are launched, from the rank's
-own plan.  Every rank walks a subsequence of one global order and flushes batches at
-positions fixed by it, so common broadcasts launch in the same order: no deadlock.
-:func:`exchange_messages` packs the pieces of chunk exchanges into point-to-point messages
-that both sides of each pair compute alike."""
+"""Pure scheduling of a read-once + broadcast load (no process group, no tensors).
+
+Every rank walks a subsequence of one global order and flushes batches at positions fixed by
+it, so common broadcasts launch in the same order: no deadlock.  :func:`exchange_messages`
+packs chunk exchanges into point-to-point messages both sides compute alike."""
 
 from __future__ import annotations
 
@@ -127,11 +126,9 @@ def rank_schedule(plan: LoadPlan, rank: int,
 def plan_broadcasts(shards: Sequence[ShardInfo], batch_bytes: int) -> list[Step]:
     """The steps of one rank's walk over its replicated shards (given in global order).
 
-    A shard of ``batch_bytes`` or more is broadcast alone right after it is read; a smaller
-    one joins the open batch of its ``(group, source, dtype, device)``, launched once it
-    holds exactly ``batch_bytes``, just before a shard that would push it past that, and at
-    the end, in key order (``batch_bytes=0``: no batching).  Every member of a group gets
-    the same sequence of that group's broadcasts."""
+    A shard of ``batch_bytes`` or more is broadcast alone once read; a smaller one joins the
+    open batch of its ``(group, source, dtype, device)``, launched when full, before a shard
+    that would overflow it, and at the end (``batch_bytes=0``: no batching)."""
     steps: list[Step] = []
     open_batches: dict[tuple, list[int]] = {}
     open_bytes: dict[tuple, int] = {}
@@ -178,12 +175,9 @@ class ExchangeMessage:
 def exchange_messages(exchanges: Sequence[ChunkExchange], rank: int,
                       received: Sequence[Sequence[tuple[tuple[int, ...], tuple[int, ...]]]],
                       batch_bytes: int) -> tuple[list[ExchangeMessage], list[ExchangeMessage]]:
-    """``(messages rank sends, messages it receives)`` for its ``exchanges`` (in the global
-    order, the same on both sides of each pair).  ``received[i]``: the sorted
-    ``(storage_offsets, lengths)`` this rank takes from exchange ``i`` when another rank
-    reads it (what that reader's ``pieces`` list for this rank).  The pieces between two
-    ranks go in order, packed into messages of at most ``batch_bytes`` (a larger piece
-    alone)."""
+    """``(messages rank sends, messages it receives)`` for its ``exchanges`` (global order).
+    ``received[i]``: the sorted ``(storage_offsets, lengths)`` this rank takes from exchange
+    ``i``.  Pieces between two ranks go in order, in messages of at most ``batch_bytes``."""
     pairs: dict[tuple[bool, int], list[tuple[int, tuple[int, ...], tuple[int, ...], int]]] = {}
     for i, x in enumerate(exchanges):
         itemsize = x.dtype.itemsize

@@ -1,9 +1,5 @@
-"""hyper_parallel_dcp.offline_transform: Hugging Face safetensors ⇄ checkpoint, in one process.
-
-The user guide's five functions (HF dir / torch file → DCP, dict → DCP, DCP → dict,
-HF → dict, dict or DCP → HF) and :func:`convert_dcp_to_huggingface` (``hp-dcp-convert
-dcp-to-hf``).  File conversions stream: memory holds about one tensor or one batch.
-"""
+"""hyper_parallel_dcp.offline_transform: Hugging Face safetensors ⇄ checkpoint, in one process,
+streaming (memory holds about one tensor or one batch)."""
 
 from .__about__ import __version__
 from .from_dcp import convert_dcp_to_huggingface, dcp_to_full_state_dict, save_state_dict_as_huggingface_format

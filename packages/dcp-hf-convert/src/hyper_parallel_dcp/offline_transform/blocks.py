@@ -1,8 +1,4 @@
-"""A checkpoint opened for many small reads through the load path: :class:`CheckpointBlocks`.
-
-Each read (a block, a tensor, an object) is the ordinary load step on one reader and one
-parsed metadata, so headers are parsed once; any backend, both formats.
-"""
+"""A checkpoint opened for many small reads through the load path: :class:`CheckpointBlocks`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""``hp-dcp-convert``: offline Hugging Face ⇄ checkpoint conversion from the shell.
+"""``hp-dcp-convert``: ``hf-to-dcp``, ``dcp-to-hf``, ``torch-dcp-to-dcp``, ``dcp-to-torch-dcp`` from the shell.
 
-Sub-commands ``hf-to-dcp``, ``dcp-to-hf`` (a trainer checkpoint exports the model's weights,
-``model.`` stripped; ``--all`` every tensor), ``torch-dcp-to-dcp``, ``dcp-to-torch-dcp``.
-Exit codes: 0 done, 1 the conversion failed, 2 usage error (bad arguments, or a non-empty
-DST without ``--overwrite``, left untouched).  ``main(argv)`` also serves ``hp-dcp convert``.
+Exit codes: 0 done, 1 the conversion failed, 2 usage error (bad arguments, or a non-empty DST
+without ``--overwrite``, left untouched).  ``main(argv)`` also serves ``hp-dcp convert``.
 """
 
 from __future__ import annotations
@@ -140,7 +138,3 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     if not args.quiet:
         print(f"{prog}: {args.command}: {report.summary()}")
     return EXIT_OK
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,8 +1,4 @@
-"""DCP → full state dict, and DCP → Hugging Face safetensors, streaming.
-
-Reads go through :class:`~.blocks.CheckpointBlocks`; the export assembles one whole tensor
-at a time into one reused buffer just before it is written (memory: the largest tensor).
-"""
+"""DCP → full state dict, and DCP → Hugging Face safetensors, one whole tensor at a time."""
 
 from __future__ import annotations
 
@@ -57,8 +53,7 @@ def is_trainer_checkpoint(sd_md: Mapping[str, Any]) -> bool:
 
 
 def _model_weights(src: PathLike, sd_md: Mapping[str, Any], key_mapping: KeyMapping, said: bool) -> KeyMapping:
-    """The mapping that keeps the :data:`MODEL_PREFIX` subtree, stripped, then ``key_mapping``;
-    ``said``: log what is exported and what is left out."""
+    """The mapping that keeps the :data:`MODEL_PREFIX` subtree, stripped, then ``key_mapping``."""
     inside = sum(1 for fqn, md in sd_md.items() if fqn.startswith(MODEL_PREFIX)
                  and isinstance(md, TensorStorageMetadata))
     if not inside:
@@ -78,13 +73,9 @@ def convert_dcp_to_huggingface(src: PathLike, dst: PathLike, max_shard_size: Uni
                                sync_files: bool = True) -> ConversionReport:
     """Export the checkpoint at ``src`` as Hugging Face safetensors in ``dst``, streaming.
 
-    Tensors keep the checkpoint's order and names (renamed by ``key_mapping``), floating
-    ones cast to ``dtype`` when given (``"bf16"``, ``torch.float16``, ...); non-tensor
-    entries are skipped (logged).  ``model_only=True`` exports the tensors under ``model.``
-    with the prefix stripped before ``key_mapping``; ``None`` does so for a trainer
-    checkpoint (:func:`is_trainer_checkpoint`, logged); ``False`` exports every tensor.
-    Writes weights and index only (:func:`write_huggingface_checkpoint`); memory holds
-    about the largest tensor.  Raises :class:`CheckpointNotFoundError` for no checkpoint,
+    Floating tensors cast to ``dtype`` when given; non-tensor entries skipped.
+    ``model_only=True`` exports the ``model.`` tensors, prefix stripped; ``None`` does so
+    for a trainer checkpoint; ``False`` exports all.  Raises :class:`CheckpointNotFoundError`,
     ``ValueError`` for a bad size or dtype or ``model_only=True`` without a ``model.`` tensor.
     """
     cast = parse_dtype(dtype)
@@ -121,13 +112,9 @@ def save_state_dict_as_huggingface_format(dst: PathLike, state_dict: Union[Mappi
                                           max_shard_size: Union[int, str] = "5GB", *,
                                           dtype: Union[None, str, torch.dtype] = None, key_mapping: KeyMapping = None,
                                           progress: bool = False, sync_files: bool = True) -> ConversionReport:
-    """Write ``state_dict`` as a Hugging Face safetensors checkpoint in ``dst``.
-
-    ``state_dict``: a (nested) dict of tensors, nested keys dotted, non-tensor leaves
-    skipped, DTensors gathered (``full_tensor()``), not modified; or a checkpoint's path,
-    exported streaming (:func:`convert_dcp_to_huggingface`).  Files as ``save_pretrained``
-    names them; ``max_shard_size`` is bytes or e.g. ``"5GB"``/``"2GiB"``.  Raises
-    ``ValueError`` for a bad size or dtype or for two keys that map to one name.
+    """Write ``state_dict`` (a nested dict of tensors, DTensors gathered, or a checkpoint's
+    path) as Hugging Face safetensors in ``dst``; ``max_shard_size`` bytes or ``"5GB"``.
+    Raises ``ValueError`` for a bad size or dtype or for two keys that map to one name.
     """
     if isinstance(state_dict, (str, os.PathLike)):
         return convert_dcp_to_huggingface(state_dict, dst, max_shard_size, dtype=dtype, key_mapping=key_mapping,

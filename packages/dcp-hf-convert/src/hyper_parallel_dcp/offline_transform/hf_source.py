@@ -1,9 +1,5 @@
-"""Reading Hugging Face safetensors checkpoints one tensor at a time.
-
-A single ``.safetensors`` file, or a directory holding ``model.safetensors.index.json``
-and its shards, or one ``.safetensors`` file.  Headers are parsed up front; each tensor
-is read with plain file reads (no mapping, whose touched pages would stay resident).
-"""
+"""Reading Hugging Face safetensors checkpoints (a file, or a directory with an index and its
+shards) one tensor at a time, with plain file reads (mapped pages would stay resident)."""
 
 from __future__ import annotations
 
@@ -55,11 +51,8 @@ class SafetensorsEntry:
 
 
 def read_safetensors_header(file: Union[str, os.PathLike]) -> list[SafetensorsEntry]:
-    """The tensors of one safetensors file in file order, parsed as the checkpoint reader does.
-
-    Raises ``CheckpointNotFoundError`` for a missing file, ``CorruptCheckpointError`` for a
-    malformed header and ``CheckpointFormatError`` for a dtype torch has no equivalent of.
-    """
+    """The tensors of one safetensors file in file order; raises ``CheckpointNotFoundError``,
+    ``CorruptCheckpointError`` (a malformed header), ``CheckpointFormatError`` (an unknown dtype)."""
     path = Path(file)
     try:
         with open(path, "rb") as f:
@@ -130,8 +123,7 @@ def scan_huggingface_checkpoint(path: Union[str, os.PathLike]) -> dict[str, Safe
     """Every tensor of a Hugging Face safetensors checkpoint (headers only, no data read).
 
     ``path``: a ``.safetensors`` or ``*.safetensors.index.json`` file, or a directory with
-    an index (``model.safetensors.index.json`` preferred) or one ``.safetensors`` file.
-    Raises :class:`CheckpointNotFoundError` for a missing path or shard or no checkpoint,
+    an index or one ``.safetensors`` file.  Raises :class:`CheckpointNotFoundError`, and
     :class:`CheckpointFormatError` when the index and the shards disagree.
     """
     root = Path(path)
@@ -188,9 +180,7 @@ def read_entry(entry: SafetensorsEntry, out: Optional[torch.Tensor] = None) -> t
 
 def parse_checkpoint_from_huggingface(path: Union[str, os.PathLike], *,
                                       key_mapping: KeyMapping = None) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face safetensors checkpoint at ``path`` (as for
-    :func:`scan_huggingface_checkpoint`), ``{name: tensor}`` in file order, each owning its
-    memory; ``key_mapping`` renames or drops tensors (:mod:`.keymap`).  Raises as
-    :func:`scan_huggingface_checkpoint` and :func:`read_entry`."""
+    """All tensors of the checkpoint at ``path``, ``{name: tensor}`` in file order, renamed or
+    dropped by ``key_mapping``; raises as :func:`scan_huggingface_checkpoint` and :func:`read_entry`."""
     entries = scan_huggingface_checkpoint(path)
     return {new: read_entry(entries[old]) for old, new in map_keys(entries, key_mapping).items()}

@@ -1,11 +1,5 @@
-"""Writing Hugging Face safetensors checkpoints the way ``save_pretrained`` does.
-
-Sharding follows ``huggingface_hub.split_torch_state_dict_into_shards`` (state-dict order,
-a new shard when the next tensor would pass ``max_shard_size``): ``model.safetensors``,
-or ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json`` as
-transformers writes it, each file with ``{"format": "pt"}`` metadata.  The streaming
-safetensors writer asks for each tensor just before writing it.
-"""
+"""Writing Hugging Face safetensors checkpoints as ``save_pretrained`` does: shards split as
+``huggingface_hub`` splits them, ``model.safetensors.index.json``, ``{"format": "pt"}``."""
 
 from __future__ import annotations
 
@@ -95,8 +89,7 @@ def plan_huggingface_shards(specs: Sequence[TensorSpec], max_shard_size: Union[i
 
 
 def _remove_stale(dst: Path, plan: HFShardPlan) -> None:
-    """Drop weight files of an earlier export that the new one does not replace (as
-    ``save_pretrained`` does); every other file in ``dst`` (config.json, tokenizer) stays."""
+    """Drop weight files of an earlier export that the new one does not replace; other files stay."""
     keep = set(plan.files)
     for entry in os.scandir(dst):
         stale_shard = _SHARD_FILE.match(entry.name) or entry.name == SINGLE_FILE
@@ -112,11 +105,9 @@ def write_huggingface_checkpoint(dst: Union[str, os.PathLike], specs: Sequence[T
                                  sync_files: bool = True) -> ConversionReport:
     """Write the tensors named by ``specs`` as a Hugging Face checkpoint in ``dst``.
 
-    ``fetch(name)`` returns each tensor (CPU, the spec's shape and dtype) just before it is
-    written.  Files are written atomically, the index after the shards, stale weight files
-    of an earlier export removed last; other files in ``dst`` (created if needed) stay.
-    Raises ``ValueError`` for a bad ``max_shard_size`` and what ``fetch`` raises (no
-    partial file is left behind).
+    ``fetch(name)`` returns each tensor just before it is written.  Files are written
+    atomically, the index after the shards, stale weight files removed last.  Raises
+    ``ValueError`` for a bad ``max_shard_size`` and what ``fetch`` raises.
     """
     root = Path(dst)
     plan = plan_huggingface_shards(specs, max_shard_size)

@@ -1,10 +1,5 @@
-"""Renaming tensors on the way through a conversion.
-
-A key mapping is ``None`` (keep names), a callable ``old -> new`` (``None`` drops the
-tensor), or prefix rules ``{old_prefix: new_prefix}`` applied in order, each at most
-once — ``{"_orig_mod.": "", "model.": ""}`` turns ``_orig_mod.model.embed.weight`` into
-``embed.weight``.
-"""
+"""Renaming tensors in a conversion: ``None`` (keep), a callable ``old -> new`` (``None``
+drops), or prefix rules ``{old_prefix: new_prefix}`` applied in order, each at most once."""
 
 from __future__ import annotations
 

@@ -18,11 +18,8 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 
 
 def parse_size(size: Union[int, str]) -> int:
-    """Bytes for ``size``: an int, or a string with a decimal (KB/MB/GB/TB, as
-    ``huggingface_hub`` reads them: ``"5GB"`` = 5·10⁹) or binary (KiB/MiB/GiB/TiB) unit.
-
-    Raises ``ValueError`` for anything else, or for a size that is not positive.
-    """
+    """Bytes for ``size``: an int, or a string with a decimal (``"5GB"`` = 5·10⁹, as ``huggingface_hub``
+    reads it) or binary (KiB/MiB/GiB/TiB) unit; ``ValueError`` for anything else or a size not positive."""
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         kind = repr(size) if isinstance(size, bool) else type(size).__name__
         raise ValueError(f"shard size must be an int or a string like '5GB', got {kind}")

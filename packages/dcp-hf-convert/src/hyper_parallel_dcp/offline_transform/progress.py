@@ -40,10 +40,8 @@ class ConversionReport:
     def summary(self) -> str:
         """One line: tensors, objects, bytes, seconds, throughput, destination and files."""
         extra = f", {self.objects} non-tensor entries" if self.objects else ""
-        return (
-            f"{self.tensors} tensors{extra}, {format_bytes(self.bytes)} in {self.seconds:.2f} s "
-            f"({format_bytes(self.throughput)}/s) -> {self.destination} ({len(self.files)} files)"
-        )
+        return (f"{self.tensors} tensors{extra}, {format_bytes(self.bytes)} in {self.seconds:.2f} s "
+                f"({format_bytes(self.throughput)}/s) -> {self.destination} ({len(self.files)} files)")
 
 
 class Progress:

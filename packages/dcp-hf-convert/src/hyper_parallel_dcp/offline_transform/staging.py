@@ -1,8 +1,4 @@
-"""One reusable host buffer for streaming conversions: :class:`StagingBuffer`.
-
-One buffer sized for the largest tensor holds each tensor in turn (a fresh tensor each
-time left freed tensors in the glibc heap, see the perf notes).
-"""
+"""One reusable host buffer for streaming conversions (fresh tensors fragmented the heap)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Full checkpoints (Hugging Face safetensors, ``torch.save`` files, in-memory dicts) → DCP.
-
-One path: the single-process save (``save_state_dict``, ``no_dist=True``).  For a file
-source the planned state dict holds *meta* tensors and :class:`StreamingSavePlanner` reads
-each tensor when the writer asks for it, into one reused buffer: memory holds one tensor.
-"""
+"""Full checkpoints (Hugging Face safetensors, ``torch.save`` files, in-memory dicts) → DCP,
+through the single-process save; a file source is read one tensor at a time as written."""
 
 from __future__ import annotations
 
@@ -79,10 +75,8 @@ def save_streaming(plan_sd: dict[str, Any], src: Any, dst: PathLike,
 
 def full_state_dict_to_dcp_format(state_dict: Mapping[str, Any], dst: PathLike, *,
                                   key_mapping: KeyMapping = None, progress: bool = False) -> ConversionReport:
-    """Save a full in-memory state dict (not modified) as a checkpoint at ``dst``, replacing
-    one there atomically: nested keys dotted, then renamed by ``key_mapping``; a chunk per
-    tensor, other leaves objects.  Raises what the save raises (``TypeError`` for a dtype
-    safetensors cannot store)."""
+    """Save a full in-memory state dict (not modified) as a checkpoint at ``dst``, replacing one there
+    atomically, keys dotted and renamed by ``key_mapping``; raises what the save raises."""
     flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
     names = map_keys(flat, key_mapping)
     plan_sd = {new: flat[old] for old, new in names.items()}
@@ -135,14 +129,10 @@ def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, prog
 
 def convert_full_checkpoint_to_dcp(src: PathLike, dst: PathLike, src_platform: str = "huggingface", *,
                                    key_mapping: KeyMapping = None, progress: bool = False) -> ConversionReport:
-    """Convert a full checkpoint at ``src`` into a checkpoint at ``dst``, streaming (memory
-    holds about one tensor); ``dst`` is created, or the checkpoint in it replaced atomically.
-
-    ``src_platform="huggingface"``: safetensors (as :func:`scan_huggingface_checkpoint`
-    reads); ``"torch"``: a ``torch.save`` file (``weights_only=True``, nested keys dotted)
-    or a ``.safetensors`` file.  ``key_mapping`` renames (or drops) tensors.  Returns a
-    :class:`ConversionReport`.  Raises :class:`CheckpointNotFoundError` /
-    :class:`CheckpointFormatError` naming the file for a missing or inconsistent source,
+    """Convert a full checkpoint at ``src`` into a checkpoint at ``dst``, streaming, replacing
+    one there atomically.  ``src_platform``: ``"huggingface"`` or ``"torch"`` (a
+    ``torch.save`` or ``.safetensors`` file).  Returns a :class:`ConversionReport`.  Raises
+    :class:`CheckpointNotFoundError` / :class:`CheckpointFormatError` naming the file,
     ``ValueError`` for an unknown ``src_platform``.
     """
     platform = src_platform.lower()

@@ -1,11 +1,6 @@
-"""torch.distributed.checkpoint directory ⇄ hyper-parallel-dcp checkpoint, streaming.
-
-Both directions cut the source's stored chunks into row blocks of at most ``batch_bytes``,
-each read through :class:`~.blocks.CheckpointBlocks` into one reused buffer and written
-as one stored chunk before the next is read.  :func:`convert_torch_dcp_to_dcp` saves as
-``hf-to-dcp`` does (``to_dcp.save_streaming``); :func:`convert_dcp_to_torch_dcp` writes what torch writes
-(one ``__0_0.distcp`` of ``torch.save`` archives, then the pickled ``.metadata``, last).
-"""
+"""torch.distributed.checkpoint directory ⇄ hyper-parallel-dcp checkpoint, streaming in row blocks of
+at most ``batch_bytes`` through one reused buffer.  Exports :func:`convert_torch_dcp_to_dcp` and
+:func:`convert_dcp_to_torch_dcp` (one ``__0_0.distcp``, then the pickled ``.metadata``, last)."""
 
 from __future__ import annotations
 
@@ -59,14 +54,12 @@ def _blocks(md: TensorStorageMetadata, batch_bytes: int) -> Iterator[ChunkBox]:
 
 
 def _read_block(source: CheckpointBlocks, buffer: StagingBuffer, fqn: str, box: ChunkBox) -> torch.Tensor:
-    """Block ``box`` of ``fqn`` in ``buffer``, valid until the next read (fresh tensors per
-    block left freed blocks in the heap: peak RSS grew to ~5 batches)."""
+    """Block ``box`` of ``fqn`` in ``buffer``, valid until the next read."""
     return source.read_block(fqn, box, buffer.exact(box.sizes, source.tensor(fqn).properties.dtype))
 
 
 def _pickles_a_list(blob: bytes) -> bool:
-    """Whether the ``torch.save`` archive ``blob`` holds a list, told from its pickle's
-    first opcode (nothing unpickled: any other object is carried as its bytes)."""
+    """Whether the ``torch.save`` archive ``blob`` holds a list, from its pickle's first opcode."""
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as archive:
             name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
@@ -93,12 +86,10 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                              progress: bool = False) -> ConversionReport:
     """Convert the torch DCP checkpoint at ``src`` into a hyper-parallel-dcp checkpoint at ``dst``.
 
-    Same keys, dtypes and values, in row blocks of at most ``batch_bytes``; objects carried
-    as their stored bytes, never unpickled (a load applies the allow-list).
-    ``dst`` is created, or its checkpoint replaced atomically.  Raises ``ValueError`` for a
-    source that is not a torch DCP checkpoint or a batch size below 1,
-    :class:`CheckpointNotFoundError` / :class:`CheckpointFormatError` for a missing or
-    unreadable source.
+    Same keys, dtypes and values; objects carried as stored bytes, never unpickled.  ``dst``
+    is created, or its checkpoint replaced atomically.  Raises ``ValueError`` for a source
+    that is not torch DCP or a batch size below 1, :class:`CheckpointNotFoundError` /
+    :class:`CheckpointFormatError` for a missing or unreadable source.
     """
     _check_batch(batch_bytes)
     if not is_torch_dcp_checkpoint(src):
@@ -122,13 +113,9 @@ def convert_torch_dcp_to_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
 
 def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int = DEFAULT_BATCH_BYTES,
                              progress: bool = False, sync_files: bool = True) -> ConversionReport:
-    """Write the checkpoint at ``src`` (either format) as a torch DCP checkpoint at ``dst``.
-
-    ``torch.distributed.checkpoint.load`` reads the result into any layout.  Row blocks of
-    at most ``batch_bytes``, objects copied as stored, ``.metadata`` written last (an
-    interrupted conversion leaves no loadable checkpoint).  Raises as
-    :func:`convert_torch_dcp_to_dcp`.
-    """
+    """Write the checkpoint at ``src`` (either format) as a torch DCP checkpoint at ``dst``,
+    ``.metadata`` last (an interrupted conversion is not loadable); raises as
+    :func:`convert_torch_dcp_to_dcp`."""
     from torch.distributed.checkpoint import metadata as tm
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 

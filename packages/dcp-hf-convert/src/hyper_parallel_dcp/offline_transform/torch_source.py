@@ -1,9 +1,5 @@
-"""Reading a full PyTorch checkpoint (``torch.save`` file) without holding all of it.
-
-Loaded with ``torch.load(weights_only=True, mmap=True)``: tensors are views of a private
-mapping of the file, and :class:`PageReleaser` hands each tensor's pages back to the
-kernel once written.  Old-format (non-zip) files cannot be mapped and are loaded whole.
-"""
+"""Reading a ``torch.save`` file mapped (``weights_only=True, mmap=True``), each tensor's
+pages handed back once written (:class:`PageReleaser`); old non-zip files load whole."""
 
 from __future__ import annotations
 

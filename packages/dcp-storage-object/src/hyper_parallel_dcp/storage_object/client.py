@@ -1,10 +1,8 @@
 """``ObjectStore``: the S3 requests a checkpoint needs, each with a timeout, retried when transient.
 
-Built on botocore's low-level client (chosen by ``benchmarks/bench_clients.py``, see the
-README), its own retries off: :meth:`ObjectStore._call` retries 5xx, throttling and
-connection errors with jittered backoff, logs each retry and raises a permanent error as
-:class:`ObjectStoreError` naming bucket and key.  Configured from botocore's standard
-environment (``AWS_*``); :class:`ObjectStoreSettings` holds the transfer settings.
+Built on botocore's low-level client, its own retries off: :meth:`ObjectStore._call` retries
+5xx, throttling and connection errors with jittered backoff and raises a permanent error as
+:class:`ObjectStoreError` naming bucket and key.  Configured from the ``AWS_*`` environment.
 """
 
 from __future__ import annotations
@@ -35,13 +33,11 @@ MiB = 1 << 20
 class ObjectStoreSettings:
     """Transfer settings (defaults measured against a local server, see the README).
 
-    Objects of at least ``multipart_threshold`` bytes are uploaded in parts of
-    ``part_size`` (>= 5 MiB), ``upload_concurrency`` in flight; reads are ranged GETs of at
-    most ``range_size``, ``read_concurrency`` in flight.  Every request has the timeouts
-    and ``max_attempts`` tries, backoff ``backoff_base * 2**n`` (jittered, at most
-    ``backoff_max``).  ``endpoint_url`` overrides ``AWS_ENDPOINT_URL``.  A lock object is
-    rewritten every ``lock_refresh`` s (0: a sixth of ``lock_stale_after``) and taken
-    over once not rewritten for ``lock_stale_after`` s (``locks.py``).
+    Uploads of ``multipart_threshold`` bytes or more go in parts of ``part_size`` (>= 5 MiB);
+    reads are ranged GETs of at most ``range_size``.  Each request has the timeouts and
+    ``max_attempts`` tries, jittered backoff ``backoff_base * 2**n`` up to ``backoff_max``.
+    A lock object is rewritten every ``lock_refresh`` s (0: a sixth of ``lock_stale_after``)
+    and taken over once not rewritten for ``lock_stale_after`` s.
     """
 
     part_size: int = 16 * MiB
@@ -108,9 +104,7 @@ _clients_lock = threading.Lock()
 
 
 def _shared_client(s: ObjectStoreSettings, env: dict[str, str]) -> Any:
-    """One botocore client (thread-safe; ~0.3 s to build) per process, settings and AWS
-    environment ``env``, which is applied explicitly: a store pickled into another process
-    (the async writer) uses the caller's variables."""
+    """One botocore client per process, settings and AWS environment ``env`` (applied explicitly)."""
     key = (os.getpid(), s, tuple(sorted(env.items())))
     with _clients_lock:
         if key in _clients:
@@ -189,7 +183,6 @@ class ObjectStore:
         self._client: Any = None
         self._pid = -1
         self._env: Optional[dict[str, str]] = None  # None: this process's environment
-        self.retries = 0
 
     def _environment(self) -> dict[str, str]:
         return self._env if self._env is not None else _aws_env()
@@ -214,8 +207,7 @@ class ObjectStore:
 
     def _call(self, op: str, key: str, fn: Callable[[], T], expected: tuple[int, ...] = (), otherwise: Any = None
               ) -> T:
-        """Run ``fn`` (one request), retrying transient errors; an HTTP error whose status is
-        in ``expected`` returns ``otherwise``; raise a permanent one named."""
+        """Run ``fn``, retrying transient errors; an HTTP status in ``expected`` returns ``otherwise``."""
         import botocore.exceptions as bx
 
         configure_from_env()
@@ -232,7 +224,6 @@ class ObjectStore:
                 if not _transient(exc) or attempt >= s.max_attempts:
                     raise self._error(op, key, exc, attempt) from exc
                 delay = min(s.backoff_max, s.backoff_base * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-                self.retries += 1
                 logger.info("%s %s failed (%s); retry %d/%d in %.2f s", op, self.url(key), _describe(exc),
                             attempt, s.max_attempts - 1, delay)
                 time.sleep(delay)

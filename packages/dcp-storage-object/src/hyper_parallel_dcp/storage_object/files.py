@@ -1,10 +1,5 @@
-"""``ObjectFiles``: a bucket prefix seen as a checkpoint location (``CheckpointFiles``).
-
-What the reader, the writer, the integrity checks, ``hp-dcp inspect / verify / latest``
-and checkpoint retention need: a prefix's keys, its objects and sub-prefixes ("step
-directories"), sizes, ranged reads, and deleting everything under it (``remove``, which
-deletes ``.metadata`` first so a half-deleted checkpoint never looks complete).
-"""
+"""``ObjectFiles``: a bucket prefix seen as a checkpoint location (``CheckpointFiles``): keys,
+objects, sub-prefixes, sizes, ranged reads, and ``remove`` (``.metadata`` first)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Save locks and reader marks on object storage: conditional PUTs where a filesystem has ``flock``.
 
-A save lock ``.{leaf}.hp-dcp-lock`` beside the checkpoint is created ``If-None-Match: *``
-(one of two saves gets it, the other raises :class:`ConcurrentSaveError` naming the
-holder), rewritten every ``lock_refresh`` s ``If-Match`` its ETag, and deleted after the
-commit.  A lock not rewritten for ``lock_stale_after`` s, or whose holder ran on this
-machine and is gone, is taken over (deleted ``If-Match`` the ETag judged stale).  Reader
-marks ``.{leaf}.hp-dcp-readlock-<token>`` are rewritten the same way.  Needs the server's
-conditional writes (AWS S3 since 2024, MinIO, moto) and clocks within ``lock_stale_after``.
+A save lock ``.{leaf}.hp-dcp-lock`` is created ``If-None-Match: *`` (the loser raises
+:class:`ConcurrentSaveError` naming the holder), rewritten every ``lock_refresh`` s ``If-Match``
+its ETag, deleted after the commit, and taken over once stale or its local holder is gone.
+Reader marks ``.{leaf}.hp-dcp-readlock-<token>`` work the same way.
 """
 
 from __future__ import annotations
@@ -69,9 +66,8 @@ def _machine() -> dict[str, str]:
 
 
 def holder_is_dead(doc: dict) -> bool:
-    """True when the lock's holder provably died: it ran on this machine, in this pid
-    namespace and boot, and its process (pid and start time) no longer exists.  False
-    when unknown (another machine, or no ``/proc``): then only staleness tells."""
+    """True when the lock's holder ran on this machine (same pid namespace and boot) and its process
+    is gone; False when unknown (another machine, no ``/proc``): then only staleness tells."""
     here = _machine()
     if not here["pidns"] or not here["boot"] or any(doc.get(k) != v for k, v in here.items()):
         return False
@@ -85,10 +81,8 @@ def is_stale(modified: float, stale_after: float, now: Optional[float] = None) -
 
 
 class ObjectLease:
-    """One lock object (``exclusive``: at most one holder) or reader mark, refreshed while held.
-
-    ``what`` names the holder's purpose in messages (``"save"``, ``"delete"``, ``"read"``).
-    """
+    """One lock object (``exclusive``: at most one holder) or reader mark, refreshed while held;
+    ``what`` names the holder's purpose in messages."""
 
     def __init__(self, store: ObjectStore, key: str, *, exclusive: bool = True, what: str = "save",
                  target: str = "") -> None:
@@ -123,13 +117,9 @@ class ObjectLease:
         return f"{doc.get('purpose', 'save')} by pid {doc.get('pid')} on {doc.get('host')}"
 
     def acquire(self, wait: bool = True) -> None:
-        """Create the object (exclusive: only when absent).
-
-        With ``wait``, an exclusive lock found is watched: a live holder rewrites it within
-        ``lock_refresh`` s, a dead one's turns stale (taken over, ``If-Match`` the stale
-        ETag) or disappears.  Raises :class:`ConcurrentSaveError` naming the holder when a
-        live holder has it (``wait=False``: at once).
-        """
+        """Create the object (exclusive: only when absent); with ``wait``, watch a lock found
+        until it turns stale (taken over) or disappears.  Raises :class:`ConcurrentSaveError`
+        naming the holder when a live holder has it (``wait=False``: at once)."""
         s = self.store.settings
         seen: Optional[str] = None
         deadline = time.monotonic() + s.lock_stale_after + s.lock_refresh

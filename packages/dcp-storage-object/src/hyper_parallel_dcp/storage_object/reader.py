@@ -1,11 +1,9 @@
 """``ObjectStoreReader``: ranged GETs of exactly the bytes a load needs, many in flight.
 
-A read becomes byte ranges of its object (:func:`byte_runs` for a strided slice), small
-reads back to back in one object share a GET, and ranges longer than ``range_size`` are
-split over a pool of ``read_concurrency`` threads.  A piece lands in the destination when
-that is a contiguous CPU tensor of the stored dtype, else in a staging buffer copied from.
-Each response's object size is checked against ``.metadata``; ``verify`` hashes each
-touched chunk whole.
+Small reads back to back in one object share a GET, long ranges are split over
+``read_concurrency`` threads; a piece lands in the destination when it is a contiguous CPU
+tensor of the stored dtype, else in a staging buffer.  Object sizes are checked against
+``.metadata``.
 """
 
 from __future__ import annotations
@@ -93,8 +91,7 @@ class _Slice(NamedTuple):
 
 @dataclass(slots=True)
 class _Read:
-    """GETs in flight for one read item or a batch of small adjacent ones; ``targets``:
-    ``(item, destination, staging view to copy from or None)``."""
+    """GETs in flight for one or a batch of reads; ``targets``: ``(item, destination, staging view)``."""
 
     targets: list[tuple[ReadItem, torch.Tensor, Optional[torch.Tensor]]] = field(default_factory=list)
     futures: list[cf.Future] = field(default_factory=list)
@@ -166,8 +163,7 @@ class ObjectStoreReader(StorageReader):
         return info
 
     def _slice(self, item: ReadItem) -> _Slice:
-        """Where ``item``'s slice lies; raises :class:`CheckpointFormatError` for a slice
-        outside its chunk."""
+        """Where ``item``'s slice lies; :class:`CheckpointFormatError` for one outside its chunk."""
         assert self.metadata is not None
         index = item.storage_index
         info = self._info(index)
@@ -249,8 +245,7 @@ class ObjectStoreReader(StorageReader):
             run.futures.append(pool.submit(self._fetch, *piece))
 
     def _batchable(self, item: ReadItem) -> Optional[_Slice]:
-        """The slice of a small read whose bytes are contiguous in its object, which can
-        share one GET with its neighbours; ``None`` otherwise."""
+        """The slice of a small contiguous read that can share a GET with its neighbours, else ``None``."""
         if self.verify or item.type is LoadItemType.BYTE_IO:
             return None
         part = self._slice(item)
@@ -258,8 +253,7 @@ class ObjectStoreReader(StorageReader):
         return part if part.contiguous and 0 < nbytes < self.settings.range_size else None
 
     def _start_batch(self, batch: list[tuple[ReadItem, torch.Tensor, _Slice]]) -> _Read:
-        """One GET for several small reads lying back to back in one object (a model's many
-        small tensors: one request per ``range_size`` instead of one per tensor)."""
+        """One GET for several small reads lying back to back in one object."""
         if len(batch) == 1:
             return self._start(batch[0][0], batch[0][1])
         begin, end = _byte_range(batch[0][2])[0], _byte_range(batch[-1][2])[1]
@@ -311,10 +305,8 @@ class ObjectStoreReader(StorageReader):
 
     def read_stream(self, pairs: Iterable[tuple[ReadItem, Optional[torch.Tensor]]]
                     ) -> Iterator[tuple[ReadItem, Any]]:
-        """``(item, destination filled)`` or ``(item, object)`` for each ``(item, destination
-        or None for an object)``, in the order given, with the GETs of the items ahead in
-        flight: small reads back to back in one object share a GET (up to ``range_size``),
-        up to ~512 MiB of staging or ``4 * read_concurrency`` reads outstanding."""
+        """``(item, destination filled)`` or ``(item, object)`` for each ``(item, destination or
+        None)``, in order, with the GETs ahead in flight (~512 MiB or ``4 * read_concurrency``)."""
         pending: collections.deque[Any] = collections.deque()
         batch: list[tuple[ReadItem, torch.Tensor, _Slice]] = []
         staged = 0

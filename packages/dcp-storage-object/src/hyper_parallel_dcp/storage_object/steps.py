@@ -1,11 +1,8 @@
 """``ObjectSteps``: a checkpoint-manager root on object storage (``s3://bucket/run/step_N``).
 
-The object-store ``StepStorage`` (``hyper_parallel_dcp.core.steps``), the filesystem's
-rules on a store without rename or ``flock``: a step is complete once its ``.metadata``
-exists; a deletion removes ``.metadata`` first and holds the step's save lock
-(``locks.py``); a reader makes a mark, then checks for a fresh lock, while a deletion
-takes the lock, then checks for fresh marks (S3 is strongly consistent: one of the two
-sees the other).  Staleness is judged by ``Last-Modified`` against this machine's clock.
+A step is complete once its ``.metadata`` exists; a deletion removes ``.metadata`` first
+under the step's save lock; a reader makes a mark, then checks for a fresh lock, a deletion
+takes the lock, then checks for fresh marks (S3 is strongly consistent).
 """
 
 from __future__ import annotations
@@ -60,8 +57,7 @@ class ObjectSteps:
         next(iter(self.store.list_objects(self._key(""), delimiter="/")), None)
 
     def list_steps(self) -> list[StepEntry]:
-        """Every ``step_N/`` prefix, ascending by step (a HEAD of each one's ``.metadata``,
-        several in flight: a root keeping hundreds of steps costs one round trip per batch)."""
+        """Every ``step_N/`` prefix, ascending by step (the ``.metadata`` HEADs several in flight)."""
         base = self._key("")
         found = sorted(step for key, size in self.store.list_objects(base, delimiter="/")
                        if size < 0 and (step := parse_step_name(key[len(base):].rstrip("/"))) is not None)
@@ -105,8 +101,7 @@ class ObjectSteps:
         return doc if isinstance(doc, dict) else None
 
     def write_info(self, step: int, info: dict[str, Any]) -> None:
-        """PUT the step's info object before its save starts (the save keeps it: it is not a
-        checkpoint object, so replacing the checkpoint does not delete it)."""
+        """PUT the step's info object before its save starts (not a checkpoint object: the save keeps it)."""
         self.store.put(f"{self._step_prefix(step)}/{INFO_FILE}", json.dumps(info, sort_keys=True).encode())
 
     def _fresh_readers(self, step: int) -> list[str]:
@@ -122,8 +117,7 @@ class ObjectSteps:
         return self._remove_locked(step, "deletion", lambda: not self._fresh_readers(step) and bool(self._objects(step)))
 
     def _remove_locked(self, step: int, what: str, still_wanted: Callable[[], bool]) -> bool:
-        """Remove ``step``'s objects holding its save lock (which also keeps a new save out), if
-        ``still_wanted()`` once the lock is held; False when the lock is taken or not wanted."""
+        """Remove ``step``'s objects under its save lock if ``still_wanted()``; False when not removed."""
         lease = ObjectLease(self.store, self._lock_key(step), what=what, target=self.location(step))
         try:
             lease.acquire(wait=False)
@@ -164,8 +158,7 @@ class ObjectSteps:
             mark.release()
 
     def _abandoned(self, key: str, modified: float, now: Optional[float] = None) -> bool:
-        """The lock or mark at ``key`` was left by a dead holder: not renewed for
-        ``lock_stale_after``, or its holder ran on this machine and its process is gone."""
+        """The lock or mark at ``key`` is stale, or its holder ran on this machine and is gone."""
         if is_stale(modified, self.store.settings.lock_stale_after, now):
             return True
         try:
@@ -177,15 +170,10 @@ class ObjectSteps:
     def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
                        max_step: Optional[int] = None, grace: float = 0.0,
                        check_running: bool = True) -> list[Leftover]:
-        """What dead saves left under ``root``, for steps not in ``protected``.
-
-        Lock and reader-mark objects of dead holders (only with ``check_running``); a
-        ``step_N/`` without ``.metadata`` when its step is below ``older_than``, no fresh lock
-        is on it and nothing in it changed in the last ``grace`` seconds, whatever it holds,
-        unless it holds ``{rank}.metadata`` objects (a checkpoint saved without collectives:
-        left alone, logged).  With ``max_step`` nothing of a higher step.
-        ``check_running=False`` reads no lock (so lists the objects of a running save too).
-        """
+        """What dead saves left under ``root``, for steps not in ``protected``: dead holders'
+        lock and mark objects (with ``check_running``), and a ``step_N/`` without ``.metadata``
+        below ``older_than``, unlocked, unchanged for ``grace`` s and without ``{rank}.metadata``
+        objects; nothing above ``max_step``.  ``check_running=False`` reads no lock."""
         base = self._key("")
         now = time.time()
         out: list[Leftover] = []

@@ -1,11 +1,8 @@
 """``ObjectStoreWriter``: the filesystem format's objects, streamed to a bucket.
 
-Each rank streams its files through the filesystem's writer code (``storage_fs.rank_files``:
-same names, bytes and checksums); an object of ``multipart_threshold`` bytes or more is a
-multipart upload whose parts go up while the next are filled.  The coordinator takes the
-id's lock object (``locks.py``), deletes the old ``.metadata`` first, then the old objects
-and unfinished uploads (S3 has no rename: the old checkpoint is gone once a save to its id
-starts), and PUTs the new ``.metadata`` last.
+Each rank streams its files through ``storage_fs.rank_files`` (same names, bytes and
+checksums), large ones as multipart uploads.  The coordinator takes the lock object, deletes
+the old ``.metadata`` first, then the old objects, and PUTs the new ``.metadata`` last.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ __all__ = ["ObjectStoreWriter"]
 
 
 class _UploadStream:
-    """A write-only stream to one object: parts buffered (a semaphore bounds how many are
-    held) and uploaded by ``pool``; ``finish()`` returns the size, ``abort()`` cancels."""
+    """A write-only stream to one object, its parts uploaded by ``pool`` (a semaphore bounds them)."""
 
     def __init__(self, store: ObjectStore, key: str, pool: cf.ThreadPoolExecutor) -> None:
         self.store = store
