@@ -161,7 +161,9 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     if result.get("convert"):
         lines += _convert_lines(result["convert"])
     if result.get("incremental"):
-        lines += _incremental_lines(result["incremental"])
+        from .incremental_bench import incremental_lines
+
+        lines += incremental_lines(result["incremental"])
     if result.get("compression"):
         lines += _compression_lines(result["compression"])
     if result.get("planning"):
@@ -287,20 +289,6 @@ def _convert_lines(c: dict[str, Any]) -> list[str]:
             r = _ratio(_med(c["summary"], key), _med(c["summary"], "ref.raw_read_write"))
             lines.append(f"| {key} | {_fmt(e)} | {'' if r is None else f'{r:.2f}×'} |")
     return lines
-
-
-def _incremental_lines(inc: dict[str, Any]) -> list[str]:
-    """The section of ``incremental_bench``."""
-    s = inc["summary"]
-    return ["", "## Incremental save (frozen base, 2 % changed; one process)", "",
-            "| save | seconds (median, min-max) | bytes written |", "|---|---|---|",
-            f"| full | {s['full']['median']:.3f} ({s['full']['min']:.3f}-{s['full']['max']:.3f}) | "
-            f"{inc['total_bytes']} model bytes |",
-            f"| incremental | {s['incremental']['median']:.3f} ({s['incremental']['min']:.3f}-"
-            f"{s['incremental']['max']:.3f}) | {inc['written_bytes']} ({inc['written_over_changed']:.3f}x the "
-            f"{inc['changed_bytes']} changed) |",
-            "", f"Incremental / full time: {inc['time_ratio']:.3f}x; the load of the incremental checkpoint is "
-            f"{'bit-exact' if inc['bit_exact'] else 'NOT bit-exact'}."]
 
 
 def _compression_lines(c: dict[str, Any]) -> list[str]:

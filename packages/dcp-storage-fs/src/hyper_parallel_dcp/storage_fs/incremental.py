@@ -75,9 +75,10 @@ class ReferenceBase:
         the results of those the base holds equal (:meth:`reference`).
 
         Each chunk is hashed once, on a thread pool (python-xxhash releases the GIL), at most
-        ``2 x threads`` chunks in flight.  Serves the ``incremental`` benchmark row: the
-        hashing was 0.027 s of a 0.07 s incremental save of 512 MiB on one thread
-        (docs/perf/incremental.md has the measured gain)."""
+        ``2 x threads`` chunks in flight.  Serves the ``incremental`` benchmark row (time
+        <= 0.1x a full save): hashing is most of an incremental save beyond the fsyncs every
+        save pays; 1 GiB on 2 cores at load 7-8, best of 9: 0.053-0.066 s against
+        0.066-0.17 s on one thread (docs/perf/storage.md)."""
         threads = max(1, min(8, os.cpu_count() or 1))
         changed: list[tuple[str, WriteItem]] = []
         referenced: list[WriteResult] = []
