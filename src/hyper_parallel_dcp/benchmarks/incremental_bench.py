@@ -7,8 +7,8 @@ an incremental one from it, and of a full save of the changed tensors alone (the
 bytes written, no hashing: the per-save floor of fsyncs and metadata that every save
 pays), the bytes the incremental save put into its own directory (data files, headers
 and ``.metadata``) against the changed bytes, and a bit-exact load of the incremental
-checkpoint.  Exports :func:`run_incremental`, :func:`incremental_goals` and
-:func:`incremental_lines` (the report's section).
+checkpoint.  Exports :func:`run_incremental` and :func:`incremental_goals` (``report``
+renders the section).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["incremental_goals", "incremental_lines", "run_incremental"]
+__all__ = ["incremental_goals", "run_incremental"]
 
 #: the share of the model's bytes that changes between the two saves
 CHANGED_SHARE = 0.02
@@ -105,24 +105,3 @@ def incremental_goals(inc: dict[str, Any]) -> list[dict[str, Any]]:
                           "value": row["time_ratio"], "limit": 0.1, "met": row["time_ratio"] <= 0.1})
     return goals
 
-
-def incremental_lines(inc: dict[str, Any]) -> list[str]:
-    """The report's section: one table row per save and size."""
-    lines = ["", "## Incremental save (frozen base, 2 % changed; one process)", "",
-             "| model | save | seconds (median, min-max) | × full | bytes written |", "|---|---|---|---|---|"]
-    for row in (inc, inc.get("large")):
-        if not row:
-            continue
-        s, mib = row["summary"], f"{row['mib']:g} MiB"
-        written = {"full": f"{row['total_bytes']} model bytes",
-                   "incremental": f"{row['written_bytes']} ({row['written_over_changed']:.3f}x the "
-                                  f"{row['changed_bytes']} changed)",
-                   "changed_only": f"{row['changed_bytes']} changed bytes, no references (the floor)"}
-        for key, what in written.items():
-            e = s[key]
-            lines.append(f"| {mib} | {key} | {e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | "
-                         f"{e['median'] / s['full']['median']:.3f}× | {what} |")
-    lines += ["", f"The load of the incremental checkpoint is {'bit-exact' if inc['bit_exact'] else 'NOT bit-exact'}. "
-              "`changed_only` is a full save of the changed tensors alone: the same bytes, the fsyncs and metadata "
-              "every save pays, no hashing."]
-    return lines
