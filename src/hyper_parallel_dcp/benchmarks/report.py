@@ -311,7 +311,6 @@ def _incremental_lines(inc: dict[str, Any]) -> list[str]:
     return lines
 
 
-
 def _compression_lines(c: dict[str, Any]) -> list[str]:
     """The section of ``compression_bench``."""
     lines = ["", "## Lossless compression of trained state (one process)", ""]
