@@ -368,12 +368,14 @@ def test_incremental_section_counts_the_bytes_it_wrote(tmp_path):
     from hyper_parallel_dcp.benchmarks.incremental_bench import incremental_goals, run_incremental
     from hyper_parallel_dcp.benchmarks.report import _incremental_lines
 
-    inc = run_incremental(tmp_path / "inc", 8, 1, lambda msg: None)
+    inc = run_incremental(tmp_path / "inc", 8, 1, lambda msg: None, large_mib=16)
     assert inc["bit_exact"] and 0 < inc["changed_bytes"] <= 0.02 * inc["total_bytes"]
     # the changed tensors' data plus one safetensors header and the .metadata, nothing else
     assert inc["changed_bytes"] < inc["written_bytes"] <= 1.05 * inc["changed_bytes"] + 64 * 1024
-    assert [g["limit"] for g in incremental_goals(inc)] == [1.05, 0.1]
-    assert "| incremental |" in "\n".join(_incremental_lines(inc))
+    assert [g["limit"] for g in incremental_goals(inc)] == [1.05, 0.1, 0.1]
+    assert "(16 MiB row)" in incremental_goals(inc)[2]["goal"] and inc["large"]["total_bytes"] > inc["total_bytes"]
+    text = "\n".join(_incremental_lines(inc))
+    assert "| 8 MiB | incremental |" in text and "| 16 MiB | changed_only |" in text
 
 
 def test_compression_section_round_trips_every_codec(tmp_path):

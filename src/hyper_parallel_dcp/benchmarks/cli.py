@@ -265,7 +265,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if "incremental" in sections:
             from .incremental_bench import run_incremental
 
-            result["incremental"] = run_incremental(Path(tmp) / "incremental", cfg["bcast_mib"], cfg["reps"], log)
+            result["incremental"] = run_incremental(Path(tmp) / "incremental", cfg["bcast_mib"], cfg["reps"], log,
+                                                    large_mib=None if args.preset == "quick" else 1024)
         if "compression" in sections:
             from .compression_bench import run_compression
 

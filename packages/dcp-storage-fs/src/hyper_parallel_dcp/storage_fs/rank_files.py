@@ -22,7 +22,6 @@ from hyper_parallel_dcp.core.storage import WriteResult
 from .compression import encode_chunk, zstd_module
 from .incremental import ReferenceBase
 from .layout import compressed_file_name, objects_file_name, tensors_file_name
-from .posix import tensor_bytes
 from .safetensors_header import header_digest, stored_layout, to_stored
 from .safetensors_stream import LateDigests, TensorEntry, encode_header, write_safetensors
 
@@ -43,11 +42,6 @@ def _fetcher(resolve: Callable[[WriteItem], Any], item: WriteItem) -> Callable[[
 
 def _labeller(item: WriteItem) -> Callable[[], str]:  # built only when an error is raised
     return lambda: f"{item.index.fqn!r} chunk at {list(item.index.offset or ())}"
-
-
-def _digest_before_write(tensor: torch.Tensor) -> str:
-    tensor = tensor.detach().to("cpu").contiguous()
-    return xxhash.xxh3_64_hexdigest(tensor_bytes(tensor))
 
 
 def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile, *,
@@ -71,17 +65,7 @@ def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file
     results: list[WriteResult] = []
     referenced: list[WriteResult] = []
     if base is not None:
-        changed = []
-        for key, it in keyed:
-            assert it.sizes is not None and it.dtype is not None and it.index.offset is not None
-            stored_dtype, _ = stored_layout(_dtype(it.dtype), it.sizes)
-            found = base.reference(it.index.fqn, it.index.offset, stored_dtype, tuple(it.sizes), key,
-                                   _digest_before_write(to_stored(planner.resolve_data(it))))
-            if found is None:
-                changed.append((key, it))
-            else:
-                referenced.append(WriteResult(it.index, *found))
-        keyed = changed
+        keyed, referenced = base.split(keyed, planner.resolve_data)
         tensors = [it for _, it in keyed]
     if tensors and compression is not None:
         results += _write_compressed(tensors, keyed, planner, rank, write_file, compression)
