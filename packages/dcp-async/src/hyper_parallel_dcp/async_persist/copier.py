@@ -42,11 +42,9 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class DataCopier:
-    """Registry of staging copy functions, dispatched by type.
-
-    ``@DataCopier.register(MyState)`` registers ``fn(obj) -> host copy``; ``copy(obj)``
-    uses the handler of ``type(obj)``, else of its most derived registered base, else
-    ``copy.deepcopy`` (warning once per type).  Tensors (DTensor included) get host copies."""
+    """Registry of staging copy functions: ``@DataCopier.register(MyState)`` registers
+    ``fn(obj) -> host copy``; ``copy(obj)`` uses the handler of ``type(obj)`` or its most
+    derived registered base, else ``copy.deepcopy`` (warning once per type)."""
 
     _handlers: dict[type, CopyFn] = {}
     _warned: set[type] = set()

@@ -104,10 +104,8 @@ PARENT_POLL_S = 0.25
 
 
 def wait_for_parent_exit(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
-    """Return once the process ``parent_pid`` (this process's parent) is gone: a pidfd of
-    it where there is one, else a look every ``poll_s`` seconds whether this process was
-    re-parented.  (The pipe may live on in a process the trainer forks later;
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that started the writer exits.)"""
+    """Return once the parent process ``parent_pid`` is gone (a pidfd, else a look every
+    ``poll_s`` seconds whether this process was re-parented)."""
     try:
         pidfd = os.pidfd_open(parent_pid) if hasattr(os, "pidfd_open") else None
     except OSError:
@@ -131,9 +129,8 @@ class _InFlight:
 
 
 def watch_parent(parent_pid: int, in_flight: _InFlight) -> threading.Thread:
-    """Start a daemon thread that ends this process soon after ``parent_pid`` is gone: an
-    orphan abandons its save, as a crash would (finishing could commit it under a
-    restarted job)."""
+    """Start a daemon thread that ends this process soon after ``parent_pid`` is gone (an
+    orphan abandons its save, as a crash would)."""
 
     def run() -> None:
         wait_for_parent_exit(parent_pid)

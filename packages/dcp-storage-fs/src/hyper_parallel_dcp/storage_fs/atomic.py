@@ -14,13 +14,9 @@ __all__ = ["TMP_SUFFIX", "PendingFile", "fsync_dir", "write_file_atomic", "write
 
 def write_file_atomic(path: Union[str, os.PathLike], write: Callable[[BinaryIO], object], sync: bool = True, *,
                       unique_temp: bool = False) -> int:
-    """Write ``path`` through ``write(f)`` into a temp file, fsync it (``sync``), rename it
-    over ``path``; returns the file's size.
-
-    ``unique_temp``: the process id in the temp name (several writers; the last rename
-    wins).  On failure the temp file is removed, ``path`` untouched, and an ``OSError``
-    re-raised as one of the same class naming ``path``.
-    """
+    """Write ``path`` through ``write(f)`` into a temp file (the process id in its name with
+    ``unique_temp``), fsync it (``sync``), rename it over ``path``; returns its size.  On
+    failure the temp file is removed and an ``OSError`` re-raised naming ``path``."""
     pending = write_file_pending(path, write, unique_temp=unique_temp)
     pending.finish(sync)
     return pending.size

@@ -1,11 +1,6 @@
-"""Crash-safe commit of a checkpoint directory, and the lock against concurrent saves.
-
-:func:`commit_directory` puts a complete staging directory in place of the target in
-one step (``renameat2(RENAME_EXCHANGE)`` where the kernel has it): after a crash either
-the old or the new checkpoint is at the target path.  The replaced one is deleted on a
-background thread (:func:`wait_for_removals`); what a killed process leaves, the next
-save removes (:func:`remove_stale_staging`).  :class:`SaveLock` refuses a second save.
-"""
+"""Crash-safe commit of a checkpoint directory: :func:`commit_directory` (one
+``renameat2(RENAME_EXCHANGE)`` where the kernel has it), :func:`wait_for_removals`,
+:func:`remove_stale_staging`, and :class:`SaveLock` against concurrent saves."""
 
 from __future__ import annotations
 

@@ -146,13 +146,9 @@ def _check_consistency(md: Metadata, source: CheckpointFiles, problems: list[str
 
 
 def check_complete(path: Location) -> CompletenessReport:
-    """Say whether ``path`` holds a complete checkpoint, using metadata and ``stat`` only.
-
-    Complete: ``.metadata`` (or every ``{rank}.metadata`` from 0 to the highest present)
-    parses, is of a known format version, has a storage entry for every chunk and object,
-    and every file it names has the recorded size and holds the recorded byte ranges.
-    Never raises for a bad checkpoint: every reason is in ``problems``.
-    """
+    """Say whether ``path`` holds a complete checkpoint (metadata and ``stat`` only): the
+    metadata parses, has a storage entry for every item, and every file has the recorded
+    size.  Never raises for a bad checkpoint: every reason is in ``problems``."""
     root = as_checkpoint_files(path)
     problems: list[str] = []
     if not root.exists():
@@ -234,12 +230,9 @@ def _hash_range(f, offset: int, length: int, buf: bytearray) -> tuple[str, int]:
 
 def verify_checkpoint(path: Location, *,
                       progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
-    """Check completeness, every header entry and every recorded checksum at ``path``.
-
-    Reads each stored item once, in file order; ``progress(done_bytes, total_bytes)`` is
-    called after each.  Never raises for a bad checkpoint: every problem (an item without
-    a checksum included) is in the report, naming file, FQN and chunk.
-    """
+    """Check completeness, every header entry and every checksum at ``path``, reading each
+    item once in file order (``progress(done_bytes, total_bytes)`` after each).  Never
+    raises for a bad checkpoint: every problem is in the report, naming file, FQN and chunk."""
     files = as_checkpoint_files(path)
     report = check_complete(files)
     root = report.path

@@ -1,7 +1,5 @@
-"""The newest complete checkpoint under a root of step directories, decided without torch:
-:func:`newest_checkpoint` (``hp-dcp latest``, and ``integrity.find_latest_checkpoint`` with
-its full check) and :func:`metadata_complete`, a look at ``.metadata``'s JSON only.
-Exports those two and :data:`STEP_NAME`."""
+"""The newest complete checkpoint under a root of step directories, without torch:
+:func:`newest_checkpoint`, :func:`metadata_complete` and :data:`STEP_NAME`."""
 
 from __future__ import annotations
 
@@ -44,13 +42,8 @@ def metadata_complete(location: Location, full_check: Optional[FullCheck] = None
 
 
 def newest_checkpoint(root: Location, is_complete: FullCheck) -> Optional[Union[Path, str]]:
-    """The complete checkpoint under ``root`` whose directory name ends in the highest step.
-
-    Tries the non-hidden subdirectories whose names end in an integer (``step_100``,
-    ``300``), newest first, with ``is_complete``; where there are ``step_N`` ones (a
-    ``CheckpointManager`` root) only those.  Returns its ``Path`` (a URL for an object
-    store), or ``None``.
-    """
+    """The complete (``is_complete``) checkpoint under ``root`` whose directory name ends in
+    the highest step (only ``step_N`` ones where there are any); its ``Path`` or URL, or ``None``."""
     base = as_checkpoint_files(root)
     try:
         entries = base.entries()

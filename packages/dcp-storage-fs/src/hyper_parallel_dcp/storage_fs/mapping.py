@@ -1,12 +1,6 @@
-"""Checkpoint files mapped read-only: the source of column-slice copies.
-
-:class:`FileMapping` maps one file and populates its pages a block at a time
-(``MADV_POPULATE_READ``), further ahead while reads walk forwards; :class:`MappingArena`
-puts a reader's files in equal slots of one reservation, so one strided view spans the
-same chunk of every rank's file.  Closed mappings are unmapped on a thread
-(:func:`wait_for_unmaps`).  A save never truncates a file in place (it writes new files
-and renames them), so a mapped file keeps its size.
-"""
+"""Checkpoint files mapped read-only, the source of column-slice copies:
+:class:`FileMapping` (pages populated ahead of the reads), :class:`MappingArena` (files
+in equal slots of one reservation) and :func:`wait_for_unmaps`."""
 
 from __future__ import annotations
 

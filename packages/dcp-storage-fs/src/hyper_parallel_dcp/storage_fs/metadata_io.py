@@ -69,11 +69,8 @@ def read_stored_metadata(location: Location) -> StoredMetadata:
 
 
 def load_checkpoint_metadata(location: Location) -> tuple[Metadata, bool]:
-    """``(metadata, is_global)`` of ``.metadata``, else of every ``{rank}.metadata`` merged.
-
-    Raises :class:`CheckpointNotFoundError` naming the location when it or any metadata is
-    missing, :class:`CheckpointFormatError` when unreadable or of a newer format version.
-    """
+    """``(metadata, is_global)`` of ``.metadata``, else of every ``{rank}.metadata`` merged;
+    raises :class:`CheckpointNotFoundError` or :class:`CheckpointFormatError`."""
     files = as_checkpoint_files(location)
     stored = read_stored_metadata(files)
     return stored.parse(files), stored.is_global

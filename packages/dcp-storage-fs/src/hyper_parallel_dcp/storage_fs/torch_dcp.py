@@ -43,10 +43,8 @@ def storage_reader_for_path(path: Union[str, os.PathLike], verify: Optional[bool
 
 
 class DirectoryReader(FileSystemReader):
-    """The reader of a local checkpoint directory: a :class:`FileSystemReader` that hands
-    a torch DCP checkpoint to a :class:`TorchDCPReader` once the stored ``.metadata`` the
-    load read shows a pickle.  Telling the format costs no open: a 4-rank load opens
-    ``.metadata`` once, where sniffing it first opened it five times (issue 57 B9)."""
+    """A :class:`FileSystemReader` that hands a torch DCP checkpoint to a
+    :class:`TorchDCPReader` once the ``.metadata`` the load read shows a pickle (no extra open)."""
 
     def reader_for(self, payload: Any) -> FileSystemReader:
         if isinstance(payload, StoredMetadata) and payload.data[:1] == b"\x80":
@@ -64,13 +62,9 @@ def _zstd_decompress(blob: bytes, where: str) -> bytes:
 
 
 class TorchDCPReader(FileSystemReader):
-    """A :class:`FileSystemReader` for torch DCP directories, reading item by item.
-
-    The pickled ``.metadata`` is translated safely (``torch_dcp_format``); a dense chunk is
-    read with ``preadv`` from its zip record, anything else through ``torch.load``
-    (``weights_only``); ``stream.zstd`` is undone with ``zstandard``.  ``verify=True`` is
-    refused (torch records no checksums).
-    """
+    """A :class:`FileSystemReader` for torch DCP directories, reading item by item: a dense
+    chunk with ``preadv`` from its zip record, anything else through ``torch.load``
+    (``weights_only``); ``verify=True`` is refused (torch records no checksums)."""
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, verify: bool = False) -> None:
         super().__init__(path, verify=verify)

@@ -23,14 +23,9 @@ __all__ = ["FileSystemWriter"]
 
 
 class FileSystemWriter(StorageWriter):
-    """Writes a checkpoint directory on a (local or shared) filesystem.
-
-    A save with a global view (collectives on, or one process) is atomic: data goes to a
-    staging directory beside the target, swapped in once ``.metadata`` is written there.
-    A multi-rank save with ``use_collectives=False`` writes in place, ``{rank}.metadata``
-    each.  Each rank's files are fsynced on a thread (:meth:`sync_written` waits);
-    ``sync_files=False`` skips the fsyncs (throwaway checkpoints only).
-    """
+    """Writes a checkpoint directory on a filesystem: atomically with a global view (in a
+    staging directory swapped in once ``.metadata`` is there), else in place with
+    ``{rank}.metadata`` each.  Files are fsynced on a thread unless ``sync_files=False``."""
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, sync_files: bool = True) -> None:
         self.path: Optional[Path] = Path(path) if path is not None else None
