@@ -1,7 +1,4 @@
-"""Every private torch API this package touches, so that a torch upgrade changes one file:
-:func:`dtensor_class`, :func:`dtensor_spec`, :func:`dtensor_local`, :func:`foreach_copy`,
-:func:`new_shared_storage`, :func:`cuda_host_register`, :func:`cuda_host_unregister`,
-:func:`default_store`."""
+"""Every private torch API this package touches, so that a torch upgrade changes one file."""
 
 from __future__ import annotations
 

@@ -51,9 +51,8 @@ class _PendingSlab:
 
 
 class StagingArena:
-    """Reusable staging slots for the pieces of the state dicts one process saves: one save
-    at a time, once the writer has written the previous one; :meth:`complete` may run on
-    another thread."""
+    """Reusable staging slots for one process's saves, one at a time (:meth:`complete` may
+    run on another thread)."""
 
     def __init__(self) -> None:
         self._slabs: dict[int, Slab] = {}
@@ -165,9 +164,8 @@ class StagingArena:
 
     def _assign_slots(self, wanted: list[tuple[BufferKey, int, torch.Tensor]], device_type: Optional[str],
                       defer: bool) -> tuple[int, int, int]:
-        """Give every wanted piece without a slot one in a new slab (allocated now unless
-        ``defer``) and release the slabs no wanted piece uses; returns the bytes reused, the
-        bytes allocated and the new slab's id (-1: none)."""
+        """Slot the new pieces in a new slab (allocated unless ``defer``), release unused slabs;
+        returns the bytes reused, the bytes allocated and the new slab's id (-1: none)."""
         missing = [(key, n) for key, n, _ in wanted if key not in self._slots]
         reused = sum(n for _, n, _ in wanted) - sum(n for _, n in missing)
         allocated = sum(align(n) for _, n in missing)

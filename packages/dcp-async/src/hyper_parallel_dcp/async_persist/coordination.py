@@ -143,9 +143,8 @@ class Outcomes:
                 for r in self._present(seq, "fail")}
 
     def wait_all(self, seq: int, what: str, deadline: float, phase: str) -> dict[int, str]:
-        """Wait until every rank published ``what`` (``ok``/``retired``) for ``seq``, or one
-        failed; returns the failures seen.  Raises :class:`CheckpointTimeoutError` naming
-        ``phase`` and the missing ranks once ``deadline`` (monotonic) passes."""
+        """Wait until every rank published ``what`` for ``seq``, or one failed (returned); past
+        ``deadline`` :class:`CheckpointTimeoutError` names ``phase`` and the missing ranks."""
         pause = _FIRST_PAUSE_S
         while True:
             failed = self.failures(seq)

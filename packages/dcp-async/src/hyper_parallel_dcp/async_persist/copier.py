@@ -1,6 +1,5 @@
 """``DataCopier``: how a non-tensor leaf is snapshotted while staging an async save (nothing
-staged may alias the caller's state, which training mutates as soon as ``async_save``
-returns).  Exports :class:`DataCopier` and :func:`host_copy`."""
+staged may alias the caller's state).  Exports :class:`DataCopier` and :func:`host_copy`."""
 
 from __future__ import annotations
 

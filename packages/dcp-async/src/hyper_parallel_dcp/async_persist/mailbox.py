@@ -1,7 +1,5 @@
-"""Collectives through files in the checkpoint directory (``async_save(use_gloo=False)``):
-``LOCAL_PLAN_{rank}.pkl``, ``STORAGE_DATA_{rank}.pkl`` and hidden ``.hp-dcp-*`` answers,
-each followed by a ``.done`` marker and carrying the save's tag, read with
-:mod:`.safe_pickle`.  Exports :class:`FileMailbox` and :class:`MailboxTimeoutError`."""
+"""Collectives through tagged files in the checkpoint directory (``async_save(use_gloo=False)``),
+each followed by a ``.done`` marker.  Exports :class:`FileMailbox`, :class:`MailboxTimeoutError`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""What the training process and its writer process send each other, and what the writer
-holds from earlier requests (left out of a request: :meth:`WriterMirror.send` makes the
-delta, :meth:`WriterHoldings.receive` undoes it).  Exports :data:`PING`, :class:`Mode`,
-:class:`SaveRequest`, :class:`SaveReply`, :class:`WriterMirror`, :class:`WriterHoldings`,
-:func:`clean_planner`, :func:`parent_cache_entry`."""
+"""What the training process and its writer process send each other; what the writer holds
+already is left out (:class:`WriterMirror`, :class:`WriterHoldings`).  Also exports
+:data:`PING`, :class:`Mode`, :class:`SaveRequest`, :class:`SaveReply`, :func:`clean_planner`,
+:func:`parent_cache_entry`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The writer process (``spawn``ed: no CUDA/NCCL state): maps the training process's slabs
-and runs :func:`hyper_parallel_dcp.core.pipeline.save_state_dict` on each staged save.
-Exports :func:`writer_main`, :func:`watch_parent`, :func:`wait_for_parent_exit`."""
+"""The ``spawn``ed writer process: maps the training process's slabs and runs ``save_state_dict``
+on each staged save.  Exports :func:`writer_main`, :func:`watch_parent`, :func:`wait_for_parent_exit`."""
 
 from __future__ import annotations
 
@@ -147,8 +146,7 @@ def watch_parent(parent_pid: int, in_flight: _InFlight) -> threading.Thread:
 
 
 def _leave(parent_pid: Optional[int]) -> None:
-    """Return from the writer's loop; with the training process gone, exit at once (tearing
-    torch down takes seconds, and an orphan has nothing to flush)."""
+    """Return from the writer's loop; with the training process gone, exit at once."""
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(0)
 

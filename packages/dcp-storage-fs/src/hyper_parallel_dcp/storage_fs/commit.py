@@ -27,9 +27,8 @@ __all__ = ["SaveLock", "commit_directory", "is_checkpoint_artifact", "remove_sta
 
 
 def remove_stale_staging(target: Path, keep: Optional[str] = None) -> list[Path]:
-    """Delete the staging and trash directories beside ``target`` (but save ``keep``'s,
-    which other ranks may be writing into); call holding its :class:`SaveLock`.  Returns
-    what was removed."""
+    """Delete the staging and trash directories beside ``target`` but ``keep``'s, holding its
+    :class:`SaveLock`; returns what was removed."""
     removed: list[Path] = []
     prefixes = stale_prefixes(target)
     kept = staging_dir(target, keep).name if keep is not None else None

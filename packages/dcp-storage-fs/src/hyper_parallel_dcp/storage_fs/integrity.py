@@ -1,6 +1,5 @@
-"""Is a checkpoint complete (:func:`check_complete`: metadata and ``stat`` only), intact
-(:func:`verify_checkpoint`: every checksum), and which is the newest complete one
-(:func:`find_latest_checkpoint`)."""
+"""Is a checkpoint complete (:func:`check_complete`), intact (:func:`verify_checkpoint`),
+and which is the newest complete one (:func:`find_latest_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -42,9 +41,8 @@ _MAX_PROBLEMS = 200
 
 @dataclass
 class CompletenessReport:
-    """Whether ``path`` holds a complete checkpoint: ``problems`` lists every reason it is
-    not; ``format_version`` and the parsed (merged) ``metadata`` are ``None`` when
-    unreadable; ``format`` is ``"hyper-parallel-dcp"`` or ``"torch-dcp"``."""
+    """Whether ``path`` holds a complete checkpoint, every reason it is not in ``problems``;
+    ``format`` is ``"hyper-parallel-dcp"`` or ``"torch-dcp"``."""
 
     path: Union[Path, str]
     complete: bool
@@ -123,8 +121,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
 
 
 def _parse_reporting(text: bytes, source: Union[Path, str], problems: list[str]) -> Metadata:
-    """The metadata in ``text``; one changed after the save (its digest no longer matches)
-    is a problem, and is read anyway so that the checks after it say what disagrees."""
+    """The metadata in ``text``; a digest mismatch is a problem, and it is read anyway."""
     try:
         return metadata_from_json(text, source=str(source))
     except CorruptCheckpointError as exc:

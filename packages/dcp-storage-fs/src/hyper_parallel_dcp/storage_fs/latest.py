@@ -22,10 +22,8 @@ FullCheck = Callable[[CheckpointFiles], bool]
 
 
 def metadata_complete(location: Location, full_check: Optional[FullCheck] = None) -> bool:
-    """Whether ``location`` has a ``.metadata`` that parses as JSON of a format version this
-    code reads (no digest check, no other file read).  What JSON cannot tell, a torch DCP
-    pickle or ``{rank}.metadata`` files without ``.metadata``, ``full_check`` decides
-    (``False`` without one)."""
+    """Whether ``location``'s ``.metadata`` parses as JSON of a known format version; what JSON
+    cannot tell (torch DCP, ``{rank}.metadata``) ``full_check`` decides (``False`` without)."""
     files = as_checkpoint_files(location)
     try:
         text = files.read(METADATA_FILE)

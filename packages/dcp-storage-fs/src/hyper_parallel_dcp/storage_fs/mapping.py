@@ -73,9 +73,8 @@ def _bytes_at(addr: int, size: int) -> torch.Tensor:
 
 
 class MappingArena:
-    """One reservation of address space in which a reader maps its files (``MAP_FIXED``),
-    each in a slot of the same size, aligned to ``FOLIO_ALIGN``: the row blocks of a
-    column slice then lie evenly spaced and ``PendingCopies`` copies them as one."""
+    """One address-space reservation holding a reader's files in equal ``FOLIO_ALIGN`` slots,
+    so that a column slice's row blocks lie evenly spaced (copied as one)."""
 
     def __init__(self, base: int, slot_bytes: int, slots: int, reserved: tuple[int, int]) -> None:
         self.base = base

@@ -1,6 +1,5 @@
-"""Reading a checkpoint's metadata from any location: :func:`read_stored_metadata` (what
-one rank reads and the load broadcasts), :meth:`StoredMetadata.parse` (on every rank),
-:func:`load_checkpoint_metadata` (both), :func:`chunk_sizes` (a stored chunk's shape)."""
+"""Reading a checkpoint's metadata from any location: :func:`read_stored_metadata` (one
+rank; broadcast), :meth:`StoredMetadata.parse` (every rank), :func:`load_checkpoint_metadata`, :func:`chunk_sizes`."""
 
 from __future__ import annotations
 

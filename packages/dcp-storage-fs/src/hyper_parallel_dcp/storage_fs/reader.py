@@ -276,8 +276,7 @@ class FileSystemReader(StorageReader):
         return stored
 
     def metadata_from_payload(self, payload: StoredMetadata) -> Metadata:
-        """Parse the coordinator's bytes, after checking that this rank sees the checkpoint
-        (:class:`CheckpointNotFoundError` naming its path otherwise)."""
+        """Parse the coordinator's bytes (:class:`CheckpointNotFoundError` unless this rank sees the checkpoint)."""
         root = self._root()
         if not root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
@@ -363,8 +362,7 @@ class FileSystemReader(StorageReader):
         self._arena_tried = False
 
     def _read_many(self, reads: Iterable[tuple[ReadItem, _Region]]) -> None:
-        """Start each read (done, or queued in a sink for :meth:`_finish_pending`); with
-        ``offset``, the slice goes into ``dest.as_strided(item.lengths, dest_strides, offset)``."""
+        """Start each read (done, or queued in a sink for :meth:`_finish_pending`)."""
         locator, open_file = self.chunks(), self._file
         adjacent, device_reads, copies = self._reads, self._device_reads, self._copies
         metadata = self.metadata

@@ -1,6 +1,5 @@
-"""``TorchDCPReader``: loads checkpoints written by ``torch.distributed.checkpoint``;
-:class:`DirectoryReader`, a directory's reader that becomes one when a load finds a torch DCP
-``.metadata``; :func:`storage_reader_for_path`, which picks either by looking at the file."""
+"""Loading checkpoints written by ``torch.distributed.checkpoint``: :class:`TorchDCPReader`,
+:class:`DirectoryReader` and :func:`storage_reader_for_path`."""
 
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ class TorchDCPReader(FileSystemReader):
         self._parsed = None
 
     def _parse(self, raw: Optional[bytes] = None) -> tuple[Metadata, _Transforms]:
-        """The translated metadata (of ``raw``, the bytes of ``.metadata`` when given),
-        parsed again only when ``.metadata`` changed."""
+        """The translated metadata (of ``raw`` when given), parsed again only when it changed."""
         try:
             st = os.stat(self._root() / METADATA_FILE)
             key: Optional[tuple[int, int, int]] = (st.st_ino, st.st_size, st.st_mtime_ns)

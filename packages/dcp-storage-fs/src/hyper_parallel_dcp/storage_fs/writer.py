@@ -69,8 +69,8 @@ class FileSystemWriter(StorageWriter):
         self._release_lock()
 
     def _ensure_lock(self) -> None:
-        """Take the save lock (coordinator of an atomic save), once per save; called inside
-        the pipeline's failure-propagating steps, so a refusal is raised on every rank."""
+        """Take the save lock (coordinator of an atomic save) once per save, inside a
+        failure-propagating step so that a refusal is raised on every rank."""
         if not (self.atomic and self.is_coordinator) or self._lock is not None:
             return
         lock = SaveLock(self._target())
