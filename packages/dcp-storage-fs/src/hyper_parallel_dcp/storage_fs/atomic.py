@@ -3,6 +3,7 @@ writer of the project: a reader sees the old file or the complete new one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import BinaryIO, Callable, Union
@@ -46,14 +47,10 @@ class PendingFile:
 
     def discard(self) -> None:
         """Close and remove the temp file (nothing of it stays)."""
-        try:
+        with contextlib.suppress(OSError):
             self._file.close()
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(OSError):
             self.tmp.unlink()
-        except OSError:
-            pass
 
 
 def write_file_pending(path: Union[str, os.PathLike], write: Callable[[BinaryIO], object], *,
@@ -74,10 +71,8 @@ def write_file_pending(path: Union[str, os.PathLike], write: Callable[[BinaryIO]
                 f.close()
             except OSError:
                 pass  # the write's own error is the one to report
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink()
-        except OSError:
-            pass
         _raise_naming(exc, path)
         raise
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -59,10 +60,8 @@ class SaveLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 holder = ""
-                try:
+                with contextlib.suppress(OSError):
                     holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-                except OSError:
-                    pass
                 os.close(fd)
                 if exc.errno in (errno.EAGAIN, errno.EACCES):
                     raise ConcurrentSaveError(
@@ -86,10 +85,8 @@ class SaveLock:
     def release(self) -> None:
         if self.fd is not None:
             try:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)  # while still locked: leave no lock file behind
-                except FileNotFoundError:
-                    pass
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             finally:
                 os.close(self.fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -108,10 +109,7 @@ class FileSystemWriter(StorageWriter):
                     if match and int(match.group(1)) >= self.world_size:
                         stale_files.append(Path(entry.path))
             for stale in stale_files:
-                try:
-                    stale.unlink()  # the directory no longer holds that checkpoint
-                except FileNotFoundError:
-                    pass
+                stale.unlink(missing_ok=True)  # the directory no longer holds that checkpoint
         # the page cache of the files this save replaces is freed to write into (the files
         # stay whole until the swap; docs/perf/storage.md)
         for name in (tensors_file_name(self.rank), objects_file_name(self.rank)):
@@ -189,10 +187,8 @@ class FileSystemWriter(StorageWriter):
 
     def abort(self, error: BaseException) -> None:
         try:
-            try:
+            with contextlib.suppress(OSError):
                 self.sync_written()  # nothing may still be renaming into the directory removed below
-            except OSError:
-                pass
             self._discard_prepared()
             if self.atomic and self.is_coordinator and self._save_id is not None:
                 shutil.rmtree(self._data_dir(), ignore_errors=True)
