@@ -1,7 +1,4 @@
-"""Every private torch API this package touches, so that a torch upgrade changes one file:
-:func:`dtensor_class`, :func:`dtensor_spec`, :func:`dtensor_local`, :func:`foreach_copy`,
-:func:`new_shared_storage`, :func:`cuda_host_register`, :func:`cuda_host_unregister`,
-:func:`default_store`."""
+"""Every private torch API this package touches, so that a torch upgrade changes one file."""
 
 from __future__ import annotations
 
@@ -38,11 +35,9 @@ def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blockin
 
 
 def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
-    """Fresh shared memory of ``nbytes`` bytes, its pages allocated, as a storage that pickles
-    to another process as its file descriptor (or name), not as its bytes.
-    A memfd allocated by ``os.posix_fallocate``, which releases the GIL (``_new_shared``
-    holds it), mapped as torch maps a received descriptor; without memfd, or with the
-    ``file_system`` sharing strategy, ``UntypedStorage._new_shared``."""
+    """Fresh shared memory of ``nbytes`` bytes, allocated, as a storage that pickles as its
+    file descriptor: a memfd filled by ``os.posix_fallocate`` (which releases the GIL),
+    else ``UntypedStorage._new_shared``."""
     import torch.multiprocessing as torch_mp
 
     memfd_create = getattr(os, "memfd_create", None)

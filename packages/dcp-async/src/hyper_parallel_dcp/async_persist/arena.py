@@ -1,9 +1,6 @@
-"""The staging arena: one device → host copy of every tensor piece into reusable slots.
-
-A piece's slot is keyed by ``(fqn, offsets, sizes, dtype)``: a later save of the same
-pieces copies into the same slots; a new host slab is filled off the caller's path (fresh
-shared pages fault on first write).  Exports :data:`BufferKey`, :class:`StagingStats`,
-:class:`StagingArena`."""
+"""The staging arena: one device → host copy of every tensor piece into reusable slots,
+keyed by ``(fqn, offsets, sizes, dtype)``.  Exports :data:`BufferKey`,
+:class:`StagingStats`, :class:`StagingArena`."""
 
 from __future__ import annotations
 
@@ -54,9 +51,8 @@ class _PendingSlab:
 
 
 class StagingArena:
-    """Reusable staging slots for the pieces of the state dicts one process saves: one save
-    at a time, once the writer has written the previous one; :meth:`complete` may run on
-    another thread."""
+    """Reusable staging slots for one process's saves, one at a time (:meth:`complete` may
+    run on another thread)."""
 
     def __init__(self) -> None:
         self._slabs: dict[int, Slab] = {}
@@ -79,11 +75,9 @@ class StagingArena:
         return {k: self._slabs[sid].buffer.data_ptr() + off for k, (sid, off) in self._slots.items()}
 
     def stage(self, state_dict: dict[str, Any]) -> tuple[StagedStateDict, StagingStats]:
-        """Copy every tensor piece of ``state_dict`` into its slot and every other leaf with
-        :class:`DataCopier`; returns the description for the writer and what was done.
-        The staged data no longer depends on ``state_dict`` (which is not modified); a new
-        host slab is filled by :meth:`complete`.  Raises what :func:`to_tensor_shards`
-        raises (e.g. for a ``Partial`` DTensor) and what a :class:`DataCopier` handler raises."""
+        """Copy every tensor piece of ``state_dict`` into its slot, every other leaf with
+        :class:`DataCopier`; returns the writer's description and the stats.  Raises what
+        :func:`to_tensor_shards` or a :class:`DataCopier` handler raises."""
         self.complete()
         flat, _ = flatten_state_dict(state_dict, is_tensor_leaf)
         layout = self._layout
@@ -170,9 +164,8 @@ class StagingArena:
 
     def _assign_slots(self, wanted: list[tuple[BufferKey, int, torch.Tensor]], device_type: Optional[str],
                       defer: bool) -> tuple[int, int, int]:
-        """Give every wanted piece without a slot one in a new slab (allocated now unless
-        ``defer``) and release the slabs no wanted piece uses; returns the bytes reused, the
-        bytes allocated and the new slab's id (-1: none)."""
+        """Slot the new pieces in a new slab (allocated unless ``defer``), release unused slabs;
+        returns the bytes reused, the bytes allocated and the new slab's id (-1: none)."""
         missing = [(key, n) for key, n, _ in wanted if key not in self._slots]
         reused = sum(n for _, n, _ in wanted) - sum(n for _, n in missing)
         allocated = sum(align(n) for _, n in missing)
@@ -193,9 +186,8 @@ class StagingArena:
 
     def complete(self) -> None:
         """Allocate the slab a staging left pending and move its pieces there, in batches of
-        about :data:`_FILL_BATCH_BYTES`, each batch's private copies freed and the heap
-        trimmed before the next (else the new slab takes pages never touched: ~5x slower).
-        Called before the writer maps the slabs (and by anything that reads them)."""
+        :data:`_FILL_BATCH_BYTES`, trimming the heap between them (docs/perf); called
+        before the writer maps the slabs."""
         with self._pending_lock:
             pending, self._pending = self._pending, None
             if pending is None:

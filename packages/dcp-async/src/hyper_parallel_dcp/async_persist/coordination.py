@@ -1,11 +1,9 @@
-"""How the writer processes of one save coordinate, and how every rank learns every rank's
-outcome of it: a dead writer's training process publishes its failure on an
-:class:`Outcomes` board in the job's store, which the other ranks poll while their writer
-works.  Keys, under ``hp-dcp/async/<session>/<group>/<seq>/``: ``fail`` (a counter),
-``fail/<rank>`` (the error text), ``ok/<rank>``, ``retired/<rank>`` (that writer is gone).
-
-Exports :func:`choose_mode`, :func:`gloo_init_method`, :func:`mailbox_session`,
-:func:`outcome_board`, :class:`Outcomes`, :func:`others_failed`, :func:`remote_failure`, :data:`POLL_S`."""
+"""How one save's writer processes coordinate, and how every rank learns every rank's
+outcome: an :class:`Outcomes` board in the job's store, keys under
+``hp-dcp/async/<session>/<group>/<seq>/``: ``fail`` (a counter), ``fail/<rank>`` (the
+error), ``ok/<rank>``, ``retired/<rank>``.  Exports :func:`choose_mode`,
+:func:`gloo_init_method`, :func:`mailbox_session`, :func:`outcome_board`,
+:class:`Outcomes`, :func:`others_failed`, :func:`remote_failure`, :data:`POLL_S`."""
 
 from __future__ import annotations
 
@@ -60,10 +58,8 @@ def gloo_init_method() -> str:
 
 def choose_mode(*, no_dist: bool, world_size: int, use_collectives: bool, use_gloo: bool,
                 target: Any) -> tuple[Mode, Optional[str]]:
-    """The :class:`Mode` of a save and, for ``FILES``, its mailbox directory ``target`` (the
-    checkpoint directory).  Several ranks saving to a URL (``s3://``) use ``GLOO`` without
-    ``use_gloo``: a bucket is no place for a mailbox that is polled.  ``ValueError`` for
-    ``FILES`` without a ``target``."""
+    """The :class:`Mode` of a save and, for ``FILES``, its mailbox directory ``target``; a
+    URL (``s3://``) gets ``GLOO``.  ``ValueError`` for ``FILES`` without a ``target``."""
     if no_dist or world_size == 1:
         return Mode.LOCAL, None
     if not use_collectives:
@@ -77,9 +73,8 @@ def choose_mode(*, no_dist: bool, world_size: int, use_collectives: bool, use_gl
 
 
 def mailbox_session() -> str:
-    """A token equal on all ranks and new for each training job (and elastic restart): the
-    first one proposed to the job's store (``compare_set``; no rank waits for another),
-    else the launcher's run id."""
+    """A token equal on all ranks and new for each job (and restart): the first proposed
+    to the job's store (``compare_set``), else the launcher's run id."""
     token = ""
     try:
         import torch.distributed as dist
@@ -148,9 +143,8 @@ class Outcomes:
                 for r in self._present(seq, "fail")}
 
     def wait_all(self, seq: int, what: str, deadline: float, phase: str) -> dict[int, str]:
-        """Wait until every rank published ``what`` (``ok``/``retired``) for ``seq``, or one
-        failed; returns the failures seen.  Raises :class:`CheckpointTimeoutError` naming
-        ``phase`` and the missing ranks once ``deadline`` (monotonic) passes."""
+        """Wait until every rank published ``what`` for ``seq``, or one failed (returned); past
+        ``deadline`` :class:`CheckpointTimeoutError` names ``phase`` and the missing ranks."""
         pause = _FIRST_PAUSE_S
         while True:
             failed = self.failures(seq)

@@ -1,6 +1,5 @@
 """``DataCopier``: how a non-tensor leaf is snapshotted while staging an async save (nothing
-staged may alias the caller's state, which training mutates as soon as ``async_save``
-returns).  Exports :class:`DataCopier` and :func:`host_copy`."""
+staged may alias the caller's state).  Exports :class:`DataCopier` and :func:`host_copy`."""
 
 from __future__ import annotations
 
@@ -42,11 +41,9 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class DataCopier:
-    """Registry of staging copy functions, dispatched by type.
-
-    ``@DataCopier.register(MyState)`` registers ``fn(obj) -> host copy``; ``copy(obj)``
-    uses the handler of ``type(obj)``, else of its most derived registered base, else
-    ``copy.deepcopy`` (warning once per type).  Tensors (DTensor included) get host copies."""
+    """Registry of staging copy functions: ``@DataCopier.register(MyState)`` registers
+    ``fn(obj) -> host copy``; ``copy(obj)`` uses the handler of ``type(obj)`` or its most
+    derived registered base, else ``copy.deepcopy`` (warning once per type)."""
 
     _handlers: dict[type, CopyFn] = {}
     _warned: set[type] = set()

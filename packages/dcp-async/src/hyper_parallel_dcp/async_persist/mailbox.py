@@ -1,7 +1,5 @@
-"""Collectives through files in the checkpoint directory (``async_save(use_gloo=False)``):
-``LOCAL_PLAN_{rank}.pkl``, ``STORAGE_DATA_{rank}.pkl`` and hidden ``.hp-dcp-*`` answers,
-each followed by a ``.done`` marker and carrying the save's tag, read with
-:mod:`.safe_pickle`.  Exports :class:`FileMailbox` and :class:`MailboxTimeoutError`."""
+"""Collectives through tagged files in the checkpoint directory (``async_save(use_gloo=False)``),
+each followed by a ``.done`` marker.  Exports :class:`FileMailbox`, :class:`MailboxTimeoutError`."""
 
 from __future__ import annotations
 
@@ -41,10 +39,9 @@ class MailboxTimeoutError(TimeoutError):
 
 
 class FileMailbox(DistWrapper):
-    """A :class:`DistWrapper` whose object collectives go through files in ``directory``.
-    ``tag``: equal on all ranks for one save, different between saves.  A read waits at
-    most ``timeout`` seconds for a rank's file, then raises :class:`MailboxTimeoutError`
-    naming the rank and the file."""
+    """A :class:`DistWrapper` whose object collectives go through files in ``directory``
+    (``tag``: one per save); a read waits ``timeout`` s for a rank's file, then raises
+    :class:`MailboxTimeoutError` naming the rank and the file."""
 
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, tag: str, *,
                  coordinator_rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S):
@@ -136,9 +133,8 @@ class FileMailbox(DistWrapper):
             self._gather("barrier", True)
 
     def finish(self, ack_timeout: float = 60.0) -> None:
-        """Remove this save's mailbox files once every rank has read the last answer: the
-        coordinator waits for the others' acknowledgements (at most ``ack_timeout`` s),
-        then deletes them.  Never raises for a missing file."""
+        """Remove this save's mailbox files once every rank acknowledged the last answer (the
+        coordinator waits ``ack_timeout`` s at most); a missing file is no error."""
         if not self.use_dist:
             return
         if not self.is_coordinator:

@@ -1,8 +1,6 @@
 """``async_save``: stage now in the training process, persist in the writer process.
 
-One :class:`_Persister` per process owns the staging arena, the writer process and the
-save in flight.  Exports :func:`async_save`, :class:`AsyncSaveResponse`,
-:func:`start_writer`, :func:`shutdown_writer`."""
+Exports :func:`async_save`, :class:`AsyncSaveResponse`, :func:`start_writer`, :func:`shutdown_writer`."""
 
 from __future__ import annotations
 
@@ -68,10 +66,8 @@ class _Future(concurrent.futures.Future):
 
 
 class AsyncSaveResponse:
-    """Handle of one async save: ``persist_completion``, a ``Future[Metadata]`` resolved once
-    the checkpoint has landed (after ``callback`` ran) or failed with the writer's error;
-    ``staging`` (what staging did); ``cache_hit`` (True/False once landed, with the
-    standard planner); ``writer_pid``."""
+    """Handle of one async save: ``persist_completion`` (a ``Future[Metadata]``, resolved
+    once landed and ``callback`` ran, or failed), ``staging``, ``cache_hit``, ``writer_pid``."""
 
     def __init__(self, checkpoint_id: Optional[str], staging: StagingStats, writer_pid: int):
         self._future = _Future()
@@ -84,8 +80,7 @@ class AsyncSaveResponse:
         self._thread: Optional[threading.Thread] = None
 
     def get_result(self, timeout: Optional[float] = None) -> Metadata:
-        """The global metadata once landed; raises the writer's error (original message),
-        :class:`AsyncSaveError` when the writer died, or ``concurrent.futures.TimeoutError``."""
+        """The global metadata once landed; raises the writer's error or ``TimeoutError``."""
         return self.persist_completion.result(timeout)
 
     def done(self) -> bool:
@@ -219,8 +214,7 @@ class _Persister:
                         rank: int) -> AsyncSaveResponse:
         writer = self.writer
         if writer is not None and writer.failed_starting():
-            # start_writer()'s writer died of its own error (an unguarded script under
-            # spawn, which a new writer would repeat): said now; a killed one is replaced
+            # start_writer()'s writer died of its own error, which a new one would repeat
             self.writer = None
             writer.close()
             raise AsyncSaveError(writer.death_message(None, starting=True, saving=False)
@@ -246,8 +240,7 @@ class _Persister:
         seq = request.seq
         delivered = False
         try:
-            # off the caller's path: filling a pending slab, and a send that a writer still
-            # importing torch would block
+            # off the caller's path: filling a pending slab, and a send a starting writer blocks
             self.arena.complete()
             try:
                 writer.mirror.send(writer.conn, request, self.arena.slabs)
@@ -273,8 +266,7 @@ class _Persister:
             if board is not None and not (isinstance(exc, AsyncSaveError) and exc.failed_ranks):
                 board.publish_failure(seq, "".join(traceback.format_exception_only(type(exc), exc)).strip())
             if board is not None or not delivered:
-                # a writer of a failed coordinated save may wait for a dead peer, and one
-                # that missed a request holds other slabs than we think: start afresh
+                # it may wait for a dead peer, or hold other slabs than we think
                 self._retire(writer, seq, board)
             response._future.set_exception(exc)
             return
@@ -288,8 +280,7 @@ class _Persister:
     @staticmethod
     def _landed(reply: SaveReply, writer: WriterProcess, board: Optional[Outcomes],
                 checkpoint_id: Optional[str]) -> Metadata:
-        """The metadata of a save that landed on every rank; else raises the writer's error, or
-        the failure of the rank that caused it."""
+        """The metadata of a save landed on every rank; else raises the error of the rank that failed."""
         seq = reply.seq
         if reply.metadata is None:
             exc = reply.error if reply.error is not None else AsyncSaveError(reply.error_text or "no metadata")
@@ -330,22 +321,20 @@ def async_save(
 ) -> AsyncSaveResponse:
     """Stage ``state_dict`` to host memory now; plan, coordinate and write in a background process.
 
-    On return every tensor has been copied into reusable shared host buffers and every
-    other leaf with :class:`DataCopier`: the caller may overwrite anything in
-    ``state_dict`` (not modified).  The writer process runs the same pipeline as
-    :func:`save`; the :class:`AsyncSaveResponse` resolves to the global :class:`Metadata`
-    once the checkpoint has landed and ``callback()`` ran (its exceptions are logged).  A
-    call while a save is in flight first waits for it.  Coordination: ``use_gloo=True`` →
-    a CPU gloo group of the writers (needs ``MASTER_ADDR``/``MASTER_PORT``, else
-    ``AssertionError``; port ``MASTER_PORT + 1`` or ``$HP_DCP_ASYNC_GLOO_PORT``);
+    On return every leaf is copied (tensors into reusable shared host buffers, the rest
+    with :class:`DataCopier`): the caller may overwrite ``state_dict``.  The response
+    resolves to the global :class:`Metadata` once the checkpoint landed and ``callback()``
+    ran (its exceptions are logged); a call while a save is in flight first waits for it.
+    Coordination: ``use_gloo=True`` → a gloo group of the writers (``MASTER_ADDR`` and
+    ``MASTER_PORT + 1`` or ``$HP_DCP_ASYNC_GLOO_PORT``, else ``AssertionError``);
     ``use_gloo=False`` → ``LOCAL_PLAN_{rank}.pkl`` / ``STORAGE_DATA_{rank}.pkl`` files in
-    the checkpoint directory (needs ``checkpoint_id``), or to a URL (``s3://``) the gloo group; ``use_collectives=False`` → none,
-    ``{rank}.metadata`` each.  With collectives every rank (of ``process_group``, when
-    given) must call.  A ``Stateful`` leaf is saved as its state dict.
+    the checkpoint directory (a URL such as ``s3://`` uses the gloo group);
+    ``use_collectives=False`` → ``{rank}.metadata`` each.  With collectives every rank (of
+    ``process_group``) must call.  A ``Stateful`` leaf is saved as its state dict.
 
-    Raises here: ``ValueError`` without a destination, ``AssertionError`` as above, and
-    staging errors (e.g. :class:`UnsupportedPlacementError`); the writer's errors (original
-    message), or :class:`AsyncSaveError` when it died, come through the future."""
+    Raises ``ValueError`` without a destination, ``AssertionError`` as above and staging
+    errors here; the writer's errors, or :class:`AsyncSaveError` when it died, come
+    through the future."""
     return _persister.submit(
         state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
         no_dist=no_dist, use_collectives=use_collectives, use_gloo=use_gloo, callback=callback,
@@ -354,16 +343,12 @@ def async_save(
 
 
 def start_writer(wait: bool = False, timeout: Optional[float] = None) -> None:
-    """Start this process's async writer process now (else the first :func:`async_save`
-    does, and its landing waits for the writer to import torch).
-
-    A no-op while a writer is running.  Returns at once, or with ``wait=True`` once the
-    writer is ready (at most ``timeout`` seconds: else :class:`CheckpointTimeoutError`;
-    :class:`AsyncSaveError` if it died starting)."""
+    """Start this process's writer process now (else the first :func:`async_save` does); a
+    no-op while one runs.  ``wait=True``: return once it is ready, within ``timeout`` s
+    (else :class:`CheckpointTimeoutError`; :class:`AsyncSaveError` if it died starting)."""
     _persister.prestart(wait, timeout)
 
 
 def shutdown_writer() -> None:
-    """Wait for the save in flight, stop the writer process and free the staging memory (the
-    next :func:`async_save` starts a new writer); a no-op when none was started."""
+    """Wait for the save in flight, stop the writer process and free the staging memory."""
     _persister.shutdown()

@@ -1,8 +1,7 @@
-"""What the training process and its writer process send each other, and what the writer
-holds from earlier requests (left out of a request: :meth:`WriterMirror.send` makes the
-delta, :meth:`WriterHoldings.receive` undoes it).  Exports :data:`PING`, :class:`Mode`,
-:class:`SaveRequest`, :class:`SaveReply`, :class:`WriterMirror`, :class:`WriterHoldings`,
-:func:`clean_planner`, :func:`parent_cache_entry`."""
+"""What the training process and its writer process send each other; what the writer holds
+already is left out (:class:`WriterMirror`, :class:`WriterHoldings`).  Also exports
+:data:`PING`, :class:`Mode`, :class:`SaveRequest`, :class:`SaveReply`, :func:`clean_planner`,
+:func:`parent_cache_entry`."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ class Mode(enum.Enum):
 
 @dataclass
 class SaveRequest:
-    """One save for the writer process.  ``cache``: the training process's plan-cache entry;
-    ``save_suffix`` goes after a cached plan's save_id (a restarted writer never reuses an
-    earlier save's staging directory name)."""
+    """One save for the writer process; ``cache``: the plan-cache entry; ``save_suffix`` goes
+    after a cached plan's save_id."""
 
     seq: int
     storage_writer: StorageWriter
@@ -82,9 +80,8 @@ class WriterMirror:
         self.cache: dict[Any, Any] = {}  # plan-cache key -> the entry object of this process's cache
 
     def send(self, conn: Any, request: SaveRequest, slabs: dict[int, torch.Tensor]) -> None:
-        """Send ``request`` with the ``slabs`` the writer lacks and without the plan-cache
-        entry it holds, then note what it holds; raises what ``conn.send`` raises (and then
-        changes nothing)."""
+        """Send ``request`` with the ``slabs`` the writer lacks, without the plan-cache entry
+        it holds, then note what it holds (nothing when ``conn.send`` raises)."""
         cache, held = request.cache, False
         if cache is not None and cache[1] is not None and self.cache.get(cache[0]) is cache[1]:
             cache, held = (cache[0], None), True

@@ -121,12 +121,10 @@ _PACK_TOTAL_BYTES = 64 << 20
 
 
 class DevicePack:
-    """A repeated save's small device pieces, gathered on the device into a scratch buffer
-    that mirrors their slots byte for byte, then sent to the host in one copy per run of
-    adjacent slots (each device -> host copy costs microseconds to launch).
-    Pieces over :data:`_PACK_PIECE_BYTES`, past the :data:`_PACK_TOTAL_BYTES` budget, or
-    alone in their run are copied one by one.  ``host_sources=True`` gathers host pieces
-    too (the tests drive it that way)."""
+    """A repeated save's small device pieces, gathered into a device buffer mirroring their
+    slots, then copied to the host in one copy per run of adjacent slots.  Large pieces,
+    those past the budget and lone ones are copied one by one; ``host_sources=True``
+    gathers host pieces too (for the tests)."""
 
     def __init__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, host_sources: bool = False) -> None:
         small: list[tuple[int, int, int]] = []  # (slab address, byte offset in the slab, position)

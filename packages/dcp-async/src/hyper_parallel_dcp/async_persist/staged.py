@@ -1,6 +1,5 @@
-"""The staged state dict as the writer process receives it (slab ids and byte offsets, no
-tensor data) and :func:`materialize`.  Exports :data:`PieceRef`, :class:`StagedStateDict`,
-:func:`materialize`."""
+"""The staged state dict as the writer receives it (slab offsets, no tensor data):
+:data:`PieceRef`, :class:`StagedStateDict`, :func:`materialize`."""
 
 from __future__ import annotations
 

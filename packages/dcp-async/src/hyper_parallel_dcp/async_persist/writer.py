@@ -1,6 +1,5 @@
-"""The writer process (``spawn``ed: no CUDA/NCCL state): maps the training process's slabs
-and runs :func:`hyper_parallel_dcp.core.pipeline.save_state_dict` on each staged save.
-Exports :func:`writer_main`, :func:`watch_parent`, :func:`wait_for_parent_exit`."""
+"""The ``spawn``ed writer process: maps the training process's slabs and runs ``save_state_dict``
+on each staged save.  Exports :func:`writer_main`, :func:`watch_parent`, :func:`wait_for_parent_exit`."""
 
 from __future__ import annotations
 
@@ -104,10 +103,8 @@ PARENT_POLL_S = 0.25
 
 
 def wait_for_parent_exit(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
-    """Return once the process ``parent_pid`` (this process's parent) is gone: a pidfd of
-    it where there is one, else a look every ``poll_s`` seconds whether this process was
-    re-parented.  (The pipe may live on in a process the trainer forks later;
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that started the writer exits.)"""
+    """Return once the parent process ``parent_pid`` is gone (a pidfd, else a look every
+    ``poll_s`` seconds whether this process was re-parented)."""
     try:
         pidfd = os.pidfd_open(parent_pid) if hasattr(os, "pidfd_open") else None
     except OSError:
@@ -131,9 +128,8 @@ class _InFlight:
 
 
 def watch_parent(parent_pid: int, in_flight: _InFlight) -> threading.Thread:
-    """Start a daemon thread that ends this process soon after ``parent_pid`` is gone: an
-    orphan abandons its save, as a crash would (finishing could commit it under a
-    restarted job)."""
+    """Start a daemon thread that ends this process soon after ``parent_pid`` is gone (an
+    orphan abandons its save, as a crash would)."""
 
     def run() -> None:
         wait_for_parent_exit(parent_pid)
@@ -150,8 +146,7 @@ def watch_parent(parent_pid: int, in_flight: _InFlight) -> threading.Thread:
 
 
 def _leave(parent_pid: Optional[int]) -> None:
-    """Return from the writer's loop; with the training process gone, exit at once (tearing
-    torch down takes seconds, and an orphan has nothing to flush)."""
+    """Return from the writer's loop; with the training process gone, exit at once."""
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(0)
 

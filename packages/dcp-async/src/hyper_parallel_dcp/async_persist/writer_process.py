@@ -80,9 +80,8 @@ class WriterProcess:
         self.fresh = False
 
     def await_reply(self, board: Optional[Outcomes], seq: int, timeout_s: float) -> Optional[SaveReply]:
-        """The writer's reply, or ``None`` if it died first.  Raises :class:`AsyncSaveError` as
-        soon as another rank on ``board`` reports a failure of save ``seq``, and
-        :class:`CheckpointTimeoutError` without a reply within ``timeout_s`` and a grace period."""
+        """The writer's reply, or ``None`` if it died first; :class:`AsyncSaveError` once another
+        rank on ``board`` fails save ``seq``, :class:`CheckpointTimeoutError` past ``timeout_s``."""
         deadline = time.monotonic() + timeout_s + _REPLY_GRACE_S
         while True:
             ready = mp_connection.wait([self.conn, self.proc.sentinel], timeout=POLL_S if board is not None else 1.0)

@@ -3,6 +3,7 @@ writer of the project: a reader sees the old file or the complete new one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import BinaryIO, Callable, Union
@@ -14,13 +15,9 @@ __all__ = ["TMP_SUFFIX", "PendingFile", "fsync_dir", "write_file_atomic", "write
 
 def write_file_atomic(path: Union[str, os.PathLike], write: Callable[[BinaryIO], object], sync: bool = True, *,
                       unique_temp: bool = False) -> int:
-    """Write ``path`` through ``write(f)`` into a temp file, fsync it (``sync``), rename it
-    over ``path``; returns the file's size.
-
-    ``unique_temp``: the process id in the temp name (several writers; the last rename
-    wins).  On failure the temp file is removed, ``path`` untouched, and an ``OSError``
-    re-raised as one of the same class naming ``path``.
-    """
+    """Write ``path`` through ``write(f)`` into a temp file (the process id in its name with
+    ``unique_temp``), fsync it (``sync``), rename it over ``path``; returns its size.  On
+    failure the temp file is removed and an ``OSError`` re-raised naming ``path``."""
     pending = write_file_pending(path, write, unique_temp=unique_temp)
     pending.finish(sync)
     return pending.size
@@ -50,14 +47,10 @@ class PendingFile:
 
     def discard(self) -> None:
         """Close and remove the temp file (nothing of it stays)."""
-        try:
+        with contextlib.suppress(OSError):
             self._file.close()
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(OSError):
             self.tmp.unlink()
-        except OSError:
-            pass
 
 
 def write_file_pending(path: Union[str, os.PathLike], write: Callable[[BinaryIO], object], *,
@@ -78,10 +71,8 @@ def write_file_pending(path: Union[str, os.PathLike], write: Callable[[BinaryIO]
                 f.close()
             except OSError:
                 pass  # the write's own error is the one to report
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink()
-        except OSError:
-            pass
         _raise_naming(exc, path)
         raise
 

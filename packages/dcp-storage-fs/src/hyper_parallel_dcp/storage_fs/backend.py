@@ -1,6 +1,5 @@
-"""The filesystem backend of the scheme registry: :data:`BACKEND`, for plain paths and
-``file://`` URLs.  The reader and writer modules load on first use: listing a location's
-files imports no torch."""
+"""The filesystem backend of the scheme registry (:data:`BACKEND`): plain paths and
+``file://`` URLs; reader and writer load on first use."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""Crash-safe commit of a checkpoint directory, and the lock against concurrent saves.
-
-:func:`commit_directory` puts a complete staging directory in place of the target in
-one step (``renameat2(RENAME_EXCHANGE)`` where the kernel has it): after a crash either
-the old or the new checkpoint is at the target path.  The replaced one is deleted on a
-background thread (:func:`wait_for_removals`); what a killed process leaves, the next
-save removes (:func:`remove_stale_staging`).  :class:`SaveLock` refuses a second save.
-"""
+"""Crash-safe commit of a checkpoint directory: :func:`commit_directory` (one
+``renameat2(RENAME_EXCHANGE)`` where the kernel has it), :func:`wait_for_removals`,
+:func:`remove_stale_staging`, and :class:`SaveLock` against concurrent saves."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import json
@@ -32,9 +28,8 @@ __all__ = ["SaveLock", "commit_directory", "is_checkpoint_artifact", "remove_sta
 
 
 def remove_stale_staging(target: Path, keep: Optional[str] = None) -> list[Path]:
-    """Delete the staging and trash directories beside ``target`` (but save ``keep``'s,
-    which other ranks may be writing into); call holding its :class:`SaveLock`.  Returns
-    what was removed."""
+    """Delete the staging and trash directories beside ``target`` but ``keep``'s, holding its
+    :class:`SaveLock`; returns what was removed."""
     removed: list[Path] = []
     prefixes = stale_prefixes(target)
     kept = staging_dir(target, keep).name if keep is not None else None
@@ -65,10 +60,8 @@ class SaveLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 holder = ""
-                try:
+                with contextlib.suppress(OSError):
                     holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-                except OSError:
-                    pass
                 os.close(fd)
                 if exc.errno in (errno.EAGAIN, errno.EACCES):
                     raise ConcurrentSaveError(
@@ -92,10 +85,8 @@ class SaveLock:
     def release(self) -> None:
         if self.fd is not None:
             try:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)  # while still locked: leave no lock file behind
-                except FileNotFoundError:
-                    pass
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             finally:
                 os.close(self.fd)

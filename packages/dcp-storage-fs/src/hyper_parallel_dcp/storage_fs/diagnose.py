@@ -1,6 +1,5 @@
-"""Read-only diagnoses that make a low-level error say what is wrong and what to do
-(:func:`header_disagreement`, :func:`checkpoints_inside_hint`, :func:`header_mismatch`);
-none raises for a bad checkpoint."""
+"""Read-only diagnoses that make a low-level error say what is wrong and what to do; none
+raises for a bad checkpoint."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The files of a checkpoint location, whatever holds them: a directory, a bucket prefix.
-
-:class:`CheckpointFiles` lists, sizes, reads and deletes them (what the integrity checks,
-the tools and retention need); :class:`LocalFiles` is the directory; object stores
-register theirs with their backend (:func:`as_checkpoint_files` finds it).
-:class:`RangeReader` is a seekable reader over a byte range, read by a given function.
-"""
+"""The files of a checkpoint location (a directory, a bucket prefix): :class:`CheckpointFiles`,
+:class:`LocalFiles`, :func:`as_checkpoint_files` and :class:`RangeReader`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Host memory as the reader and writer use it: :class:`PinnedBuffer`, and whether a save
-writes 2 MiB folios (:func:`large_folio_writes`: not on a VM that reports free pages to
-its host, where they cost 5-15× the CPU; ``docs/perf/storage.md``)."""
+writes 2 MiB folios (:func:`large_folio_writes`; ``docs/perf/storage.md``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Is a checkpoint complete (:func:`check_complete`: metadata and ``stat`` only), intact
-(:func:`verify_checkpoint`: every checksum), and which is the newest complete one
-(:func:`find_latest_checkpoint`)."""
+"""Is a checkpoint complete (:func:`check_complete`), intact (:func:`verify_checkpoint`),
+and which is the newest complete one (:func:`find_latest_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -42,9 +41,8 @@ _MAX_PROBLEMS = 200
 
 @dataclass
 class CompletenessReport:
-    """Whether ``path`` holds a complete checkpoint: ``problems`` lists every reason it is
-    not; ``format_version`` and the parsed (merged) ``metadata`` are ``None`` when
-    unreadable; ``format`` is ``"hyper-parallel-dcp"`` or ``"torch-dcp"``."""
+    """Whether ``path`` holds a complete checkpoint, every reason it is not in ``problems``;
+    ``format`` is ``"hyper-parallel-dcp"`` or ``"torch-dcp"``."""
 
     path: Union[Path, str]
     complete: bool
@@ -123,8 +121,7 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
 
 
 def _parse_reporting(text: bytes, source: Union[Path, str], problems: list[str]) -> Metadata:
-    """The metadata in ``text``; one changed after the save (its digest no longer matches)
-    is a problem, and is read anyway so that the checks after it say what disagrees."""
+    """The metadata in ``text``; a digest mismatch is a problem, and it is read anyway."""
     try:
         return metadata_from_json(text, source=str(source))
     except CorruptCheckpointError as exc:
@@ -146,13 +143,9 @@ def _check_consistency(md: Metadata, source: CheckpointFiles, problems: list[str
 
 
 def check_complete(path: Location) -> CompletenessReport:
-    """Say whether ``path`` holds a complete checkpoint, using metadata and ``stat`` only.
-
-    Complete: ``.metadata`` (or every ``{rank}.metadata`` from 0 to the highest present)
-    parses, is of a known format version, has a storage entry for every chunk and object,
-    and every file it names has the recorded size and holds the recorded byte ranges.
-    Never raises for a bad checkpoint: every reason is in ``problems``.
-    """
+    """Say whether ``path`` holds a complete checkpoint (metadata and ``stat`` only): the
+    metadata parses, has a storage entry for every item, and every file has the recorded
+    size.  Never raises for a bad checkpoint: every reason is in ``problems``."""
     root = as_checkpoint_files(path)
     problems: list[str] = []
     if not root.exists():
@@ -234,12 +227,9 @@ def _hash_range(f, offset: int, length: int, buf: bytearray) -> tuple[str, int]:
 
 def verify_checkpoint(path: Location, *,
                       progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
-    """Check completeness, every header entry and every recorded checksum at ``path``.
-
-    Reads each stored item once, in file order; ``progress(done_bytes, total_bytes)`` is
-    called after each.  Never raises for a bad checkpoint: every problem (an item without
-    a checksum included) is in the report, naming file, FQN and chunk.
-    """
+    """Check completeness, every header entry and every checksum at ``path``, reading each
+    item once in file order (``progress(done_bytes, total_bytes)`` after each).  Never
+    raises for a bad checkpoint: every problem is in the report, naming file, FQN and chunk."""
     files = as_checkpoint_files(path)
     report = check_complete(files)
     root = report.path

@@ -1,7 +1,5 @@
-"""The newest complete checkpoint under a root of step directories, decided without torch:
-:func:`newest_checkpoint` (``hp-dcp latest``, and ``integrity.find_latest_checkpoint`` with
-its full check) and :func:`metadata_complete`, a look at ``.metadata``'s JSON only.
-Exports those two and :data:`STEP_NAME`."""
+"""The newest complete checkpoint under a root of step directories, without torch:
+:func:`newest_checkpoint`, :func:`metadata_complete` and :data:`STEP_NAME`."""
 
 from __future__ import annotations
 
@@ -24,10 +22,8 @@ FullCheck = Callable[[CheckpointFiles], bool]
 
 
 def metadata_complete(location: Location, full_check: Optional[FullCheck] = None) -> bool:
-    """Whether ``location`` has a ``.metadata`` that parses as JSON of a format version this
-    code reads (no digest check, no other file read).  What JSON cannot tell, a torch DCP
-    pickle or ``{rank}.metadata`` files without ``.metadata``, ``full_check`` decides
-    (``False`` without one)."""
+    """Whether ``location``'s ``.metadata`` parses as JSON of a known format version; what JSON
+    cannot tell (torch DCP, ``{rank}.metadata``) ``full_check`` decides (``False`` without)."""
     files = as_checkpoint_files(location)
     try:
         text = files.read(METADATA_FILE)
@@ -44,13 +40,8 @@ def metadata_complete(location: Location, full_check: Optional[FullCheck] = None
 
 
 def newest_checkpoint(root: Location, is_complete: FullCheck) -> Optional[Union[Path, str]]:
-    """The complete checkpoint under ``root`` whose directory name ends in the highest step.
-
-    Tries the non-hidden subdirectories whose names end in an integer (``step_100``,
-    ``300``), newest first, with ``is_complete``; where there are ``step_N`` ones (a
-    ``CheckpointManager`` root) only those.  Returns its ``Path`` (a URL for an object
-    store), or ``None``.
-    """
+    """The complete (``is_complete``) checkpoint under ``root`` whose directory name ends in
+    the highest step (only ``step_N`` ones where there are any); its ``Path`` or URL, or ``None``."""
     base = as_checkpoint_files(root)
     try:
         entries = base.entries()

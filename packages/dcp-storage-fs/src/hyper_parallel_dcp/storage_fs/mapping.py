@@ -1,12 +1,6 @@
-"""Checkpoint files mapped read-only: the source of column-slice copies.
-
-:class:`FileMapping` maps one file and populates its pages a block at a time
-(``MADV_POPULATE_READ``), further ahead while reads walk forwards; :class:`MappingArena`
-puts a reader's files in equal slots of one reservation, so one strided view spans the
-same chunk of every rank's file.  Closed mappings are unmapped on a thread
-(:func:`wait_for_unmaps`).  A save never truncates a file in place (it writes new files
-and renames them), so a mapped file keeps its size.
-"""
+"""Checkpoint files mapped read-only, the source of column-slice copies:
+:class:`FileMapping` (pages populated ahead of the reads), :class:`MappingArena` (files
+in equal slots of one reservation) and :func:`wait_for_unmaps`."""
 
 from __future__ import annotations
 
@@ -79,9 +73,8 @@ def _bytes_at(addr: int, size: int) -> torch.Tensor:
 
 
 class MappingArena:
-    """One reservation of address space in which a reader maps its files (``MAP_FIXED``),
-    each in a slot of the same size, aligned to ``FOLIO_ALIGN``: the row blocks of a
-    column slice then lie evenly spaced and ``PendingCopies`` copies them as one."""
+    """One address-space reservation holding a reader's files in equal ``FOLIO_ALIGN`` slots,
+    so that a column slice's row blocks lie evenly spaced (copied as one)."""
 
     def __init__(self, base: int, slot_bytes: int, slots: int, reserved: tuple[int, int]) -> None:
         self.base = base

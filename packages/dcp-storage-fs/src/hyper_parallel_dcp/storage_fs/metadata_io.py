@@ -1,6 +1,5 @@
-"""Reading a checkpoint's metadata from any location: :func:`read_stored_metadata` (what
-one rank reads and the load broadcasts), :meth:`StoredMetadata.parse` (on every rank),
-:func:`load_checkpoint_metadata` (both), :func:`chunk_sizes` (a stored chunk's shape)."""
+"""Reading a checkpoint's metadata from any location: :func:`read_stored_metadata` (one
+rank; broadcast), :meth:`StoredMetadata.parse` (every rank), :func:`load_checkpoint_metadata`, :func:`chunk_sizes`."""
 
 from __future__ import annotations
 
@@ -69,11 +68,8 @@ def read_stored_metadata(location: Location) -> StoredMetadata:
 
 
 def load_checkpoint_metadata(location: Location) -> tuple[Metadata, bool]:
-    """``(metadata, is_global)`` of ``.metadata``, else of every ``{rank}.metadata`` merged.
-
-    Raises :class:`CheckpointNotFoundError` naming the location when it or any metadata is
-    missing, :class:`CheckpointFormatError` when unreadable or of a newer format version.
-    """
+    """``(metadata, is_global)`` of ``.metadata``, else of every ``{rank}.metadata`` merged;
+    raises :class:`CheckpointNotFoundError` or :class:`CheckpointFormatError`."""
     files = as_checkpoint_files(location)
     stored = read_stored_metadata(files)
     return stored.parse(files), stored.is_global

@@ -1,10 +1,6 @@
-"""The project's operating-system calls beyond ``os``: the one place for ``ctypes`` libc.
-
-Mapping (:func:`map_file`, :func:`reserve`, :func:`unmap`, :func:`populate_read`,
-:func:`cached`), :func:`exchange`, :func:`drop_cache`, :func:`malloc_trim`, and the reads
-every reader goes through (:func:`tensor_bytes`, :func:`pread_exact`, :func:`readv_exact`).
-Each answers ``None`` or ``False`` where the platform or kernel lacks the call.
-"""
+"""The project's operating-system calls beyond ``os`` (the one place for ``ctypes`` libc):
+mapping, :func:`exchange`, :func:`drop_cache`, :func:`malloc_trim` and the reads
+(:func:`pread_exact`, :func:`readv_exact`); each answers ``None``/``False`` where lacking."""
 
 from __future__ import annotations
 

@@ -47,15 +47,13 @@ def _labeller(item: WriteItem) -> Callable[[], str]:  # built only when an error
 def write_rank_files(plan: SavePlan, planner: SavePlanner, rank: int, write_file: WriteFile, *,
                      files_written: Optional[Callable[[], None]] = None,
                      base: Optional[ReferenceBase] = None, compression: Optional[str] = None) -> list[WriteResult]:
-    """Write ``plan``'s tensor chunks (``(fqn, offset)`` order, each hashed) and pickled
-    objects through ``write_file(name, data_writer) -> size``; one :class:`WriteResult` per item.
+    """Write ``plan``'s tensor chunks (``(fqn, offset)`` order, hashed) and pickled objects
+    through ``write_file(name, data_writer) -> size``; one :class:`WriteResult` per item.
 
-    ``files_written()``, when given, is called once both files are written; the chunks of
-    a ``resolved_data_stable`` planner are hashed after it (:class:`LateDigests`).  With
-    ``base`` (an incremental save), each chunk is hashed first and one the base holds
-    equal is not written: its result names the base's bytes.  ``compression="zstd"``: the
-    chunks go to ``_rank{r}_.zstd`` instead, compressed on threads (``storage_fs.compression``).  Errors
-    of ``write_file`` and of ``planner.resolve_data`` propagate unchanged.
+    ``files_written()`` is called once both files are written (a ``resolved_data_stable``
+    planner's chunks are hashed after it).  With ``base``, a chunk the base holds equal is
+    not written; ``compression="zstd"`` writes ``_rank{r}_.zstd`` instead.  Errors of
+    ``write_file`` and ``planner.resolve_data`` propagate unchanged.
     """
     # the storage key sorts in (fqn, offset) order: the sort key and the safetensors key
     keyed = sorted(((chunk_key(it.index.fqn, it.index.offset or ()), it) for it in plan.items

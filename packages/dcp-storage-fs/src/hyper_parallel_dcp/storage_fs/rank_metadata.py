@@ -1,6 +1,5 @@
-"""The one loader of per-rank metadata (``{rank}.metadata``, a save without collectives):
-:func:`load_rank_metadata` reads the files, :func:`merge_rank_metadata` makes one view
-of them, the same for every caller (SPEC §4)."""
+"""The one loader of per-rank metadata (``{rank}.metadata``): :func:`load_rank_metadata`
+and :func:`merge_rank_metadata` (SPEC §4)."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ def rank_metadata_names(entries: Iterable[tuple[str, Optional[int]]]) -> list[tu
 
 
 def load_rank_metadata(location: Location) -> dict[int, Metadata]:
-    """Parse every ``{rank}.metadata`` at ``location``: ``{rank: Metadata}``.  Raises
-    :class:`CheckpointNotFoundError` naming the location when it is missing or holds none,
-    and the parse error (:class:`CheckpointFormatError`, ``OSError``) of a bad file."""
+    """``{rank: Metadata}`` of every ``{rank}.metadata`` at ``location``; raises
+    :class:`CheckpointNotFoundError` when there is none, the parse error of a bad file."""
     files = as_checkpoint_files(location)
     try:
         names = rank_metadata_names(files.entries())

@@ -1,9 +1,5 @@
 """``FileSystemReader``: each read item's slice straight from its file into its destination.
-
-Reads go in file order, in batches, to the ``sinks``; :class:`ChunkLocator` checks each
-stored chunk against the metadata on its first read.  Exports :class:`FileSystemReader`,
-:class:`ChunkLocator` and :data:`StoredChunk`.
-"""
+Exports :class:`FileSystemReader`, :class:`ChunkLocator` and :data:`StoredChunk`."""
 
 from __future__ import annotations
 
@@ -54,11 +50,7 @@ _Region = tuple[Any, Optional[int], tuple[int, ...]]
 
 
 class _OpenFile:
-    """An open shard file: its header, and on first use an mmap (hashing) and a mapping.
-
-    ``trusted``: the header matches the digest in ``.metadata``, so chunk locations come
-    from the metadata and the header is not parsed (docs/perf/storage.md).
-    """
+    """An open shard file and its header; ``trusted``: the header matches ``.metadata``'s digest."""
 
     def __init__(self, path: Path, expected_size: Optional[int], digest: Optional[str], stored_name: str = "") -> None:
         self.path = path
@@ -127,12 +119,9 @@ class _OpenFile:
 
 
 class ChunkLocator:
-    """Where each stored tensor chunk of ``metadata`` is, and the geometry of each slice read.
-
-    A chunk's first read locates it from the metadata's columns when its file's header is
-    trusted, else from its storage entry, compared with the header and (``verify``) hashed;
-    ``verified`` is the reader's set of chunks hashed already (kept across loads).
-    """
+    """Where each stored tensor chunk of ``metadata`` is, and each slice's geometry: from the
+    metadata's columns when the file's header is trusted, else from its storage entry,
+    checked against the header and (``verify``) hashed once (``verified``)."""
 
     def __init__(self, metadata: Metadata, root: Path, verify: bool, verified: set[MetadataIndex]) -> None:
         self.metadata = metadata
@@ -228,14 +217,10 @@ class ChunkLocator:
 
 
 class FileSystemReader(StorageReader):
-    """Reads a checkpoint directory: each item's slice straight into its destination.
-
-    ``execute_read`` and ``read_stream`` read through the same batches; ``execute_read``
-    fills the planner's regions (``resolve_region``).  Up to ``HP_DCP_FILES_KEPT`` files
-    stay open.  ``bytes_read``: the file bytes the reads span.  ``verify``: check the xxh3
-    of every chunk read (once per reader).  A subclass overriding ``read_into`` or
-    ``read_object`` reads item by item through them.
-    """
+    """Reads a checkpoint directory in batches (``execute_read`` into the planner's regions);
+    up to ``HP_DCP_FILES_KEPT`` files stay open.  ``bytes_read``: the file bytes spanned;
+    ``verify``: check each chunk's xxh3.  A subclass overriding ``read_into`` or
+    ``read_object`` reads item by item."""
 
     item_by_item = False  # set for a subclass that overrides read_into / read_object
 
@@ -291,8 +276,7 @@ class FileSystemReader(StorageReader):
         return stored
 
     def metadata_from_payload(self, payload: StoredMetadata) -> Metadata:
-        """Parse the coordinator's bytes, after checking that this rank sees the checkpoint
-        (:class:`CheckpointNotFoundError` naming its path otherwise)."""
+        """Parse the coordinator's bytes (:class:`CheckpointNotFoundError` unless this rank sees the checkpoint)."""
         root = self._root()
         if not root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
@@ -308,8 +292,7 @@ class FileSystemReader(StorageReader):
         return self._is_global
 
     def reads_are_copies(self) -> bool:
-        """Whether every file of the checkpoint is wholly in this host's page cache
-        (``cachestat``; ``False`` where the kernel cannot tell)."""
+        """Whether every file is wholly in the page cache (``False`` where the kernel cannot tell)."""
         files = self.metadata.files if self.metadata is not None else {}
         root = self._root()
         for name, size in files.items():
@@ -356,8 +339,7 @@ class FileSystemReader(StorageReader):
         return opened
 
     def _arena_for_files(self) -> Optional[MappingArena]:
-        """The arena the open files are mapped in (a slot the size of the largest file per
-        file kept open); ``None`` for one file, unrecorded sizes, or a refused reservation."""
+        """The arena the open files are mapped in; ``None`` for one file or a refused reservation."""
         if not self._arena_tried:
             self._arena_tried = True
             sizes = self.metadata.files.values() if self.metadata is not None else ()
@@ -380,8 +362,7 @@ class FileSystemReader(StorageReader):
         self._arena_tried = False
 
     def _read_many(self, reads: Iterable[tuple[ReadItem, _Region]]) -> None:
-        """Start each read (done, or queued in a sink for :meth:`_finish_pending`); with
-        ``offset``, the slice goes into ``dest.as_strided(item.lengths, dest_strides, offset)``."""
+        """Start each read (done, or queued in a sink for :meth:`_finish_pending`)."""
         locator, open_file = self.chunks(), self._file
         adjacent, device_reads, copies = self._reads, self._device_reads, self._copies
         metadata = self.metadata
@@ -479,8 +460,7 @@ class FileSystemReader(StorageReader):
         return deserialize_object(blob, fqn=item.storage_index.fqn, file=file)
 
     def read_object_bytes(self, item: ReadItem) -> tuple[bytes, str]:
-        """``(stored bytes, file)`` of the object :meth:`read_object` restores, checked
-        (length, and the checksum with ``verify``), not unpickled."""
+        """``(stored bytes, file)`` of the object, checked (length, checksum with ``verify``)."""
         info = self.chunks().storage_info(item.storage_index)
         if self.metadata is not None and self.metadata.rank_objects:
             info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info

@@ -1,9 +1,5 @@
-"""The safetensors format as this project stores it: dtypes, headers, header digests.
-
-:func:`read_header` is the project's only header parser; :func:`header_digest` is what a
-save records in ``.metadata`` so that a reader knows a header without parsing it; the
-``stored_layout`` family maps dtypes the format lacks onto ones it has.
-"""
+"""The safetensors format as this project stores it: dtypes (:func:`stored_layout`),
+headers (:func:`read_header`, the only parser) and :func:`header_digest`."""
 
 from __future__ import annotations
 

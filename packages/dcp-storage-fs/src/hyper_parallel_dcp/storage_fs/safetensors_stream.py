@@ -1,10 +1,6 @@
-"""The streaming safetensors writer: chunks in the order given, hashed as they pass.
-
-:func:`write_safetensors` writes chunks in the global ``(fqn, offset)`` order straight
-from tensor memory, with an xxh3 of each (the ``safetensors`` library orders by dtype and
-serialises a whole dict).  The format itself is in ``safetensors_header``; the names of it
-the Hugging Face importer uses are re-exported here.
-"""
+"""The streaming safetensors writer: :func:`write_safetensors` writes chunks in the order
+given straight from tensor memory, hashed as they pass (the importer's format names are
+re-exported)."""
 
 from __future__ import annotations
 
@@ -30,12 +26,8 @@ __all__ = ["SAFETENSORS_DTYPES", "EncodedHeader", "LateDigests", "SafetensorsHea
 
 
 class TensorEntry:
-    """One tensor to write: its key, and ``fetch`` producing the tensor when due.
-
-    ``label`` names it in errors (a string, or a callable building one).  ``stable``: the
-    tensor ``fetch()`` returns keeps its bytes until :func:`write_safetensors` returns (a
-    ``fetch`` refilling one buffer must leave it False).
-    """
+    """One tensor to write: its key, ``fetch`` producing it when due, ``label`` naming it in
+    errors; ``stable``: its bytes stay until :func:`write_safetensors` returns."""
 
     __slots__ = ("key", "dtype", "shape", "nbytes", "fetch", "_label", "stable")
 
@@ -99,13 +91,9 @@ class LateDigests:
 
 def write_safetensors(f: BinaryIO, entries: Sequence[TensorEntry], header: Optional[EncodedHeader] = None, *,
                       late: Optional[LateDigests] = None) -> list[tuple[int, int, str]]:
-    """Write ``entries`` in the given order; returns ``(file offset, length, xxh3 hex)`` each.
-
-    ``header``: ``encode_header(entries)`` if made already.  Each ``fetch()`` is called
-    just before its chunk is written (a large device tensor goes through a pinned buffer).
-    With ``late``, a ``stable`` entry's digest is left empty and its bytes go to ``late``.
-    Raises ``ValueError`` naming the entry when its data differs from its shape or dtype.
-    """
+    """Write ``entries`` in order; returns ``(file offset, length, xxh3 hex)`` each.
+    ``header``: ``encode_header(entries)`` if made; with ``late``, a ``stable`` entry's digest
+    is left empty and its bytes go to ``late``.  ``ValueError`` naming a mismatched entry."""
     if header is None:
         header = encode_header(entries)
     f.write(header.raw)
@@ -166,12 +154,8 @@ _NOTHING = torch.empty(0)  # what a written-through view keeps alive
 
 
 class _AlignedWrites:
-    """Chunk bytes written in ``writev`` batches whose ends fall on ``align`` boundaries.
-
-    The kernel makes one page-cache folio of ``align`` bytes written by one call, which a
-    reader then maps at once.  Only a chunk that stays valid is held (``add``); any other
-    goes out at once (``add_now``).  ``f`` without a file descriptor gets plain ``write``.
-    """
+    """Chunk bytes written in ``writev`` batches ending on ``align`` boundaries (one folio
+    per call); ``add`` holds a chunk that stays valid, ``add_now`` writes at once."""
 
     def __init__(self, f: BinaryIO, position: int, align: int = SMALL_FOLIO) -> None:
         self._f = f

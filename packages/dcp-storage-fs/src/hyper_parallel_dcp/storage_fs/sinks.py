@@ -1,12 +1,6 @@
-"""Where the reader's bytes go: :func:`read_slice_into` (one stored slice), the batching
-sinks, and :func:`copy_into` (a bit-for-bit copy whatever the dtype).
-
-The sinks share one protocol: ``add`` (queue, or refuse), ``flush`` (perform what is
-queued), ``clear`` (forget it); the caller flushes before a file closes and before it
-hands a destination on.  :class:`AdjacentReads`: consecutive contiguous reads in one
-``preadv``; :class:`DeviceReads`: reads into accelerator tensors through one pinned
-buffer; :class:`PendingCopies`: copies from file mappings in one ``_foreach_copy_``.
-"""
+"""Where the reader's bytes go: :func:`read_slice_into`, :func:`copy_into` and the sinks
+:class:`AdjacentReads`, :class:`DeviceReads`, :class:`PendingCopies`, each with ``add``
+(queue or refuse), ``flush`` (do it; before a file closes) and ``clear`` (forget it)."""
 
 from __future__ import annotations
 
@@ -64,12 +58,9 @@ def _copy_wide(dest: torch.Tensor, source: torch.Tensor) -> None:
 def read_slice_into(fd: int, path: str, data_offset: int, chunk_sizes: Sequence[int], dtype: torch.dtype,
                     offsets: Sequence[int], lengths: Sequence[int], dest: torch.Tensor,
                     mapping: Optional[FileMapping] = None, strides: Optional[Sequence[int]] = None) -> int:
-    """Fill ``dest`` (shape ``lengths``) from the slice ``offsets + lengths`` of the stored
-    chunk at byte ``data_offset`` of the file open as ``fd``: ``preadv`` straight into a
-    contiguous host destination, a strided copy from ``mapping`` (the same file mapped),
-    else through a buffer.  ``strides``: the chunk's, when known.  Returns the file bytes
-    spanned; raises :class:`CorruptCheckpointError` naming ``path`` on a short file.
-    """
+    """Fill ``dest`` from the slice ``offsets + lengths`` of the chunk at ``data_offset`` of
+    ``fd`` (directly, from ``mapping``, or through a buffer); returns the file bytes
+    spanned, :class:`CorruptCheckpointError` naming ``path`` on a short file."""
     first, span, contiguous = slice_span(chunk_sizes, offsets, lengths)
     if span == 0:
         return 0
@@ -139,12 +130,8 @@ def _read_pool() -> ThreadPoolExecutor:
 
 
 class DeviceReads:
-    """Contiguous reads into accelerator tensors, through one reused page-locked buffer.
-
-    The reads fill the buffer (over ``READ_SPLIT_BYTES`` on threads), then one
-    non-blocking ``_foreach_copy_`` empties it; the buffer is refilled after its event.
-    :meth:`wait` returns once every copy has landed.
-    """
+    """Contiguous reads into accelerator tensors through one reused pinned buffer, emptied
+    by a non-blocking ``_foreach_copy_``; :meth:`wait` returns once every copy landed."""
 
     _SPLIT = READ_SPLIT_BYTES
 
@@ -256,12 +243,9 @@ class PendingCopies:
 
     def add_mapped(self, dest: torch.Tensor, typed: torch.Tensor, start: int, lengths: tuple[int, ...],
                    strides: tuple[int, ...], nbytes: int, region: Optional[tuple[int, tuple[int, ...]]] = None) -> None:
-        """Queue copying the slice at element ``start`` of ``typed`` (a mapping's view, as
-        ``FileMapping.slice_at`` gives it; shape ``lengths``, ``strides``) into ``dest``, or
-        with ``region = (offset, dest_strides)`` into ``dest.as_strided(lengths, dest_strides,
-        offset)``.  Evenly spaced slices are viewed at :meth:`flush` in one call, and evenly
-        spaced regions of one tensor copied as one.
-        """
+        """Queue copying the slice at element ``start`` of ``typed`` (``FileMapping.slice_at``)
+        into ``dest``, or into ``dest.as_strided(lengths, dest_strides, offset)`` with
+        ``region``; evenly spaced slices and regions are copied as one at :meth:`flush`."""
         dtype = typed.dtype
         if dest.dtype is not dtype or dtype not in _PLAIN or nbytes >= WIDE_COPY_MIN_BYTES:
             target = dest if region is None else dest.as_strided(lengths, region[1], region[0])

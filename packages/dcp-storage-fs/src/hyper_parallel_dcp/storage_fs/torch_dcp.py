@@ -1,6 +1,5 @@
-"""``TorchDCPReader``: loads checkpoints written by ``torch.distributed.checkpoint``;
-:class:`DirectoryReader`, a directory's reader that becomes one when a load finds a torch DCP
-``.metadata``; :func:`storage_reader_for_path`, which picks either by looking at the file."""
+"""Loading checkpoints written by ``torch.distributed.checkpoint``: :class:`TorchDCPReader`,
+:class:`DirectoryReader` and :func:`storage_reader_for_path`."""
 
 from __future__ import annotations
 
@@ -43,10 +42,8 @@ def storage_reader_for_path(path: Union[str, os.PathLike], verify: Optional[bool
 
 
 class DirectoryReader(FileSystemReader):
-    """The reader of a local checkpoint directory: a :class:`FileSystemReader` that hands
-    a torch DCP checkpoint to a :class:`TorchDCPReader` once the stored ``.metadata`` the
-    load read shows a pickle.  Telling the format costs no open: a 4-rank load opens
-    ``.metadata`` once, where sniffing it first opened it five times (issue 57 B9)."""
+    """A :class:`FileSystemReader` that hands a torch DCP checkpoint to a
+    :class:`TorchDCPReader` once the ``.metadata`` the load read shows a pickle (no extra open)."""
 
     def reader_for(self, payload: Any) -> FileSystemReader:
         if isinstance(payload, StoredMetadata) and payload.data[:1] == b"\x80":
@@ -64,13 +61,9 @@ def _zstd_decompress(blob: bytes, where: str) -> bytes:
 
 
 class TorchDCPReader(FileSystemReader):
-    """A :class:`FileSystemReader` for torch DCP directories, reading item by item.
-
-    The pickled ``.metadata`` is translated safely (``torch_dcp_format``); a dense chunk is
-    read with ``preadv`` from its zip record, anything else through ``torch.load``
-    (``weights_only``); ``stream.zstd`` is undone with ``zstandard``.  ``verify=True`` is
-    refused (torch records no checksums).
-    """
+    """A :class:`FileSystemReader` for torch DCP directories, reading item by item: a dense
+    chunk with ``preadv`` from its zip record, anything else through ``torch.load``
+    (``weights_only``); ``verify=True`` is refused (torch records no checksums)."""
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, verify: bool = False) -> None:
         super().__init__(path, verify=verify)
@@ -87,8 +80,7 @@ class TorchDCPReader(FileSystemReader):
         self._parsed = None
 
     def _parse(self, raw: Optional[bytes] = None) -> tuple[Metadata, _Transforms]:
-        """The translated metadata (of ``raw``, the bytes of ``.metadata`` when given),
-        parsed again only when ``.metadata`` changed."""
+        """The translated metadata (of ``raw`` when given), parsed again only when it changed."""
         try:
             st = os.stat(self._root() / METADATA_FILE)
             key: Optional[tuple[int, int, int]] = (st.st_ino, st.st_size, st.st_mtime_ns)

@@ -1,10 +1,6 @@
-"""The format of ``torch.distributed.checkpoint`` directories (torch 2.4 – 2.13), read safely.
-
-:func:`read_torch_dcp_metadata` translates the pickled ``.metadata`` into this library's
-``Metadata``; :func:`locate_tensor` finds a chunk's elements inside its ``torch.save``
-archive.  No code from the checkpoint runs: both pickles go through allow-lists of inert
-records, anything else is refused (:class:`UnsafeObjectError` naming the class).
-"""
+"""The format of ``torch.distributed.checkpoint`` directories (torch 2.4 – 2.13), read safely:
+:func:`read_torch_dcp_metadata` and :func:`locate_tensor`.  Both pickles go through
+allow-lists of inert records (:class:`UnsafeObjectError` for anything else)."""
 
 from __future__ import annotations
 
@@ -130,13 +126,10 @@ def _dtype_of(props: Any, where: str) -> torch.dtype:
 
 def read_torch_dcp_metadata(path: Union[str, os.PathLike], raw: Optional[bytes] = None,
                             ) -> tuple[schema.Metadata, dict[schema.MetadataIndex, tuple[str, ...]]]:
-    """Parse the pickled ``.metadata`` of a torch DCP checkpoint at ``path`` (its bytes
-    ``raw`` when already read): ``(metadata, transforms)``, ``transforms`` the
-    stream-transform descriptors of the items that have any.
-
-    Raises :class:`CheckpointNotFoundError` when the file is missing, :class:`UnsafeObjectError`
-    naming a class outside the allow-list, :class:`CheckpointFormatError` for anything else.
-    """
+    """``(metadata, transforms)`` of the pickled ``.metadata`` at ``path`` (or its bytes
+    ``raw``), ``transforms`` the stream-transform descriptors of the items that have any.
+    Raises :class:`CheckpointNotFoundError`, :class:`UnsafeObjectError` naming a class
+    outside the allow-list, :class:`CheckpointFormatError` for anything else."""
     file = Path(path) / METADATA_FILE
     try:
         raw = file.read_bytes() if raw is None else raw

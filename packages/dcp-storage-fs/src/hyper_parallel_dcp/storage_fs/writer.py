@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -23,14 +24,9 @@ __all__ = ["FileSystemWriter"]
 
 
 class FileSystemWriter(StorageWriter):
-    """Writes a checkpoint directory on a (local or shared) filesystem.
-
-    A save with a global view (collectives on, or one process) is atomic: data goes to a
-    staging directory beside the target, swapped in once ``.metadata`` is written there.
-    A multi-rank save with ``use_collectives=False`` writes in place, ``{rank}.metadata``
-    each.  Each rank's files are fsynced on a thread (:meth:`sync_written` waits);
-    ``sync_files=False`` skips the fsyncs (throwaway checkpoints only).
-    """
+    """Writes a checkpoint directory on a filesystem: atomically with a global view (in a
+    staging directory swapped in once ``.metadata`` is there), else in place with
+    ``{rank}.metadata`` each.  Files are fsynced on a thread unless ``sync_files=False``."""
 
     def __init__(self, path: Union[str, os.PathLike, None] = None, *, sync_files: bool = True) -> None:
         self.path: Optional[Path] = Path(path) if path is not None else None
@@ -74,8 +70,8 @@ class FileSystemWriter(StorageWriter):
         self._release_lock()
 
     def _ensure_lock(self) -> None:
-        """Take the save lock (coordinator of an atomic save), once per save; called inside
-        the pipeline's failure-propagating steps, so a refusal is raised on every rank."""
+        """Take the save lock (coordinator of an atomic save) once per save, inside a
+        failure-propagating step so that a refusal is raised on every rank."""
         if not (self.atomic and self.is_coordinator) or self._lock is not None:
             return
         lock = SaveLock(self._target())
@@ -117,10 +113,7 @@ class FileSystemWriter(StorageWriter):
                     if match and int(match.group(1)) >= self.world_size:
                         stale_files.append(Path(entry.path))
             for stale in stale_files:
-                try:
-                    stale.unlink()  # the directory no longer holds that checkpoint
-                except FileNotFoundError:
-                    pass
+                stale.unlink(missing_ok=True)  # the directory no longer holds that checkpoint
         # the page cache of the files this save replaces is freed to write into (the files
         # stay whole until the swap; docs/perf/storage.md)
         for name in (tensors_file_name(self.rank), objects_file_name(self.rank)):
@@ -198,10 +191,8 @@ class FileSystemWriter(StorageWriter):
 
     def abort(self, error: BaseException) -> None:
         try:
-            try:
+            with contextlib.suppress(OSError):
                 self.sync_written()  # nothing may still be renaming into the directory removed below
-            except OSError:
-                pass
             self._discard_prepared()
             if self.atomic and self.is_coordinator and self._save_id is not None:
                 shutil.rmtree(self._data_dir(), ignore_errors=True)
