@@ -207,3 +207,30 @@ def test_single_process_round_trip_both_ways(tmp_path):
     error = failed.value.failures[0][0]
     assert isinstance(error, CorruptCheckpointError)
     assert re.search(r"checksum mismatch in \S+_rank0_.safetensors: 'h' chunk", str(error)), str(error)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_planners_that_override_lookups_are_asked(tmp_path):
+    """The plugin looks tensors up itself only for torch's own planners' lookups: a planner
+    that overrides ``transform_object`` or ``commit_tensor`` sees every tensor."""
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    from hyper_parallel_dcp.torch_compat import StorageReader, StorageWriter
+
+    class Doubling(DefaultSavePlanner):
+        def transform_object(self, write_item, object):
+            return object * 2 if isinstance(object, torch.Tensor) else super().transform_object(write_item, object)
+
+    class Recording(DefaultLoadPlanner):
+        committed: list = []
+
+        def commit_tensor(self, read_item, tensor):
+            self.committed.append((read_item.dest_index.fqn, tensor.clone()))
+
+    sd = {"a": torch.randn(4, 6), "o": 3}
+    tdcp.save(sd, storage_writer=StorageWriter(tmp_path / "p"), planner=Doubling())
+    back = {"a": torch.zeros(4, 6), "o": 0}
+    tdcp.load(back, storage_reader=StorageReader(tmp_path / "p"), planner=Recording())
+    assert torch.equal(back["a"], 2 * sd["a"]) and back["o"] == 3
+    assert [fqn for fqn, _ in Recording.committed] == ["a"] and torch.equal(Recording.committed[0][1], 2 * sd["a"])
