@@ -7,7 +7,10 @@ torch's API and through ``torch_compat.save`` / ``load``, interleaved) on the de
 preset's dense and small state dicts, then times torch's ``DefaultSavePlanner`` and
 ``DefaultLoadPlanner`` alone on the same state dicts (``set_up_planner`` through
 ``finish_plan``, the coordinator's global step included, collectives and GC left out):
-time no storage plugin can remove.  Prints medians and ranges in milliseconds.
+time no storage plugin can remove, and ours (the ``build_local_plan`` and
+``build_global_plan`` phases of a native save with the plan cache cleared, and of a load),
+which the plugin does not run.  Prints medians and ranges in milliseconds, and the floor
+torch's planners put on the plugin's ratio: ``(ours - our planning + torch's planning) / ours``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,45 @@ def _torch_planning(sd: dict, target: dict, plugin: Path, reps: int) -> dict[str
     return times
 
 
+def _our_planning(sd: dict, target: dict, path: Path, reps: int) -> dict[str, list[float]]:
+    """Seconds of our planning phases in native saves (plan cache cleared) and loads, this rank."""
+    import logging
+
+    import torch.distributed as dist
+
+    import hyper_parallel_dcp as hp
+    from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+    from hyper_parallel_dcp.core.timing import logger
+
+    from .io_bench import _rm
+
+    spent: list[float] = []
+
+    class _Planning(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.args, tuple) and record.args[1:2] in (("build_local_plan",), ("build_global_plan",)):
+                spent[-1] += record.args[2]
+
+    handler, level = _Planning(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    times: dict[str, list[float]] = {"ours_planner.save": [], "ours_planner.load": []}
+    try:
+        for _ in range(reps):
+            StandardSavePlanner.clear_cache()
+            _rm(path, dist.get_rank())
+            for name, call in (("save", lambda: hp.save(sd, checkpoint_id=path)),
+                               ("load", lambda: hp.load(target, checkpoint_id=path))):
+                spent.append(0.0)
+                call()
+                times[f"ours_planner.{name}"].append(spent[-1])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    _rm(path, dist.get_rank())
+    return times
+
+
 def compat_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, list[float]]:
     import torch
 
@@ -67,6 +109,7 @@ def compat_worker(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, 
     _save_cases(rec, sd, ours, theirs, rank, cfg["reps"])
     _load_cases(rec, _OurLoads(ours), sd, target, flipped, theirs, cfg["reps"])
     rec.times.update(_torch_planning(sd, target, _plugin_path(ours), 2 * cfg["reps"] + 1))
+    rec.times.update(_our_planning(sd, target, ours, 2 * cfg["reps"] + 1))
     for path in (ours, theirs, _plugin_path(ours)):
         _rm(path, rank)
     return rec.times
@@ -90,10 +133,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cfg = {"kind": kind, "dense_mib": dense_mib, "count": count, "kib": kib, "reps": args.reps,
                    "root": str(Path(tmp) / kind)}
             times = run_distributed(compat_worker, 2, cfg, timeout=3600)[0]
-            for name, values in sorted(times.items()):
-                s = summarize(values)
+            med = {name: summarize(values) for name, values in sorted(times.items())}
+            for name, s in med.items():
                 print(f"{kind:5s} {name:28s} {1e3 * s['median']:8.1f} ms ({1e3 * s['min']:.1f}-{1e3 * s['max']:.1f}, "
                       f"n={s['n']})", flush=True)
+            for case in ("save", "load"):
+                ours = med[f"ours.{case}"]["median"]
+                floor = (ours - med[f"ours_planner.{case}"]["median"] + med[f"torch_planner.{case}"]["median"]) / ours
+                print(f"{kind:5s} floor of plugin.{case} / ours.{case}: {floor:.2f}x", flush=True)
     return 0
 
 
