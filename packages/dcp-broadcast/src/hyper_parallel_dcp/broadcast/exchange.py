@@ -39,6 +39,10 @@ __all__ = ["ChunkExchanges"]
 
 #: bytes of runs the read-ahead thread may hold ahead of the packing and sending
 _AHEAD_BYTES = 32 << 20
+#: bytes of runs read as one batch, and of a message at most: the pieces of one go out while
+#: the next is read, and the ranks' reads of a shared link interleave
+_GROUP_BYTES = 1 << 20
+_MESSAGE_BYTES = 256 << 10
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -123,7 +127,7 @@ class ChunkExchanges:
         for i, offsets, lengths in self.items_of:
             received[i].append((offsets, lengths))
         self.sends, self.receives = exchange_messages(self.exchanges, self.rank, [sorted(r) for r in received],
-                                                      batch_bytes)
+                                                      min(batch_bytes, _MESSAGE_BYTES))
 
     def start(self) -> None:
         """Post every receive, then read this rank's chunks and send their pieces."""
@@ -146,7 +150,7 @@ class ChunkExchanges:
                          math.prod(self.exchanges[i].shape[1:]) for i in mine)
             depth = max(2, min(256, len(mine) * _AHEAD_BYTES // max(nbytes, 1)))
             # the runs' buffers are made on the thread as it gets to them
-            stream = ReadAhead(lambda _: self.reader.read_stream(self._runs(mine)), mine[:1], depth)
+            stream = ReadAhead(lambda _: self._read_runs(mine), mine[:1], depth)
             for i, (_, run) in zip(mine, stream):
                 x = self.exchanges[i]
                 row0 = x.rows[0]
@@ -177,6 +181,18 @@ class ChunkExchanges:
                 left[m] = 0
                 held = buffers[m]
                 self._send(message, torch.empty(message.nbytes, dtype=torch.uint8) if held is None else held)
+
+    def _read_runs(self, mine: list[int]) -> Iterator[tuple[ReadItem, Any]]:
+        """The runs read a group of ``_GROUP_BYTES`` at a time (one batch of the reader each)."""
+        group: list[ReadDestination] = []
+        size = 0
+        for read in self._runs(mine):
+            group.append(read)
+            size += read.dest.nbytes
+            if size >= _GROUP_BYTES:
+                yield from self.reader.read_stream(group)
+                group, size = [], 0
+        yield from self.reader.read_stream(group)
 
     def _runs(self, mine: list[int]) -> Iterator[ReadDestination]:
         """The contiguous row run of each chunk this rank reads, as reads into fresh buffers
