@@ -8,7 +8,7 @@ slot starts when its read did, so the read's own work overlaps its transfer, and
 split into many calls costs what one of the same bytes costs).
 :class:`ThrottledFileSystemReader` charges every byte the reader takes from storage
 (``bytes_read``) to it, a batch of reads at a time (what one merged ``preadv`` or mapped
-copy moves) and per object; pass it to ``load(..., storage_reader=...)``.
+copy moves, charged once it is done) and per object; pass it to ``load(..., storage_reader=...)``.
 :class:`ThrottledFileSystemWriter` charges each data-file write to it as it happens (what
 a save's file bytes through a link cost; the writer's compression threads go on meanwhile);
 pass it to ``save(..., storage_writer=...)``.
@@ -70,16 +70,25 @@ class ThrottledFileSystemReader(FileSystemReader):
         super().__init__(path, **kwargs)
         self.bandwidth = bandwidth
         self.throttled_s = 0.0
+        self._owed, self._since = 0, None  # bytes of the reads in progress, when the first began
 
     def reads_are_copies(self) -> bool:
         return False  # it stands in for storage outside the host, page cache or not
 
     def _read_many(self, reads: Iterable[Any]) -> None:
-        before, started = self.bytes_read, time.time()
+        before, since = self.bytes_read, time.time()
         try:
             super()._read_many(reads)
+        finally:  # owed until the reads are done: their slot begins when the first began
+            self._owed += self.bytes_read - before
+            self._since = since if self._since is None else self._since
+
+    def _finish_pending(self) -> None:
+        try:
+            super()._finish_pending()
         finally:
-            self.throttled_s += self.bandwidth.consume(self.bytes_read - before, started)
+            since, owed, self._since, self._owed = self._since, self._owed, None, 0
+            self.throttled_s += self.bandwidth.consume(owed, since)
 
     def read_object_bytes(self, item: ReadItem) -> tuple[bytes, str]:
         before, started = self.bytes_read, time.time()
