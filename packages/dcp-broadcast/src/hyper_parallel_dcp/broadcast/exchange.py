@@ -11,8 +11,8 @@ of a same-layout load; exchanged, 1.000× in 1.06-1.26× and 1.16-1.41× (defaul
 (gloo is slower than the copy), so ``HP_DCP_CHUNK_EXCHANGE=auto`` leaves it off there.
 Exports :class:`ChunkExchanges`.
 
-No deadlock: every rank posts all its receives before it reads or sends anything, and
-waits for them only after its own sends and broadcasts are launched.
+No deadlock: every rank posts all its receives before it sends anything (its reads begin
+first, on a thread), and waits for them only after its own sends and broadcasts are launched.
 """
 
 from __future__ import annotations
@@ -106,13 +106,13 @@ class ChunkExchanges:
         self.plan = plan
         self.sends: list[ExchangeMessage] = []
         self.receives: list[ExchangeMessage] = []
-        if self.exchanges:
-            self._split(plan, batch_bytes)
+        self._batch_bytes = min(batch_bytes, _MESSAGE_BYTES)
         self._posted: list[tuple[ExchangeMessage, torch.Tensor, Any]] = []
         self._landed = 0  # receives filled in so far
         self._sending: collections.deque = collections.deque()
 
-    def _split(self, plan: LoadPlan, batch_bytes: int) -> None:
+    def _split(self, plan: LoadPlan) -> None:
+        """The pieces this rank receives, the plan's other items (``self.plan``), the messages."""
         position = {(x.storage_index.fqn, x.storage_index.offset): i for i, x in enumerate(self.exchanges)}
         self.items_of: dict[_PieceKey, list[ReadItem]] = collections.defaultdict(list)
         rest = []
@@ -127,10 +127,23 @@ class ChunkExchanges:
         for i, offsets, lengths in self.items_of:
             received[i].append((offsets, lengths))
         self.sends, self.receives = exchange_messages(self.exchanges, self.rank, [sorted(r) for r in received],
-                                                      min(batch_bytes, _MESSAGE_BYTES))
+                                                      self._batch_bytes)
 
     def start(self) -> None:
-        """Post every receive, then read this rank's chunks and send their pieces."""
+        """Start reading this rank's chunks, plan the messages meanwhile (``self.plan``: the
+        plan's other items after it), post every receive, then send the pieces as they are read."""
+        mine = [i for i, x in enumerate(self.exchanges) if x.reader == self.rank]
+        nbytes = sum(self.exchanges[i].dtype.itemsize * self.exchanges[i].rows[1] *
+                     math.prod(self.exchanges[i].shape[1:]) for i in mine)
+        depth = max(2, min(256, len(mine) * _AHEAD_BYTES // max(nbytes, 1)))
+        # read on a thread, in the order given: storage stays busy while this one plans, packs and
+        # sends (the runs' buffers are made on the thread as it gets to them)
+        stream = ReadAhead(lambda _: self._read_runs(mine), mine[:1], depth)
+        try:
+            self._split(self.plan)
+        except BaseException:
+            stream.close()
+            raise
         for message in self.receives:
             buffer = torch.empty(message.nbytes, dtype=torch.uint8)
             self._posted.append((message, buffer, dist.irecv(buffer, src=message.peer, tag=message.tag)))
@@ -141,16 +154,8 @@ class ChunkExchanges:
                 where[(message.peer, i, offsets, lengths)] = (m, at)
         buffers: list[Optional[torch.Tensor]] = [None] * len(self.sends)
         left = [len(message.pieces) for message in self.sends]
-        mine = [i for i, x in enumerate(self.exchanges) if x.reader == self.rank]
         copies = _Copies(self.planner)
-        stream = None
         try:
-            # read on a thread, in the order given: storage stays busy while this one packs and sends
-            nbytes = sum(self.exchanges[i].dtype.itemsize * self.exchanges[i].rows[1] *
-                         math.prod(self.exchanges[i].shape[1:]) for i in mine)
-            depth = max(2, min(256, len(mine) * _AHEAD_BYTES // max(nbytes, 1)))
-            # the runs' buffers are made on the thread as it gets to them
-            stream = ReadAhead(lambda _: self._read_runs(mine), mine[:1], depth)
             for i, (_, run) in zip(mine, stream):
                 x = self.exchanges[i]
                 row0 = x.rows[0]
@@ -174,8 +179,7 @@ class ChunkExchanges:
         except Exception as exc:  # noqa: BLE001 - raised after every message went out
             self.error = exc
         finally:
-            if stream is not None:
-                stream.close()
+            stream.close()
         for m, message in enumerate(self.sends):  # after a failure: what is left, unfilled
             if left[m]:
                 left[m] = 0
