@@ -6,9 +6,12 @@ Serves the benchmark rows ``load, Shard(0)→Shard(1), under the storage cap`` (
 shared; ``io_bench._capped_load_cases``): every rank's column slice of a chunk spans
 nearly the whole chunk in the file, so reading directly the ranks together read 1.725×
 (dense) and 1.984× (small tensors) the checkpoint, in 1.70-1.73× and 1.71-1.83× the time
-of a same-layout load; exchanged, 1.000× in 1.06-1.26× and 1.16-1.41× (default sizes,
-2 ranks, three runs on a shared 2-core machine).  From the page cache it does not pay
-(gloo is slower than the copy), so ``HP_DCP_CHUNK_EXCHANGE=auto`` leaves it off there.
+of a same-layout load; exchanged, 1.000×, in 1.02× / 1.34× at 2 ranks and 1.08× / 1.85× at
+4 (quick sizes; default sizes 1.02× / 1.22× and 1.05× / 1.33×; docs/perf/read-path.md).
+Runs are read in groups of ``_GROUP_BYTES`` and sent in messages of ``_MESSAGE_BYTES``
+(one 32 MiB batch and 6 MiB messages before: 4 ranks 1.19× / 2.24×).  From the page
+cache it does not pay (gloo is slower than the copy), so ``HP_DCP_CHUNK_EXCHANGE=auto``
+leaves it off there.
 Exports :class:`ChunkExchanges`.
 
 No deadlock: every rank posts all its receives before it sends anything (its reads begin
