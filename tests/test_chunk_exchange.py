@@ -25,7 +25,9 @@ DENSE = {"a": ((16, 24), torch.float32), "b": ((10, 7), torch.bfloat16), "c": ((
          "v": ((9,), torch.float32)}
 SMALL = {f"e.{i}": ((8, 16), torch.bfloat16) for i in range(40)}
 RAGGED = {"w": ((10, 7), torch.float32), "t3": ((4, 3, 5), torch.float32)}
-CASES = {"dense": DENSE, "small": SMALL, "ragged": RAGGED}
+# 1.5 MiB read per rank at world 2: more than one read group, several messages to a peer
+WIDE = {f"w.{i}": ((64, 1024), torch.float32) for i in range(12)}
+CASES = {"dense": DENSE, "small": SMALL, "ragged": RAGGED, "wide": WIDE}
 
 
 def reference(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -129,11 +131,12 @@ def _check_read_once(results: list[dict], case: str) -> None:
 
 def test_resharded_loads_read_each_byte_once(tmp_path) -> None:
     """Shard(0) → Shard(1) (2-D, uneven bf16, 3-D; 1-D tensors stay contiguous reads), 40
-    small tensors, ragged flat ranges saved on 3 ranks, world 4 → 2 and 2 → 4; then the
+    small tensors, ragged flat ranges saved on 3 ranks, world 4 → 2 and 2 → 4, 3 MiB read
+    in several groups and sent in several messages a peer; then the
     auto rule: readers whose reads are memory copies keep their direct reads (each rank
     spans whole chunks), others exchange; a truncated file fails the load on every rank."""
     root = str(tmp_path)
-    run_distributed(_save, 2, root, ["dense", "small"], timeout=120)
+    run_distributed(_save, 2, root, ["dense", "small", "wide"], timeout=120)
     run_distributed(_save, 3, root, ["ragged"], timeout=120)
     run_distributed(_save, 4, root, ["dense"], timeout=120)
     shutil.copytree(tmp_path / "dense2", tmp_path / "bad2")
@@ -141,11 +144,11 @@ def test_resharded_loads_read_each_byte_once(tmp_path) -> None:
     os.truncate(victim, victim.stat().st_size - 8)
     runs = [("dense2", "dense", "1", None), ("small2", "small", "1", None), ("ragged3", "ragged", "1", None),
             ("dense4", "dense", "1", None), ("dense2", "dense", "auto", True), ("dense2", "dense", "auto", False),
-            ("bad2", "dense", "1", None)]
+            ("bad2", "dense", "1", None), ("wide2", "wide", "1", None)]
     per_rank = run_distributed(_load, 2, root, runs, timeout=120)
     # a reader's failure reaches every rank (its peers do not wait for the pieces forever)
     assert all(victim.name in rank[6]["error"] for rank in per_rank), [rank[6] for rank in per_rank]
-    for i, (_, case, _, _) in enumerate(runs[:4]):
+    for i, (_, case, _, _) in [*enumerate(runs[:4]), (7, runs[7])]:
         _check_read_once([rank[i] for rank in per_rank], case)
     direct, remote = [rank[4] for rank in per_rank], [rank[5] for rank in per_rank]
     assert [r["wrong"] for r in direct + remote] == [[]] * 4

@@ -189,7 +189,7 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
         f"- sizes: dense {result['config']['dense_mib']} MiB, {result['config']['small_count']} small tensors of "
         f"{result['config']['small_kib']} KiB, per-tensor case {result['config'].get('tiny_count', 0)} tensors of "
         f"{result['config'].get('tiny_kib', 0)} KiB, broadcast {result['config']['bcast_mib']} MiB at "
-        f"{result['config']['cap_mb_s']} MB/s shared cap",
+        f"{result['config']['cap_mb_s']} MB/s shared cap (a link charged by bytes, not by read calls)",
         f"- repetitions: {result['config']['reps']} (page-cache loads and their memory copies: "
         f"{load_reps(result['config']['reps'])}, each library's in a block of its own after one untimed load of "
         f"each layout; saves with the plan cache cleared and warm: {save_reps(result['config']['reps'])} of each, "

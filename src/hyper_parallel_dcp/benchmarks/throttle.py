@@ -3,9 +3,12 @@
 :class:`SharedBandwidth` is a virtual-time token bucket kept in a small file: a read of
 ``n`` bytes reserves the next ``n / bytes_per_s`` seconds of the one shared "link" under
 ``flock`` and sleeps until its slot ends, so N processes together never exceed the cap.
+It models a link of fixed bandwidth shared by the ranks: it charges bytes, not calls (a
+slot starts when its read did, so the read's own work overlaps its transfer, and a read
+split into many calls costs what one of the same bytes costs).
 :class:`ThrottledFileSystemReader` charges every byte the reader takes from storage
-(``bytes_read``) to it, on both of the reader's read methods (``read_into``,
-``read_object``); pass it to ``load(..., storage_reader=...)``.
+(``bytes_read``) to it, a batch of reads at a time (what one merged ``preadv`` or mapped
+copy moves, charged once it is done) and per object; pass it to ``load(..., storage_reader=...)``.
 :class:`ThrottledFileSystemWriter` charges each data-file write to it as it happens (what
 a save's file bytes through a link cost; the writer's compression threads go on meanwhile);
 pass it to ``save(..., storage_writer=...)``.
@@ -18,7 +21,7 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Iterable, Optional, Union
 
 from hyper_parallel_dcp.core.planner import ReadItem
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
@@ -38,8 +41,9 @@ class SharedBandwidth:
         self.bytes_per_s = float(bytes_per_s)
         self.state_file.touch(exist_ok=True)
 
-    def consume(self, nbytes: int) -> float:
-        """Block until ``nbytes`` fit under the shared cap; returns the seconds waited."""
+    def consume(self, nbytes: int, since: Optional[float] = None) -> float:
+        """Block until ``nbytes`` fit under the shared cap (the transfer starting at ``since``,
+        a ``time.time()``, or now, once the link is free); returns the seconds waited."""
         if nbytes <= 0:
             return 0.0
         with open(self.state_file, "r+b") as f:
@@ -47,7 +51,7 @@ class SharedBandwidth:
             try:
                 raw = f.read(_SLOT.size)
                 free_at = _SLOT.unpack(raw)[0] if len(raw) == _SLOT.size else 0.0
-                now = time.time()
+                now = time.time() if since is None else since
                 end = max(now, free_at) + nbytes / self.bytes_per_s
                 f.seek(0)
                 f.write(_SLOT.pack(end))
@@ -66,23 +70,31 @@ class ThrottledFileSystemReader(FileSystemReader):
         super().__init__(path, **kwargs)
         self.bandwidth = bandwidth
         self.throttled_s = 0.0
-
-    def _charge(self, before: int) -> None:
-        self.throttled_s += self.bandwidth.consume(self.bytes_read - before)
+        self._owed, self._since = 0, None  # bytes of the reads in progress, when the first began
 
     def reads_are_copies(self) -> bool:
         return False  # it stands in for storage outside the host, page cache or not
 
-    def read_into(self, item: ReadItem, dest: Any) -> None:
-        before = self.bytes_read
-        super().read_into(item, dest)
-        self._charge(before)
+    def _read_many(self, reads: Iterable[Any]) -> None:
+        before, since = self.bytes_read, time.time()
+        try:
+            super()._read_many(reads)
+        finally:  # owed until the reads are done: their slot begins when the first began
+            self._owed += self.bytes_read - before
+            self._since = since if self._since is None else self._since
 
-    def read_object(self, item: ReadItem) -> Any:
-        before = self.bytes_read
-        value = super().read_object(item)
-        self._charge(before)
-        return value
+    def _finish_pending(self) -> None:
+        try:
+            super()._finish_pending()
+        finally:
+            since, owed, self._since, self._owed = self._since, self._owed, None, 0
+            self.throttled_s += self.bandwidth.consume(owed, since)
+
+    def read_object_bytes(self, item: ReadItem) -> tuple[bytes, str]:
+        before, started = self.bytes_read, time.time()
+        found = super().read_object_bytes(item)
+        self.throttled_s += self.bandwidth.consume(self.bytes_read - before, started)
+        return found
 
 
 class _ThrottledFile:

@@ -6,13 +6,16 @@ Serves the benchmark rows ``load, Shard(0)→Shard(1), under the storage cap`` (
 shared; ``io_bench._capped_load_cases``): every rank's column slice of a chunk spans
 nearly the whole chunk in the file, so reading directly the ranks together read 1.725×
 (dense) and 1.984× (small tensors) the checkpoint, in 1.70-1.73× and 1.71-1.83× the time
-of a same-layout load; exchanged, 1.000× in 1.06-1.26× and 1.16-1.41× (default sizes,
-2 ranks, three runs on a shared 2-core machine).  From the page cache it does not pay
-(gloo is slower than the copy), so ``HP_DCP_CHUNK_EXCHANGE=auto`` leaves it off there.
+of a same-layout load; exchanged, 1.000×, in 1.02× / 1.34× at 2 ranks and 1.08× / 1.85× at
+4 (quick sizes; default sizes 1.02× / 1.22× and 1.05× / 1.33×; docs/perf/read-path.md).
+Runs are read in groups of ``_GROUP_BYTES`` and sent in messages of ``_MESSAGE_BYTES``
+(one 32 MiB batch and 6 MiB messages before: 4 ranks 1.19× / 2.24×).  From the page
+cache it does not pay (gloo is slower than the copy), so ``HP_DCP_CHUNK_EXCHANGE=auto``
+leaves it off there.
 Exports :class:`ChunkExchanges`.
 
-No deadlock: every rank posts all its receives before it reads or sends anything, and
-waits for them only after its own sends and broadcasts are launched.
+No deadlock: every rank posts all its receives before it sends anything (its reads begin
+first, on a thread), and waits for them only after its own sends and broadcasts are launched.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ __all__ = ["ChunkExchanges"]
 
 #: bytes of runs the read-ahead thread may hold ahead of the packing and sending
 _AHEAD_BYTES = 32 << 20
+#: bytes of runs read as one batch, and of a message at most: the pieces of one go out while
+#: the next is read, and the ranks' reads of a shared link interleave
+_GROUP_BYTES = 1 << 20
+_MESSAGE_BYTES = 256 << 10
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -102,13 +109,13 @@ class ChunkExchanges:
         self.plan = plan
         self.sends: list[ExchangeMessage] = []
         self.receives: list[ExchangeMessage] = []
-        if self.exchanges:
-            self._split(plan, batch_bytes)
+        self._batch_bytes = min(batch_bytes, _MESSAGE_BYTES)
         self._posted: list[tuple[ExchangeMessage, torch.Tensor, Any]] = []
         self._landed = 0  # receives filled in so far
         self._sending: collections.deque = collections.deque()
 
-    def _split(self, plan: LoadPlan, batch_bytes: int) -> None:
+    def _split(self, plan: LoadPlan) -> None:
+        """The pieces this rank receives, the plan's other items (``self.plan``), the messages."""
         position = {(x.storage_index.fqn, x.storage_index.offset): i for i, x in enumerate(self.exchanges)}
         self.items_of: dict[_PieceKey, list[ReadItem]] = collections.defaultdict(list)
         rest = []
@@ -123,10 +130,23 @@ class ChunkExchanges:
         for i, offsets, lengths in self.items_of:
             received[i].append((offsets, lengths))
         self.sends, self.receives = exchange_messages(self.exchanges, self.rank, [sorted(r) for r in received],
-                                                      batch_bytes)
+                                                      self._batch_bytes)
 
     def start(self) -> None:
-        """Post every receive, then read this rank's chunks and send their pieces."""
+        """Start reading this rank's chunks, plan the messages meanwhile (``self.plan``: the
+        plan's other items after it), post every receive, then send the pieces as they are read."""
+        mine = [i for i, x in enumerate(self.exchanges) if x.reader == self.rank]
+        nbytes = sum(self.exchanges[i].dtype.itemsize * self.exchanges[i].rows[1] *
+                     math.prod(self.exchanges[i].shape[1:]) for i in mine)
+        depth = max(2, min(256, len(mine) * _AHEAD_BYTES // max(nbytes, 1)))
+        # read on a thread, in the order given: storage stays busy while this one plans, packs and
+        # sends (the runs' buffers are made on the thread as it gets to them)
+        stream = ReadAhead(lambda _: self._read_runs(mine), mine[:1], depth)
+        try:
+            self._split(self.plan)
+        except BaseException:
+            stream.close()
+            raise
         for message in self.receives:
             buffer = torch.empty(message.nbytes, dtype=torch.uint8)
             self._posted.append((message, buffer, dist.irecv(buffer, src=message.peer, tag=message.tag)))
@@ -137,16 +157,8 @@ class ChunkExchanges:
                 where[(message.peer, i, offsets, lengths)] = (m, at)
         buffers: list[Optional[torch.Tensor]] = [None] * len(self.sends)
         left = [len(message.pieces) for message in self.sends]
-        mine = [i for i, x in enumerate(self.exchanges) if x.reader == self.rank]
         copies = _Copies(self.planner)
-        stream = None
         try:
-            # read on a thread, in the order given: storage stays busy while this one packs and sends
-            nbytes = sum(self.exchanges[i].dtype.itemsize * self.exchanges[i].rows[1] *
-                         math.prod(self.exchanges[i].shape[1:]) for i in mine)
-            depth = max(2, min(256, len(mine) * _AHEAD_BYTES // max(nbytes, 1)))
-            # the runs' buffers are made on the thread as it gets to them
-            stream = ReadAhead(lambda _: self.reader.read_stream(self._runs(mine)), mine[:1], depth)
             for i, (_, run) in zip(mine, stream):
                 x = self.exchanges[i]
                 row0 = x.rows[0]
@@ -170,13 +182,24 @@ class ChunkExchanges:
         except Exception as exc:  # noqa: BLE001 - raised after every message went out
             self.error = exc
         finally:
-            if stream is not None:
-                stream.close()
+            stream.close()
         for m, message in enumerate(self.sends):  # after a failure: what is left, unfilled
             if left[m]:
                 left[m] = 0
                 held = buffers[m]
                 self._send(message, torch.empty(message.nbytes, dtype=torch.uint8) if held is None else held)
+
+    def _read_runs(self, mine: list[int]) -> Iterator[tuple[ReadItem, Any]]:
+        """The runs read a group of ``_GROUP_BYTES`` at a time (one batch of the reader each)."""
+        group: list[ReadDestination] = []
+        size = 0
+        for read in self._runs(mine):
+            group.append(read)
+            size += read.dest.nbytes
+            if size >= _GROUP_BYTES:
+                yield from self.reader.read_stream(group)
+                group, size = [], 0
+        yield from self.reader.read_stream(group)
 
     def _runs(self, mine: list[int]) -> Iterator[ReadDestination]:
         """The contiguous row run of each chunk this rank reads, as reads into fresh buffers

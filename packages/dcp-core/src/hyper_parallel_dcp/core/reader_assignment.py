@@ -339,7 +339,9 @@ def apply_chunk_exchanges(plan: LoadPlan, exchanges: tuple[ChunkExchange, ...]) 
         return plan
     data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
     plan = replace(plan, planner_data=replace(data, exchanges=exchanges))
-    items = [replace(item, source=x.reader) if x is not None else item for item, x in exchanged_reads(plan)]
+    items = [item if x is None else ReadItem(item.type, item.dest_index, item.dest_offsets, item.storage_index,
+                                             item.storage_offsets, item.lengths, x.reader)
+             for item, x in exchanged_reads(plan)]
     return replace(plan, items=tuple(items))
 
 
