@@ -4,8 +4,9 @@
 ``n`` bytes reserves the next ``n / bytes_per_s`` seconds of the one shared "link" under
 ``flock`` and sleeps until its slot ends, so N processes together never exceed the cap.
 :class:`ThrottledFileSystemReader` charges every byte the reader takes from storage
-(``bytes_read``) to it, on both of the reader's read methods (``read_into``,
-``read_object``); pass it to ``load(..., storage_reader=...)``.
+(``bytes_read``) to it: a compressed chunk's bytes as its read-ahead thread reads them (the
+link busy while the reader decodes), the rest once each batch is read; pass it to
+``load(..., storage_reader=...)``.
 :class:`ThrottledFileSystemWriter` charges each data-file write to it as it happens (what
 a save's file bytes through a link cost; the writer's compression threads go on meanwhile);
 pass it to ``save(..., storage_writer=...)``.
@@ -20,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any, Union
 
-from hyper_parallel_dcp.core.planner import ReadItem
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter
 
 __all__ = ["SharedBandwidth", "ThrottledFileSystemReader", "ThrottledFileSystemWriter"]
@@ -65,24 +65,22 @@ class ThrottledFileSystemReader(FileSystemReader):
     def __init__(self, path: Union[str, os.PathLike, None], bandwidth: SharedBandwidth, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.bandwidth = bandwidth
-        self.throttled_s = 0.0
+        self._charged = 0  # the bytes not read through ``compressed.fetch`` charged so far
+        self.compressed.fetch = self._fetch
 
-    def _charge(self, before: int) -> None:
-        self.throttled_s += self.bandwidth.consume(self.bytes_read - before)
+    def _fetch(self, fd: int, length: int, offset: int) -> bytes:
+        data = os.pread(fd, length, offset)
+        self.bandwidth.consume(len(data))
+        return data
+
+    def _finish_pending(self) -> None:
+        super()._finish_pending()
+        plain = self.bytes_read - self.compressed.bytes_read
+        self.bandwidth.consume(plain - self._charged)
+        self._charged = plain
 
     def reads_are_copies(self) -> bool:
         return False  # it stands in for storage outside the host, page cache or not
-
-    def read_into(self, item: ReadItem, dest: Any) -> None:
-        before = self.bytes_read
-        super().read_into(item, dest)
-        self._charge(before)
-
-    def read_object(self, item: ReadItem) -> Any:
-        before = self.bytes_read
-        value = super().read_object(item)
-        self._charge(before)
-        return value
 
 
 class _ThrottledFile:
