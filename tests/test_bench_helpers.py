@@ -226,7 +226,8 @@ def test_quick_mode_smoke(tmp_path):
     assert "| goal | measured | met |" in (tmp_path / "README.md").read_text()
 
 
-def test_throttled_reader_charges_every_byte_it_reads(tmp_path):
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_throttled_reader_charges_every_byte_it_reads(tmp_path, compression):
     import struct
 
     import torch
@@ -235,14 +236,15 @@ def test_throttled_reader_charges_every_byte_it_reads(tmp_path):
     from hyper_parallel_dcp.benchmarks.throttle import ThrottledFileSystemReader
 
     sd = {"a": torch.arange(4096, dtype=torch.float32).view(64, 64), "b": torch.ones(100, dtype=torch.bfloat16)}
-    hp.save(sd, checkpoint_id=tmp_path / "ck", no_dist=True)
+    md = hp.save(sd, checkpoint_id=tmp_path / "ck", no_dist=True, compression=compression)
     bw = SharedBandwidth(tmp_path / "bw", 1e8)
     t0 = __import__("time").time()
     reader = ThrottledFileSystemReader(tmp_path / "ck", bw)
     target = {"a": torch.zeros(64, 64), "b": torch.zeros(100, dtype=torch.bfloat16)}
     hp.load(target, storage_reader=reader, no_dist=True)
     assert torch.equal(target["a"], sd["a"]) and torch.equal(target["b"], sd["b"])
-    assert reader.bytes_read == 4096 * 4 + 100 * 2
+    assert reader.bytes_read == (4096 * 4 + 100 * 2 if compression is None else
+                                 sum(info.length for info in md.storage_data.values()))
     # the shared link is booked for at least bytes_read / bandwidth after the start
     free_at = struct.unpack("d", (tmp_path / "bw").read_bytes())[0]
     assert free_at - t0 >= reader.bytes_read / 1e8

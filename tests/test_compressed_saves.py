@@ -162,3 +162,27 @@ def test_codec_v1_puts_the_exponent_alone_in_the_top_plane_and_v0_payloads_still
     newer = struct.pack("<I", (step & 0xFFFFFF) | (CODEC_VERSION + 1) << 24) + v1[4:]
     with pytest.raises(CorruptCheckpointError, match="t: the frame table \\(codec version 2.*a newer version"):
         decode_span(lambda at, n: newer[at:at + n], 0, raw.numel(), width, zstandard, lambda: "t")
+
+
+def test_payloads_are_read_ahead_on_a_thread_and_checked_once(tmp_path, monkeypatch):
+    """The read-ahead thread reads each payload once (``verify``: whole, hashed there); bit-exact."""
+    import threading
+
+    import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp.storage_fs import FileSystemReader, compression
+
+    sd = {f"w{i}": torch.randn(200, 300, generator=torch.Generator().manual_seed(i)) for i in range(6)}
+    md = dcp.save(sd, checkpoint_id=tmp_path / "z", no_dist=True, compression="zstd")
+    monkeypatch.setattr(compression, "READ_AHEAD_BYTES", 1)  # one chunk ahead at a time
+    reader, threads = FileSystemReader(tmp_path / "z", verify=True), []
+
+    def fetch(fd: int, n: int, offset: int) -> bytes:
+        threads.append(threading.current_thread().name)
+        return os.pread(fd, n, offset)
+
+    reader.compressed.fetch = fetch
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(target[k], sd[k]) for k in sd)
+    assert len(threads) == len(sd) and all(name.startswith("hp-dcp-read-ahead") for name in threads)
+    assert reader.bytes_read == sum(info.length for info in md.storage_data.values())

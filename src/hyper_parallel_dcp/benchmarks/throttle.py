@@ -7,8 +7,10 @@ It models a link of fixed bandwidth shared by the ranks: it charges bytes, not c
 slot starts when its read did, so the read's own work overlaps its transfer, and a read
 split into many calls costs what one of the same bytes costs).
 :class:`ThrottledFileSystemReader` charges every byte the reader takes from storage
-(``bytes_read``) to it, a batch of reads at a time (what one merged ``preadv`` or mapped
-copy moves, charged once it is done) and per object; pass it to ``load(..., storage_reader=...)``.
+(``bytes_read``) to it: a compressed chunk's bytes as its read-ahead thread reads them (the
+link busy while the reader decodes), the rest a batch of reads at a time (what one merged
+``preadv`` or mapped copy moves, charged once it is done) and per object; pass it to
+``load(..., storage_reader=...)``.
 :class:`ThrottledFileSystemWriter` charges each data-file write to it as it happens (what
 a save's file bytes through a link cost; the writer's compression threads go on meanwhile);
 pass it to ``save(..., storage_writer=...)``.
@@ -71,16 +73,24 @@ class ThrottledFileSystemReader(FileSystemReader):
         self.bandwidth = bandwidth
         self.throttled_s = 0.0
         self._owed, self._since = 0, None  # bytes of the reads in progress, when the first began
+        self.compressed.fetch = self._fetch
+
+    def _fetch(self, fd: int, length: int, offset: int) -> bytes:
+        started = time.time()
+        data = os.pread(fd, length, offset)
+        self.throttled_s += self.bandwidth.consume(len(data), started)
+        return data
 
     def reads_are_copies(self) -> bool:
         return False  # it stands in for storage outside the host, page cache or not
 
     def _read_many(self, reads: Iterable[Any]) -> None:
-        before, since = self.bytes_read, time.time()
+        before, since = self.bytes_read - self.compressed.bytes_read, time.time()
         try:
             super()._read_many(reads)
         finally:  # owed until the reads are done: their slot begins when the first began
-            self._owed += self.bytes_read - before
+            # (a compressed chunk's bytes are charged by ``_fetch`` as they are read)
+            self._owed += self.bytes_read - self.compressed.bytes_read - before
             self._since = since if self._since is None else self._since
 
     def _finish_pending(self) -> None:

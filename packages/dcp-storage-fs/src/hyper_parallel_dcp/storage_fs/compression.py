@@ -18,7 +18,10 @@ Needs the ``zstandard`` package, the ``[zstd]`` extra.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
+import functools
+import itertools
 import os
 import struct
 from pathlib import Path
@@ -36,7 +39,7 @@ from hyper_parallel_dcp.core.planner import ReadItem
 from .incremental import missing_file_error
 
 __all__ = ["CODEC_SUFFIX", "CODEC_VERSION", "FRAME_BYTES", "ZSTD_EXTRA", "decode_span", "encode_chunk", "is_compressed_file",
-           "CompressedFiles", "read_compressed_into", "zstd_module"]
+           "CompressedFiles", "READ_AHEAD_BYTES", "decode_frames", "fetch_span", "zstd_module"]
 
 #: the suffix of a rank's file of compressed chunks: ``_rank{r}_.zstd``
 CODEC_SUFFIX = ".zstd"
@@ -47,6 +50,8 @@ FRAME_BYTES = 4 << 20
 CODEC_VERSION = 1
 #: what to install for compressed checkpoints
 ZSTD_EXTRA = "hyper-parallel-dcp-storage-fs[zstd]"
+#: compressed payload bytes a load reads ahead of its decoding (at least one chunk)
+READ_AHEAD_BYTES = 64 << 20
 _HEAD = struct.Struct("<II")
 
 
@@ -100,11 +105,12 @@ def encode_chunk(raw: torch.Tensor, width: int, zstd: Any) -> bytes:
     return b"".join([head, *frames])
 
 
-def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, width: int, zstd: Any,
-                where: Callable[[], str]) -> tuple[np.ndarray, int]:
-    """``(raw bytes [start, end) of the chunk as a uint8 array, payload bytes read)``;
-    ``read_at(offset, n)`` reads the payload.  Raises :class:`CorruptCheckpointError` naming
-    ``where()`` (the file and chunk) and the frame for a frame that does not decompress to its size."""
+def fetch_span(read_at: Callable[[int, int], bytes], start: int, end: int, width: int,
+               where: Callable[[], str]) -> tuple[Any, ...]:
+    """What :func:`decode_frames` needs of raw bytes ``[start, end)`` of a chunk (its frame
+    table and the compressed frames that span touches), read through ``read_at(offset, n)``;
+    the last item is the payload bytes read.  Raises :class:`CorruptCheckpointError` naming
+    ``where()`` for a frame table that does not cover the span."""
     head = read_at(0, _HEAD.size)
     if len(head) < _HEAD.size:
         raise CorruptCheckpointError(f"{where()}: compressed chunk truncated (no frame table)")
@@ -112,16 +118,27 @@ def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, widt
     step, version = step & 0xFFFFFF, step >> 24
     sizes = struct.unpack(f"<{count}Q", read_at(_HEAD.size, 8 * count)) if count else ()
     if end <= start:
-        return np.empty(0, np.uint8), _HEAD.size + 8 * count
+        return step, version, count, 0, b"", (), _HEAD.size + 8 * count
     first, last = start // step if step else 0, (end - 1) // step if step else 0
     if step == 0 or step % width or last >= count or version > CODEC_VERSION:
         raise CorruptCheckpointError(f"{where()}: the frame table (codec version {version}, {count} frames of {step} "
                                      f"bytes) does not cover bytes [{start}, {end}); a newer version may have written it")
     position = _HEAD.size + 8 * count + sum(sizes[:first])
-    blob = memoryview(read_at(position, sum(sizes[first:last + 1])))
-    words, base = _words(width), first * step
+    blob = read_at(position, sum(sizes[first:last + 1]))
+    starts = tuple(itertools.accumulate(sizes[first:last + 1], initial=0))
+    return step, version, count, first, blob, starts, len(blob) + _HEAD.size + 8 * count
+
+
+def decode_frames(fetched: tuple[Any, ...], start: int, end: int, width: int, zstd: Any,
+                  where: Callable[[], str]) -> np.ndarray:
+    """Raw bytes ``[start, end)`` of the chunk (a uint8 array) from ``fetch_span``'s result;
+    its frames on threads.  Raises :class:`CorruptCheckpointError` naming ``where()`` and the
+    frame for a frame that does not decompress to its size."""
+    step, version, count, first, blob, starts, _ = fetched
+    if end <= start:
+        return np.empty(0, np.uint8)
+    blob, words, base, last = memoryview(blob), _words(width), first * step, first + len(starts) - 2
     out = np.empty(min(count * step, (last + 1) * step) - base, np.uint8)
-    starts = [sum(sizes[first:frame]) for frame in range(first, last + 2)]
 
     def one(frame: int) -> None:
         try:
@@ -134,60 +151,57 @@ def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, widt
             raise CorruptCheckpointError(f"{where()}: compressed frame {frame} of {count} decompressed to "
                                          f"{len(planes)} bytes, not {step}")
         target = out[frame * step - base:frame * step - base + len(planes)]
-        columns = target.reshape(-1, width)  # a column per byte plane: 6x a transposed copy's speed
-        for byte, plane in enumerate(np.frombuffer(planes, np.uint8).reshape(width, -1)):
-            columns[:, byte] = plane
-        if version and words is not None:  # rotate the sign bit back
-            word = target.view(words)
-            high = word << words(8 * width - 1)
+        rows = np.frombuffer(planes, np.uint8).reshape(width, -1)
+        if words is None:
+            target.reshape(-1, width)[:] = rows.T
+            return
+        # the planes shifted and or-ed into words, the rotation undone in place: bf16 frames
+        # 2838 -> 5674 MB/s, fp32 1139 -> 1234 MB/s (one thread, best of 9, 4 MiB frames)
+        word, spare = target.view(words), np.empty(len(rows[0]), words)
+        np.left_shift(rows[-1], 8 * (width - 1), out=word, dtype=words)
+        for byte in range(width - 1):
+            word |= np.left_shift(rows[byte], 8 * byte, out=spare, dtype=words)
+        if version:  # rotate the sign bit back
+            np.left_shift(word, 8 * width - 1, out=spare)
             word >>= words(1)
-            word |= high
+            word |= spare
 
     if last > first:  # frames on threads (zstd and numpy release the GIL)
-        with cf.ThreadPoolExecutor(min(last - first + 1, os.cpu_count() or 1)) as pool:
-            list(pool.map(one, range(first, last + 1)))
+        list(_pool().map(one, range(first, last + 1)))
     else:
         one(first)
-    return out[start - base:end - base], len(blob) + _HEAD.size + 8 * count
+    return out[start - base:end - base]
 
 
-def read_compressed_into(fd: int, info: StorageInfo, sizes: tuple[int, ...], dtype: torch.dtype, item: ReadItem,
-                         dest: torch.Tensor, file: str, *, verify: bool) -> int:
-    """Copy ``item``'s slice of the compressed chunk ``info`` (of shape ``sizes``) from the open
-    file ``fd`` (named ``file``) into ``dest``; returns the payload bytes read.  ``verify``:
-    first compare the whole payload's xxh3 with ``info.checksum``.  Raises
-    :class:`CorruptCheckpointError` naming file and chunk, :class:`CheckpointError` naming the
-    extra without ``zstandard``."""
-    index = item.storage_index
-    label = f"{file}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
-    zstd = zstd_module(f"{file}: {index.fqn!r}, stored in the compressed file {info.relative_path},")
+def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, width: int, zstd: Any,
+                where: Callable[[], str]) -> tuple[np.ndarray, int]:
+    """``(raw bytes [start, end) of the chunk as a uint8 array, payload bytes read)``:
+    :func:`fetch_span` then :func:`decode_frames`."""
+    fetched = fetch_span(read_at, start, end, width, where)
+    return decode_frames(fetched, start, end, width, zstd, where), fetched[-1]
 
-    def read_at(position: int, length: int) -> bytes:
-        return os.pread(fd, max(0, min(length, info.length - position)), info.offset + position)
 
-    read = 0
-    if verify:
-        read = info.length
-        if xxhash.xxh3_64_hexdigest(read_at(0, info.length)) != info.checksum:
-            raise CorruptCheckpointError(f"checksum mismatch in {label}: the compressed chunk does not match its "
-                                         f"recorded xxh3 {info.checksum}")
-    lengths = tuple(item.lengths) if item.lengths else sizes
-    offsets = tuple(item.storage_offsets) if item.lengths else (0,) * len(sizes)
-    first, span, _ = slice_span(sizes, offsets, lengths)
-    width = dtype.itemsize
-    raw, spanned = decode_span(read_at, first * width, (first + span) * width, width, zstd, lambda: label)
-    if span:
-        source = torch.from_numpy(raw).view(dtype)
-        dest.copy_(source.as_strided(lengths, row_major_strides(sizes), 0))
-    return read + spanned
+@functools.cache
+def _pool() -> cf.ThreadPoolExecutor:
+    return cf.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="hp-dcp-unzstd")
 
 
 class CompressedFiles:
-    """The open ``.zstd`` files of a checkpoint, for the reader."""
+    """The open ``.zstd`` files of a checkpoint, for the reader.  :meth:`read_ahead` reads the
+    payloads of a batch's compressed chunks on a thread, up to :data:`READ_AHEAD_BYTES` ahead
+    of :meth:`read_item`'s decoding, so a link stays busy while a chunk decodes (compression
+    bench, load of the trained state under the 200 MB/s cap; measured gain: none separable at
+    load average 20 on 2 cores, median 1.01 vs 0.99 s serial, where the decode is CPU bound).
+    ``fetch(fd, n, offset)`` reads their bytes (``os.pread``); ``bytes_read``: payload bytes decoded."""
 
     def __init__(self) -> None:
         self._open: dict[str, Any] = {}
         self._seen: tuple[Any, bool] = (None, False)  # (a metadata's files, whether one is compressed)
+        self._waiting: collections.deque = collections.deque()  # (item, job, payload bytes) not yet started
+        self._ahead: collections.deque = collections.deque()  # (item, future, payload bytes), in read order
+        self._thread: Optional[cf.ThreadPoolExecutor] = None
+        self.fetch: Callable[[int, int, int], bytes] = os.pread
+        self.bytes_read = 0
 
     def any_in(self, metadata: Any) -> bool:
         """Whether ``metadata`` (a ``Metadata`` or ``None``) names a compressed file (kept per file table)."""
@@ -196,35 +210,107 @@ class CompressedFiles:
             self._seen = (files, files is not None and any(map(is_compressed_file, files)))
         return self._seen[1]
 
-    def read_item(self, root: Path, metadata: Metadata, item: ReadItem, dest: torch.Tensor, offset: Optional[int],
-                  strides: Any, verified: Optional[set[MetadataIndex]]) -> Optional[int]:
-        """Read ``item`` of the checkpoint in directory ``root`` into ``dest`` (``dest.as_strided(item.lengths, strides, offset)`` with an
-        ``offset``) when its chunk is in a compressed file: the payload bytes read; ``None``,
-        nothing done, otherwise.  ``verified``: check each chunk's payload checksum once (the
-        chunks checked are added).  Raises :class:`CheckpointNotFoundError` naming a missing
-        file (and, for a reference, who needs it), and what :func:`read_compressed_into` raises."""
+    def read_ahead(self, root: Path, metadata: Metadata, items: list[ReadItem],
+                   verified: Optional[set[MetadataIndex]]) -> None:
+        """Start reading the payloads of ``items``' compressed chunks (of the checkpoint in
+        ``root``), in order; ``verified``: the chunks whose checksum was checked (``None``: no checks)."""
+        self.cancel()
+        for item in items:
+            job = self._job(root, metadata, item, verified)
+            if job is not None:
+                self._waiting.append((item, job, job.args[2].length))
+        self._top_up()
+
+    def _job(self, root: Path, metadata: Metadata, item: ReadItem,
+             verified: Optional[set[MetadataIndex]]) -> Optional[functools.partial]:
         index = item.storage_index
         locate = chunk_locator(metadata)
         where = None if locate is None else locate(index)
         if where is None or not is_compressed_file(where[0]):
             return None
-        name = where[0]
-        path = root / name
+        md = metadata.state_dict_metadata[index.fqn]
+        return functools.partial(self._fetch, root / where[0], where[0], metadata.storage_data[index],  # type: ignore
+                                 tuple(where[2]), md.properties.dtype, item,  # type: ignore[union-attr]
+                                 verified is not None and index not in verified)
+
+    def _top_up(self) -> None:
+        ahead = sum(entry[2] for entry in self._ahead)
+        while self._waiting and (not self._ahead or ahead < READ_AHEAD_BYTES):
+            item, job, length = self._waiting.popleft()
+            if self._thread is None:
+                self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="hp-dcp-read-ahead")
+            self._ahead.append((item, self._thread.submit(job), length))
+            ahead += length
+
+    def _fetch(self, path: Path, name: str, info: StorageInfo, sizes: tuple[int, ...], dtype: torch.dtype,
+               item: ReadItem, verify: bool) -> tuple[Any, ...]:
+        # on the read-ahead thread: the frames the slice touches (the whole payload, checked, with verify)
+        index = item.storage_index
+        label = f"{path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
         handle = self._open.get(name)
         if handle is None:
             try:
                 handle = self._open[name] = open(path, "rb")
             except FileNotFoundError:
                 raise missing_file_error(str(path), name) from None
-        verify = verified is not None and index not in verified
-        md = metadata.state_dict_metadata[index.fqn]
-        target = dest if offset is None else dest.as_strided(item.lengths, strides, offset)
-        read = read_compressed_into(handle.fileno(), metadata.storage_data[index], tuple(where[2]),  # type: ignore
-                                    md.properties.dtype, item, target, str(path), verify=verify)  # type: ignore
+        fd, fetch = handle.fileno(), self.fetch
+
+        def read_at(position: int, length: int) -> Any:
+            return fetch(fd, max(0, min(length, info.length - position)), info.offset + position)
+
         if verify:
-            verified.add(index)  # type: ignore[union-attr]
+            view = memoryview(read_at(0, info.length))
+            if xxhash.xxh3_64_hexdigest(view) != info.checksum:
+                raise CorruptCheckpointError(f"checksum mismatch in {label}: the compressed chunk does not match "
+                                             f"its recorded xxh3 {info.checksum}")
+            read_at = lambda position, length: view[position:position + length]  # noqa: E731
+        lengths = tuple(item.lengths) if item.lengths else sizes
+        offsets = tuple(item.storage_offsets) if item.lengths else (0,) * len(sizes)
+        first, span, _ = slice_span(sizes, offsets, lengths)
+        width = dtype.itemsize
+        fetched = fetch_span(read_at, first * width, (first + span) * width, width, lambda: label)
+        return fetched, info.length if verify else fetched[-1], label, info, dtype, sizes, lengths, first, span
+
+    def read_item(self, root: Path, metadata: Metadata, item: ReadItem, dest: torch.Tensor, offset: Optional[int],
+                  strides: Any, verified: Optional[set[MetadataIndex]]) -> Optional[int]:
+        """Read ``item`` of the checkpoint in directory ``root`` into ``dest`` (``dest.as_strided(item.lengths,
+        strides, offset)`` with an ``offset``) when its chunk is in a compressed file: the
+        payload bytes read; ``None``, nothing done, otherwise.  ``verified``: check each chunk's
+        payload checksum once (the chunks checked are added).  Raises
+        :class:`CheckpointNotFoundError` naming a missing file, :class:`CorruptCheckpointError`
+        naming file and chunk, :class:`CheckpointError` naming the extra without ``zstandard``."""
+        if self._ahead and self._ahead[0][0] is item:
+            future = self._ahead.popleft()[1]
+            self._top_up()
+            fetched, read, label, info, dtype, sizes, lengths, first, span = future.result()
+        else:  # not read ahead (read_into, or a chunk of a plain file)
+            job = self._job(root, metadata, item, verified)
+            if job is None:
+                return None
+            fetched, read, label, info, dtype, sizes, lengths, first, span = job()
+        zstd = zstd_module(f"{root / info.relative_path}: {item.storage_index.fqn!r}, stored in the compressed file "
+                           f"{info.relative_path},")
+        width = dtype.itemsize
+        raw = decode_frames(fetched, first * width, (first + span) * width, width, zstd, lambda: label)
+        if span:
+            target = dest if offset is None else dest.as_strided(item.lengths, strides, offset)
+            target.copy_(torch.from_numpy(raw).view(dtype).as_strided(lengths, row_major_strides(sizes), 0))
+        if verified is not None:
+            verified.add(item.storage_index)
+        self.bytes_read += read
         return read
 
+    def cancel(self) -> None:
+        """Drop the payloads not yet read (a stream left early)."""
+        for entry in self._ahead:
+            entry[1].cancel()
+        self._ahead.clear()
+        self._waiting.clear()
+
     def close(self) -> None:
+        self.cancel()
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
         while self._open:
             self._open.popitem()[1].close()

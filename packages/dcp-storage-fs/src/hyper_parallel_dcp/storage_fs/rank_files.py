@@ -122,14 +122,15 @@ def _write_compressed(tensors: list[WriteItem], keyed: list[tuple[str, WriteItem
     placed: list[tuple[int, int, str]] = []
     threads = max(1, min(8, os.cpu_count() or 1))
 
-    def encode(item: WriteItem) -> bytes:
+    def encode(item: WriteItem) -> tuple[bytes, str]:  # on the pool: hashed there too, not in the writing thread
         tensor = to_stored(planner.resolve_data(item)).detach().to("cpu").contiguous()
-        return encode_chunk(tensor.view(-1).view(torch.uint8), tensor.element_size(), zstd)
+        payload = encode_chunk(tensor.view(-1).view(torch.uint8), tensor.element_size(), zstd)
+        return payload, xxhash.xxh3_64_hexdigest(payload)
 
     def write_payloads(f: BinaryIO) -> None:
-        def put(payload: bytes) -> None:
-            placed.append((f.tell(), len(payload), xxhash.xxh3_64_hexdigest(payload)))
-            f.write(payload)
+        def put(encoded: tuple[bytes, str]) -> None:
+            placed.append((f.tell(), len(encoded[0]), encoded[1]))
+            f.write(encoded[0])
 
         with cf.ThreadPoolExecutor(threads, thread_name_prefix="hp-dcp-zstd") as pool:
             window: collections.deque = collections.deque()  # 2 chunks a thread in flight: not all held at once

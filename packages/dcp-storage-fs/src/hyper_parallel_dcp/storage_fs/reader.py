@@ -240,7 +240,7 @@ class FileSystemReader(StorageReader):
         self._locator: Optional[ChunkLocator] = None
         self._verified: set[MetadataIndex] = set()
         self._reads = AdjacentReads()
-        self._compressed_files = CompressedFiles()  # holds no reference to the reader: no cycle
+        self.compressed = CompressedFiles()  # the .zstd files (no reference to the reader: no cycle)
         self._device_reads = DeviceReads()
         self._copies = PendingCopies()  # views of the files' mappings: copied before a file closes
         self._arena: Optional[MappingArena] = None  # where the open files are mapped
@@ -352,7 +352,7 @@ class FileSystemReader(StorageReader):
 
     def _close_all(self) -> None:
         self._finish_pending()
-        self._compressed_files.close()
+        self.compressed.close()
         self._latest = None
         while self._handles:
             self._handles.popitem()[1].close()
@@ -365,17 +365,18 @@ class FileSystemReader(StorageReader):
         """Start each read (done, or queued in a sink for :meth:`_finish_pending`)."""
         locator, open_file = self.chunks(), self._file
         adjacent, device_reads, copies = self._reads, self._device_reads, self._copies
-        metadata = self.metadata
-        compressed = metadata is not None and self._compressed_files.any_in(metadata)
+        metadata, verified = self.metadata, self._verified if self.verify else None
+        if compressed := self.compressed.any_in(metadata):  # chunks of .zstd files: read ahead of their decoding
+            reads = list(reads)
+            self.compressed.read_ahead(self._root(), metadata, [it for it, _ in reads], verified)  # type: ignore
         spanned = 0
         try:
             for item, (dest, offset, dest_strides) in reads:
-                if compressed and metadata is not None:  # a chunk of a .zstd file (storage_fs.compression)
-                    read = self._compressed_files.read_item(self._root(), metadata, item, dest, offset,
-                                                            dest_strides, self._verified if self.verify else None)
-                    if read is not None:
-                        spanned += read
-                        continue
+                read = None if not compressed else self.compressed.read_item(  # a chunk of a .zstd file
+                    self._root(), metadata, item, dest, offset, dest_strides, verified)  # type: ignore[arg-type]
+                if read is not None:
+                    spanned += read
+                    continue
                 (_, data_offset, sizes, strides, dtype), opened, (first, span, contiguous, count) = \
                     locator.locate(item, open_file)
                 lengths, itemsize = item.lengths, dtype.itemsize
@@ -451,6 +452,7 @@ class FileSystemReader(StorageReader):
             yield from batch
         finally:
             self._reads.clear()  # a stream left early drops its queued work
+            self.compressed.cancel()
             self._copies.clear()
             self._device_reads.clear()
 
