@@ -22,12 +22,18 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
 )
 
-from .diagnose import checkpoints_inside_hint, header_disagreement, header_mismatch, item_name
 from .files import CheckpointFiles, LocalFiles, Location, as_checkpoint_files
 from .incremental import missing_file_error
 from .latest import newest_checkpoint
 from .layout import METADATA_FILE
-from .rank_metadata import merge_rank_metadata, rank_metadata_names
+from .metadata_io import (
+    checkpoints_inside_hint,
+    header_disagreement,
+    header_mismatch,
+    item_name,
+    merge_rank_metadata,
+    rank_metadata_names,
+)
 from .safetensors_header import SafetensorsHeaderError, read_header
 from .torch_dcp_format import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 from .tuning import VERIFY_BLOCK_BYTES
