@@ -35,7 +35,7 @@ from .metadata_io import (
     rank_metadata_names,
 )
 from .safetensors_header import SafetensorsHeaderError, read_header
-from .torch_dcp_format import is_torch_dcp_checkpoint, read_torch_dcp_metadata
+from .torch_dcp import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 from .tuning import VERIFY_BLOCK_BYTES
 
 __all__ = ["CompletenessReport", "VerifyReport", "check_complete", "find_latest_checkpoint", "checkpoints_inside_hint",
