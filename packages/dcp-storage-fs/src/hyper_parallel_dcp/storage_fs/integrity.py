@@ -85,7 +85,11 @@ def _read_one(root: CheckpointFiles, name: str, problems: list[str]) -> tuple[Op
         _add(problems, f"{file} cannot be read: {exc}")
         return None, None
     try:
-        return _parse_reporting(text, file, problems), format_version_of(text)
+        try:
+            return metadata_from_json(text, source=file), format_version_of(text)
+        except CorruptCheckpointError as exc:  # a digest mismatch is a problem, and it is read anyway
+            _add(problems, str(exc))
+            return metadata_from_json(text, source=file, check_digest=False), format_version_of(text)
     except CheckpointFormatError as exc:
         _add(problems, str(exc))
         return None, format_version_of(text)
@@ -124,15 +128,6 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     if len(parts) != len(ranks):
         return None, version
     return merge_rank_metadata(parts), version
-
-
-def _parse_reporting(text: bytes, source: Union[Path, str], problems: list[str]) -> Metadata:
-    """The metadata in ``text``; a digest mismatch is a problem, and it is read anyway."""
-    try:
-        return metadata_from_json(text, source=str(source))
-    except CorruptCheckpointError as exc:
-        _add(problems, str(exc))
-        return metadata_from_json(text, source=str(source), check_digest=False)
 
 
 def _check_consistency(md: Metadata, source: CheckpointFiles, problems: list[str]) -> None:

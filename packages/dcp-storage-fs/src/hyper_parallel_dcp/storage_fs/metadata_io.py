@@ -25,7 +25,7 @@ from hyper_parallel_dcp.core.metadata import (
 from hyper_parallel_dcp.core.steps import parse_step_name
 
 from .files import CheckpointFiles, Location, as_checkpoint_files
-from .latest import STEP_NAME
+from .latest import step_directories
 from .layout import METADATA_FILE, RANK_METADATA
 from .safetensors_header import HeaderEntry, SafetensorsHeaderError, entry_mismatch, read_header
 
@@ -207,11 +207,7 @@ def checkpoints_inside_hint(root: CheckpointFiles) -> str:
         entries = root.entries()
     except OSError:
         return ""
-    steps = []
-    for name, size in entries:
-        match = STEP_NAME.search(name)
-        if size is None and match and not name.startswith(".") and root.child(name).size(METADATA_FILE) is not None:
-            steps.append((int(match.group(1)), name))
+    steps = [(step, name) for step, name in step_directories(entries) if root.child(name).size(METADATA_FILE) is not None]
     if not steps:
         return ""
     newest = root.child(max(steps)[1])
