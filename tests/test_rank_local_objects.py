@@ -55,7 +55,7 @@ def test_tools_see_every_rank_copy(tmp_path: Path) -> None:
     from hyper_parallel_dcp.cli.inspect_ckpt import describe_checkpoint
     from hyper_parallel_dcp.storage_fs import load_checkpoint_metadata
     from hyper_parallel_dcp.storage_fs.integrity import verify_checkpoint
-    from hyper_parallel_dcp.storage_fs.rank_metadata import load_rank_metadata
+    from hyper_parallel_dcp.storage_fs.metadata_io import load_rank_metadata
 
     ckpt = tmp_path / "ckpt"
     run_distributed(_save_local, 2, str(ckpt))

@@ -66,11 +66,9 @@ def write_file_pending(path: Union[str, os.PathLike], write: Callable[[BinaryIO]
         f.flush()
         return PendingFile(path, tmp, f, f.tell())
     except BaseException as exc:
-        if f is not None:
-            try:
+        with contextlib.suppress(OSError):  # the write's own error is the one to report
+            if f is not None:
                 f.close()
-            except OSError:
-                pass  # the write's own error is the one to report
         with contextlib.suppress(OSError):
             tmp.unlink()
         _raise_naming(exc, path)

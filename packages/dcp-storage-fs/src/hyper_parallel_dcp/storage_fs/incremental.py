@@ -1,13 +1,6 @@
-"""Incremental saves (SPEC §14): chunks equal to an earlier checkpoint's are referenced, not written.
-
-:func:`reference_base` reads the earlier checkpoint's metadata once per writing rank;
-:meth:`ReferenceBase.reference` answers, for a chunk about to be written and its xxh3,
-where the same bytes already are: a :class:`StorageInfo` whose file is
-``../<base>/<file>``, relative to the new checkpoint (a reference never points at another
-reference: a chain of incremental saves points straight at the bytes).
-:meth:`ReferenceBase.split` hashes a rank's chunks on threads and keeps those to write.
-:func:`missing_file_error` is what a read of a referenced file that is gone raises.
-"""
+"""Incremental saves (SPEC §14): :func:`reference_base` and :class:`ReferenceBase`, which
+reference chunks equal to an earlier checkpoint's (``../<base>/<file>``) instead of writing
+them, and :func:`missing_file_error` for a referenced file that is gone."""
 
 from __future__ import annotations
 
@@ -72,13 +65,8 @@ class ReferenceBase:
     def split(self, keyed: list[tuple[str, WriteItem]], resolve: Callable[[WriteItem], Any]
               ) -> tuple[list[tuple[str, WriteItem]], list[WriteResult]]:
         """``keyed`` (``(storage key, item)`` pairs, in order) split into those to write and
-        the results of those the base holds equal (:meth:`reference`).
-
-        Each chunk is hashed once, on a thread pool (python-xxhash releases the GIL), at most
-        ``2 x threads`` chunks in flight.  Serves the ``incremental`` benchmark row (time
-        <= 0.1x a full save): hashing is most of an incremental save beyond the fsyncs every
-        save pays; 1 GiB on 2 cores at load 7-8, best of 9: 0.053-0.066 s against
-        0.066-0.17 s on one thread (docs/perf/storage.md)."""
+        the results of those the base holds equal (:meth:`reference`); each chunk is hashed
+        once on a thread pool, at most ``2 x threads`` in flight (``docs/perf/storage.md``)."""
         threads = max(1, min(8, os.cpu_count() or 1))
         changed: list[tuple[str, WriteItem]] = []
         referenced: list[WriteResult] = []

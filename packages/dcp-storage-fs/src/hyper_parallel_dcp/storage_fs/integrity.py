@@ -22,14 +22,20 @@ from hyper_parallel_dcp.core.metadata import (
     metadata_from_json,
 )
 
-from .diagnose import checkpoints_inside_hint, header_disagreement, header_mismatch, item_name
 from .files import CheckpointFiles, LocalFiles, Location, as_checkpoint_files
 from .incremental import missing_file_error
 from .latest import newest_checkpoint
 from .layout import METADATA_FILE
-from .rank_metadata import merge_rank_metadata, rank_metadata_names
+from .metadata_io import (
+    checkpoints_inside_hint,
+    header_disagreement,
+    header_mismatch,
+    item_name,
+    merge_rank_metadata,
+    rank_metadata_names,
+)
 from .safetensors_header import SafetensorsHeaderError, read_header
-from .torch_dcp_format import is_torch_dcp_checkpoint, read_torch_dcp_metadata
+from .torch_dcp import is_torch_dcp_checkpoint, read_torch_dcp_metadata
 from .tuning import VERIFY_BLOCK_BYTES
 
 __all__ = ["CompletenessReport", "VerifyReport", "check_complete", "find_latest_checkpoint", "checkpoints_inside_hint",
@@ -79,7 +85,11 @@ def _read_one(root: CheckpointFiles, name: str, problems: list[str]) -> tuple[Op
         _add(problems, f"{file} cannot be read: {exc}")
         return None, None
     try:
-        return _parse_reporting(text, file, problems), format_version_of(text)
+        try:
+            return metadata_from_json(text, source=file), format_version_of(text)
+        except CorruptCheckpointError as exc:  # a digest mismatch is a problem, and it is read anyway
+            _add(problems, str(exc))
+            return metadata_from_json(text, source=file, check_digest=False), format_version_of(text)
     except CheckpointFormatError as exc:
         _add(problems, str(exc))
         return None, format_version_of(text)
@@ -118,15 +128,6 @@ def _read_metadata(root: CheckpointFiles, problems: list[str]) -> tuple[Optional
     if len(parts) != len(ranks):
         return None, version
     return merge_rank_metadata(parts), version
-
-
-def _parse_reporting(text: bytes, source: Union[Path, str], problems: list[str]) -> Metadata:
-    """The metadata in ``text``; a digest mismatch is a problem, and it is read anyway."""
-    try:
-        return metadata_from_json(text, source=str(source))
-    except CorruptCheckpointError as exc:
-        _add(problems, str(exc))
-        return metadata_from_json(text, source=str(source), check_digest=False)
 
 
 def _check_consistency(md: Metadata, source: CheckpointFiles, problems: list[str]) -> None:

@@ -1,5 +1,5 @@
 """The newest complete checkpoint under a root of step directories, without torch:
-:func:`newest_checkpoint`, :func:`metadata_complete` and :data:`STEP_NAME`."""
+:func:`newest_checkpoint`, :func:`metadata_complete`, :func:`step_directories` and :data:`STEP_NAME`."""
 
 from __future__ import annotations
 
@@ -13,12 +13,18 @@ from hyper_parallel_dcp.core.steps import parse_step_name
 from .files import CheckpointFiles, Location, as_checkpoint_files
 from .layout import METADATA_FILE, RANK_METADATA
 
-__all__ = ["STEP_NAME", "metadata_complete", "newest_checkpoint"]
+__all__ = ["STEP_NAME", "metadata_complete", "newest_checkpoint", "step_directories"]
 
 #: A directory name ending in a step number (``step_100``, ``global_step2000``, ``300``).
 STEP_NAME = re.compile(r"(\d+)$")
 
 FullCheck = Callable[[CheckpointFiles], bool]
+
+
+def step_directories(entries: list[tuple[str, Optional[int]]]) -> list[tuple[int, str]]:
+    """``(step, name)`` of the sub-locations among ``entries`` whose name ends in a step (not hidden)."""
+    return [(int(match.group(1)), name) for name, size in entries
+            if size is None and not name.startswith(".") and (match := STEP_NAME.search(name))]
 
 
 def metadata_complete(location: Location, full_check: Optional[FullCheck] = None) -> bool:
@@ -47,14 +53,8 @@ def newest_checkpoint(root: Location, is_complete: FullCheck) -> Optional[Union[
         entries = base.entries()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    candidates = []
-    manager_steps = []
-    for name, size in entries:
-        match = STEP_NAME.search(name)
-        if match and size is None and not name.startswith("."):
-            candidates.append((int(match.group(1)), name))
-            if parse_step_name(name) is not None:
-                manager_steps.append(candidates[-1])
+    candidates = step_directories(entries)
+    manager_steps = [(step, name) for step, name in candidates if parse_step_name(name) is not None]
     for _, name in sorted(manager_steps or candidates, reverse=True):
         child = base.child(name)
         if is_complete(child):

@@ -14,7 +14,7 @@ import xxhash
 from hyper_parallel_dcp.core.chunks import row_major_strides
 
 __all__ = ["MAX_HEADER_BYTES", "SAFETENSORS_DTYPES", "HeaderEntry", "SafetensorsHeaderError", "entry_mismatch",
-           "from_stored", "header_digest", "header_layout", "parse_header", "read_header", "read_header_bytes",
+           "header_digest", "header_layout", "parse_header", "read_header", "read_header_bytes",
            "stored_layout", "to_stored"]
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -70,15 +70,6 @@ def to_stored(tensor: torch.Tensor) -> torch.Tensor:
     dtype, _ = stored_layout(tensor.dtype, tensor.shape)
     if tensor.dtype == torch.complex128:
         return torch.view_as_real(tensor)
-    return tensor.view(dtype)
-
-
-def from_stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of :func:`to_stored`: a stored view read back as ``dtype``."""
-    if tensor.dtype == dtype:
-        return tensor
-    if dtype == torch.complex128:
-        return torch.view_as_complex(tensor.contiguous())
     return tensor.view(dtype)
 
 
