@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
 _MADV_DONTNEED = 4
+_madvise: Any
 try:
     _madvise = ctypes.CDLL(None, use_errno=True).madvise
     _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
