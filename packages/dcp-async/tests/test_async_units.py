@@ -281,7 +281,7 @@ def test_later_saves_of_one_layout_send_the_writer_every_leaf_and_land_their_val
 def test_populate_slab_maps_a_slab_without_changing_it() -> None:
     import sys
 
-    from hyper_parallel_dcp.async_persist.slabs import populate_slab
+    from hyper_parallel_dcp.async_persist.staged import populate_slab
 
     storage = torch.UntypedStorage._new_shared(3 << 20)
     slab = torch.empty(0, dtype=torch.uint8).set_(storage)

@@ -18,8 +18,7 @@ from hyper_parallel_dcp.storage_fs.posix import malloc_trim
 from ._torch_compat import dtensor_class, foreach_copy
 from .copier import DataCopier
 from .repeat import DevicePack, GeometryMemo, LeafCheck, RepeatedLayout
-from .slabs import Slab, align, copy_into_slots
-from .staged import PieceRef, StagedStateDict
+from .staged import PieceRef, Slab, StagedStateDict, align, copy_into_slots
 
 __all__ = ["BufferKey", "StagingArena", "StagingStats"]
 

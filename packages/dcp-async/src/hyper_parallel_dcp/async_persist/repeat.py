@@ -13,7 +13,7 @@ from hyper_parallel_dcp.core import ChunkBox, RaggedShard, TensorShards, to_tens
 from hyper_parallel_dcp.core.layout import check_tensor, is_tensor_leaf
 
 from ._torch_compat import dtensor_class, dtensor_local, dtensor_spec, foreach_copy
-from .slabs import align, copy_into_slots, wait_for_copies
+from .staged import align, copy_into_slots, wait_for_copies
 
 __all__ = ["DevicePack", "GeometryMemo", "LeafCheck", "RepeatedLayout", "leaf_check"]
 

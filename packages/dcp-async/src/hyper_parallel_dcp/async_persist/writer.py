@@ -20,8 +20,7 @@ from hyper_parallel_dcp.core.collectives import DistWrapper
 
 from .mailbox import FileMailbox
 from .protocol import PING, Mode, SaveReply, SaveRequest, WriterHoldings
-from .slabs import populate_slab
-from .staged import materialize
+from .staged import materialize, populate_slab
 
 __all__ = ["wait_for_parent_exit", "watch_parent", "writer_main"]
 

@@ -1,7 +1,9 @@
-"""A checkpoint opened for many small reads through the load path: :class:`CheckpointBlocks`."""
+"""Reading a checkpoint in pieces: :class:`CheckpointBlocks` (a checkpoint opened for many
+small reads through the load path) and :class:`StagingBuffer` (one reused host buffer)."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional, Union
 
@@ -14,9 +16,10 @@ from hyper_parallel_dcp.core.metadata import MetadataIndex, TensorStorageMetadat
 from hyper_parallel_dcp.core.standard_planner import StandardLoadPlanner
 from hyper_parallel_dcp.core.storage import read_metadata_once
 from hyper_parallel_dcp.storage_fs.files import as_checkpoint_files
+from hyper_parallel_dcp.storage_fs.safetensors_stream import tensor_bytes
 from hyper_parallel_dcp.storage_fs.torch_dcp import TorchDCPReader
 
-__all__ = ["CheckpointBlocks"]
+__all__ = ["CheckpointBlocks", "StagingBuffer"]
 
 
 class CheckpointBlocks:
@@ -69,3 +72,27 @@ class CheckpointBlocks:
         """Bytes of every tensor of the checkpoint, in its stored dtypes."""
         return sum(md.size.numel() * md.properties.dtype.itemsize for md in self.metadata.state_dict_metadata.values()
                    if isinstance(md, TensorStorageMetadata))
+
+
+class StagingBuffer:
+    """Tensors over the start of one shared byte buffer (fresh tensors fragmented the heap), each valid until the next call
+    (the caller must be done with it by then); the buffer grows when a larger one is asked for."""
+
+    def __init__(self, nbytes: int = 0) -> None:
+        self._buffer = torch.empty(max(nbytes, 0), dtype=torch.uint8)
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` viewing the buffer."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self._buffer.numel():
+            self._buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
+
+    def exact(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Like :meth:`view`, but the tensor's storage is exactly its own bytes, so
+        ``torch.save`` of it writes those and not the whole buffer."""
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=dtype)
+        view = self.view(shape, dtype)
+        return torch.frombuffer(tensor_bytes(self._buffer)[:view.nbytes], dtype=dtype).view(shape)

@@ -14,12 +14,11 @@ from hyper_parallel_dcp.core.flatten import flatten_state_dict
 from hyper_parallel_dcp.core.layout import is_tensor_leaf
 from hyper_parallel_dcp.core.metadata import TensorStorageMetadata
 
-from .blocks import CheckpointBlocks
+from .blocks import CheckpointBlocks, StagingBuffer
 from .hf_writer import TensorSpec, write_huggingface_checkpoint
 from .keymap import KeyMapping, map_keys, only_prefixes, resolve_key_mapping, strip_prefixes
 from .options import cast_floating, output_dtype, parse_dtype
 from .progress import ConversionReport
-from .staging import StagingBuffer
 
 __all__ = ["MODEL_PREFIX", "convert_dcp_to_huggingface", "dcp_to_full_state_dict", "is_trainer_checkpoint",
            "save_state_dict_as_huggingface_format"]

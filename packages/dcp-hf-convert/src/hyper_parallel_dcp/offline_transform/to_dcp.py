@@ -1,9 +1,13 @@
 """Full checkpoints (Hugging Face safetensors, ``torch.save`` files, in-memory dicts) → DCP,
-through the single-process save; a file source is read one tensor at a time as written."""
+through the single-process save; a file source is read one tensor at a time as written (a
+``torch.save`` file mapped, each tensor's pages handed back once written; an old non-zip
+file loaded whole)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -11,24 +15,69 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 
 from hyper_parallel_dcp.core.backends import storage_writer_for
+from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError
 from hyper_parallel_dcp.core.flatten import flatten_state_dict
 from hyper_parallel_dcp.core.layout import is_tensor_leaf
 from hyper_parallel_dcp.core.pipeline import save_state_dict
 from hyper_parallel_dcp.core.planner import WriteItem, WriteItemType
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 
+from .blocks import StagingBuffer
 from .hf_source import read_entry, scan_huggingface_checkpoint
 from .keymap import KeyMapping, map_keys
 from .progress import ConversionReport, Progress
-from .staging import StagingBuffer
-from .torch_source import PageReleaser, load_torch_checkpoint
 
 __all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state_dict_to_dcp_format",
-           "save_streaming"]
+           "load_torch_checkpoint", "save_streaming"]
 
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
+_MADV_DONTNEED = 4
+_madvise: Any
+try:
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+except (OSError, AttributeError):
+    _madvise = None
+
+
+def load_torch_checkpoint(path: PathLike) -> tuple[Any, bool]:
+    """``(loaded object, mapped)`` for a ``torch.save`` file, ``mapped`` when its tensors view
+    a file mapping (zip format).  Never runs code from the file (``weights_only=True``).
+    Raises :class:`CheckpointNotFoundError` for a missing file, :class:`CheckpointFormatError`
+    for one torch cannot read (or naming a class that is not allow-listed)."""
+    file = Path(path)
+    if not file.is_file():
+        raise CheckpointNotFoundError(f"PyTorch checkpoint file {file} does not exist "
+                                      "(src_platform='torch' wants a file)")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True), True
+    except RuntimeError as exc:
+        if "mmap" not in str(exc) and "zip" not in str(exc):
+            raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
+    except Exception as exc:  # pickle errors, UnpicklingError for disallowed globals, ...
+        raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
+    logger.info("%s is in the legacy (non-zip) format; loading it whole", file)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True), False
+    except Exception as exc:
+        raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
+
+
+def _release_pages(tensor: torch.Tensor) -> None:
+    """Drop the resident pages of a tensor viewing a *file mapping* (``MADV_DONTNEED``: a later
+    access reads the file again); on ordinary memory it would zero data."""
+    storage = tensor.untyped_storage()
+    start, nbytes = storage.data_ptr(), storage.nbytes()
+    if _madvise is None or nbytes == 0:
+        return
+    # Outward to whole pages: the mapping spans the whole file, so the neighbouring
+    # bytes are file pages too (clean, re-readable), never someone else's memory.
+    first = start - start % mmap.PAGESIZE
+    end = -(-(start + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+    if _madvise(first, end - first, _MADV_DONTNEED) != 0:
+        logger.debug("madvise(DONTNEED) failed with errno %d; pages stay resident", ctypes.get_errno())
 
 
 class StreamingSavePlanner(StandardSavePlanner):
@@ -108,23 +157,20 @@ def _from_torch_file(src: PathLike, dst: PathLike, key_mapping: KeyMapping, prog
     source = {new: flat[old] for old, new in names.items()}
     plan_sd = {new: (torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v)
                for new, v in source.items()}
-    releaser = PageReleaser() if mapped else None
     previous: list[torch.Tensor] = []
 
     def fetch(item: WriteItem) -> torch.Tensor:
-        # The writer asks for the next tensor only after writing the previous one, so the
-        # previous one's pages can go now.
-        if releaser is not None and previous:
-            releaser.release(previous.pop())
-        tensor = source[item.index.fqn]
-        previous.append(tensor)
-        return tensor
+        # asked for only once the previous tensor is written: its pages can go now
+        if mapped and previous:
+            _release_pages(previous.pop())
+        previous.append(source[item.index.fqn])
+        return previous[-1]
 
     try:
         return save_streaming(plan_sd, src, dst, fetch, progress, "torch -> DCP")
     finally:
-        if releaser is not None and previous:
-            releaser.release(previous.pop())
+        if mapped and previous:
+            _release_pages(previous.pop())
 
 
 def convert_full_checkpoint_to_dcp(src: PathLike, dst: PathLike, src_platform: str = "huggingface", *,

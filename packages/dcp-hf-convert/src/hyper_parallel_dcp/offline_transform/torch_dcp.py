@@ -26,9 +26,8 @@ from hyper_parallel_dcp.core.planner import WriteItem
 from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.torch_dcp import is_torch_dcp_checkpoint
 
-from .blocks import CheckpointBlocks
+from .blocks import CheckpointBlocks, StagingBuffer
 from .progress import ConversionReport, Progress
-from .staging import StagingBuffer
 from .to_dcp import save_streaming
 
 __all__ = ["DEFAULT_BATCH_BYTES", "convert_dcp_to_torch_dcp", "convert_torch_dcp_to_dcp"]
