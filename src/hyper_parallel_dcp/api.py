@@ -59,7 +59,6 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: Optional[CheckpointId] = 
     ``broadcast_batch_bytes`` batched (0 disables).  ``verify=True`` checks the xxh3 checksum
     of every chunk read; ``None`` keeps the reader's default.
 
-
     Raises ``ValueError`` for ``broadcast_groups`` without ``broadcast_replicated_tensors``
     or a negative batch size; :class:`CheckpointNotFoundError` for a missing checkpoint;
     :class:`MissingKeyError`, :class:`MismatchError`, :class:`CorruptCheckpointError` and

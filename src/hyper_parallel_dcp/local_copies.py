@@ -12,6 +12,7 @@ Exports :class:`LocalCopies`, :class:`LocalTierFullError`, :func:`free_bytes`.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import os
@@ -96,11 +97,8 @@ class LocalCopies:
 
     def read_payload(self, step: int, rank: int) -> tuple[Manifest, torch.Tensor]:
         """Every file of a copy as (name, size) pairs, ``.metadata`` last (the order a receiver
-        writes them in), and their bytes one after another in one uint8 tensor (read in place:
-        the tensor is what goes on the wire).  Serves the benchmark's local-tier recovery row:
-        reading into one tensor instead of joining ``bytes`` (and slicing received bytes)
-        took the replica exchange of 64 MiB a rank from 0.6–0.8 s to 0.07–0.2 s, recovery
-        1.5 s → 0.95 s (2-core machine shared, load average ~15)."""
+        writes them in), and their bytes one after another in one uint8 tensor, read in place
+        (the tensor goes on the wire: ~5x faster than joining ``bytes``)."""
         root = self.copy_dir(step, rank)
         manifest = _manifest({name: (root / name).stat().st_size for name in os.listdir(root)})
         data = torch.empty(sum(n for _, n in manifest), dtype=torch.uint8)
@@ -118,11 +116,9 @@ class LocalCopies:
         self.discard(step, rank)
         root = self.copy_dir(step, rank)
         needed = sum(n for _, n in manifest)
-        view, at = memoryview(data.numpy()), 0
-        files = []
-        for name, n in manifest:
-            files.append((name, view[at:at + n]))
-            at += n
+        view = memoryview(data.numpy())
+        ends = itertools.accumulate(n for _, n in manifest)
+        files = [(name, view[end - n:end]) for (name, n), end in zip(manifest, ends)]
         if free_bytes(self.directory) < needed:
             raise full_error(self.directory, needed, f"the replica of rank {rank}, step {step}")
         root.mkdir(parents=True, exist_ok=True)

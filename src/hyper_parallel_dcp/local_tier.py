@@ -1,15 +1,10 @@
 """``LocalTier``: frequent checkpoints into node-local storage, replicated to peers on other nodes.
 
-A local save stages the state dict into reusable host buffers (the async save's
-:class:`StagingArena`, the only time training is blocked), then a background thread saves
-this rank's copy with :func:`hyper_parallel_dcp.save` (``no_dist``: our format, checksums)
-into ``dir/step_N/rank_R``, sends the files' bytes over a gloo group to its replica peers
-(the same local rank on the next ``replicas`` nodes), writes the copies it receives, and,
-once every copy on every rank is written, commits each with a marker
-(:mod:`hyper_parallel_dcp.local_copies`).  :meth:`LocalTier.restore` loads the newest step
-that every rank's copy survives, fetching a lost or damaged copy from its replica holder;
-a step saved by another world size is loaded resharded from the old copies the new ranks
-hold (:mod:`hyper_parallel_dcp.local_reshard`).  Exports :class:`LocalTier`.
+A background thread saves each rank's copy into ``dir/step_N/rank_R`` (:mod:`.local_copies`),
+sends it to its replica peers over a gloo group and commits every copy once all are written.
+:meth:`LocalTier.restore` loads the newest step every rank's copy survives; a step saved by
+another world size is loaded resharded from the merged old copies (:class:`CopiesReader`).
+Exports :class:`LocalTier`.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ import shutil
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -32,12 +28,17 @@ from hyper_parallel_dcp.async_persist.arena import StagingArena
 from hyper_parallel_dcp.async_persist.staged import materialize
 from hyper_parallel_dcp.core.collectives import collective_timeout
 from hyper_parallel_dcp.core.faults import fault_error, fault_point
-from hyper_parallel_dcp.core.metadata import metadata_from_json
+from hyper_parallel_dcp.core.flatten import flatten_state_dict, match_stored_keys
+from hyper_parallel_dcp.core.layout import is_tensor_leaf
+from hyper_parallel_dcp.core.load_planning import create_local_load_plan
+from hyper_parallel_dcp.core.metadata import Metadata, metadata_from_json
+from hyper_parallel_dcp.core.planner import LoadItemType
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from hyper_parallel_dcp.core.stateful import expand_stateful
+from hyper_parallel_dcp.storage_fs import FileSystemReader, merge_rank_metadata
+from hyper_parallel_dcp.storage_fs.metadata_io import StoredMetadata
 
 from .local_copies import LocalCopies, LocalTierFullError, Manifest, free_bytes, full_error, is_full
-from .local_reshard import CopiesReader, merged_view, needed_copies
 
 __all__ = ["LocalTier", "LocalTierFullError"]
 
@@ -72,6 +73,57 @@ def replica_peers(nodes: list[str], rank: int, replicas: int) -> list[int]:
         ranks = members[order[(here + k) % len(order)]]
         peers.append(ranks[local_index % len(ranks)])
     return peers
+
+
+def merged_view(copies: dict[int, Metadata], where: dict[int, str]) -> Metadata:
+    """One metadata of the old ranks' ``copies`` (old rank -> its copy's metadata), each
+    copy's files named by the directory ``where[rank]`` (relative to the reader's root)."""
+    parts = {}
+    for rank, md in copies.items():
+        prefix = where[rank]
+        storage = {index: replace(info, relative_path=f"{prefix}/{info.relative_path}")
+                   for index, info in (md.storage_data or {}).items()}
+        parts[rank] = replace(md, storage_data=storage, files={f"{prefix}/{n}": s for n, s in md.files.items()},
+                              header_digests={f"{prefix}/{n}": d for n, d in md.header_digests.items()},
+                              rank_objects={})
+    return merge_rank_metadata(parts)
+
+
+def needed_copies(state_dict: dict[str, Any], copies: dict[int, Metadata], rank: int,
+                  allow_partial_load: bool) -> set[int]:
+    """The old ranks whose copies hold what ``rank``'s ``state_dict`` loads (a chunk stored
+    by several, a replicated tensor's, comes from the lowest); raises as a load plans."""
+    view = merged_view(copies, {r: str(r) for r in copies})
+    flat, _ = flatten_state_dict(expand_stateful(state_dict)[0], is_tensor_leaf)
+    flat, _ = match_stored_keys(flat, {}, view.state_dict_metadata)
+    plan, _ = create_local_load_plan(flat, view, allow_partial_load=allow_partial_load)
+    storage = view.storage_data or {}
+    needed = set()
+    for item in plan.items:
+        if item.type is LoadItemType.BYTE_IO:
+            info = view.object_storage(item.storage_index.fqn, rank)
+        else:
+            info = storage[item.storage_index]
+        if info is not None:
+            needed.add(int(info.relative_path.split("/", 1)[0]))
+    return needed
+
+
+class CopiesReader(FileSystemReader):
+    """Reads ``metadata`` (a :func:`merged_view`) under ``root`` as new rank ``rank``: its
+    rank-own objects are the copies old rank ``rank`` saved, else the lowest's (SPEC §4)."""
+
+    def __init__(self, root: Path, metadata: Metadata, rank: int, *, verify: bool) -> None:
+        super().__init__(root, verify=verify)
+        self._merged, self._new_rank = metadata, rank
+
+    def read_metadata_payload(self) -> StoredMetadata:
+        self._is_global = False
+        return StoredMetadata(b"", f"{self._root()} (local copies of another world size, merged)", False,
+                              self._merged)
+
+    def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator=is_coordinator, rank=self._new_rank)
 
 
 def _text(exc: Optional[BaseException]) -> Optional[str]:
@@ -114,23 +166,26 @@ class LocalTier:
     def due(self, step: int) -> bool:
         return step % self.interval_steps == 0
 
-    def _restore_group(self) -> None:
-        """For a restore: this rank, and the gloo group of the saves, or, before any save, the
-        default group if it is gloo (creating a group costs 0.05-0.15 s of a 0.5 s recovery)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    def _join(self) -> bool:
+        """Whether the job is distributed; sets this rank and the world size."""
+        joined = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if joined:
             self._distributed = True
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            if self._group is None and "gloo" not in str(dist.get_backend()):
-                self._setup()
+        return joined
+
+    def _restore_group(self) -> None:
+        """For a restore: the gloo group of the saves, or, before any save, the default group if
+        it is gloo (creating a group costs 0.05-0.15 s of a 0.5 s recovery)."""
+        if self._join() and self._group is None and "gloo" not in str(dist.get_backend()):
+            self._setup()
 
     def _setup(self) -> None:
         """Once, collectively: a gloo group of its own (the background thread's exchanges must
         not interleave with the training's collectives) and every rank's node."""
         if self._nodes is not None:
             return
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._distributed = True
-            self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        if self._join():
             self._group = dist.new_group(backend="gloo",
                                          timeout=datetime.timedelta(seconds=collective_timeout() or 1800))
             nodes: list[Any] = [None] * self._world
@@ -261,12 +316,10 @@ class LocalTier:
         """Send ``sends[dst]`` to each ``dst`` and receive from each ``src`` the bytes of the
         files ``receives[src]`` lists; every transfer in flight at once (no order between ranks
         can deadlock)."""
-        requests, buffers = [], {}
-        for dst, data in sorted(sends.items()):
-            requests.append(dist.isend(data, dst, group=self._group))
-        for src, manifest in sorted(receives.items()):
-            buffers[src] = torch.empty(sum(n for _, n in manifest), dtype=torch.uint8)
-            requests.append(dist.irecv(buffers[src], src, group=self._group))
+        requests = [dist.isend(data, dst, group=self._group) for dst, data in sorted(sends.items())]
+        buffers = {src: torch.empty(sum(n for _, n in manifest), dtype=torch.uint8)
+                   for src, manifest in sorted(receives.items())}
+        requests += [dist.irecv(buffer, src, group=self._group) for src, buffer in buffers.items()]
         for request in requests:
             request.wait()
         return buffers
@@ -278,7 +331,7 @@ class LocalTier:
         (load from the persistent tier).  A rank whose copy is missing or fails its checksums
         receives the replica's bytes from its holder (and keeps them as its copy again).  A
         step saved by another world size is loaded resharded from the old ranks' copies the
-        new ranks hold (:mod:`hyper_parallel_dcp.local_reshard`), each rank receiving those
+        new ranks hold (:class:`CopiesReader`), each rank receiving those
         its target needs.  Collective; reads nothing from the persistent tier."""
         self._restore_group()
         self.wait()

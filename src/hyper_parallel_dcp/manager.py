@@ -177,12 +177,11 @@ class CheckpointManager:
         dw = DistWrapper(None, use_dist=True)
         preempting = self.save_on_preemption and any(
             dw.all_gather("checkpoint manager: preemption check", lambda: self._signal_received))
-        if self.local is not None and self.local.due(step):
+        local_due = self.local is not None and self.local.due(step)
+        if self.local is not None and local_due:
             self.local.save(step, state_dict)  # first: it only stages here
-            if not (force or preempting or step % self.save_interval_steps == 0):
-                return True
         if not (force or preempting or step % self.save_interval_steps == 0):
-            return False
+            return local_due
 
         def write_info(_: list[None]) -> None:
             # checked here so that bad metrics fail every rank, and only on a saving step
@@ -500,7 +499,6 @@ class CheckpointManager:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """:meth:`close`; on an exception without its collective (the other ranks may not come)."""
-
         if exc_type is None or self._closed:  # close() does nothing once closed
             self.close()
             return

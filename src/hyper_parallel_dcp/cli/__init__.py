@@ -56,7 +56,7 @@ COMMANDS: tuple[Command, ...] = (
          (("--chunks",), {"action": "store_true",
                           "help": "also list every stored chunk (offsets, sizes, file, byte offset, checksum)"}))),
     Command(
-        "verify", "verify:run", "check completeness and every stored checksum",
+        "verify", "inspect_ckpt:run_verify", "check completeness and every stored checksum",
         "Check that the checkpoint is complete (metadata readable, every file present with its recorded size) "
         "and read every stored chunk and object once, comparing its xxh3-64 checksum with the one recorded at "
         "save time.  Names the file, FQN and chunk of every problem.",

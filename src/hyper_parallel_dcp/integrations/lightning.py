@@ -11,7 +11,6 @@ checkpoint through :class:`~hyper_parallel_dcp.torch_compat.StorageWriter` /
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import lightning_fabric.strategies.model_parallel as fabric_model_parallel
@@ -23,20 +22,12 @@ from .. import torch_compat
 __all__ = ["ModelParallelStrategy"]
 
 
-def _save(converted_state: dict[str, Any], path: Path) -> None:  # Lightning's signatures
-    torch_compat.save(converted_state, path)  # torch's planner, its plan cache on
-
-
-def _load(module_state: dict[str, Any], path: Path) -> None:
-    torch_compat.load(module_state, path)
-
-
 @contextlib.contextmanager
 def _through_us() -> Iterator[None]:
     """Lightning's two distributed-checkpoint calls routed to the plugin while inside."""
     saved = pl_model_parallel._distributed_checkpoint_save, fabric_model_parallel._distributed_checkpoint_load
-    pl_model_parallel._distributed_checkpoint_save = _save
-    fabric_model_parallel._distributed_checkpoint_load = _load
+    pl_model_parallel._distributed_checkpoint_save = torch_compat.save  # torch's planner, its plan cache on
+    fabric_model_parallel._distributed_checkpoint_load = torch_compat.load
     try:
         yield
     finally:
