@@ -1,7 +1,7 @@
 """The checkpoint's global description (``Metadata``) and its forms on disk and on the wire.
 
 :mod:`.model` (the schema as plain data), :mod:`.locations` (``storage_data`` as
-columns), :mod:`.json_codec` (``.metadata`` JSON, format 1 through :mod:`.json_v1`) and
+columns), :mod:`.json_codec` (``.metadata`` JSON, formats 1 and 2) and
 :mod:`.wire` (plain columns for another process); their ``__all__`` names are exported here.
 """
 
