@@ -126,11 +126,6 @@ class WriteColumns(Sequence[WriteItem]):
     def __iter__(self) -> Iterator[WriteItem]:
         return iter(self.to_tuple())
 
-    def same_columns(self, other: WriteColumns) -> bool:
-        """Whether ``other`` holds the very same columns (then the same items), compared
-        without building any item."""
-        return self._columns() == other._columns()
-
     def reuse_items_of(self, source: WriteColumns) -> bool:
         """Take ``source``'s item objects when these columns are ``source``'s, or the cut of
         it that :attr:`picked` names (checked column by column); returns whether they were
@@ -138,7 +133,7 @@ class WriteColumns(Sequence[WriteItem]):
         instead of being built again."""
         if self._items is not None or source._items is None or self.kinds_text != source.kinds_text:
             return False
-        if self.same_columns(source):
+        if self._columns() == source._columns():
             self._items = source._items
             return True
         if self.picked is None:
@@ -160,7 +155,7 @@ class WriteColumns(Sequence[WriteItem]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, WriteColumns):
-            return self.same_columns(other) or self.to_tuple() == other.to_tuple()
+            return self._columns() == other._columns() or self.to_tuple() == other.to_tuple()
         if isinstance(other, tuple):
             return self.to_tuple() == other
         return NotImplemented

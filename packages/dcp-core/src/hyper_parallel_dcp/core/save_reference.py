@@ -1,10 +1,6 @@
-"""The global save plan item by item: the reference the columnar planner must equal.
-
-:mod:`.global_save` plans over whole columns; this module does the same one
-:class:`~hyper_parallel_dcp.core.planner.WriteItem` at a time.  It defines the result
-(differential tests compare the two), plans what the columns cannot describe, and words
-every error.  Exports :func:`plan_items`, :func:`dedup_items`,
-:func:`build_metadata_items` and :func:`raise_overlap`.
+"""The global save plan one ``WriteItem`` at a time: the reference :mod:`.global_save`'s
+columns must equal; it plans what the columns cannot describe and words every error.
+Exports :func:`plan_items`, :func:`dedup_items`, :func:`build_metadata_items`, :func:`raise_overlap`.
 """
 
 from __future__ import annotations
