@@ -149,7 +149,7 @@ def set_by_path(root: Any, path: Path, value: Any) -> Any:
 
 
 class _Mapping(dict):
-    """A dict built by :func:`unflatten_state_dict` (as opposed to a leaf value)."""
+    """A dict built by :func:`unflatten_state_dict`, not a leaf value."""
 
 
 class _Sequence(dict):

@@ -41,11 +41,9 @@ class WriteColumns(Sequence[WriteItem]):
     """The write items of one plan as columns (an immutable ``Sequence[WriteItem]``).
 
     ``kinds``: the distinct :data:`Kind` tuples in order of first use; ``rows``: :data:`ROW`
-    int64 per item (its kind's position, its numbers of offsets and of sizes, ``-1`` for
-    ``None``, and its ``nbytes``); ``offsets``/``sizes``: every item's integers end to end.
-    ``picked``: the items' positions in the plan they were cut from, or ``None``.  Equal to
-    another ``WriteColumns`` or a tuple with the same items; pickles as the columns, ``kinds``
-    as one JSON string.
+    int64 per item (kind position, numbers of offsets and of sizes or ``-1`` for ``None``,
+    ``nbytes``); ``offsets``/``sizes``: every item's integers end to end; ``picked``: the
+    positions in the plan they were cut from, or ``None``.  Pickles as the columns.
     """
 
     __slots__ = ("_kinds", "_kinds_text", "rows", "offsets", "sizes", "picked", "_items")
@@ -170,8 +168,7 @@ class WriteColumns(Sequence[WriteItem]):
         return self.kinds_text, self.rows.tobytes(), self.offsets.tobytes(), self.sizes.tobytes()
 
     def __reduce__(self) -> tuple:
-        # the columns as bytes: a few strings to unpickle, and only plain types for the
-        # async mailbox's allow-listed unpickler
+        # the columns as bytes: a few strings to unpickle, plain types for safe_pickle
         return type(self), self._columns() + (None if self.picked is None else self.picked.tobytes(),)
 
 

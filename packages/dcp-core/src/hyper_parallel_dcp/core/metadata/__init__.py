@@ -15,8 +15,7 @@ from .wire import *  # noqa: F403
 
 __all__ = [*model.__all__, *locations.__all__, *json_codec.__all__, *wire.__all__]
 
-# Pickles name these classes by this package's path, as before the module became a
-# package: the async mailbox's allow-list (dcp-async ``safe_pickle``) names them so.
+# Pickles name these classes by this package's path: dcp-async's ``safe_pickle`` allow-list does.
 for _name in ("BytesStorageMetadata", "ChunkStorageMetadata", "ChunkTable", "Metadata", "MetadataIndex",
               "StorageInfo", "StorageTable", "TensorProperties", "TensorStorage", "TensorStorageMetadata"):
     globals()[_name].__module__ = __name__
