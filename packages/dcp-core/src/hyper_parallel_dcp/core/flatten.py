@@ -59,7 +59,6 @@ def flatten_state_dict(
     flat: FlatStateDict = {}
     paths: dict[str, Path] = {}
 
-    # the FQN is built along the walk (a join per leaf was a third of a 2000-leaf walk)
     def visit(obj: Any, path: Path, fqn: str) -> None:
         if not is_tensor(obj):
             if isinstance(obj, Mapping) and obj:
@@ -150,7 +149,7 @@ def set_by_path(root: Any, path: Path, value: Any) -> Any:
 
 
 class _Mapping(dict):
-    """A dict built by :func:`unflatten_state_dict` (as opposed to a leaf value)."""
+    """A dict built by :func:`unflatten_state_dict`, not a leaf value."""
 
 
 class _Sequence(dict):

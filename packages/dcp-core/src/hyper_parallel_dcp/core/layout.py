@@ -56,9 +56,7 @@ def _select(runs: list[Run], local_indices: range | list[int]) -> list[Run]:
     if isinstance(local_indices, range) and len(runs) == 1:
         start = runs[0][0] + local_indices.start
         return [(start, len(local_indices))] if len(local_indices) else []
-    flat: list[int] = []
-    for start, length in runs:
-        flat.extend(range(start, start + length))
+    flat = [i for start, length in runs for i in range(start, start + length)]
     return runs_from_indices(flat[i] for i in local_indices)
 
 
@@ -136,12 +134,9 @@ def _cached_placement_boxes(global_shape: tuple[int, ...], mesh_shape: tuple[int
 
 
 def dtensor_layout(leaf: Any) -> Optional[tuple[torch.Tensor, Hashable]]:
-    """``(local tensor, layout key)`` of a DTensor, ``None`` for any other leaf.
-
-    DTensors with equal keys have the same :func:`dtensor_pieces`.  Reads private fields:
-    ``to_local()`` costs an autograd dispatch, and a plain save must not import
-    ``torch.distributed.tensor``.
-    """
+    """``(local tensor, layout key)`` of a DTensor (equal keys: the same :func:`dtensor_pieces`),
+    ``None`` for any other leaf.  Reads private fields (``to_local()`` costs an autograd dispatch)
+    and imports nothing: a plain save must not import ``torch.distributed.tensor``."""
     module = sys.modules.get("torch.distributed.tensor")
     if module is None or not isinstance(leaf, module.DTensor):
         return None

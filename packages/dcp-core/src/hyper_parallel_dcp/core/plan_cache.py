@@ -55,11 +55,4 @@ class PlanCache:
         with self._lock:
             self._entries.clear()
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-    def __repr__(self) -> str:
-        return f"PlanCache({len(self)} entries)"
-
 

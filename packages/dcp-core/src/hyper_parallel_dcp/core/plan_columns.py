@@ -41,11 +41,9 @@ class WriteColumns(Sequence[WriteItem]):
     """The write items of one plan as columns (an immutable ``Sequence[WriteItem]``).
 
     ``kinds``: the distinct :data:`Kind` tuples in order of first use; ``rows``: :data:`ROW`
-    int64 per item (its kind's position, its numbers of offsets and of sizes, ``-1`` for
-    ``None``, and its ``nbytes``); ``offsets``/``sizes``: every item's integers end to end.
-    ``picked``: the items' positions in the plan they were cut from, or ``None``.  Equal to
-    another ``WriteColumns`` or a tuple with the same items; pickles as the columns, ``kinds``
-    as one JSON string.
+    int64 per item (kind position, numbers of offsets and of sizes or ``-1`` for ``None``,
+    ``nbytes``); ``offsets``/``sizes``: every item's integers end to end; ``picked``: the
+    positions in the plan they were cut from, or ``None``.  Pickles as the columns.
     """
 
     __slots__ = ("_kinds", "_kinds_text", "rows", "offsets", "sizes", "picked", "_items")
@@ -126,11 +124,6 @@ class WriteColumns(Sequence[WriteItem]):
     def __iter__(self) -> Iterator[WriteItem]:
         return iter(self.to_tuple())
 
-    def same_columns(self, other: WriteColumns) -> bool:
-        """Whether ``other`` holds the very same columns (then the same items), compared
-        without building any item."""
-        return self._columns() == other._columns()
-
     def reuse_items_of(self, source: WriteColumns) -> bool:
         """Take ``source``'s item objects when these columns are ``source``'s, or the cut of
         it that :attr:`picked` names (checked column by column); returns whether they were
@@ -138,7 +131,7 @@ class WriteColumns(Sequence[WriteItem]):
         instead of being built again."""
         if self._items is not None or source._items is None or self.kinds_text != source.kinds_text:
             return False
-        if self.same_columns(source):
+        if self._columns() == source._columns():
             self._items = source._items
             return True
         if self.picked is None:
@@ -160,7 +153,7 @@ class WriteColumns(Sequence[WriteItem]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, WriteColumns):
-            return self.same_columns(other) or self.to_tuple() == other.to_tuple()
+            return self._columns() == other._columns() or self.to_tuple() == other.to_tuple()
         if isinstance(other, tuple):
             return self.to_tuple() == other
         return NotImplemented
@@ -175,8 +168,7 @@ class WriteColumns(Sequence[WriteItem]):
         return self.kinds_text, self.rows.tobytes(), self.offsets.tobytes(), self.sizes.tobytes()
 
     def __reduce__(self) -> tuple:
-        # the columns as bytes: a few strings to unpickle, and only plain types for the
-        # async mailbox's allow-listed unpickler
+        # the columns as bytes: a few strings to unpickle, plain types for safe_pickle
         return type(self), self._columns() + (None if self.picked is None else self.picked.tobytes(),)
 
 

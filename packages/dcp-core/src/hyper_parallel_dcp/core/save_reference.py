@@ -1,10 +1,6 @@
-"""The global save plan item by item: the reference the columnar planner must equal.
-
-:mod:`.global_save` plans over whole columns; this module does the same one
-:class:`~hyper_parallel_dcp.core.planner.WriteItem` at a time.  It defines the result
-(differential tests compare the two), plans what the columns cannot describe, and words
-every error.  Exports :func:`plan_items`, :func:`dedup_items`,
-:func:`build_metadata_items` and :func:`raise_overlap`.
+"""The global save plan one ``WriteItem`` at a time: the reference :mod:`.global_save`'s
+columns must equal; it plans what the columns cannot describe and words every error.
+Exports :func:`plan_items`, :func:`dedup_items`, :func:`build_metadata_items`, :func:`raise_overlap`.
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ def plan_items(plans: Sequence[SavePlan], dedup: bool, save_to_minimum_rank: boo
 
 
 def dedup_items(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -> list[SavePlan]:
-    """Keep each item that several ranks hold on one of them (see
-    :func:`~hyper_parallel_dcp.core.save_planning.dedup_save_plans`, which returns the same)."""
+    """Keep each item that several ranks hold on one of them (as ``dedup_save_plans`` does)."""
     holders: dict[tuple, list[Any]] = {}  # (fqn, offsets) -> [first item, rank, rank, ...]
     per_rank = _per_rank_objects(plans)
     for rank, plan in enumerate(plans):
@@ -86,9 +81,7 @@ def _per_rank_objects(plans: Sequence[SavePlan]) -> dict[str, None]:
 
 
 def build_metadata_items(plans: Sequence[SavePlan]) -> Metadata:
-    """The metadata of deduplicated plans (see
-    :func:`~hyper_parallel_dcp.core.save_planning.build_metadata`, which returns the same and
-    raises the same errors)."""
+    """The metadata of deduplicated plans (as ``build_metadata`` gives, with the same errors)."""
     first: dict[str, WriteItem] = {}  # key order: the first item of each FQN over the plans
     chunks: dict[str, list[ChunkStorageMetadata]] = {}
     bad: Optional[tuple[str, ChunkStorageMetadata]] = None  # the first chunk whose offsets and sizes differ in number

@@ -59,7 +59,7 @@ def _write_back(original: Any, expanded: Any) -> None:
         new = expanded[key]
         if is_stateful(value) or new is value:
             continue
-        if isinstance(value, dict) and isinstance(new, Mapping) and not is_stateful(value):
+        if isinstance(value, dict) and isinstance(new, Mapping):
             _write_back(value, new)
         else:
             original[key] = new

@@ -1,9 +1,10 @@
-"""``.metadata`` as versioned JSON (``docs/format.md``): the format-2 writer and reader.
+"""``.metadata`` as versioned JSON (``docs/format.md``): the format-2 writer, the format-2 and format-1 readers.
 
 Format 2 is column-shaped (per tensor, flat integer arrays; file names once in a file
 table) and ends with ``metadata_digest``, the xxh3-64 of everything before it.  Format 1
-still loads (:mod:`.json_v1`).  Exports :func:`metadata_to_json`, :func:`metadata_from_json`, :data:`METADATA_DIGEST` and
-the file-name rules :func:`is_file_name` and :func:`referenced_checkpoint`.
+(one JSON object per chunk) still loads; nothing writes it.  Exports :func:`metadata_to_json`,
+:func:`metadata_from_json`, :data:`METADATA_DIGEST` and the file-name rules
+:func:`is_file_name` and :func:`referenced_checkpoint`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ import torch
 import xxhash
 
 from ..errors import CheckpointFormatError, CorruptCheckpointError
-from .json_v1 import parse_v1
-from .json_values import HEX16, flat_ints, int_tuple, is_file_name, referenced_checkpoint
 from .locations import FileNames, StorageTable, TensorStorage, checked_chunks, storage_table
 from .model import (
     FORMAT_VERSION,
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     ChunkTable,
     Metadata,
     MetadataIndex,
@@ -42,9 +42,57 @@ __all__ = ["METADATA_DIGEST", "is_file_name", "metadata_from_json", "metadata_to
 METADATA_DIGEST = "metadata_digest"
 
 _SEPARATORS = (",", ":")
+#: An xxh3-64 digest as the format writes it.
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 _HEX = re.compile(r"[0-9a-f]*")
 # A name ending in a number without leading zeros (then no digits): "_rank12_.safetensors".
 _NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)(\D*)$")
+
+
+# ------------------------------------------------------------------------------ values
+def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    """A JSON list of integers >= 0 as a tuple; ``what`` names it in the error."""
+    # the common valid case checked with C-level builtins (json gives exact ints; bool is
+    # another type), the slow path only explains
+    if type(value) is list and (not value or (set(map(type, value)) == {int} and min(value) >= 0)):
+        return tuple(value)
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise CheckpointFormatError(f"{what} must be a list of integers, got {value!r}")
+    if any(v < 0 for v in value):
+        raise CheckpointFormatError(f"{what} must not be negative, got {value!r}")
+    return tuple(value)
+
+
+def _flat_ints(value: Any, what: str, length: int, *, low: int = 0) -> list[int]:
+    """A JSON list of ``length`` integers, each ``>= low`` (the list itself, not a copy)."""
+    if type(value) is not list or len(value) != length:
+        found = len(value) if isinstance(value, list) else "-"
+        raise CheckpointFormatError(f"{what} must be a list of {length} integers, got "
+                                    f"{type(value).__name__} of length {found}")
+    if value and (set(map(type, value)) != {int} or min(value) < low):
+        bad = next((v for v in value if type(v) is not int or v < low), None)
+        raise CheckpointFormatError(f"{what} must hold integers >= {low}, found {bad!r}")
+    return value
+
+
+def _plain_name(name: Any) -> bool:
+    return isinstance(name, str) and "/" not in name and "\\" not in name and name not in ("", ".", "..")
+
+
+def referenced_checkpoint(name: Any) -> Optional[str]:
+    """The checkpoint beside this one that file ``name`` is in, for a name ``../<checkpoint>/<file>``
+    (an incremental save's reference to an earlier checkpoint's bytes, SPEC §14); else ``None``."""
+    if isinstance(name, str) and name.startswith("../"):
+        parts = name[3:].split("/")
+        if len(parts) == 2 and _plain_name(parts[0]) and _plain_name(parts[1]):
+            return parts[0]
+    return None
+
+
+def is_file_name(name: Any) -> bool:
+    """Whether ``name`` may name a data file: a plain name inside the checkpoint directory, or
+    ``../<checkpoint>/<file>``, a file of a checkpoint beside it (:func:`referenced_checkpoint`)."""
+    return _plain_name(name) or referenced_checkpoint(name) is not None
 
 
 # ------------------------------------------------------------------------------ writer
@@ -192,12 +240,12 @@ def metadata_from_json(text: str | bytes, *, source: str = "<metadata>", check_d
             "version of hyper-parallel-dcp reads; upgrade hyper-parallel-dcp to load it"
         )
     digest = doc.get(METADATA_DIGEST)
-    if digest is not None and not (type(digest) is str and HEX16.fullmatch(digest)):
+    if digest is not None and not (type(digest) is str and _HEX16.fullmatch(digest)):
         raise CheckpointFormatError(f"{source}: '{METADATA_DIGEST}' must be an xxh3 digest of 16 hex digits, "
                                     f"got {digest!r}")
     checked = digest is not None and check_digest
     try:
-        metadata = parse_v1(doc, source) if version == 1 else _parse_v2(doc, source)
+        metadata = _parse_v1(doc, source) if version == 1 else _parse_v2(doc, source)
         if digest is not None and checked and not _digest_matches(text, doc, digest):
             raise CorruptCheckpointError(
                 f"{source} was changed after the save: it no longer matches the '{METADATA_DIGEST}' recorded "
@@ -269,7 +317,7 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
         file = entry["file"]
         if type(file) is not int or not 0 <= file < nfiles:
             raise CheckpointFormatError(f"{source}: {what} names file {file!r}, not in the file table of {nfiles}")
-        byte_offset, length = int_tuple([entry["offset"], entry["length"]], f"{source}: byte range of {what}")
+        byte_offset, length = _int_tuple([entry["offset"], entry["length"]], f"{source}: byte range of {what}")
         checksum, key = entry.get("checksum"), entry.get("key")
         if not (checksum is None or isinstance(checksum, str)) or not (key is None or isinstance(key, str)):
             raise CheckpointFormatError(f"{source}: checksum and key of {what} must be strings or null")
@@ -297,7 +345,7 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
         offsets_doc = entry.get("offsets")
         if not isinstance(entry["fqn"], str):  # str() would turn null into the key 'None'
             raise CheckpointFormatError(f"{source}: other_storage entry with a non-string fqn {entry['fqn']!r}")
-        offsets = None if offsets_doc is None else int_tuple(offsets_doc, f"{source}: offsets")
+        offsets = None if offsets_doc is None else _int_tuple(offsets_doc, f"{source}: offsets")
         index = MetadataIndex(entry["fqn"], offsets)
         other[index] = storage_info(entry, f"storage entry of {index.fqn!r}")
     rank_objects: dict[str, dict[int, StorageInfo]] = {}
@@ -311,7 +359,7 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
     digests_doc = doc.get("header_digests")
     if digests_doc is not None:
         if type(digests_doc) is not list or len(digests_doc) != nfiles or not all(
-                d is None or (type(d) is str and HEX16.fullmatch(d)) for d in digests_doc):
+                d is None or (type(d) is str and _HEX16.fullmatch(d)) for d in digests_doc):
             raise CheckpointFormatError(f"{source}: 'header_digests' must list, per file of the file table, "
                                         "an xxh3 digest of 16 hex digits or null")
         header_digests = {name: d for name, d in zip(names, digests_doc) if d is not None}
@@ -324,23 +372,31 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
                     format_version=doc["format_version"], header_digests=header_digests, rank_objects=rank_objects)
 
 
+def _properties(entry: dict[str, Any], source: str, fqn: str) -> TensorProperties:
+    try:
+        dtype = dtype_from_name(entry["dtype"])
+        return TensorProperties(dtype, dtype_from_name(entry["stored_as"]) if "stored_as" in entry else None)
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(f"{source}: {exc} (tensor {fqn!r})") from None
+
+
 def _parse_tensor(fqn: str, entry: dict[str, Any], source: str,
                   nfiles: int) -> tuple[TensorStorageMetadata, Optional[TensorStorage]]:
     """One tensor entry: its metadata and, when it has stored chunks, their row (every column checked here)."""
     where = f"{source}: tensor {fqn!r}"
-    size = int_tuple(entry["size"], f"{where}: size")
+    size = _int_tuple(entry["size"], f"{where}: size")
     ndim = len(size)
     count = entry["count"]
     if type(count) is not int or count < 0:
         raise CheckpointFormatError(f"{where}: count must be an integer >= 0, got {count!r}")
-    offsets = flat_ints(entry["offsets"], f"{where}: offsets", count * ndim)
+    offsets = _flat_ints(entry["offsets"], f"{where}: offsets", count * ndim)
     sizes = entry["sizes"]
     one: Optional[list[int]] = None  # one size for every chunk: checked once, then repeated
     if count > 1 and ndim and isinstance(sizes, list) and len(sizes) == ndim:
-        one = flat_ints(sizes, f"{where}: sizes", ndim)
+        one = _flat_ints(sizes, f"{where}: sizes", ndim)
         sizes = one * count
     else:
-        sizes = flat_ints(sizes, f"{where}: sizes", count * ndim)
+        sizes = _flat_ints(sizes, f"{where}: sizes", count * ndim)
     for d in range(ndim):
         if count and (max(map(add, offsets[d::ndim], sizes[d::ndim])) if one is None
                       else max(offsets[d::ndim]) + one[d]) > size[d]:
@@ -349,20 +405,16 @@ def _parse_tensor(fqn: str, entry: dict[str, Any], source: str,
                 f"{where}: chunk offsets={offsets[pos * ndim:(pos + 1) * ndim]} "
                 f"sizes={sizes[pos * ndim:(pos + 1) * ndim]} does not fit its global size {list(size)}"
             )
-    try:
-        dtype = dtype_from_name(entry["dtype"])
-        stored_as = dtype_from_name(entry["stored_as"]) if "stored_as" in entry else None
-    except CheckpointFormatError as exc:
-        raise CheckpointFormatError(f"{source}: {exc} (tensor {fqn!r})") from None
+    props = _properties(entry, source, fqn)
     chunks = ChunkTable(ndim, count, offsets, sizes)
-    md = TensorStorageMetadata(TensorProperties(dtype, stored_as), torch.Size(size), chunks)
+    md = TensorStorageMetadata(props, torch.Size(size), chunks)
     if "file" not in entry:
         return md, None
-    file = flat_ints(entry["file"], f"{where}: file", count, low=-1)
+    file = _flat_ints(entry["file"], f"{where}: file", count, low=-1)
     if file and max(file) >= nfiles:
         raise CheckpointFormatError(f"{where}: file index {max(file)} is not in the file table of {nfiles}")
-    byte_offset = flat_ints(entry["offset"], f"{where}: offset", count)
-    length = flat_ints(entry["length"], f"{where}: length", count) if "length" in entry else None
+    byte_offset = _flat_ints(entry["offset"], f"{where}: offset", count)
+    length = _flat_ints(entry["length"], f"{where}: length", count) if "length" in entry else None
     checksum = entry["checksum"]
     if type(checksum) is str:
         # kept joined: each lookup slices its digest out
@@ -379,4 +431,48 @@ def _parse_tensor(fqn: str, entry: dict[str, Any], source: str,
         if not 0 <= pos < count or not (key is None or isinstance(key, str)):
             raise CheckpointFormatError(f"{where}: invalid key entry {pos_text!r}: {key!r}")
         keys[pos] = key
-    return md, TensorStorage(chunks, file, byte_offset, length, checksum, keys, (stored_as or dtype).itemsize)
+    return md, TensorStorage(chunks, file, byte_offset, length, checksum, keys, (props.stored_as or props.dtype).itemsize)
+
+
+# ------------------------------------------------------------------------------ format 1
+def _parse_v1(doc: dict[str, Any], source: str) -> Metadata:
+    """The ``Metadata`` of a parsed format-1 document."""
+    sd_doc = doc["state_dict_metadata"]
+    if not isinstance(sd_doc, dict):
+        raise CheckpointFormatError(f"{source}: state_dict_metadata must be an object")
+    state_dict_metadata: dict[str, StorageMetadata] = {}
+    for fqn, entry in sd_doc.items():
+        kind = entry["type"]
+        if kind == "bytes":
+            state_dict_metadata[fqn] = BytesStorageMetadata()
+            continue
+        if kind != "tensor":
+            raise CheckpointFormatError(f"{source}: unknown item type {kind!r} for {fqn!r}")
+        size = _int_tuple(entry["size"], f"{source}: size of {fqn!r}")
+        chunks = []
+        for chunk in entry["chunks"]:
+            offsets = _int_tuple(chunk["offsets"], f"{source}: chunk offsets of {fqn!r}")
+            sizes = _int_tuple(chunk["sizes"], f"{source}: chunk sizes of {fqn!r}")
+            if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                    o + s > d for o, s, d in zip(offsets, sizes, size)):
+                raise CheckpointFormatError(f"{source}: chunk offsets={list(offsets)} sizes={list(sizes)} of {fqn!r} "
+                                            f"does not fit its global size {list(size)}")
+            chunks.append(ChunkStorageMetadata(offsets, sizes))
+        state_dict_metadata[fqn] = TensorStorageMetadata(_properties(entry, source, fqn), torch.Size(size), chunks)
+    storage_data: dict[MetadataIndex, StorageInfo] = {}
+    for entry in doc.get("storage_data") or []:
+        offsets = entry.get("offsets")
+        if not isinstance(entry["fqn"], str):  # str() would turn null into the key 'None'
+            raise CheckpointFormatError(f"{source}: storage_data entry with a non-string fqn {entry['fqn']!r}")
+        index = MetadataIndex(entry["fqn"], None if offsets is None else _int_tuple(offsets, f"{source}: offsets"))
+        file = entry["file"]
+        if not is_file_name(file):
+            raise CheckpointFormatError(f"{source}: invalid file name {file!r} for {index.fqn!r}")
+        byte_offset, length = _int_tuple([entry["offset"], entry["length"]], f"{source}: byte range")
+        storage_data[index] = StorageInfo(file, byte_offset, length, entry.get("checksum"), entry.get("key"))
+    files = doc.get("files") or {}
+    if not isinstance(files, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in files.items()):
+        raise CheckpointFormatError(f"{source}: 'files' must map file names to sizes")
+    return Metadata(state_dict_metadata=state_dict_metadata, planner_data=doc.get("planner_data"),
+                    storage_data=storage_data, files=dict(files), format_version=doc["format_version"])

@@ -269,16 +269,14 @@ def _tensor_storage(fqn: str, md: TensorStorageMetadata, chunks: ChunkTable,
 
 
 def chunk_locator(metadata: Metadata) -> Optional[Callable[[MetadataIndex], ChunkLocation]]:
-    """:func:`chunk_location` bound to ``metadata``, for a caller that locates every chunk
-    it reads; ``None`` where its ``storage_data`` is no :class:`StorageTable` (every lookup
-    would answer ``None``: use ``storage_data``)."""
+    """:func:`chunk_location` bound to ``metadata``; ``None`` where its ``storage_data`` is
+    no :class:`StorageTable` (use ``storage_data`` then)."""
     storage = metadata.storage_data
     return storage.locate if isinstance(storage, StorageTable) else None
 
 
 def chunk_location(metadata: Metadata, index: MetadataIndex) -> ChunkLocation:
-    """``(file, byte offset, chunk sizes)`` of the stored tensor chunk ``index`` names,
-    from the columns of a :class:`StorageTable`; ``None`` where the metadata holds the
-    chunk otherwise or not at all (look it up in ``storage_data`` then)."""
+    """``(file, byte offset, chunk sizes)`` of tensor chunk ``index`` from a :class:`StorageTable`'s
+    columns; ``None`` otherwise (look it up in ``storage_data`` then)."""
     locate = chunk_locator(metadata)
     return None if locate is None else locate(index)

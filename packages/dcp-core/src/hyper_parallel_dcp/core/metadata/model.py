@@ -263,25 +263,18 @@ class Metadata:
     storage_data: Mapping[MetadataIndex, StorageInfo] | None = None
     files: dict[str, int] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
-    #: file name -> xxh3 hex digest of its safetensors header bytes as written (length
-    #: field and JSON); a reader that reads the same bytes needs no header parse and no
-    #: per-chunk header check.  Absent for older checkpoints and for objects files, and
-    #: left empty by ``metadata_from_json`` unless the document's digest was checked.
+    #: file name -> xxh3 hex digest of its safetensors header as written (length field and
+    #: JSON): a reader that reads the same bytes skips the header parse.  Empty for older
+    #: checkpoints, objects files, and a document whose digest was not checked.
     header_digests: dict[str, str] = field(default_factory=dict)
-    #: For an object whose copies saved by several ranks under one FQN differ (merged
-    #: from ``{rank}.metadata`` files, or from a collective save's ``rank_objects``): saving
-    #: rank → where that rank's copy is.  ``storage_data`` holds the lowest saving rank's
-    #: copy (what older readers and another world size load); see :meth:`object_storage`.
-    #: A global save plan's metadata names these FQNs with ``{}`` until the ranks write.
+    #: An object whose copies saved by several ranks differ: saving rank → where its copy
+    #: is (``storage_data`` holds the lowest rank's; see :meth:`object_storage`).  A global
+    #: save plan's metadata names these FQNs with ``{}`` until the ranks write.
     rank_objects: dict[str, dict[int, StorageInfo]] = field(default_factory=dict)
 
     def object_storage(self, fqn: str, rank: int) -> StorageInfo | None:
-        """Where the copy of object ``fqn`` that ``rank`` loads is (SPEC §4).
-
-        Rank-local state (RNG, data-loader position) saved by several ranks: rank ``r``
-        gets the copy rank ``r`` saved; a rank that saved none gets the lowest saving
-        rank's copy (the one in ``storage_data``).
-        """
+        """Where the copy of object ``fqn`` that ``rank`` loads is (SPEC §4): the copy
+        ``rank`` saved, else the lowest saving rank's (the one in ``storage_data``)."""
         copies = self.rank_objects.get(fqn)
         if copies and rank in copies:
             return copies[rank]
