@@ -9,6 +9,7 @@ raise :class:`CheckpointTimeoutError` naming the phase and those ranks.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib
 import time
 import traceback
@@ -37,9 +38,7 @@ TIMEOUT_ENV = COLLECTIVE_TIMEOUT.name
 
 
 def collective_timeout() -> float:
-    """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check);
-    raises :class:`~hyper_parallel_dcp.core.settings.SettingError` for a value that is not >= 0.
-    """
+    """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check)."""
     return COLLECTIVE_TIMEOUT.get()
 
 
@@ -48,16 +47,15 @@ def collective_timeout() -> float:
 _arrivals: dict[tuple[int, ...], tuple[Any, int]] = {}
 
 
-def _polls_slowly(store: Any) -> bool:
-    """A FileStore's ``wait`` sleeps 10 ms between looks: poll it ourselves instead."""
+def _underlying(store: Any) -> Any:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return isinstance(store, dist.FileStore)
+    return store
 
 
 def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
     """Until every key is set, at most ``timeout`` s; raises ``TimeoutError`` after that."""
-    if not _polls_slowly(store):
+    if not isinstance(_underlying(store), dist.FileStore):  # its wait sleeps 10 ms between looks
         store.wait(keys, timedelta(seconds=timeout))  # server-side wait: no polling traffic
         return
     deadline = time.monotonic() + timeout
@@ -72,8 +70,7 @@ def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
 
 def _store_address(store: Any) -> str:
     """``host:port`` of a TCP store (under its prefixes), else what kind of store it is."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
+    store = _underlying(store)
     if isinstance(store, dist.TCPStore):
         return f"TCP store at {store.host}:{store.port}"
     return type(store).__name__
@@ -107,15 +104,12 @@ class _Failure:
 
     def exception_type(self) -> Optional[type]:
         """The original class, when it is safe to import (builtins or ours)."""
+        cls = None
         if self.module == "builtins":
             cls = getattr(builtins, self.qualname, None)
         elif self.module.startswith("hyper_parallel_dcp.") and "." not in self.qualname:
-            try:
+            with contextlib.suppress(ImportError):
                 cls = getattr(importlib.import_module(self.module), self.qualname, None)
-            except ImportError:
-                cls = None
-        else:
-            cls = None
         return cls if isinstance(cls, type) and issubclass(cls, Exception) else None
 
 
@@ -129,18 +123,21 @@ def _raise_failures(step: str, failures: dict[int, _Failure]) -> None:
     if not failures:
         return
     described: dict[int, BaseException | str] = {r: f"{f.qualname}: {f.message}" for r, f in failures.items()}
-    first = failures[min(failures)]
-    cls = first.exception_type()
-    exc: CheckpointException
+    cls = failures[min(failures)].exception_type()
+    exc = CheckpointException(step, described)
     if cls is not None and not issubclass(cls, CheckpointException):
-        try:
+        with contextlib.suppress(TypeError):  # a class that cannot be combined: the plain one
             exc = remote_error_class(cls)(step, described)
-        except TypeError:
-            exc = CheckpointException(step, described)
-    else:
-        exc = CheckpointException(step, described)
     exc.remote_tracebacks = {r: f.trace for r, f in failures.items()}  # type: ignore[attr-defined]
     raise exc
+
+
+def _result(step: str, tagged: tuple[str, Any]) -> Any:
+    """The value of an ``("ok", value)`` answer; raises the failures of a ``("fail", ...)`` one."""
+    tag, value = tagged
+    if tag == "fail":
+        _raise_failures(step, value)
+    return value
 
 
 class DistWrapper:
@@ -151,12 +148,10 @@ class DistWrapper:
                  timeout: Optional[float] = None) -> None:
         """Collectives over ``group`` (``None``: the default group) when ``use_dist``.
 
-        ``rank`` and ``world_size`` (without ``group``) make a wrapper for a process outside the
-        job's group (the async writer): a no-op with ``use_dist=False``, or, in a subclass that
-        overrides the raw object collectives, exchanges another way; no arrival check.
+        ``rank`` and ``world_size`` (without ``group``): a wrapper for a process outside the job's
+        group (the async writer; a subclass may exchange another way), without arrival check.
         ``timeout`` defaults to ``HP_DCP_COLLECTIVE_TIMEOUT``.  Raises ``ValueError`` for a
-        ``rank`` outside ``world_size``.
-        """
+        ``rank`` outside ``world_size``."""
         self.group = group
         self.coordinator_rank = coordinator_rank
         self.global_coordinator = coordinator_rank
@@ -229,10 +224,8 @@ class DistWrapper:
                 tuple(missing),
             ) from None
         if seq > 1:
-            try:
+            with contextlib.suppress(Exception):  # only housekeeping
                 store.delete_key(f"{name}/{seq - 1}/{self.rank}")
-            except Exception:  # noqa: BLE001 - only housekeeping
-                pass
 
     def exchange_name(self) -> str:
         """The exchange under way: its step, suffixed for a step's second exchange of one
@@ -240,10 +233,8 @@ class DistWrapper:
         return f"{self._step}-{self._round}" if self._round else self._step
 
     def arrive(self, step: str) -> None:
-        """Wait (at most the collective timeout) until every rank of the group got here,
-        for callers that run their own collectives (the broadcast load); every member calls
-        it at the same point.  Raises :class:`CheckpointTimeoutError` naming ``step`` and
-        the ranks that never arrived."""
+        """Wait (at most the collective timeout) until every rank of the group got here (for
+        callers that run their own collectives); raises :class:`CheckpointTimeoutError`."""
         if self.use_dist:
             self._step = step
             self._arrive("arrival")
@@ -335,10 +326,7 @@ class DistWrapper:
         if self.is_coordinator:
             result = self._run(fun)
             payload = ("fail", {self.rank: result}) if isinstance(result, _Failure) else ("ok", result)
-        tag, value = self.broadcast_object(payload)
-        if tag == "fail":
-            _raise_failures(step, value)
-        return value
+        return _result(step, self.broadcast_object(payload))
 
     def _reduce(self, gathered: Optional[list[Any]], reduce_fun: Callable[[list[Any]], Any]) -> tuple[str, Any]:
         """On the coordinator: ``("ok", reduce_fun(gathered))``, or ``("fail", failures)``
@@ -362,10 +350,7 @@ class DistWrapper:
         if self.is_coordinator:
             tag, value = self._reduce(gathered, reduce_fun)
             payload = [(tag, value)] * self.world_size if tag == "fail" else [("ok", r) for r in value]
-        tag, value = self.scatter_object(payload)
-        if tag == "fail":
-            _raise_failures(step, value)
-        return value
+        return _result(step, self.scatter_object(payload))
 
     def all_reduce(self, step: str, map_fun: Callable[[], T], reduce_fun: Callable[[list[T]], R]) -> R:
         """Map on every rank, reduce on the coordinator, broadcast the one result."""
@@ -374,10 +359,7 @@ class DistWrapper:
         if not self.use_dist:
             return reduce_fun([local])  # type: ignore[list-item]
         gathered = self.gather_object(local)
-        tag, value = self.broadcast_object(self._reduce(gathered, reduce_fun) if self.is_coordinator else None)
-        if tag == "fail":
-            _raise_failures(step, value)
-        return value
+        return _result(step, self.broadcast_object(self._reduce(gathered, reduce_fun) if self.is_coordinator else None))
 
     def all_reduce_confirmed(self, step: str, map_fun: Callable[[], T], prepare_fun: Callable[[list[T]], P],
                              confirm_fun: Callable[[], None], commit_fun: Callable[[P], None]) -> P:
@@ -414,9 +396,7 @@ class DistWrapper:
                 if isinstance(committed, _Failure):
                     failures[self.rank] = committed
             payload = ("fail", failures) if failures else ("ok", None)
-        tag, value = self.broadcast_object(payload)
-        if tag == "fail":
-            _raise_failures(step, value)
+        _result(step, self.broadcast_object(payload))
         return shared
 
     def _second_exchange(self, name: str, exchange: Callable[[], T]) -> T:
