@@ -1,9 +1,5 @@
-"""The save and load pipelines, independent of any storage backend.
-
-``save_state_dict`` and ``load_state_dict`` run the planner and the storage
-writer/reader through :class:`DistWrapper`.  The umbrella's ``save``/``load``, the async
-writer process and the offline converter all call these; there is no second copy.
-"""
+"""The one save and load pipeline (``save_state_dict``, ``load_state_dict``): planner and storage
+writer/reader run through :class:`DistWrapper`, independent of any backend."""
 
 from __future__ import annotations
 
@@ -113,11 +109,9 @@ def save_state_dict(
     use_collectives: bool = True,
     dist_wrapper: Optional[DistWrapper] = None,
 ) -> Metadata:
-    """Save ``state_dict`` through ``storage_writer``; returns the metadata: with
-    collectives the global one on every rank, without, the rank's own.  On any failure
-    every rank raises and ``storage_writer.abort`` runs.  ``dist_wrapper`` (ignored with
-    ``no_dist``) replaces the process-group collectives and gives rank and world size (the
-    async writer exchanges through files, or not at all)."""
+    """Save ``state_dict`` through ``storage_writer``; returns the metadata (the global one with
+    collectives).  On any failure every rank raises and ``storage_writer.abort`` runs.
+    ``dist_wrapper`` (ignored with ``no_dist``) replaces the process-group collectives."""
     use_collectives = use_collectives and not no_dist
     if dist_wrapper is not None and not no_dist:
         dw = dist_wrapper
@@ -146,8 +140,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
     def set_up_step() -> Optional[tuple[str, Any]]:
         fault_point("save.setup", rank)
-        # Stateful leaves give their state_dict() inside the first collective step (a
-        # failure is raised on every rank)
+        # Stateful leaves give their state_dict() inside the first collective step
         expanded, _ = expand_stateful(state_dict)
         flat, _ = flatten_state_dict(expanded, is_tensor_leaf)
         storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
@@ -158,9 +151,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         return None if looked_up[0] is None else ("hit", planner.cache_token())
 
     if dw.use_dist:
-        # one step first, so every rank takes the same path: a set-up failure on one rank
-        # is raised everywhere, a plan-cache miss on one rank (or tokens that differ: objects
-        # whose copies differ) sends all through planning
+        # one step first: a set-up failure or a plan-cache miss (or differing tokens) on one
+        # rank sends every rank the same way
         hits = dw.all_gather("plan_cache", set_up_step)
         cached = looked_up[0] if all(hits) and len(set(hits)) == 1 else None
     else:
@@ -255,13 +247,9 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
 def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
                     rank: int) -> tuple[StorageReader, Callable[[], Metadata], bool]:
-    """``(reader, metadata_of, collectives_required)``: the reader of the checkpoint
-    (``storage_reader.reader_for`` the stored metadata); ``metadata_of()`` parses the
-    checkpoint's metadata (call it in a failure-propagating step); whether the checkpoint
-    allows collectives (not merged ``{rank}.metadata``).  With collectives the coordinator
-    alone reads (the only open of the metadata in the job) and broadcasts; a failure to
-    read is raised on every rank.
-    """
+    """``(reader, metadata_of, collectives_required)``: the checkpoint's reader, a parser of its
+    metadata (call it in a failure-propagating step) and whether it allows collectives.  With
+    collectives only the coordinator reads the metadata and broadcasts it."""
     fault_point("load.setup", rank)
     if not dw.use_dist:
         with phase("read_metadata", rank):
@@ -271,8 +259,7 @@ def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
     def read_step() -> tuple[Any, bool]:
         return storage_reader.read_metadata_payload(), storage_reader.collectives_required
 
-    # every rank agrees whether collectives follow (one rank falling back to
-    # {rank}.metadata alone would leave the others waiting)
+    # every rank agrees whether collectives follow
     with phase("read_metadata", rank):
         payload, collectives_required = dw.broadcast_step("read_metadata", read_step)
     storage_reader = storage_reader.reader_for(payload)
@@ -298,11 +285,9 @@ def load_state_dict(
     use_collectives: bool = True,
     read_executor: Optional[ReadExecutor] = None,
 ) -> None:
-    """Load into ``state_dict`` in place (tensors copied into, objects replaced); only its keys
-    are loaded.  ``read_executor`` (read-once + broadcast) runs the reads instead of
-    ``storage_reader.execute_read`` when the load exchanges plans over every rank of the
-    default group: the coordinator then chooses one reader per replicated shard.
-    """
+    """Load into ``state_dict`` in place (tensors copied into, objects replaced), only its keys.
+    ``read_executor`` (read-once + broadcast) runs the reads instead of ``execute_read`` when the
+    load's collectives span the default group: the coordinator then picks one reader per shard."""
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
     planner = planner if planner is not None else StandardLoadPlanner()
@@ -315,8 +300,7 @@ def load_state_dict(
         storage_reader, metadata_of, collectives_required = _share_metadata(storage_reader, first, rank)
         use_collectives = use_collectives and collectives_required and world_size > 1
         dw = DistWrapper(process_group, use_dist=use_collectives, coordinator_rank=coordinator_rank)
-        # decided once, for the planner and the read; replica groups come from
-        # dist.new_group, which every rank of the default group must enter
+        # replica groups come from dist.new_group, which every rank of the default group enters
         broadcast = read_executor is not None and dw.use_dist and _is_whole_world(process_group)
         paths: dict[str, Any] = {}
         plan = _plan_load(state_dict, metadata_of, storage_reader, planner, dw, rank, world_size, broadcast, paths)
@@ -329,8 +313,7 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
                planner: LoadPlanner, dw: DistWrapper, rank: int, world_size: int, assign: bool,
                paths: dict[str, Any]) -> LoadPlan:
     """This rank's final load plan; fills ``paths`` (FQN → path in ``state_dict``).  With
-    ``assign`` the coordinator picks the readers of replicated shards from every rank's layout.
-    """
+    ``assign`` the coordinator picks the readers of replicated shards."""
     is_coordinator = rank == dw.coordinator_rank
     local: list[LoadPlan] = []
 
@@ -389,8 +372,7 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
 def _execute_read(plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner, dw: DistWrapper,
                   rank: int, read_executor: Optional[ReadExecutor],
                   process_group: Optional[dist.ProcessGroup]) -> None:
-    """Run the reads (through ``read_executor`` when given); a failure on any rank is
-    raised on every rank."""
+    """Run the reads (through ``read_executor`` when given); a failure on any rank is raised on all."""
     error: Optional[BaseException] = None
     try:
         with phase("execute_read", rank):
