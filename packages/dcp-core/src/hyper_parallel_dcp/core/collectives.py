@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import importlib
 import time
 import traceback
@@ -160,7 +161,6 @@ class DistWrapper:
         self._round = ""  # names a step's second exchange of one kind (see exchange_name)
         self._store: Any = None
         self._group_ranks: tuple[int, ...] = ()
-        self._cpu_flags: Optional[bool] = None  # see _flags_on_cpu
         if rank is not None or world_size is not None:
             if group is not None or rank is None or world_size is None:
                 raise ValueError("rank and world_size go together, and without a process group")
@@ -239,19 +239,16 @@ class DistWrapper:
             self._step = step
             self._arrive("arrival")
 
+    @functools.cached_property
     def _flags_on_cpu(self) -> bool:
         """Whether ``check`` may agree through an ``all_reduce`` of a CPU tensor: the raw
         collectives are this class's own and the group's backend includes gloo."""
-        ok = self._cpu_flags
-        if ok is None:
-            ok = type(self).all_gather_object is DistWrapper.all_gather_object
-            if ok:
-                try:
-                    ok = "gloo" in str(dist.get_backend(self.group))
-                except Exception:  # noqa: BLE001 - no backend to ask: the object path
-                    ok = False
-            self._cpu_flags = ok
-        return ok
+        if type(self).all_gather_object is not DistWrapper.all_gather_object:
+            return False
+        try:
+            return "gloo" in str(dist.get_backend(self.group))
+        except Exception:  # noqa: BLE001 - no backend to ask: the object path
+            return False
 
     def _global_rank(self) -> int:
         return self._group_ranks[self.rank] if self._group_ranks else self.rank
@@ -416,7 +413,7 @@ class DistWrapper:
             if local_error is not None:
                 raise local_error
             return
-        if self._flags_on_cpu():
+        if self._flags_on_cpu:
             self._arrive("all_reduce")
             with phase("all_reduce", self.rank):
                 flag = torch.tensor([0 if local_error is None else 1], dtype=torch.int32)

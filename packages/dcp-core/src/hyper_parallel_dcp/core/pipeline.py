@@ -76,7 +76,7 @@ def attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Meta
     storage_data: dict[MetadataIndex, StorageInfo] = {}
     md.files = {}
     md.header_digests = {}
-    for rank_results in results:  # whole lists at a time (a result per chunk, on the coordinator)
+    for rank_results in results:  # whole lists at a time
         storage_data.update(zip(map(_RESULT_INDEX, rank_results), map(_RESULT_STORAGE, rank_results)))
         names = list(map(_RESULT_FILE, rank_results))
         md.files.update(zip(names, map(_RESULT_SIZE, rank_results)))
@@ -93,8 +93,7 @@ def attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Meta
             if copies:
                 storage_data[MetadataIndex(fqn)] = copies[min(copies)]
     md.storage_data = storage_data
-    # as columns once: the storage writer's JSON and the packing for the other ranks read them
-    md.storage_data = storage_table(md)
+    md.storage_data = storage_table(md)  # as columns: what the JSON and the packing read
     return md
 
 
@@ -123,7 +122,6 @@ def save_state_dict(
     is_coordinator = rank == coordinator_rank if use_collectives or world_size == 1 else True
     planner = planner if planner is not None else StandardSavePlanner()
 
-    # many small objects while the caller's large heap is alive: no full collections
     with phase("save", rank), gc_paused():
         try:
             return _save(state_dict, storage_writer, planner, dw, rank, world_size, is_coordinator, use_collectives)
@@ -176,7 +174,6 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
         def global_step(all_plans: list[SavePlan]) -> list[Any]:
             with phase("build_global_plan", rank):
-                # the metadata is built in prepare_step, while the ranks write and fsync
                 plans, build = planner.create_global_plan_deferred(all_plans)
                 plans = storage_writer.prepare_global_plan(plans)
                 save_id = uuid.uuid4().hex[:16]
@@ -199,8 +196,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         if not is_coordinator:
             fault_point("save.commit", rank)
         elif dw.use_dist:
-            if global_metadata[0] is None:
-                # built while the other ranks still write
+            if global_metadata[0] is None:  # built while the other ranks still write
                 with phase("build_metadata", rank):
                     global_metadata[0] = build_metadata[0]()
             # the coordinator's own results stay here (the gather would pickle them)
@@ -209,11 +205,9 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         return results
 
     gathered_results: list[list[list[WriteResult]]] = []
-    # the metadata: built by the coordinator, received as columns by the other ranks
     final_metadata: list[Metadata] = []
 
     def prepare_step(gathered: list[Optional[list[WriteResult]]]) -> Any:
-        # runs while the data is still flushed (sync_written)
         all_results = [own_results[0] if r is None else r for r in gathered] if own_results else \
             [r for r in gathered if r is not None]
         with phase("prepare_metadata", rank):
@@ -224,7 +218,6 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             storage_writer.prepare_finalize(metadata, all_results)
         gathered_results.append(all_results)
         final_metadata.append(metadata)
-        # the other ranks get it as columns
         return pack_metadata(metadata) if dw.use_dist else None
 
     def sync_step() -> None:
@@ -318,7 +311,6 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
     local: list[LoadPlan] = []
 
     def local_step() -> LoadPlan:
-        # the set-up runs inside the checked step: a failure on one rank is raised on all
         fault_point("load.plan", rank)
         metadata = metadata_of()
         flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
