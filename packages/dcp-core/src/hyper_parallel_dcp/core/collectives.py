@@ -1,10 +1,7 @@
-"""The one wrapper through which every checkpoint collective goes (:class:`DistWrapper`).
-
-Without a process group each call runs locally.  With one, a failure on *any* rank is
-raised on *every* rank (naming the rank), and before each collective every rank checks in
-at the group's store: ranks that never arrive within :func:`collective_timeout` seconds
-raise :class:`CheckpointTimeoutError` naming the phase and those ranks.
-"""
+"""The one wrapper through which every checkpoint collective goes (:class:`DistWrapper`): local
+without a process group; with one, a failure on any rank is raised on every rank, and ranks
+that do not check in at the store within :func:`collective_timeout` s raise
+:class:`CheckpointTimeoutError` naming the phase and those ranks."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ def collective_timeout() -> float:
     return COLLECTIVE_TIMEOUT.get()
 
 
-# Per process group (by its global ranks): its store and the number of arrival checks made
-# there (the same checks in the same order on every member: the counter names one check).
+# per process group (by its global ranks): its store and the number of arrival checks made there
 _arrivals: dict[tuple[int, ...], tuple[Any, int]] = {}
 
 
@@ -187,8 +183,7 @@ class DistWrapper:
 
     # -- arrival check ---------------------------------------------------------------
     def _arrive(self, collective: str) -> None:
-        """Check in at the store and wait for every rank of the group; raise naming the
-        absent.  The previous check's key is deleted once everybody passed this one."""
+        """Check in at the store and wait for every rank of the group; raise naming the absent."""
         if self._store is None:
             return
         store = self._store
@@ -228,8 +223,7 @@ class DistWrapper:
                 store.delete_key(f"{name}/{seq - 1}/{self.rank}")
 
     def exchange_name(self) -> str:
-        """The exchange under way: its step, suffixed for a step's second exchange of one
-        kind (a wrapper that exchanges through files names them by it)."""
+        """The exchange under way: its step, suffixed for a step's second exchange of one kind."""
         return f"{self._step}-{self._round}" if self._round else self._step
 
     def arrive(self, step: str) -> None:
@@ -326,8 +320,7 @@ class DistWrapper:
         return _result(step, self.broadcast_object(payload))
 
     def _reduce(self, gathered: Optional[list[Any]], reduce_fun: Callable[[list[Any]], Any]) -> tuple[str, Any]:
-        """On the coordinator: ``("ok", reduce_fun(gathered))``, or ``("fail", failures)``
-        when a rank's map or the reduce failed."""
+        """On the coordinator: ``("ok", reduce_fun(gathered))``, or ``("fail", failures)``."""
         assert gathered is not None
         failures = _failures(gathered)
         if failures:
@@ -360,13 +353,9 @@ class DistWrapper:
 
     def all_reduce_confirmed(self, step: str, map_fun: Callable[[], T], prepare_fun: Callable[[list[T]], P],
                              confirm_fun: Callable[[], None], commit_fun: Callable[[P], None]) -> P:
-        """Gather, prepare and share on the coordinator, confirm everywhere, then commit.
-
-        Every rank runs ``map_fun``; the coordinator ``prepare_fun(results)``, whose result every
-        rank gets; each rank runs ``confirm_fun``; once all confirmed, the coordinator runs
-        ``commit_fun(prepared)``; every rank returns ``prepared``.  A failure anywhere is raised
-        on every rank after the confirmations.
-        """
+        """Every rank maps; the coordinator runs ``prepare_fun(results)``, whose result every rank
+        gets and returns; each rank runs ``confirm_fun``; once all confirmed the coordinator runs
+        ``commit_fun(prepared)``.  A failure anywhere is raised on every rank after the confirmations."""
         self._step = step
         if not self.use_dist:
             value = prepare_fun([map_fun()])
@@ -405,9 +394,7 @@ class DistWrapper:
             self._round = ""
 
     def check(self, step: str, local_error: Optional[BaseException]) -> None:
-        """Collective error check: raise on every rank if any rank reports an error (one
-        ``all_reduce`` of a flag where the group takes CPU tensors, the failures gathered only then).
-        """
+        """Raise on every rank if any rank reports an error (a flag ``all_reduce`` first where it can)."""
         self._step = step
         if not self.use_dist:
             if local_error is not None:
