@@ -1,9 +1,5 @@
-"""Storage backends by URL scheme: which writer/reader a ``checkpoint_id`` gets.
-
-Packages register a :class:`StorageBackend` under their scheme (``file`` for plain paths)
-in the ``hyper_parallel_dcp.storage`` entry-point group; core depends on none.  A scheme
-nobody registered is an error naming the package to install.
-"""
+"""Storage backends by URL scheme (``file`` for plain paths), registered by packages in the
+``hyper_parallel_dcp.storage`` entry-point group: which writer/reader a ``checkpoint_id`` gets."""
 
 from __future__ import annotations
 
@@ -56,15 +52,9 @@ class UnknownSchemeError(ValueError):
 
 @dataclass(frozen=True)
 class StorageBackend:
-    """What a storage package registers for a scheme.
-
-    ``writer(checkpoint_id)`` and ``reader(checkpoint_id, verify=...)`` build a fresh
-    writer/reader for ``checkpoint_id`` (``verify=None``: the reader's default);
-    ``files(location)`` the location's ``CheckpointFiles`` (list, size, read, delete: what
-    the integrity checks, the ``hp-dcp`` tools and retention use); ``steps(root)`` the
-    :class:`~hyper_parallel_dcp.core.steps.StepStorage` of a checkpoint-manager root
-    (``CheckpointManager``, ``hp-dcp ls``/``clean``), ``None`` when the scheme has none.
-    """
+    """What a storage package registers for a scheme: ``writer(checkpoint_id)``,
+    ``reader(checkpoint_id, verify=...)``, ``files(location)`` (its ``CheckpointFiles``) and
+    ``steps(root)`` (its ``core.steps.StepStorage``; ``None`` where the scheme has none)."""
 
     scheme: str
     writer: Callable[[CheckpointId], StorageWriter]
@@ -96,9 +86,8 @@ def register_backend(backend: StorageBackend) -> None:
 
 
 def _load_backend(scheme: str) -> Optional[StorageBackend]:
-    """The backend an installed package registered for ``scheme``, imported now; ``None``
-    when there is none or it fails to import (why is kept in ``_failures``).  Only that
-    scheme's module is imported: a backend that breaks at import breaks only its scheme."""
+    """The backend an installed package registered for ``scheme``, imported now (only that one);
+    ``None`` when there is none or it fails to import (why is kept in ``_failures``)."""
     global _entry_points
     bundled = _BUNDLED.get(scheme)
     if bundled is not None:
@@ -150,12 +139,8 @@ def backend_for(checkpoint_id: CheckpointId) -> StorageBackend:
 
 def storage_writer_for(checkpoint_id: Optional[CheckpointId], storage_writer: Optional[StorageWriter],
                        *, caller: str = "save") -> StorageWriter:
-    """The writer a save uses: ``storage_writer`` (reset to ``checkpoint_id`` when both are
-    given), else the backend's writer for ``checkpoint_id``'s scheme.
-
-    Raises ``ValueError`` naming ``caller`` when neither is given, and
-    :class:`UnknownSchemeError` for a URL scheme without an installed backend.
-    """
+    """``storage_writer`` (reset to ``checkpoint_id`` when both are given), else the backend's
+    writer; raises ``ValueError`` when neither is given, :class:`UnknownSchemeError`."""
     if storage_writer is None:
         if checkpoint_id is None:
             raise ValueError(f"{caller} needs checkpoint_id or storage_writer")
@@ -167,12 +152,9 @@ def storage_writer_for(checkpoint_id: Optional[CheckpointId], storage_writer: Op
 
 def storage_reader_for(checkpoint_id: Optional[CheckpointId], storage_reader: Optional[StorageReader],
                        *, verify: Optional[bool] = None, caller: str = "load") -> StorageReader:
-    """The reader a load uses: ``storage_reader`` (reset to ``checkpoint_id`` when both are
-    given, ``verify`` set when not None), else the backend's reader for ``checkpoint_id``.
-
-    Raises ``ValueError`` when neither is given or ``verify`` is given for a reader without
-    that setting, :class:`UnknownSchemeError` for a scheme without an installed backend.
-    """
+    """``storage_reader`` (reset to ``checkpoint_id``, ``verify`` set when given), else the
+    backend's reader; raises ``ValueError`` when neither is given or the reader has no
+    ``verify``, :class:`UnknownSchemeError`."""
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError(f"{caller} needs checkpoint_id or storage_reader")

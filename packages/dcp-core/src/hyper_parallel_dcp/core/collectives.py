@@ -1,14 +1,13 @@
-"""The one wrapper through which every checkpoint collective goes (:class:`DistWrapper`).
-
-Without a process group each call runs locally.  With one, a failure on *any* rank is
-raised on *every* rank (naming the rank), and before each collective every rank checks in
-at the group's store: ranks that never arrive within :func:`collective_timeout` seconds
-raise :class:`CheckpointTimeoutError` naming the phase and those ranks.
-"""
+"""The one wrapper through which every checkpoint collective goes (:class:`DistWrapper`): local
+without a process group; with one, a failure on any rank is raised on every rank, and ranks
+that do not check in at the store within :func:`collective_timeout` s raise
+:class:`CheckpointTimeoutError` naming the phase and those ranks."""
 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import functools
 import importlib
 import time
 import traceback
@@ -37,27 +36,23 @@ TIMEOUT_ENV = COLLECTIVE_TIMEOUT.name
 
 
 def collective_timeout() -> float:
-    """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check);
-    raises :class:`~hyper_parallel_dcp.core.settings.SettingError` for a value that is not >= 0.
-    """
+    """Seconds to wait for all ranks at a collective (``HP_DCP_COLLECTIVE_TIMEOUT``; 0 = no check)."""
     return COLLECTIVE_TIMEOUT.get()
 
 
-# Per process group (by its global ranks): its store and the number of arrival checks made
-# there (the same checks in the same order on every member: the counter names one check).
+# per process group (by its global ranks): its store and the number of arrival checks made there
 _arrivals: dict[tuple[int, ...], tuple[Any, int]] = {}
 
 
-def _polls_slowly(store: Any) -> bool:
-    """A FileStore's ``wait`` sleeps 10 ms between looks: poll it ourselves instead."""
+def _underlying(store: Any) -> Any:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return isinstance(store, dist.FileStore)
+    return store
 
 
 def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
     """Until every key is set, at most ``timeout`` s; raises ``TimeoutError`` after that."""
-    if not _polls_slowly(store):
+    if not isinstance(_underlying(store), dist.FileStore):  # its wait sleeps 10 ms between looks
         store.wait(keys, timedelta(seconds=timeout))  # server-side wait: no polling traffic
         return
     deadline = time.monotonic() + timeout
@@ -72,8 +67,7 @@ def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
 
 def _store_address(store: Any) -> str:
     """``host:port`` of a TCP store (under its prefixes), else what kind of store it is."""
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
+    store = _underlying(store)
     if isinstance(store, dist.TCPStore):
         return f"TCP store at {store.host}:{store.port}"
     return type(store).__name__
@@ -107,15 +101,12 @@ class _Failure:
 
     def exception_type(self) -> Optional[type]:
         """The original class, when it is safe to import (builtins or ours)."""
+        cls = None
         if self.module == "builtins":
             cls = getattr(builtins, self.qualname, None)
         elif self.module.startswith("hyper_parallel_dcp.") and "." not in self.qualname:
-            try:
+            with contextlib.suppress(ImportError):
                 cls = getattr(importlib.import_module(self.module), self.qualname, None)
-            except ImportError:
-                cls = None
-        else:
-            cls = None
         return cls if isinstance(cls, type) and issubclass(cls, Exception) else None
 
 
@@ -129,18 +120,21 @@ def _raise_failures(step: str, failures: dict[int, _Failure]) -> None:
     if not failures:
         return
     described: dict[int, BaseException | str] = {r: f"{f.qualname}: {f.message}" for r, f in failures.items()}
-    first = failures[min(failures)]
-    cls = first.exception_type()
-    exc: CheckpointException
+    cls = failures[min(failures)].exception_type()
+    exc = CheckpointException(step, described)
     if cls is not None and not issubclass(cls, CheckpointException):
-        try:
+        with contextlib.suppress(TypeError):  # a class that cannot be combined: the plain one
             exc = remote_error_class(cls)(step, described)
-        except TypeError:
-            exc = CheckpointException(step, described)
-    else:
-        exc = CheckpointException(step, described)
     exc.remote_tracebacks = {r: f.trace for r, f in failures.items()}  # type: ignore[attr-defined]
     raise exc
+
+
+def _result(step: str, tagged: tuple[str, Any]) -> Any:
+    """The value of an ``("ok", value)`` answer; raises the failures of a ``("fail", ...)`` one."""
+    tag, value = tagged
+    if tag == "fail":
+        _raise_failures(step, value)
+    return value
 
 
 class DistWrapper:
@@ -151,12 +145,10 @@ class DistWrapper:
                  timeout: Optional[float] = None) -> None:
         """Collectives over ``group`` (``None``: the default group) when ``use_dist``.
 
-        ``rank`` and ``world_size`` (without ``group``) make a wrapper for a process outside the
-        job's group (the async writer): a no-op with ``use_dist=False``, or, in a subclass that
-        overrides the raw object collectives, exchanges another way; no arrival check.
+        ``rank`` and ``world_size`` (without ``group``): a wrapper for a process outside the job's
+        group (the async writer; a subclass may exchange another way), without arrival check.
         ``timeout`` defaults to ``HP_DCP_COLLECTIVE_TIMEOUT``.  Raises ``ValueError`` for a
-        ``rank`` outside ``world_size``.
-        """
+        ``rank`` outside ``world_size``."""
         self.group = group
         self.coordinator_rank = coordinator_rank
         self.global_coordinator = coordinator_rank
@@ -165,7 +157,6 @@ class DistWrapper:
         self._round = ""  # names a step's second exchange of one kind (see exchange_name)
         self._store: Any = None
         self._group_ranks: tuple[int, ...] = ()
-        self._cpu_flags: Optional[bool] = None  # see _flags_on_cpu
         if rank is not None or world_size is not None:
             if group is not None or rank is None or world_size is None:
                 raise ValueError("rank and world_size go together, and without a process group")
@@ -192,8 +183,7 @@ class DistWrapper:
 
     # -- arrival check ---------------------------------------------------------------
     def _arrive(self, collective: str) -> None:
-        """Check in at the store and wait for every rank of the group; raise naming the
-        absent.  The previous check's key is deleted once everybody passed this one."""
+        """Check in at the store and wait for every rank of the group; raise naming the absent."""
         if self._store is None:
             return
         store = self._store
@@ -229,38 +219,30 @@ class DistWrapper:
                 tuple(missing),
             ) from None
         if seq > 1:
-            try:
+            with contextlib.suppress(Exception):  # only housekeeping
                 store.delete_key(f"{name}/{seq - 1}/{self.rank}")
-            except Exception:  # noqa: BLE001 - only housekeeping
-                pass
 
     def exchange_name(self) -> str:
-        """The exchange under way: its step, suffixed for a step's second exchange of one
-        kind (a wrapper that exchanges through files names them by it)."""
+        """The exchange under way: its step, suffixed for a step's second exchange of one kind."""
         return f"{self._step}-{self._round}" if self._round else self._step
 
     def arrive(self, step: str) -> None:
-        """Wait (at most the collective timeout) until every rank of the group got here,
-        for callers that run their own collectives (the broadcast load); every member calls
-        it at the same point.  Raises :class:`CheckpointTimeoutError` naming ``step`` and
-        the ranks that never arrived."""
+        """Wait (at most the collective timeout) until every rank of the group got here (for
+        callers that run their own collectives); raises :class:`CheckpointTimeoutError`."""
         if self.use_dist:
             self._step = step
             self._arrive("arrival")
 
+    @functools.cached_property
     def _flags_on_cpu(self) -> bool:
         """Whether ``check`` may agree through an ``all_reduce`` of a CPU tensor: the raw
         collectives are this class's own and the group's backend includes gloo."""
-        ok = self._cpu_flags
-        if ok is None:
-            ok = type(self).all_gather_object is DistWrapper.all_gather_object
-            if ok:
-                try:
-                    ok = "gloo" in str(dist.get_backend(self.group))
-                except Exception:  # noqa: BLE001 - no backend to ask: the object path
-                    ok = False
-            self._cpu_flags = ok
-        return ok
+        if type(self).all_gather_object is not DistWrapper.all_gather_object:
+            return False
+        try:
+            return "gloo" in str(dist.get_backend(self.group))
+        except Exception:  # noqa: BLE001 - no backend to ask: the object path
+            return False
 
     def _global_rank(self) -> int:
         return self._group_ranks[self.rank] if self._group_ranks else self.rank
@@ -335,14 +317,10 @@ class DistWrapper:
         if self.is_coordinator:
             result = self._run(fun)
             payload = ("fail", {self.rank: result}) if isinstance(result, _Failure) else ("ok", result)
-        tag, value = self.broadcast_object(payload)
-        if tag == "fail":
-            _raise_failures(step, value)
-        return value
+        return _result(step, self.broadcast_object(payload))
 
     def _reduce(self, gathered: Optional[list[Any]], reduce_fun: Callable[[list[Any]], Any]) -> tuple[str, Any]:
-        """On the coordinator: ``("ok", reduce_fun(gathered))``, or ``("fail", failures)``
-        when a rank's map or the reduce failed."""
+        """On the coordinator: ``("ok", reduce_fun(gathered))``, or ``("fail", failures)``."""
         assert gathered is not None
         failures = _failures(gathered)
         if failures:
@@ -362,10 +340,7 @@ class DistWrapper:
         if self.is_coordinator:
             tag, value = self._reduce(gathered, reduce_fun)
             payload = [(tag, value)] * self.world_size if tag == "fail" else [("ok", r) for r in value]
-        tag, value = self.scatter_object(payload)
-        if tag == "fail":
-            _raise_failures(step, value)
-        return value
+        return _result(step, self.scatter_object(payload))
 
     def all_reduce(self, step: str, map_fun: Callable[[], T], reduce_fun: Callable[[list[T]], R]) -> R:
         """Map on every rank, reduce on the coordinator, broadcast the one result."""
@@ -374,20 +349,13 @@ class DistWrapper:
         if not self.use_dist:
             return reduce_fun([local])  # type: ignore[list-item]
         gathered = self.gather_object(local)
-        tag, value = self.broadcast_object(self._reduce(gathered, reduce_fun) if self.is_coordinator else None)
-        if tag == "fail":
-            _raise_failures(step, value)
-        return value
+        return _result(step, self.broadcast_object(self._reduce(gathered, reduce_fun) if self.is_coordinator else None))
 
     def all_reduce_confirmed(self, step: str, map_fun: Callable[[], T], prepare_fun: Callable[[list[T]], P],
                              confirm_fun: Callable[[], None], commit_fun: Callable[[P], None]) -> P:
-        """Gather, prepare and share on the coordinator, confirm everywhere, then commit.
-
-        Every rank runs ``map_fun``; the coordinator ``prepare_fun(results)``, whose result every
-        rank gets; each rank runs ``confirm_fun``; once all confirmed, the coordinator runs
-        ``commit_fun(prepared)``; every rank returns ``prepared``.  A failure anywhere is raised
-        on every rank after the confirmations.
-        """
+        """Every rank maps; the coordinator runs ``prepare_fun(results)``, whose result every rank
+        gets and returns; each rank runs ``confirm_fun``; once all confirmed the coordinator runs
+        ``commit_fun(prepared)``.  A failure anywhere is raised on every rank after the confirmations."""
         self._step = step
         if not self.use_dist:
             value = prepare_fun([map_fun()])
@@ -414,9 +382,7 @@ class DistWrapper:
                 if isinstance(committed, _Failure):
                     failures[self.rank] = committed
             payload = ("fail", failures) if failures else ("ok", None)
-        tag, value = self.broadcast_object(payload)
-        if tag == "fail":
-            _raise_failures(step, value)
+        _result(step, self.broadcast_object(payload))
         return shared
 
     def _second_exchange(self, name: str, exchange: Callable[[], T]) -> T:
@@ -428,15 +394,13 @@ class DistWrapper:
             self._round = ""
 
     def check(self, step: str, local_error: Optional[BaseException]) -> None:
-        """Collective error check: raise on every rank if any rank reports an error (one
-        ``all_reduce`` of a flag where the group takes CPU tensors, the failures gathered only then).
-        """
+        """Raise on every rank if any rank reports an error (a flag ``all_reduce`` first where it can)."""
         self._step = step
         if not self.use_dist:
             if local_error is not None:
                 raise local_error
             return
-        if self._flags_on_cpu():
+        if self._flags_on_cpu:
             self._arrive("all_reduce")
             with phase("all_reduce", self.rank):
                 flag = torch.tensor([0 if local_error is None else 1], dtype=torch.int32)

@@ -7,6 +7,7 @@ concerned.  Several also derive from the built-in type a caller would naturally 
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Iterable
 
@@ -137,18 +138,10 @@ def _rebuild_checkpoint_exception(original: type | None, phase: str, failures: d
 def format_ranks(ranks: Iterable[int]) -> str:
     """``ranks`` sorted, runs of three or more as ``first-last``: ``0-511, 513-1023``
     instead of a thousand numbers (``1, 3`` and ``1, 2`` stay as they are)."""
-    ordered = sorted(set(ranks))
     parts: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        if j - i >= 2:
-            parts.append(f"{ordered[i]}-{ordered[j]}")
-        else:
-            parts.extend(str(r) for r in ordered[i:j + 1])
-        i = j + 1
+    for _, pairs in itertools.groupby(enumerate(sorted(set(ranks))), lambda pair: pair[1] - pair[0]):
+        run = [rank for _, rank in pairs]
+        parts.extend([f"{run[0]}-{run[-1]}"] if len(run) >= 3 else map(str, run))
     return ", ".join(parts)
 
 
@@ -159,9 +152,8 @@ def describe_failures(texts: dict[int, str], limit: int = 8) -> str:
     by_text: dict[str, list[int]] = {}
     for rank in sorted(texts):
         by_text.setdefault(texts[rank], []).append(rank)
-    lines = []
-    for text, ranks in list(by_text.items())[:limit]:
-        lines.append(f"[{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}] {text}")
+    lines = [f"[{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}] {text}"
+             for text, ranks in list(by_text.items())[:limit]]
     rest = [r for ranks in list(by_text.values())[limit:] for r in ranks]
     if rest:
         lines.append(f"... and {len(by_text) - limit} other failure(s) on rank(s) {format_ranks(rest)}")

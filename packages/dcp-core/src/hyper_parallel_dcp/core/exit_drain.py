@@ -1,11 +1,5 @@
-"""Let torch's collective worker threads finish before the interpreter shuts down.
-
-A gloo worker thread that releases finished work at exit needs the GIL during
-finalization and dies through a ``noexcept`` destructor (``SIGABRT``, see
-``docs/faults.md``).  At ``atexit`` :func:`drain_collective_threads` hands the
-GIL over until no other thread runs, at most :data:`DRAIN_LIMIT_S`; the first checkpoint
-collective of a process installs it (:func:`install`).
-"""
+"""Let gloo's worker threads finish before the interpreter shuts down (else ``SIGABRT``, see
+``docs/faults.md``): :func:`install` registers :func:`drain_collective_threads` at exit."""
 
 from __future__ import annotations
 
@@ -35,25 +29,22 @@ def runnable_threads(exclude: int) -> Optional[int]:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return None
-    count = 0
-    for tid in tids:
-        if tid == str(exclude):
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # that thread has just ended
-        # "tid (name) S ...": the name may hold spaces and parentheses, the state follows the last ")"
-        if stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R":
-            count += 1
-    return count
+    return sum(_state(tid) == b"R" for tid in tids if tid != str(exclude))
+
+
+def _state(tid: str) -> bytes:
+    try:
+        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return b""  # that thread has just ended
+    # "tid (name) S ...": the name may hold spaces and parentheses, the state follows the last ")"
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
 
 
 def drain_collective_threads(limit: float = DRAIN_LIMIT_S) -> bool:
     """Hand the GIL over until no other thread runs, at most ``limit`` seconds; returns whether
-    the process went quiet (without ``/proc``: after :data:`_QUIET_LOOKS` pauses).  Raises nothing.
-    """
+    the process went quiet."""
     me = threading.get_native_id()
     deadline = time.monotonic() + limit
     quiet = 0

@@ -1,11 +1,6 @@
-"""A test hook: a process kills itself (SIGKILL) at a named checkpoint phase, or a write fails.
-
-Inert unless ``HP_DCP_FAULT=<phase>@<rank>[,...]`` is set (``@<rank>`` left out: every
-rank); with ``HP_DCP_FAULT_ONCE=<file>`` only the first process to get there dies (it
-creates the file).  Phases: :data:`PHASES` (``save.commit``: on the coordinator just
-before ``.metadata`` is written, elsewhere after its own files are; ``local.write``: a local
-tier's copy written, not yet sent to its replica peers; ``local.replicate``: replicas written,
-not yet committed).  :func:`fault_error` phases (``local.full``) raise ``ENOSPC`` instead.
+"""A test hook: a process SIGKILLs itself at a named phase (:func:`fault_point`), or a write fails
+with ``ENOSPC`` (:func:`fault_error`), when ``HP_DCP_FAULT=<phase>[@<rank>][,...]`` names it;
+with ``HP_DCP_FAULT_ONCE=<file>`` only the first process to get there dies.  Phases: :data:`PHASES`.
 """
 
 from __future__ import annotations
@@ -25,11 +20,8 @@ PHASES = ("save.setup", "save.plan", "save.write", "save.commit",
 
 def _named(phase: str, rank: int) -> bool:
     spec = FAULT.get()
-    for entry in spec.split(",") if spec else ():
-        name, _, who = entry.strip().partition("@")
-        if name == phase and (not who or int(who) == rank):
-            return True
-    return False
+    entries = (entry.strip().partition("@") for entry in spec.split(",") if spec)
+    return any(name == phase and (not who or int(who) == rank) for name, _, who in entries)
 
 
 def fault_error(phase: str, rank: int) -> None:

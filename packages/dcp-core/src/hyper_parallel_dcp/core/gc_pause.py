@@ -15,12 +15,8 @@ _PROMOTE = not sysconfig.get_config_var("Py_GIL_DISABLED")
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (re-enabled after, unless it was off before).
-
-    Planning allocates millions of small acyclic objects; on the way out what the block still
-    holds joins the oldest generation without a traversal (``gc.freeze`` + ``gc.unfreeze``),
-    skipped when the process froze objects itself.
-    """
+    """Pause the cyclic garbage collector (re-enabled after, unless it was off); on the way out what
+    the block still holds joins the oldest generation without a traversal (freeze + unfreeze)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -1,12 +1,8 @@
-"""The coordinator's global save plan over columns: dedup and metadata of every rank's plan.
+"""The coordinator's global save plan over columns (:func:`plan_global_columns`, :func:`check_disjoint`).
 
-The gathered :class:`~hyper_parallel_dcp.core.plan_columns.WriteColumns` are laid end to
-end as numpy arrays, each item keyed by one int64 (its tensor's slot, then its offsets in
-row-major order over the global shape + 1): one stable sort gives the dedup groups and
-each tensor's chunk order, and a grid test per dim clears disjoint chunks.  A plan the
-keys cannot describe exactly goes to
-:func:`~hyper_parallel_dcp.core.save_reference.plan_items`, which words the error (or plans
-it item by item).  Exports :func:`plan_global_columns` and :func:`check_disjoint`.
+Every item is keyed by one int64 (its tensor's slot, then its offsets row-major over the global
+shape + 1): one stable sort gives the dedup groups and chunk order, a grid test per dim clears
+disjoint chunks.  What the keys cannot describe goes to ``save_reference.plan_items``.
 """
 
 from __future__ import annotations
@@ -45,11 +41,8 @@ class _ItemByItem(Exception):
 
 def plan_global_columns(plans: Sequence[SavePlan], *, dedup: bool, save_to_minimum_rank: bool,
                         metadata: bool = True) -> tuple[list[SavePlan], Optional[Callable[[], Metadata]]]:
-    """The plans after dedup (with ``dedup``) and, with ``metadata``, a function that builds
-    their metadata (else ``None``); returns and raises (now) what
-    :func:`~hyper_parallel_dcp.core.save_reference.plan_items` does.  A plan that keeps every
-    item is returned as is, a cut one as columns with ``picked`` naming its items.
-    """
+    """The plans after dedup (with ``dedup``) and, with ``metadata``, a function that builds their
+    metadata; returns and raises (now) what ``save_reference.plan_items`` does."""
     columns = [WriteColumns.of(plan.items) for plan in plans]
     try:
         gathered = _Gathered(columns)
@@ -283,12 +276,8 @@ def _chunks(ndim: int, count: int, offsets: list[int], sizes: list[int]) -> list
 
 
 def _grid_suspects(kind: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> set[int]:
-    """The ids in ``kind`` of the tensors whose chunks are not shown pairwise disjoint.
-
-    Rows: one chunk each, each tensor's rows together and sorted by offsets.  If on every dim
-    any two chunks have the same interval or disjoint ones, none overlap; sorted by start, an
-    interval that overlaps another overlaps the next, so adjacent rows are compared.
-    """
+    """The ids in ``kind`` of the tensors whose chunks (rows, grouped by tensor and sorted) are not
+    shown disjoint: on every dim, adjacent intervals by start must be equal or disjoint."""
     pairs = kind[1:] == kind[:-1]  # adjacent rows of one tensor
     if not pairs.any():
         return set()
@@ -307,11 +296,8 @@ def _grid_suspects(kind: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> 
 
 
 def check_disjoint(fqn: str, offsets: Any, sizes: Any) -> None:
-    """Raise ``ValueError`` naming two overlapping chunks of the tensor ``fqn``.
-
-    ``offsets`` and ``sizes``: one row of ints per chunk, rows sorted by offsets (any
-    array-like).  Passes for chunks that are pairwise disjoint.
-    """
+    """Raise ``ValueError`` naming two overlapping chunks of ``fqn`` (rows of ``offsets`` and
+    ``sizes``, sorted by offsets); passes for pairwise disjoint chunks."""
     offsets, sizes = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
     count, ndim = offsets.shape
     if count > 1 and (not ndim or _grid_suspects(np.zeros(count, dtype=np.int64), offsets, sizes)):

@@ -1,9 +1,5 @@
-"""Load planning: read items for the local targets, and the default load planner.
-
-Every target piece ∩ every stored chunk it overlaps → one :class:`ReadItem`; the pieces
-must be covered exactly.  Pure apart from the planner class, which keeps the target
-views the reads fill.
-"""
+"""Load planning: one :class:`ReadItem` per target piece ∩ stored chunk (the pieces covered
+exactly), and the default load planner :class:`StandardLoadPlanner`."""
 
 from __future__ import annotations
 
@@ -114,14 +110,10 @@ def create_local_load_plan(
     flat: dict[str, Any], metadata: Metadata, shards: Optional[dict[str, TensorShards]] = None,
     allow_partial_load: bool = False,
 ) -> tuple[LoadPlan, dict[str, TensorShards]]:
-    """Read items for every target leaf: target pieces ∩ stored chunks.
-
-    A stored dtype other than the target's is cast by the copy into the target (as
-    ``torch.distributed.checkpoint`` does).  Raises :class:`MissingKeyError` for a key the
-    checkpoint lacks (skipped with ``allow_partial_load``), :class:`MismatchError` for a
-    shape or kind mismatch and :class:`MissingRegionError` when stored chunks do not cover
-    a target piece.
-    """
+    """Read items for every target leaf: target pieces ∩ stored chunks.  Raises
+    :class:`MissingKeyError` for a key the checkpoint lacks (unless ``allow_partial_load``),
+    :class:`MismatchError` for a shape or kind mismatch and :class:`MissingRegionError` when
+    stored chunks do not cover a target piece."""
     items: list[ReadItem] = []
     shards = {} if shards is None else shards
     # the overlap arithmetic runs once per (chunk layout, piece) pair
@@ -133,8 +125,7 @@ def create_local_load_plan(
     for fqn, leaf in flat.items():
         md = sd_md.get(fqn)
         if md is None:
-            # an empty dict (a fresh optimizer's ``state``) holds no key to load, as
-            # torch.distributed.checkpoint sees it
+            # an empty dict (a fresh optimizer's ``state``) holds no key to load
             if not (allow_partial_load or (isinstance(leaf, dict) and not leaf)):
                 missing.append(fqn)
             continue
@@ -276,12 +267,9 @@ def _view_root(view: torch.Tensor) -> torch.Tensor:
 
 class StandardLoadPlanner(LoadPlanner):
     """Default load planner: exact-cover reads into views of the caller's tensors.
-
-    ``allow_partial_load``: target keys the checkpoint lacks are left untouched instead of
-    raising :class:`MissingKeyError`.  ``fills_regions``: :meth:`resolve_region` may hand
-    the reader raw memory; a subclass that overrides ``resolve_tensor`` or
-    ``commit_tensor`` gets ``False`` unless it declares it.
-    """
+    ``allow_partial_load``: keys the checkpoint lacks are left untouched.  ``fills_regions``
+    (False for a subclass overriding ``resolve_tensor`` or ``commit_tensor`` unless declared):
+    :meth:`resolve_region` may hand the reader raw memory."""
 
     fills_regions = True
 
@@ -356,8 +344,7 @@ class StandardLoadPlanner(LoadPlanner):
         return root, storage_offset + sum(map(mul, offsets, strides)), strides
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        # Targets are views of the caller's tensors, already written in place.
-        pass
+        pass  # targets are views of the caller's tensors, already written in place
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         self.loaded_objects[read_item.dest_index.fqn] = value

@@ -1,9 +1,5 @@
-"""The save and load pipelines, independent of any storage backend.
-
-``save_state_dict`` and ``load_state_dict`` run the planner and the storage
-writer/reader through :class:`DistWrapper`.  The umbrella's ``save``/``load``, the async
-writer process and the offline converter all call these; there is no second copy.
-"""
+"""The one save and load pipeline (``save_state_dict``, ``load_state_dict``): planner and storage
+writer/reader run through :class:`DistWrapper`, independent of any backend."""
 
 from __future__ import annotations
 
@@ -80,7 +76,7 @@ def attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Meta
     storage_data: dict[MetadataIndex, StorageInfo] = {}
     md.files = {}
     md.header_digests = {}
-    for rank_results in results:  # whole lists at a time (a result per chunk, on the coordinator)
+    for rank_results in results:  # whole lists at a time
         storage_data.update(zip(map(_RESULT_INDEX, rank_results), map(_RESULT_STORAGE, rank_results)))
         names = list(map(_RESULT_FILE, rank_results))
         md.files.update(zip(names, map(_RESULT_SIZE, rank_results)))
@@ -97,8 +93,7 @@ def attach_results(metadata: Metadata, results: list[list[WriteResult]]) -> Meta
             if copies:
                 storage_data[MetadataIndex(fqn)] = copies[min(copies)]
     md.storage_data = storage_data
-    # as columns once: the storage writer's JSON and the packing for the other ranks read them
-    md.storage_data = storage_table(md)
+    md.storage_data = storage_table(md)  # as columns: what the JSON and the packing read
     return md
 
 
@@ -113,11 +108,9 @@ def save_state_dict(
     use_collectives: bool = True,
     dist_wrapper: Optional[DistWrapper] = None,
 ) -> Metadata:
-    """Save ``state_dict`` through ``storage_writer``; returns the metadata: with
-    collectives the global one on every rank, without, the rank's own.  On any failure
-    every rank raises and ``storage_writer.abort`` runs.  ``dist_wrapper`` (ignored with
-    ``no_dist``) replaces the process-group collectives and gives rank and world size (the
-    async writer exchanges through files, or not at all)."""
+    """Save ``state_dict`` through ``storage_writer``; returns the metadata (the global one with
+    collectives).  On any failure every rank raises and ``storage_writer.abort`` runs.
+    ``dist_wrapper`` (ignored with ``no_dist``) replaces the process-group collectives."""
     use_collectives = use_collectives and not no_dist
     if dist_wrapper is not None and not no_dist:
         dw = dist_wrapper
@@ -129,7 +122,6 @@ def save_state_dict(
     is_coordinator = rank == coordinator_rank if use_collectives or world_size == 1 else True
     planner = planner if planner is not None else StandardSavePlanner()
 
-    # many small objects while the caller's large heap is alive: no full collections
     with phase("save", rank), gc_paused():
         try:
             return _save(state_dict, storage_writer, planner, dw, rank, world_size, is_coordinator, use_collectives)
@@ -146,8 +138,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
     def set_up_step() -> Optional[tuple[str, Any]]:
         fault_point("save.setup", rank)
-        # Stateful leaves give their state_dict() inside the first collective step (a
-        # failure is raised on every rank)
+        # Stateful leaves give their state_dict() inside the first collective step
         expanded, _ = expand_stateful(state_dict)
         flat, _ = flatten_state_dict(expanded, is_tensor_leaf)
         storage_writer.set_up_storage_writer(is_coordinator=is_coordinator, rank=rank, world_size=world_size,
@@ -158,9 +149,8 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         return None if looked_up[0] is None else ("hit", planner.cache_token())
 
     if dw.use_dist:
-        # one step first, so every rank takes the same path: a set-up failure on one rank
-        # is raised everywhere, a plan-cache miss on one rank (or tokens that differ: objects
-        # whose copies differ) sends all through planning
+        # one step first: a set-up failure or a plan-cache miss (or differing tokens) on one
+        # rank sends every rank the same way
         hits = dw.all_gather("plan_cache", set_up_step)
         cached = looked_up[0] if all(hits) and len(set(hits)) == 1 else None
     else:
@@ -184,7 +174,6 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
         def global_step(all_plans: list[SavePlan]) -> list[Any]:
             with phase("build_global_plan", rank):
-                # the metadata is built in prepare_step, while the ranks write and fsync
                 plans, build = planner.create_global_plan_deferred(all_plans)
                 plans = storage_writer.prepare_global_plan(plans)
                 save_id = uuid.uuid4().hex[:16]
@@ -207,8 +196,7 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         if not is_coordinator:
             fault_point("save.commit", rank)
         elif dw.use_dist:
-            if global_metadata[0] is None:
-                # built while the other ranks still write
+            if global_metadata[0] is None:  # built while the other ranks still write
                 with phase("build_metadata", rank):
                     global_metadata[0] = build_metadata[0]()
             # the coordinator's own results stay here (the gather would pickle them)
@@ -217,11 +205,9 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         return results
 
     gathered_results: list[list[list[WriteResult]]] = []
-    # the metadata: built by the coordinator, received as columns by the other ranks
     final_metadata: list[Metadata] = []
 
     def prepare_step(gathered: list[Optional[list[WriteResult]]]) -> Any:
-        # runs while the data is still flushed (sync_written)
         all_results = [own_results[0] if r is None else r for r in gathered] if own_results else \
             [r for r in gathered if r is not None]
         with phase("prepare_metadata", rank):
@@ -232,7 +218,6 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
             storage_writer.prepare_finalize(metadata, all_results)
         gathered_results.append(all_results)
         final_metadata.append(metadata)
-        # the other ranks get it as columns
         return pack_metadata(metadata) if dw.use_dist else None
 
     def sync_step() -> None:
@@ -255,13 +240,9 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
 
 def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
                     rank: int) -> tuple[StorageReader, Callable[[], Metadata], bool]:
-    """``(reader, metadata_of, collectives_required)``: the reader of the checkpoint
-    (``storage_reader.reader_for`` the stored metadata); ``metadata_of()`` parses the
-    checkpoint's metadata (call it in a failure-propagating step); whether the checkpoint
-    allows collectives (not merged ``{rank}.metadata``).  With collectives the coordinator
-    alone reads (the only open of the metadata in the job) and broadcasts; a failure to
-    read is raised on every rank.
-    """
+    """``(reader, metadata_of, collectives_required)``: the checkpoint's reader, a parser of its
+    metadata (call it in a failure-propagating step) and whether it allows collectives.  With
+    collectives only the coordinator reads the metadata and broadcasts it."""
     fault_point("load.setup", rank)
     if not dw.use_dist:
         with phase("read_metadata", rank):
@@ -271,8 +252,7 @@ def _share_metadata(storage_reader: StorageReader, dw: DistWrapper,
     def read_step() -> tuple[Any, bool]:
         return storage_reader.read_metadata_payload(), storage_reader.collectives_required
 
-    # every rank agrees whether collectives follow (one rank falling back to
-    # {rank}.metadata alone would leave the others waiting)
+    # every rank agrees whether collectives follow
     with phase("read_metadata", rank):
         payload, collectives_required = dw.broadcast_step("read_metadata", read_step)
     storage_reader = storage_reader.reader_for(payload)
@@ -298,11 +278,9 @@ def load_state_dict(
     use_collectives: bool = True,
     read_executor: Optional[ReadExecutor] = None,
 ) -> None:
-    """Load into ``state_dict`` in place (tensors copied into, objects replaced); only its keys
-    are loaded.  ``read_executor`` (read-once + broadcast) runs the reads instead of
-    ``storage_reader.execute_read`` when the load exchanges plans over every rank of the
-    default group: the coordinator then chooses one reader per replicated shard.
-    """
+    """Load into ``state_dict`` in place (tensors copied into, objects replaced), only its keys.
+    ``read_executor`` (read-once + broadcast) runs the reads instead of ``execute_read`` when the
+    load's collectives span the default group: the coordinator then picks one reader per shard."""
     use_collectives = use_collectives and not no_dist
     rank, world_size = (0, 1) if no_dist else process_rank(process_group)
     planner = planner if planner is not None else StandardLoadPlanner()
@@ -315,8 +293,7 @@ def load_state_dict(
         storage_reader, metadata_of, collectives_required = _share_metadata(storage_reader, first, rank)
         use_collectives = use_collectives and collectives_required and world_size > 1
         dw = DistWrapper(process_group, use_dist=use_collectives, coordinator_rank=coordinator_rank)
-        # decided once, for the planner and the read; replica groups come from
-        # dist.new_group, which every rank of the default group must enter
+        # replica groups come from dist.new_group, which every rank of the default group enters
         broadcast = read_executor is not None and dw.use_dist and _is_whole_world(process_group)
         paths: dict[str, Any] = {}
         plan = _plan_load(state_dict, metadata_of, storage_reader, planner, dw, rank, world_size, broadcast, paths)
@@ -329,13 +306,11 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
                planner: LoadPlanner, dw: DistWrapper, rank: int, world_size: int, assign: bool,
                paths: dict[str, Any]) -> LoadPlan:
     """This rank's final load plan; fills ``paths`` (FQN → path in ``state_dict``).  With
-    ``assign`` the coordinator picks the readers of replicated shards from every rank's layout.
-    """
+    ``assign`` the coordinator picks the readers of replicated shards."""
     is_coordinator = rank == dw.coordinator_rank
     local: list[LoadPlan] = []
 
     def local_step() -> LoadPlan:
-        # the set-up runs inside the checked step: a failure on one rank is raised on all
         fault_point("load.plan", rank)
         metadata = metadata_of()
         flat, found = flatten_state_dict(state_dict, is_tensor_leaf)
@@ -389,8 +364,7 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
 def _execute_read(plan: LoadPlan, storage_reader: StorageReader, planner: LoadPlanner, dw: DistWrapper,
                   rank: int, read_executor: Optional[ReadExecutor],
                   process_group: Optional[dist.ProcessGroup]) -> None:
-    """Run the reads (through ``read_executor`` when given); a failure on any rank is
-    raised on every rank."""
+    """Run the reads (through ``read_executor`` when given); a failure on any rank is raised on all."""
     error: Optional[BaseException] = None
     try:
         with phase("execute_read", rank):

@@ -1,9 +1,4 @@
-"""Plan types (plain frozen data) and the planner interfaces.
-
-A save plan is a sequence of :class:`WriteItem` (a tuple, or the same items as
-:class:`~.plan_columns.WriteColumns`); a load plan a tuple of :class:`ReadItem`.
-Planners decide *what*; storage decides *how*.
-"""
+"""Plan types (plain frozen data), the global read order and the planner interfaces."""
 
 from __future__ import annotations
 
@@ -48,11 +43,8 @@ def order_key(index: MetadataIndex) -> str:
 
 @dataclass(frozen=True)
 class WriteItem:
-    """One item a rank writes: a tensor chunk (global box) or a pickled object.
-
-    ``digest``: an object's content digest (equal copies of one key are stored once,
-    differing ones once per saving rank; ``None`` dedups by key alone).
-    """
+    """One item a rank writes: a tensor chunk (global box) or a pickled object; ``digest``: an
+    object's content digest (differing copies are stored per rank; ``None``: dedup by key)."""
 
     index: MetadataIndex
     type: WriteItemType
@@ -76,12 +68,9 @@ class SavePlan:
 
 @dataclass(frozen=True, init=False)
 class ReadItem:
-    """Copy ``lengths`` elements from a stored chunk into a local shard.
-
-    ``dest_index``/``dest_offsets``: the local shard (FQN + global offsets) and the position
-    inside it; ``storage_index``/``storage_offsets``: the stored chunk and the position inside
-    it; ``source``: the rank that reads it from storage (``None``: this rank).
-    """
+    """Copy ``lengths`` elements from a stored chunk (``storage_index``, at ``storage_offsets``)
+    into a local shard (``dest_index``, at ``dest_offsets``); ``source``: the reading rank
+    (``None``: this rank)."""
 
     type: LoadItemType
     dest_index: MetadataIndex
@@ -116,32 +105,22 @@ class LoadPlan:
 
 
 def sort_read_items(items: Iterable[ReadItem]) -> list[ReadItem]:
-    """``items`` in the global read order: destination shard, then stored chunk, then
-    offsets (a new list).  The default of ``StorageReader.sort_items``; for the
-    filesystem layout it is file order, and it is the order a broadcast load ships shards.
-    """
+    """``items`` in the global read order (destination shard, stored chunk, offsets): file
+    order for the filesystem layout, and the order a broadcast load ships shards."""
     # (fqn, offsets) tuples sort as their chunk keys (``order_key``) without formatting them
     return sorted(items, key=lambda it: (it.dest_index.fqn, it.dest_index.offset or (), it.storage_index.fqn,
                                          it.storage_index.offset or (), it.storage_offsets))
 
 
 class SavePlanner(abc.ABC):
-    """Decides what each rank writes.  Called in this order by the save pipeline:
-
-    ``set_up_planner`` → (``lookup_cached_plan``) → ``create_local_plan`` → (gather) →
-    ``create_global_plan`` on the coordinator → (scatter) → ``finish_plan`` →
-    ``resolve_data`` for every item the storage writer writes.
-
-    ``cache_hit`` is set by the save pipeline: whether this save reused a cached plan on
-    every rank.
-    """
+    """Decides what each rank writes: ``set_up_planner`` → (``lookup_cached_plan``) →
+    ``create_local_plan`` → ``create_global_plan`` on the coordinator → ``finish_plan`` →
+    ``resolve_data`` per item.  ``cache_hit``: whether this save reused a cached plan."""
 
     cache_hit: bool = False
 
-    #: Whether every tensor ``resolve_data`` returns keeps its values until the storage
-    #: writer's ``execute_write`` returns (views of a state dict nobody changes during the
-    #: save): a writer may then hold several chunks, write them together and hash them
-    #: after writing.  A planner that refills one buffer per ``resolve_data`` call leaves it False.
+    #: Whether every tensor ``resolve_data`` returns keeps its values until ``execute_write``
+    #: returns (a writer may then batch and hash them after writing).
     resolved_data_stable: bool = False
 
     @abc.abstractmethod
@@ -163,15 +142,13 @@ class SavePlanner(abc.ABC):
         """The tensor (a view of shape ``write_item.sizes``) or object to write."""
 
     def object_bytes(self, write_item: WriteItem) -> bytes:
-        """The stored bytes of a non-tensor item: ``torch.save`` of :meth:`resolve_data`
-        (a planner that holds them serialised already returns those)."""
+        """The stored bytes of a non-tensor item: ``torch.save`` of :meth:`resolve_data`."""
         return serialize_object(self.resolve_data(write_item))
 
     def create_global_plan_deferred(self, all_plans: list[SavePlan]
                                     ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
-        """:meth:`create_global_plan`, with the metadata given by a function the pipeline
-        calls later, while the ranks write (a planner may build it there; the default
-        builds it now).  Errors of the planning must be raised here, not by the function."""
+        """:meth:`create_global_plan` with the metadata built by a function called while the
+        ranks write; planning errors are raised here, not by the function."""
         plans, metadata = self.create_global_plan(all_plans)
         return plans, lambda: metadata
 
@@ -188,13 +165,8 @@ class SavePlanner(abc.ABC):
 
 
 class LoadPlanner(abc.ABC):
-    """Decides what each rank reads.  Called in this order by the load pipeline:
-
-    ``set_up_planner`` → ``create_local_plan`` → (with read-once + broadcast: the
-    pipeline assigns readers on the coordinator and scatters each rank its part) →
-    ``finish_plan`` → ``resolve_tensor`` / ``commit_tensor`` / ``load_bytes`` while the
-    storage reader reads.  No rank ever receives another rank's plan.
-    """
+    """Decides what each rank reads: ``set_up_planner`` → ``create_local_plan`` →
+    ``finish_plan`` → ``resolve_tensor`` / ``commit_tensor`` / ``load_bytes`` during the reads."""
 
     @abc.abstractmethod
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata, *,
@@ -211,12 +183,9 @@ class LoadPlanner(abc.ABC):
         """The destination view (shape ``read_item.lengths``) that the read fills."""
 
     def resolve_region(self, read_item: ReadItem) -> tuple[torch.Tensor, Optional[int], tuple[int, ...]]:
-        """Where the read goes, for a reader that can fill memory without a view of it:
-        ``(view, None, ())``, the view ``resolve_tensor`` returns; or, for part of a plain
-        strided destination, ``(tensor, storage offset, strides)`` such that
-        ``tensor.as_strided(read_item.lengths, strides, offset)`` is that view (the reader fills
-        it; ``commit_tensor`` is not called).  Default: ``resolve_tensor``'s view.
-        """
+        """``(view, None, ())`` with ``resolve_tensor``'s view, or ``(tensor, storage offset,
+        strides)`` whose ``as_strided(read_item.lengths, ...)`` is it (the reader fills it;
+        ``commit_tensor`` is not called)."""
         return self.resolve_tensor(read_item), None, ()
 
     @abc.abstractmethod

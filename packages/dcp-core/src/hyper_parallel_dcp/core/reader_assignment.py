@@ -1,18 +1,10 @@
-"""Read-once + broadcast: replica groups and one byte-balanced reader per replicated shard.
+"""Read-once + broadcast: replica groups and one byte-balanced reader per replicated shard (SPEC §5).
 
-Every rank sends the coordinator a compact description of its targets
-(:func:`target_layout`); the coordinator groups the ranks whose requests for a shard are
-identical and picks the readers (:func:`assign_readers_from_layouts`: largest shard
-first, to the member with the fewest bytes so far, ties to the lowest rank; SPEC §5);
-each rank applies its answer to its own plan (:func:`apply_reader_assignment`).
-:func:`assign_readers` runs the three steps in one process (``hp-dcp explain``, tests).
-
-A stored chunk that several ranks need column slices of (a ``Shard(0)`` chunk loaded as
-``Shard(1)``: each slice spans nearly the whole chunk in the file) is read once, as one
-contiguous run of its rows, by one of them, which sends each other rank its pieces
-(SPEC §14): every rank lists those reads (:func:`split_reads`), the coordinator picks the
-readers (:func:`assign_chunk_exchanges`), each rank takes its answer into its plan
-(:func:`apply_chunk_exchanges`).
+Ranks send :func:`target_layout`, the coordinator answers (:func:`assign_readers_from_layouts`),
+each rank applies its answer (:func:`apply_reader_assignment`); :func:`assign_readers` runs the
+three in one process.  Chunk exchanges (SPEC §14: a chunk several ranks need column slices of is
+read once, as one run of rows, and its pieces sent) take the same three steps:
+:func:`split_reads`, :func:`assign_chunk_exchanges`, :func:`apply_chunk_exchanges`.
 """
 
 from __future__ import annotations
@@ -62,11 +54,9 @@ Piece = tuple[int, tuple[int, ...], tuple[int, ...]]
 
 @dataclass(frozen=True)
 class ChunkExchange:
-    """A stored chunk (``storage_index``, with its position) read once: ``reader`` reads its
-    rows ``[rows[0], rows[0] + rows[1])`` — one contiguous run of the file — and sends every
-    other member the pieces it needs.  ``pieces``: on the reader, every member's
-    ``(rank, storage_offsets, lengths)`` sorted; on the other members, empty (each knows its
-    own from its plan).  ``shape`` and ``dtype``: the stored chunk's."""
+    """A stored chunk read once: ``reader`` reads rows ``[rows[0], rows[0] + rows[1])`` and sends
+    the other members their pieces (``pieces``, on the reader only: sorted ``(rank,
+    storage_offsets, lengths)``).  ``shape`` and ``dtype``: the stored chunk's."""
 
     storage_index: MetadataIndex
     shape: tuple[int, ...]
@@ -78,14 +68,9 @@ class ChunkExchange:
 
 @dataclass(frozen=True)
 class ReaderAssignment:
-    """A rank's part of the reader assignment, carried as ``LoadPlan.planner_data``.
-
-    ``groups``: the multi-member replica groups this rank is in, in the global order
-    ``(fqn, offset)``.  ``required``: every multi-member rank tuple of the load, sorted —
-    the same on every rank, which makes creating the groups a well-formed collective.
-    ``exchanges``: the chunks this rank reads for others or receives pieces of, in the
-    global order.
-    """
+    """A rank's part of the reader assignment (``LoadPlan.planner_data``): its multi-member
+    replica ``groups`` in the global order; ``required``, every multi-member rank tuple of the
+    load, sorted (the same on every rank); the chunk ``exchanges`` it takes part in."""
 
     groups: tuple[ReplicaGroup, ...] = ()
     required: tuple[RankTuple, ...] = ()
@@ -102,9 +87,7 @@ def _pack(ranks: RankTuple) -> PackedRanks:
 
 
 def target_layout(plan: LoadPlan, metadata: Metadata) -> TargetLayout:
-    """One entry per tensor shard of a rank's local plan (FQN, offsets, bytes and a ``hash`` of
-    its sorted int request tuples): ranks are grouped only when all agree.
-    """
+    """Per tensor shard of a rank's plan: FQN, offsets, bytes and a hash of its sorted requests."""
     requests: dict[MetadataIndex, list] = {}  # per shard: [its elements, then its read requests]
     TENSOR, prod = LoadItemType.TENSOR, math.prod
     last: Optional[MetadataIndex] = None
@@ -141,9 +124,8 @@ class _Group:
 
 
 def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[AssignmentReply]:
-    """The coordinator's step: one :data:`AssignmentReply` per rank, from every rank's layout
-    (ranks with identical layouts share one answer object).
-    """
+    """The coordinator's step: one :data:`AssignmentReply` per rank (largest shard first, to the
+    member with the fewest bytes so far, ties to the lowest rank)."""
     class_of: dict[TargetLayout, int] = {}
     class_ranks: list[list[int]] = []
     for rank, layout in enumerate(layouts):
@@ -199,9 +181,8 @@ def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[Assignm
 
 def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int, _Group]]], world: int,
                     order_keys: dict[int, str]) -> None:
-    """Set ``source`` of every replicated group (given in visiting order); a shard only one rank
-    reads counts for that rank at its place in the visiting order (bucketed by the group it precedes).
-    """
+    """Set ``source`` of every replicated group (in visiting order); a single-reader shard counts
+    for its rank at its place in that order."""
     neg = [-g.nbytes for g in replicated]
     m = len(replicated)
     # bucket j: (nbytes, ranks) of single-reader shards visited just before group j
@@ -233,9 +214,7 @@ def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int,
 
 
 def apply_reader_assignment(plan: LoadPlan, reply: AssignmentReply, rank: int) -> LoadPlan:
-    """This rank's final plan: ``plan`` with every item's reader and a :class:`ReaderAssignment`
-    (``reply`` ``None``: nothing replicated, the items unchanged).
-    """
+    """``plan`` with every item's reader and a :class:`ReaderAssignment` (``None``: nothing replicated)."""
     if reply is None:
         return replace(plan, planner_data=ReaderAssignment())
     answers, required_packed = reply
@@ -267,8 +246,6 @@ def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata) -> list[Lo
     return [apply_reader_assignment(p, reply, r) for r, (p, reply) in enumerate(zip(all_plans, replies))]
 
 
-
-
 def split_reads(plan: LoadPlan, metadata: Metadata) -> tuple[SplitRead, ...]:
     """The tensor reads of ``plan`` that are not contiguous in their stored chunk (what
     :func:`assign_chunk_exchanges` may serve from one contiguous read of the chunk)."""
@@ -290,13 +267,9 @@ def split_reads(plan: LoadPlan, metadata: Metadata) -> tuple[SplitRead, ...]:
 
 def assign_chunk_exchanges(splits: Sequence[Sequence[SplitRead]],
                            replies: Optional[Sequence[AssignmentReply]] = None) -> list[tuple[ChunkExchange, ...]]:
-    """The coordinator's step: per rank, the :class:`ChunkExchange` entries it takes part in.
-
-    A chunk is exchanged when two ranks or more need non-contiguous pieces of it (reads of
-    a shard that ``replies`` puts in a replica group are left to its broadcast).  Its
-    reader is one of them, chosen by bytes: largest run first, to the member with the
-    fewest bytes read for exchanges so far, ties to the lowest rank.  The run read is the
-    chunk's rows from the first piece's first row to the last piece's last row."""
+    """The coordinator's step: per rank, the :class:`ChunkExchange` entries it takes part in (chunks
+    two ranks or more need non-contiguous pieces of, outside ``replies``' replica groups); readers
+    by bytes: largest run first, to the member with the fewest so far, ties to the lowest rank."""
     grouped = {(fqn, offsets) for reply in replies or () if reply is not None for fqn, offsets, _, _ in reply[0]}
     by_chunk: dict[tuple[str, tuple[int, ...]], list] = {}
     for rank, reads in enumerate(splits):
@@ -346,9 +319,7 @@ def apply_chunk_exchanges(plan: LoadPlan, exchanges: tuple[ChunkExchange, ...]) 
 
 
 def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkExchange]]]:
-    """Every item of ``plan`` with the :class:`ChunkExchange` that serves it (``None``: read
-    as planned): the reads :func:`split_reads` listed — not contiguous in their chunk, not
-    a replica group's — of the chunks in the plan's exchanges."""
+    """Every item of ``plan`` with the :class:`ChunkExchange` that serves it (``None``: read as planned)."""
     data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
     of_chunk = {(x.storage_index.fqn, x.storage_index.offset): x for x in data.exchanges}
     grouped = {group.dest_index for group in data.groups}
@@ -362,8 +333,7 @@ def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkEx
 
 
 class _Contiguity(dict):
-    """Whether a slice ``(offsets, lengths)`` of a chunk of ``sizes`` is one run of it,
-    computed once per distinct triple (a model repeats a few thousands of times)."""
+    """Whether a slice ``(offsets, lengths)`` of a chunk of ``sizes`` is one run of it (memoised)."""
 
     def __call__(self, sizes: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
         key = (sizes, offsets, lengths)

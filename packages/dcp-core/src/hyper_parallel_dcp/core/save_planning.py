@@ -1,10 +1,5 @@
-"""Save planning: local write items, the global plan (dedup + metadata), the default planner.
-
-The global step runs over columns in :mod:`.global_save`; :mod:`.save_reference` defines
-its result item by item.  Exports :func:`create_local_save_plan`, :func:`dedup_save_plans`,
-:func:`build_metadata`, :func:`plan_global_save`, :func:`plan_global_save_deferred` and
-:class:`StandardSavePlanner`.
-"""
+"""Save planning: local write items, the global plan (dedup + metadata, over columns in
+:mod:`.global_save`), and the default planner :class:`StandardSavePlanner`."""
 
 from __future__ import annotations
 
@@ -37,12 +32,9 @@ __all__ = [
 
 def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
                            ) -> tuple[SavePlan, dict[MetadataIndex, Any], bool]:
-    """Write items for a flattened state dict: the plan (as :class:`WriteColumns`), item index →
-    data (tensor view or object), and whether a ragged leaf is present (plan cache off).
-    ``digests``: each object's item carries a digest of its ``torch.save`` bytes.
-    Raises ``ValueError`` when two local pieces of one tensor start at one offset, and as
-    :func:`~hyper_parallel_dcp.core.layout.to_tensor_shards` does.
-    """
+    """Write items for a flattened state dict: the plan, item index → data, and whether a ragged
+    leaf is present.  ``digests``: objects carry a digest of their bytes.  Raises ``ValueError``
+    when two local pieces of one tensor start at one offset, and as ``to_tensor_shards`` does."""
     items: list[WriteItem] = []
     data: dict[MetadataIndex, Any] = {}
     ragged = False
@@ -79,8 +71,7 @@ def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
         dtype = dtype_name(shards.dtype)
         pieces = shards.pieces
         if math.prod(shards.global_shape) == 0:
-            # no element, no chunk to store; but the metadata must hold the tensor (and its
-            # shape): one empty full-size chunk, deduplicated
+            # the metadata must still hold the tensor: one empty full-size chunk
             empty = full_box(shards.global_shape)
             pieces = [(empty, torch.empty(empty.sizes, dtype=shards.dtype))]
         for box, view in pieces:
@@ -104,23 +95,16 @@ def _dtensor_items(leaf: Any, fqn: str) -> tuple:
 
 
 def dedup_save_plans(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -> list[SavePlan]:
-    """Keep each item held by several ranks on exactly one of them.
-
-    Owner: the holder with the fewest bytes planned so far (ties → lowest rank), replicated
-    items visited largest first; or the lowest rank with ``save_to_minimum_rank=True``.  Object
-    copies with different digests are each kept.  A rank that drops nothing gets its plan
-    object back.  Raises ``ValueError`` naming the key and both ranks when two ranks hold
-    different pieces at one key, and as :func:`build_metadata` does.
-    """
+    """Keep each item held by several ranks on one of them: the holder with the fewest bytes so
+    far (largest first, ties → lowest rank), or the lowest with ``save_to_minimum_rank``.
+    Differing object copies are each kept.  Raises ``ValueError`` naming the key and both ranks
+    when two ranks hold different pieces at one key, and as :func:`build_metadata` does."""
     return plan_global_columns(plans, dedup=True, save_to_minimum_rank=save_to_minimum_rank, metadata=False)[0]
 
 
 def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
-    """The global metadata (without storage data) for deduplicated plans: keys in the order of
-    their first item, chunks sorted by offsets.  Raises ``ValueError`` when ranks disagree on
-    a key's kind, shape or dtype, when a tensor's chunks differ in their number of offsets
-    and sizes, or when stored chunks of a tensor overlap.
-    """
+    """The global metadata (without storage data) for deduplicated plans.  Raises ``ValueError``
+    when ranks disagree on a key's kind, shape or dtype, or a tensor's chunks are malformed or overlap."""
     return plan_global_save_deferred(plans, dedup=False)[1]()
 
 
@@ -134,29 +118,21 @@ def plan_global_save(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_m
 
 def plan_global_save_deferred(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_minimum_rank: bool = False
                               ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
-    """:func:`plan_global_save` in two halves: the plans now, checked as the metadata would
-    be (the same errors, raised here), and a function that builds the metadata (the save
-    pipeline calls it while the ranks write)."""
+    """:func:`plan_global_save` in two halves: the plans now (checked, errors raised here) and a
+    function that builds the metadata."""
     out, build = plan_global_columns(plans, dedup=dedup, save_to_minimum_rank=save_to_minimum_rank)
     assert build is not None
     return out, build
 
 
 class StandardSavePlanner(SavePlanner):
-    """Default save planner: cross-rank dedup and a process-wide plan cache.
-
-    ``enable_plan_caching``: the final plan and metadata are cached per set of keys (in
-    :attr:`plan_cache`), so a later save with the same keys and layout skips planning (off
-    without collectives and with a ragged leaf).  ``remove_redundancy``: replicated chunks are
-    written once.  ``resolved_data_stable`` (see :class:`SavePlanner`) and ``defers_metadata``
-    are declared capabilities: a subclass that overrides ``resolve_data`` or
-    ``create_global_plan`` gets ``False`` for the matching one unless it declares it.
-    """
+    """Default save planner: cross-rank dedup (``remove_redundancy``) and a process-wide plan cache
+    (``enable_plan_caching``; off without collectives and with a ragged leaf).  A subclass that
+    overrides ``resolve_data`` / ``create_global_plan`` gets ``resolved_data_stable`` /
+    ``defers_metadata`` False unless it declares them."""
 
     plan_cache: PlanCache = PlanCache()
 
-    #: ``resolve_data`` returns views of the state dict being saved, unchanged until the
-    #: write returns (an async save's staging slab is refilled only after it landed).
     resolved_data_stable = True
     defers_metadata = True
 
@@ -220,15 +196,13 @@ class StandardSavePlanner(SavePlanner):
                      if it.type is WriteItemType.TENSOR)
 
     def cache_token(self) -> str:
-        """A digest of this rank's objects: equal on every rank when all their copies are
-        equal, the only case a cached plan (one copy of each) is made for."""
+        """A digest of this rank's objects (equal on every rank when all their copies are)."""
         digests = (str(it.digest) for it in self._ensure_local().items if it.type is WriteItemType.BYTE_IO)
         return hashlib.blake2b(" ".join(digests).encode(), digest_size=8).hexdigest()
 
     @property
     def caching(self) -> bool:
-        """Whether this save may use and fill the plan cache (plans are not cached without
-        collectives, nor for a state dict with a ragged leaf)."""
+        """Whether this save may use and fill the plan cache."""
         return self.enable_plan_caching and self.use_collectives and not self.has_ragged
 
     def lookup_cached_plan(self) -> Optional[tuple[SavePlan, Optional[Metadata]]]:
@@ -242,7 +216,6 @@ class StandardSavePlanner(SavePlanner):
             # same keys, another layout: plan again (cache_plan then replaces the entry)
             log_info(self.rank, "Plan cache entry does not match the state dict's layout; planning again.")
             return None
-        # The save pipeline sets cache_hit once every rank agrees on using the entry.
         return plan, metadata
 
     def cache_plan(self, final_plan: SavePlan, metadata: Optional[Metadata]) -> None:

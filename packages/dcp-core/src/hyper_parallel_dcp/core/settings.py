@@ -1,10 +1,5 @@
-"""Every environment variable hyper-parallel-dcp reads, in one place, validated.
-
-Each is one :class:`Setting` (variable, default, parser, purpose; ``docs/tuning.md`` lists
-the same table), read when needed, never at import time.  A value that does not parse
-raises :class:`SettingError` (a ``ValueError``) naming the variable, the value and what
-it accepts.
-"""
+"""Every environment variable hyper-parallel-dcp reads, one :class:`Setting` each, read when needed;
+a bad value raises :class:`SettingError` naming the variable, the value and what it accepts."""
 
 from __future__ import annotations
 
@@ -46,8 +41,7 @@ class SettingError(ValueError):
 
 def _number(convert: Callable[[str], T], noun: str, accepts: Callable[[T], bool],
             rule: str) -> Callable[[str, str], T]:
-    """A parser: ``convert`` the raw text (else "is not ``noun``"), then check ``accepts``
-    (else ``rule``)."""
+    """A parser: ``convert`` the raw text (else "is not ``noun``"), then check ``accepts``."""
 
     def parse(name: str, raw: str) -> T:
         try:
@@ -67,15 +61,14 @@ _positive_int = _number(int, "a whole number", lambda v: v >= 1, "must be at lea
 _port = _number(int, "a port number", lambda v: 1 <= v <= 65535, "a port is between 1 and 65535")
 
 
+_FLAG_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False),
+               "auto": None}
+
+
 def _flag_or_auto(name: str, raw: str) -> bool | None:
-    value = raw.lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value == "auto":
-        return None
-    raise SettingError(f"{name}={raw!r}: use 1, 0 or auto")
+    if raw.lower() not in _FLAG_WORDS:
+        raise SettingError(f"{name}={raw!r}: use 1, 0 or auto")
+    return _FLAG_WORDS[raw.lower()]
 
 
 def _text(name: str, raw: str) -> str:
@@ -84,8 +77,7 @@ def _text(name: str, raw: str) -> str:
 
 @dataclass(frozen=True)
 class Setting(Generic[T]):
-    """One environment variable: ``get()`` returns its parsed value, or ``default`` when
-    unset or blank (``0`` for the async gloo port: its real default is ``MASTER_PORT + 1``)."""
+    """One environment variable: ``get()`` returns its parsed value, or ``default`` when unset or blank."""
 
     name: str
     default: T
@@ -94,9 +86,7 @@ class Setting(Generic[T]):
 
     def get(self) -> T:
         raw = os.environ.get(self.name, "").strip()
-        if not raw:
-            return self.default
-        return _parsed(self, raw)
+        return _parsed(self, raw) if raw else self.default
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,8 +1,5 @@
-"""Compatibility path: the default planners and planning functions, re-exported.
-
-They live in :mod:`.save_planning` and :mod:`.load_planning` (and
-:mod:`.reader_assignment`); import them from there.
-"""
+"""The default planners and planning functions, re-exported from :mod:`.save_planning`,
+:mod:`.load_planning` and :mod:`.reader_assignment`."""
 
 from __future__ import annotations
 

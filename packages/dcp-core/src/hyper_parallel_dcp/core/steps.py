@@ -1,9 +1,5 @@
-"""The vocabulary of a checkpoint-manager root (``root/step_N``), shared by every backend.
-
-:class:`StepStorage` is what ``CheckpointManager`` and ``hp-dcp ls``/``clean`` need from a
-root; each backend provides one as the ``steps`` of its
-:class:`~hyper_parallel_dcp.core.backends.StorageBackend`.
-"""
+"""The vocabulary of a checkpoint-manager root (``root/step_N``): :class:`StepStorage`, what each
+backend provides as the ``steps`` of its ``StorageBackend``."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from typing import Any, Optional, Protocol
 
 __all__ = ["INFO_FILE", "Leftover", "StepEntry", "StepStorage", "parse_step_name", "step_name"]
 
-#: The manager's small per-step JSON (step, time, metrics), written into the step directory
-#: before the save commits, so the commit carries it into the checkpoint.
+#: The manager's per-step JSON (step, time, metrics), written before the save commits.
 INFO_FILE = "hp-dcp-step.json"
 _STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
 
@@ -53,12 +48,8 @@ class Leftover:
 
 
 class StepStorage(Protocol):
-    """What the manager and ``hp-dcp ls``/``clean`` need from a root.
-
-    ``remove_step`` must never leave a step that looks complete but is half deleted (an
-    object store deletes ``.metadata`` first), and returns False (nothing done) while a
-    save into the step or a :meth:`reading` of it runs.
-    """
+    """What the manager and ``hp-dcp ls``/``clean`` need from a root.  ``remove_step`` never leaves
+    a half-deleted step that looks complete, and returns False while a save or a :meth:`reading` runs."""
 
     root: Any
 

@@ -1,10 +1,6 @@
-"""Storage interfaces: how a plan becomes bytes somewhere and back, and the one read loop.
-
-A backend subclasses :class:`StorageWriter` / :class:`StorageReader` (the optional hooks
-have defaults).  Every load reads through :func:`read_items` (resolve each destination,
-``read_stream``, commit); the broadcast executor runs the same steps
-(:func:`resolve_destinations`, :func:`commit_read`).
-"""
+"""Storage interfaces (:class:`StorageWriter`, :class:`StorageReader`) and the one read loop
+(:func:`read_items`; the broadcast executor runs its steps, :func:`resolve_destinations` and
+:func:`commit_read`)."""
 
 from __future__ import annotations
 
@@ -32,9 +28,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class WriteResult:
-    """Where one write item landed; ``file_size`` is the final size of its file and
-    ``header_digest`` the xxh3 of its safetensors header bytes (``None``: not recorded,
-    e.g. an objects file; a reader then parses the header)."""
+    """Where one write item landed: its file's final size and the xxh3 of its safetensors
+    header (``None``: not recorded, a reader then parses the header)."""
 
     index: MetadataIndex
     storage_data: StorageInfo
@@ -53,9 +48,8 @@ class StorageWriter(abc.ABC):
 
     def configure_save(self, *, incremental_from: Union[str, os.PathLike, None] = None,
                        compression: Optional[str] = None) -> None:
-        """SPEC §14 options of this writer's saves: ``incremental_from`` (a chunk equal to the
-        same chunk of that checkpoint is referenced, not written) and ``compression``
-        (``"zstd"``).  Default: ``ValueError`` for either, this writer has neither."""
+        """SPEC §14 options: ``incremental_from`` (chunks equal to that checkpoint's are referenced)
+        and ``compression`` (``"zstd"``).  Default: ``ValueError`` for either."""
         if incremental_from is not None or compression is not None:
             raise ValueError(f"{type(self).__name__} has no incremental saves or compression (incremental_from="
                              f"{incremental_from!r}, compression={compression!r}); use the filesystem or "
@@ -73,14 +67,11 @@ class StorageWriter(abc.ABC):
         before the data is durable when :meth:`sync_written` waits for it."""
 
     def sync_written(self) -> None:
-        """Make what ``execute_write`` wrote durable, raising the flush's error (called on
-        every rank; the commit follows its return everywhere).  Default: nothing, the
-        data was durable when ``execute_write`` returned."""
+        """On every rank: make what ``execute_write`` wrote durable, raising the flush's error."""
 
     def prepare_finalize(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator (or each rank without collectives), before ``finalize_checkpoint``
-        with the same arguments, possibly before the data is durable: the commit's work
-        that makes nothing visible (serialise the metadata).  Default: nothing."""
+        """Before ``finalize_checkpoint`` (same arguments), maybe before the data is durable: the
+        commit's work that makes nothing visible (serialise the metadata)."""
 
     @abc.abstractmethod
     def finalize_checkpoint(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -91,13 +82,8 @@ class StorageWriter(abc.ABC):
 
 
 class StorageReader(abc.ABC):
-    """Reads a checkpoint.
-
-    Abstract: ``reset``, ``load_metadata`` and ``execute_read``.  A reader that reads one item
-    at a time also overrides ``read_into`` and ``read_object`` and implements ``execute_read``
-    as ``read_items(self, planner, self.sort_items(...))`` (the defaults of ``read_into`` /
-    ``read_object`` run ``execute_read`` on a one-item plan).
-    """
+    """Reads a checkpoint.  Abstract: ``reset``, ``load_metadata`` and ``execute_read`` (the
+    defaults of ``read_into`` / ``read_object`` run ``execute_read`` on a one-item plan)."""
 
     @abc.abstractmethod
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None: ...
@@ -121,29 +107,22 @@ class StorageReader(abc.ABC):
         return self._known_metadata if self._known_metadata is not None else self.load_metadata()
 
     def read_metadata_payload(self) -> Any:
-        """The metadata for the whole job, something picklable and cheap to send (a file
-        backend returns the stored bytes): with collectives only the coordinator calls
-        this and every rank passes the broadcast result to :meth:`metadata_from_payload`.
-        Default: the parsed :class:`Metadata`.  Raises as :meth:`read_metadata`; after
-        it, :attr:`collectives_required` must be known.
-        """
+        """The metadata as something picklable and cheap to send (a file backend: the stored
+        bytes); with collectives only the coordinator calls it.  Default: the parsed
+        :class:`Metadata`.  After it, :attr:`collectives_required` must be known."""
         return self.read_metadata()
 
     def metadata_from_payload(self, payload: Any) -> Metadata:
-        """On every rank, the :class:`Metadata` of :meth:`read_metadata_payload`'s result
-        (raise :class:`CheckpointFormatError` naming the source).  Default: ``payload``."""
+        """The :class:`Metadata` of a :meth:`read_metadata_payload` result (default: itself)."""
         return payload
 
     def reader_for(self, payload: Any) -> StorageReader:
-        """On every rank, the reader of the checkpoint whose :meth:`read_metadata_payload`
-        is ``payload``: ``self``, or one for the other format the stored bytes show (a
-        directory's reader and a torch DCP pickle), so that no rank opens the metadata a
-        second time to tell the format.  Default: ``self``."""
+        """The reader for the format ``payload`` shows (default ``self``), so that no rank
+        opens the metadata a second time to tell the format."""
         return self
 
     def set_up_storage_reader(self, metadata: Metadata, *, is_coordinator: bool, rank: int = 0) -> None:
-        """Called on every rank once the metadata is known: a reader keeps what its reads
-        need from here (with collectives only the coordinator called ``load_metadata``)."""
+        """Called on every rank once the metadata is known."""
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -153,8 +132,7 @@ class StorageReader(abc.ABC):
         """Read every item of ``plan`` whose ``source`` is this rank (or ``None``)."""
 
     def sort_items(self, items: Iterable[ReadItem]) -> list[ReadItem]:
-        """The order in which this reader reads ``items`` (a new list), a pure function of
-        ``items``.  Default: the global order (``core.planner.sort_read_items``)."""
+        """The order in which this reader reads ``items`` (default: ``sort_read_items``)."""
         return sort_read_items(items)
 
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
@@ -168,9 +146,8 @@ class StorageReader(abc.ABC):
         return _execute_alone(self, item, None)
 
     def read_stream(self, reads: Iterable[ReadDestination]) -> Iterator[tuple[ReadItem, Any]]:
-        """Read each ``(item, destination or None for an object)`` in the order given,
-        yielding ``(item, filled destination or object)``; touches only the reader and the
-        destinations.  Default: one item at a time (``read_into`` / ``read_object``)."""
+        """Read each ``(item, destination or None for an object)`` in order, yielding ``(item,
+        filled destination or object)``.  Default: ``read_into`` / ``read_object`` per item."""
         for item, dest in reads:
             if dest is None:
                 yield item, self.read_object(item)
@@ -179,10 +156,8 @@ class StorageReader(abc.ABC):
                 yield item, dest
 
     def reads_are_copies(self) -> bool:
-        """Whether reading this checkpoint's bytes costs this rank no more than a memory copy
-        (a local cache already holds them): then a chunk that several ranks need column slices
-        of is cheaper read by each than sent over the process group (``HP_DCP_CHUNK_EXCHANGE``
-        auto).  Default: ``False``."""
+        """Whether reading this checkpoint costs no more than a memory copy (then
+        ``HP_DCP_CHUNK_EXCHANGE=auto`` exchanges no chunks)."""
         return False
 
     @property
@@ -191,7 +166,6 @@ class StorageReader(abc.ABC):
         return True
 
 
-# ------------------------------------------------------------------------- the read loop
 class ReadDestination(NamedTuple):
     """A read item and where it goes: a tensor view, or ``None`` for an object."""
 
@@ -200,8 +174,7 @@ class ReadDestination(NamedTuple):
 
 
 def read_metadata_once(reader: StorageReader) -> tuple[StorageReader, Metadata]:
-    """One process's metadata read: ``(the reader for the checkpoint, its metadata)``, the
-    stored metadata read once (:meth:`StorageReader.reader_for` picks the reader)."""
+    """``(the reader for the checkpoint, its metadata)``, the stored metadata read once."""
     payload = reader.read_metadata_payload()
     reader = reader.reader_for(payload)
     return reader, reader.metadata_from_payload(payload)
@@ -223,8 +196,7 @@ def commit_read(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
 
 
 def read_items(reader: StorageReader, planner: LoadPlanner, items: Iterable[ReadItem]) -> None:
-    """The read loop: every item of ``items``, in the order given, into ``planner``'s
-    targets; raises what the reader or the planner raises, at the first failure."""
+    """The read loop: every item of ``items``, in order, into ``planner``'s targets."""
     # commit_read inlined: a resharded load of small tensors commits thousands of reads
     commit_tensor, load_bytes, byte_io = planner.commit_tensor, planner.load_bytes, LoadItemType.BYTE_IO
     for item, value in reader.read_stream(resolve_destinations(planner, items)):
@@ -273,7 +245,6 @@ class _OneItemPlanner(LoadPlanner):
 def _execute_alone(reader: StorageReader, item: ReadItem, dest: Optional[torch.Tensor]) -> Any:
     """Read one item through ``reader.execute_read``: into ``dest``, or returns the object."""
     receiver = _OneItemPlanner(dest)
-    # source=None: "this rank", whatever rank the reader was set up with.
     reader.execute_read(LoadPlan((replace(item, source=None),)), receiver)
     if not receiver.delivered:
         raise RuntimeError(f"{type(reader).__name__}.execute_read delivered nothing for {item.storage_index.fqn!r} "

@@ -1,9 +1,5 @@
-"""Per-phase timing logs, switched on with ``HP_LOG_CONFIG=DCP:INFO``.
-
-One line per phase per rank (``[INFO] [HP-DCP]: [rank=0] >>> func execute_write cost
-0.0061 seconds``) through the ``hyper_parallel_dcp.timing`` logger; ``HP_LOG_CONFIG``
-sets its level and adds a handler only where none would print the lines.
-"""
+"""Per-phase timing lines (``[INFO] [HP-DCP]: [rank=0] >>> func execute_write cost 0.0061 seconds``)
+on the ``hyper_parallel_dcp.timing`` logger, switched on with ``HP_LOG_CONFIG=DCP:INFO``."""
 
 from __future__ import annotations
 
