@@ -36,8 +36,9 @@ def _torch_planning(sd: dict, target: dict, plugin: Path, reps: int) -> dict[str
     metadata = StorageReader(plugin).read_metadata()
     times: dict[str, list[float]] = {"torch_planner.save": [], "torch_planner.load": []}
     for _ in range(reps):
-        for name, planner, state, extra in (("save", DefaultSavePlanner(), sd, None),
-                                            ("load", DefaultLoadPlanner(), target, metadata)):
+        cases: list[tuple[str, Any, dict, Any]] = [("save", DefaultSavePlanner(), sd, None),
+                                                   ("load", DefaultLoadPlanner(), target, metadata)]
+        for name, planner, state, extra in cases:
             with gc_paused():
                 t0 = time.perf_counter()
                 planner.set_up_planner(state, extra, rank == 0)
@@ -70,7 +71,7 @@ def _our_planning(sd: dict, target: dict, path: Path, reps: int) -> dict[str, li
     class _Planning(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if isinstance(record.args, tuple) and record.args[1:2] in (("build_local_plan",), ("build_global_plan",)):
-                spent[-1] += record.args[2]
+                spent[-1] += float(record.args[2])  # type: ignore[arg-type]
 
     handler, level = _Planning(), logger.level
     logger.addHandler(handler)

@@ -72,7 +72,8 @@ class ThrottledFileSystemReader(FileSystemReader):
         super().__init__(path, **kwargs)
         self.bandwidth = bandwidth
         self.throttled_s = 0.0
-        self._owed, self._since = 0, None  # bytes of the reads in progress, when the first began
+        self._owed = 0  # bytes of the reads in progress
+        self._since: Optional[float] = None  # when the first of them began
         self.compressed.fetch = self._fetch
 
     def _fetch(self, fd: int, length: int, offset: int) -> bytes:

@@ -26,8 +26,9 @@ __all__ = ["ModelParallelStrategy"]
 def _through_us() -> Iterator[None]:
     """Lightning's two distributed-checkpoint calls routed to the plugin while inside."""
     saved = pl_model_parallel._distributed_checkpoint_save, fabric_model_parallel._distributed_checkpoint_load
-    pl_model_parallel._distributed_checkpoint_save = torch_compat.save  # torch's planner, its plan cache on
-    fabric_model_parallel._distributed_checkpoint_load = torch_compat.load
+    # torch's planner, its plan cache on (Lightning's private hooks: typed for its own functions)
+    pl_model_parallel._distributed_checkpoint_save = torch_compat.save  # type: ignore[assignment]
+    fabric_model_parallel._distributed_checkpoint_load = torch_compat.load  # type: ignore[assignment]
     try:
         yield
     finally:

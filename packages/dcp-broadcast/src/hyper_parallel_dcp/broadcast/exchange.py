@@ -195,7 +195,7 @@ class ChunkExchanges:
         size = 0
         for read in self._runs(mine):
             group.append(read)
-            size += read.dest.nbytes
+            size += 0 if read.dest is None else read.dest.nbytes
             if size >= _GROUP_BYTES:
                 yield from self.reader.read_stream(group)
                 group, size = [], 0
