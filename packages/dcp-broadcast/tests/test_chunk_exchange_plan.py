@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.reader_assignment import (
+    SplitReads,
     apply_chunk_exchanges,
     assign_chunk_exchanges,
     exchanged_reads,
@@ -48,8 +50,9 @@ def test_every_chunk_is_read_once_by_a_member_and_the_pairs_agree(save_world: in
     shapes = {"a": (12, 10), "b": (7, 9), "c": (16, 4)}
     plans, metadata = _plans(shapes, save_world, load_world)
     splits = [split_reads(p, metadata) for p in plans]
-    answers = assign_chunk_exchanges(splits)
-    finals = [apply_chunk_exchanges(p, x) for p, x in zip(plans, answers)]
+    replies = assign_chunk_exchanges(splits)
+    finals = [apply_chunk_exchanges(p, metadata, s, a) for p, s, a in zip(plans, splits, replies)]
+    answers = [f.planner_data.exchanges for f in finals]
     readers = {}
     for rank, (final, x) in enumerate(zip(finals, answers)):
         for exchange in x:
@@ -67,7 +70,7 @@ def test_every_chunk_is_read_once_by_a_member_and_the_pairs_agree(save_world: in
     load = [0] * load_world
     for x in answers:
         for exchange in x:
-            if exchange.pieces:
+            if exchange.pieces is not None:
                 load[exchange.reader] += math.prod(exchange.shape) * 4
     biggest = max(math.prod(s) * 4 for s in shapes.values())
     assert max(load) - min(load) <= biggest
@@ -96,4 +99,7 @@ def test_a_chunk_only_one_rank_needs_slices_of_is_left_alone() -> None:
     plans, metadata = _plans({"a": (8, 6)}, 2, 2)
     splits = [split_reads(p, metadata) for p in plans]
     assert all(splits)
-    assert assign_chunk_exchanges([splits[0], ()]) == [(), ()]
+    alone = [splits[0], SplitReads(np.zeros((0, 4), dtype=np.int64))]
+    replies = assign_chunk_exchanges(alone)
+    assert all((per_row[:, 0] == -1).all() and not len(pieces) for per_row, pieces in replies)
+    assert [apply_chunk_exchanges(p, metadata, s, a) for p, s, a in zip(plans, alone, replies)] == plans

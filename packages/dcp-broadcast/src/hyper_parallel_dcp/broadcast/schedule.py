@@ -182,7 +182,7 @@ def exchange_messages(exchanges: Sequence[ChunkExchange], rank: int,
     for i, x in enumerate(exchanges):
         itemsize = x.dtype.itemsize
         if x.reader == rank:
-            for peer, offsets, lengths in x.pieces:
+            for peer, offsets, lengths in x.sent():
                 if peer != rank:
                     pairs.setdefault((True, peer), []).append((i, offsets, lengths, math.prod(lengths) * itemsize))
         else:

@@ -22,6 +22,7 @@ from .load_planning import StandardLoadPlanner
 from .metadata import Metadata, MetadataIndex, StorageInfo, pack_metadata, storage_table, unpack_metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from .reader_assignment import (
+    SplitReads,
     apply_chunk_exchanges,
     apply_reader_assignment,
     assign_chunk_exchanges,
@@ -309,6 +310,7 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
     ``assign`` the coordinator picks the readers of replicated shards."""
     is_coordinator = rank == dw.coordinator_rank
     local: list[LoadPlan] = []
+    own_splits: list[SplitReads] = []  # this rank's, beside the coordinator's answer to them
 
     def local_step() -> LoadPlan:
         fault_point("load.plan", rank)
@@ -342,6 +344,7 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
     def layout_step() -> tuple[Any, Any, bool]:
         plan, metadata = local_step(), metadata_of()
         splits = split_reads(plan, metadata)
+        own_splits.append(splits)
         # a chunk exchange costs more than it saves where every rank's reads are memory copies
         copies = bool(splits) and CHUNK_EXCHANGE.get() is None and storage_reader.reads_are_copies()
         return target_layout(plan, metadata), splits, copies
@@ -353,11 +356,12 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
             if exchange is None:
                 exchange = not all(copies for _, splits, copies in gathered if splits)
             if not exchange:
-                return [(reply, ()) for reply in replies]
+                return [(reply, None) for reply in replies]
             return list(zip(replies, assign_chunk_exchanges([splits for _, splits, _ in gathered], replies)))
 
     reply, exchanges = dw.reduce_scatter("plan", layout_step, global_step)
-    plan = apply_chunk_exchanges(apply_reader_assignment(local[0], reply, dw.rank), exchanges)
+    plan = apply_chunk_exchanges(apply_reader_assignment(local[0], reply, dw.rank), metadata_of(), own_splits[0],
+                                 exchanges)
     return planner.finish_plan(plan)
 
 

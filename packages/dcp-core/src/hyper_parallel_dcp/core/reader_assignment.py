@@ -12,14 +12,17 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Optional, Sequence, Union
 
+import numpy as np
+
 from .chunks import slice_span
-from .metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from .metadata import ChunkTable, Metadata, MetadataIndex, TensorStorageMetadata, chunk_key
 from .planner import LoadItemType, LoadPlan, ReadItem, order_key
 
-__all__ = ["AssignmentReply", "ChunkExchange", "ReaderAssignment", "ReplicaGroup", "SplitRead", "TargetLayout",
+__all__ = ["AssignmentReply", "ChunkExchange", "ExchangeReply", "ReaderAssignment", "ReplicaGroup", "SplitReads",
+           "TargetLayout",
            "apply_chunk_exchanges", "apply_reader_assignment", "assign_chunk_exchanges", "assign_readers",
            "assign_readers_from_layouts", "exchanged_reads", "split_reads", "target_layout"]
 
@@ -45,25 +48,50 @@ class ReplicaGroup:
     source: int
 
 
-# a rank's read of a stored chunk that is not contiguous in it: (fqn, dest offsets, chunk
-# offsets, chunk position, chunk sizes, storage_offsets, lengths, stored dtype)
-SplitRead = tuple[str, tuple[int, ...], tuple[int, ...], int, tuple[int, ...], tuple[int, ...], tuple[int, ...], Any]
-# a piece a chunk's reader sends: (rank, storage_offsets, lengths)
-Piece = tuple[int, tuple[int, ...], tuple[int, ...]]
+@dataclass(frozen=True, eq=False)
+class SplitReads:
+    """A rank's tensor reads that are not contiguous in their stored chunk, as columns (what the
+    coordinator gathers: no object per read).  ``table``: int64, a row per read, ``[chunk, row
+    bytes, dest, item, offsets..., lengths...]``: ``chunk`` the stored chunk's place in the
+    load's global order of chunks (every rank numbers them alike from the shared metadata),
+    ``row bytes`` the bytes of one row of it, ``dest`` the read's target shard's place in
+    ``dests`` (``(fqn, offsets)``), ``item`` the read's place in the plan's items; its storage
+    offsets and lengths padded with 0 and 1 to the widest read's dimensions."""
+
+    table: np.ndarray
+    dests: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
+_CHUNK, _ROW_BYTES, _DEST, _ITEM = range(4)  # the columns of SplitReads.table before the boxes
+#: a rank's answer (:func:`assign_chunk_exchanges`): per row of its :class:`SplitReads`, ``[reader
+#: (-1: read as planned), first row, rows]`` of the chunk; then the pieces of the chunks it reads,
+#: ``[chunk, rank, offsets..., lengths...]`` rows sorted (int64 arrays both)
+ExchangeReply = tuple[np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
 class ChunkExchange:
     """A stored chunk read once: ``reader`` reads rows ``[rows[0], rows[0] + rows[1])`` and sends
-    the other members their pieces (``pieces``, on the reader only: sorted ``(rank,
-    storage_offsets, lengths)``).  ``shape`` and ``dtype``: the stored chunk's."""
+    the other members their pieces (``pieces``, on the reader only: an int64 array, a row
+    ``[rank, storage_offsets..., lengths...]`` per piece, sorted).  ``shape`` and ``dtype``: the
+    stored chunk's."""
 
     storage_index: MetadataIndex
     shape: tuple[int, ...]
     dtype: Any
     rows: tuple[int, int]
     reader: int
-    pieces: tuple[Piece, ...] = ()
+    pieces: Optional[np.ndarray] = field(default=None, compare=False)
+
+    def sent(self) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """``pieces`` as sorted ``(rank, storage_offsets, lengths)`` (none off the reader)."""
+        if self.pieces is None:
+            return []
+        n = len(self.shape)
+        return [(row[0], tuple(row[1:1 + n]), tuple(row[1 + n:])) for row in self.pieces.tolist()]
 
 
 @dataclass(frozen=True)
@@ -246,76 +274,188 @@ def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata) -> list[Lo
     return [apply_reader_assignment(p, reply, r) for r, (p, reply) in enumerate(zip(all_plans, replies))]
 
 
-def split_reads(plan: LoadPlan, metadata: Metadata) -> tuple[SplitRead, ...]:
+def split_reads(plan: LoadPlan, metadata: Metadata) -> SplitReads:
     """The tensor reads of ``plan`` that are not contiguous in their stored chunk (what
     :func:`assign_chunk_exchanges` may serve from one contiguous read of the chunk)."""
     sd = metadata.state_dict_metadata
-    out = []
+    chunks_of = _ChunksOf(sd, places=True)
+    dest_of: dict[tuple[str, tuple[int, ...]], int] = {}
+    rows: list[tuple[int, ...]] = []
+    width = dest = 0
+    last: Optional[MetadataIndex] = None
     contiguous = _Contiguity()
-    for item in plan.items:
+    for position, item in enumerate(plan.items):
         index = item.storage_index
         if item.type is not LoadItemType.TENSOR or len(item.lengths) < 2 or index.index is None:
             continue
-        md = sd[index.fqn]
-        assert isinstance(md, TensorStorageMetadata)
-        sizes = tuple(md.chunks[index.index].sizes)
-        if not contiguous(sizes, item.storage_offsets, item.lengths):
-            out.append((index.fqn, item.dest_index.offset or (), index.offset or (), index.index, sizes,
-                        item.storage_offsets, item.lengths, md.properties.dtype))
-    return tuple(out)
-
-
-def assign_chunk_exchanges(splits: Sequence[Sequence[SplitRead]],
-                           replies: Optional[Sequence[AssignmentReply]] = None) -> list[tuple[ChunkExchange, ...]]:
-    """The coordinator's step: per rank, the :class:`ChunkExchange` entries it takes part in (chunks
-    two ranks or more need non-contiguous pieces of, outside ``replies``' replica groups); readers
-    by bytes: largest run first, to the member with the fewest so far, ties to the lowest rank."""
-    grouped = {(fqn, offsets) for reply in replies or () if reply is not None for fqn, offsets, _, _ in reply[0]}
-    by_chunk: dict[tuple[str, tuple[int, ...]], list] = {}
-    for rank, reads in enumerate(splits):
-        for fqn, dest, chunk, pos, sizes, offsets, lengths, dtype in reads:
-            if (fqn, dest) in grouped:
-                continue
-            entry = by_chunk.get((fqn, chunk))
-            if entry is None:
-                entry = by_chunk[(fqn, chunk)] = [pos, sizes, dtype, set()]
-            entry[3].add((rank, offsets, lengths))
-    chosen = []
-    for (fqn, chunk), (pos, sizes, dtype, pieces) in by_chunk.items():
-        ranks = sorted({p[0] for p in pieces})
-        if len(ranks) < 2:
+        sizes, dtype, places = chunks_of[index.fqn]
+        chunk_sizes = sizes[index.index]
+        if contiguous(chunk_sizes, item.storage_offsets, item.lengths):
             continue
-        first = min(p[1][0] for p in pieces)
-        rows = (first, max(p[1][0] + p[2][0] for p in pieces) - first)
-        nbytes = rows[1] * math.prod(sizes[1:]) * dtype.itemsize
-        chosen.append((-nbytes, order_key(MetadataIndex(fqn, chunk)), (fqn, chunk, pos, sizes, dtype, rows, ranks,
-                                                                      tuple(sorted(pieces)))))
-    chosen.sort(key=lambda c: c[:2])
-    assigned: Counter = Counter()
-    out: list[list[tuple[str, ChunkExchange]]] = [[] for _ in splits]
-    for neg_bytes, key, (fqn, chunk, pos, sizes, dtype, rows, ranks, pieces) in chosen:
-        reader = min(ranks, key=assigned.__getitem__)
-        assigned[reader] -= neg_bytes
-        index = MetadataIndex(fqn, chunk, pos)
-        out[reader].append((key, ChunkExchange(index, sizes, dtype, rows, reader, pieces)))
-        receiving = ChunkExchange(index, sizes, dtype, rows, reader)
-        for rank in ranks:
-            if rank != reader:
-                out[rank].append((key, receiving))
-    return [tuple(x for _, x in sorted(entries, key=lambda e: e[0])) for entries in out]
+        if item.dest_index is not last:  # a shard's reads are listed together: one lookup per run of them
+            last = item.dest_index
+            dest = dest_of.setdefault((last.fqn, last.offset or ()), len(dest_of))
+        rows.append((places[index.index], math.prod(chunk_sizes[1:]) * dtype.itemsize, dest, position,
+                     *item.storage_offsets, *item.lengths))
+        width = max(width, len(item.lengths))
+    if all(len(row) == 4 + 2 * width for row in rows):
+        table = np.array(rows, dtype=np.int64).reshape(len(rows), 4 + 2 * width)
+    else:
+        table = np.zeros((len(rows), 4 + 2 * width), dtype=np.int64)
+        table[:, 4 + width:] = 1
+        for i, row in enumerate(rows):  # rows of fewer dimensions padded: offsets 0, lengths 1
+            n = (len(row) - 4) // 2
+            table[i, :4 + n] = row[:4 + n]
+            table[i, 4 + width:4 + width + n] = row[4 + n:]
+    return SplitReads(table, tuple(dest_of))
 
 
-def apply_chunk_exchanges(plan: LoadPlan, exchanges: tuple[ChunkExchange, ...]) -> LoadPlan:
-    """``plan`` with its :class:`ReaderAssignment` carrying ``exchanges`` and the reads they
-    serve taking their chunk's reader as ``source`` (``plan`` unchanged without any)."""
-    if not exchanges:
+class _ChunksOf(dict):
+    """Per tensor FQN (on first use): its chunks' sizes, its dtype and (with
+    ``places``) the chunks' places in the global order of every stored chunk: FQNs in key
+    order, each FQN's chunks by offsets (:func:`order_key`'s order, the same on every rank)."""
+
+    def __init__(self, sd: dict[str, Any], places: bool) -> None:
+        super().__init__()
+        self.sd = sd
+        self.first: Optional[dict[str, int]] = None if places else {}
+
+    def __missing__(self, fqn: str) -> tuple[list[tuple[int, ...]], Any, list[int]]:
+        md = self.sd[fqn]
+        chunks = md.chunks
+        table = isinstance(chunks, ChunkTable)
+        sizes = chunks.size_tuples() if table else [tuple(c.sizes) for c in chunks]
+        places: list[int] = []
+        if self.first is None:
+            self.first, n = {}, 0
+            for name in sorted((f for f, m in self.sd.items() if isinstance(m, TensorStorageMetadata)),
+                               key=lambda f: chunk_key(f, ())):
+                self.first[name] = n
+                n += len(self.sd[name].chunks)
+        if self.first:
+            first = self.first[fqn]
+            places = list(range(first, first + len(sizes)))
+            if not (table and chunks.ascending):
+                offsets = [tuple(c.offsets) for c in chunks]
+                for k, j in enumerate(sorted(range(len(offsets)), key=offsets.__getitem__), first):
+                    places[j] = k
+        found = self[fqn] = (sizes, md.properties.dtype, places)
+        return found
+
+
+def assign_chunk_exchanges(splits: Sequence[SplitReads],
+                           replies: Optional[Sequence[AssignmentReply]] = None) -> list[ExchangeReply]:
+    """The coordinator's step: per rank, the :data:`ExchangeReply` that :func:`apply_chunk_exchanges`
+    turns into the :class:`ChunkExchange` entries it takes part in (chunks two ranks or more
+    need non-contiguous pieces of, outside ``replies``' replica groups); readers by bytes:
+    largest run first, to the member with the fewest so far, ties to the lowest rank.
+    Vectorised: a load of 2000 small tensors on 4 ranks has 32000 such reads."""
+    width = max(((s.table.shape[1] - 4) // 2 for s in splits), default=0)
+    answered = {id(reply[0]): reply[0] for reply in replies or () if reply is not None}  # shared per class
+    grouped = {(fqn, offsets) for answers in answered.values() for fqn, offsets, _, _ in answers}
+    parts = []
+    for rank, s in enumerate(splits):
+        table, kept = s.table, np.arange(len(s.table))
+        if grouped and len(table):
+            kept = np.flatnonzero(np.array([d not in grouped for d in s.dests], dtype=bool)[table[:, _DEST]])
+            table = table[kept]
+        n = (table.shape[1] - 4) // 2
+        part = np.zeros((len(table), 3 + 2 * width), dtype=np.int64)  # [chunk, rank, row, boxes]
+        part[:, 0], part[:, 1], part[:, 2] = table[:, _CHUNK], rank, kept
+        part[:, 3:3 + n] = table[:, 4:4 + n]
+        part[:, 3 + width:] = 1
+        part[:, 3 + width:3 + width + n] = table[:, 4 + n:]
+        parts.append((part, table[:, _ROW_BYTES]))
+    answers = [(np.full((len(s.table), 3), -1, dtype=np.int64), np.zeros((0, 2 + 2 * width), dtype=np.int64))
+               for s in splits]
+    if not parts or not sum(len(p) for p, _ in parts):
+        return answers
+    table = np.concatenate([p for p, _ in parts])
+    row_bytes = np.concatenate([b for _, b in parts])
+    # by chunk, rank, then the box: each chunk's pieces together, its members ascending
+    order = np.lexsort(table[:, [*range(table.shape[1] - 1, 2, -1), 1, 0]].T)
+    table, row_bytes = table[order], row_bytes[order]
+    place, member = table[:, 0], table[:, 1]
+    new_chunk = np.empty(len(table), dtype=bool)
+    new_chunk[0], new_chunk[1:] = True, place[1:] != place[:-1]
+    new_member = new_chunk.copy()
+    new_member[1:] |= member[1:] != member[:-1]
+    starts = np.flatnonzero(new_chunk)
+    group = np.cumsum(new_chunk) - 1  # each row's chunk, in 0..len(starts)
+    members = np.add.reduceat(new_member.astype(np.int64), starts)
+    first = np.minimum.reduceat(table[:, 3], starts)
+    count = np.maximum.reduceat(table[:, 3] + table[:, 3 + width], starts) - first
+    nbytes = count * row_bytes[starts]
+    shared = np.flatnonzero(members >= 2)
+    # largest run first, then the global order; min keeps the first of equal loads and
+    # members ascend: ties go to the lowest rank
+    visit = shared[np.lexsort((place[starts[shared]], -nbytes[shared]))]
+    member_ranks = member[new_member].tolist()
+    member_start = (np.cumsum(new_member) - 1)[starts].tolist() + [len(member_ranks)]
+    load = [0] * len(splits)
+    reader_of = [-1] * len(starts)
+    size = nbytes.tolist()
+    for g in visit.tolist():
+        reader = min(member_ranks[member_start[g]:member_start[g + 1]], key=load.__getitem__)
+        load[reader] += size[g]
+        reader_of[g] = reader
+    row_reader = np.asarray(reader_of, dtype=np.int64)[group]
+    per_row = np.stack([row_reader, first[group], count[group]], axis=1)
+    by_rank = np.argsort(member, kind="stable")
+    bounds = np.searchsorted(member[by_rank], np.arange(len(splits) + 1))
+    for r in range(len(splits)):
+        mine = by_rank[bounds[r]:bounds[r + 1]]
+        answers[r][0][table[mine, 2]] = per_row[mine]
+    # the pieces each reader sends: rows of exchanged chunks, duplicates (one box read for two
+    # target shards of a rank) once, grouped by reader in the sorted order
+    same = np.zeros(len(table), dtype=bool)
+    same[1:] = (table[1:, [0, 1, *range(3, table.shape[1])]] == table[:-1, [0, 1, *range(3, table.shape[1])]]).all(1)
+    sent = np.flatnonzero((row_reader >= 0) & ~same)
+    sent = sent[np.argsort(row_reader[sent], kind="stable")]
+    pieces = np.delete(table[sent], 2, axis=1)
+    bounds = np.searchsorted(row_reader[sent], np.arange(len(splits) + 1))
+    for r in range(len(splits)):
+        answers[r] = (answers[r][0], pieces[bounds[r]:bounds[r + 1]])
+    return answers
+
+
+def apply_chunk_exchanges(plan: LoadPlan, metadata: Metadata, splits: SplitReads,
+                          reply: Optional[ExchangeReply]) -> LoadPlan:
+    """``plan`` with its :class:`ReaderAssignment` carrying the :class:`ChunkExchange` entries
+    ``reply`` (this rank's answer to its ``splits``) names, in the global order, and the reads
+    they serve taking their chunk's reader as ``source`` (``plan`` unchanged without any)."""
+    if reply is None or not len(splits):
         return plan
+    per_row, pieces = reply
+    exchanged = np.flatnonzero(per_row[:, 0] >= 0)
+    if not len(exchanged):
+        return plan
+    places, at = np.unique(splits.table[exchanged, _CHUNK], return_index=True)  # a row per chunk, in order
+    rows = exchanged[at]
+    width = (pieces.shape[1] - 2) // 2
+    starts = np.searchsorted(pieces[:, 0], places).tolist()
+    ends = np.searchsorted(pieces[:, 0], places, side="right").tolist()
+    chunks_of = _ChunksOf(metadata.state_dict_metadata, places=False)
+    items = plan.items
+    out = []
+    for (reader, first, count), position, start, end in zip(per_row[rows].tolist(), splits.table[rows, _ITEM].tolist(),
+                                                            starts, ends):
+        index = items[position].storage_index
+        assert index.index is not None
+        sizes, dtype, _ = chunks_of[index.fqn]
+        shape = sizes[index.index]
+        mine = None
+        if end > start:  # this rank reads it: its pieces, [rank, offsets, lengths] of the chunk's dims
+            n = len(shape)
+            mine = pieces[start:end, 1:] if n == width else \
+                pieces[start:end][:, [1, *range(2, 2 + n), *range(2 + width, 2 + width + n)]]
+        out.append(ChunkExchange(index, shape, dtype, (first, count), reader, mine))
     data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
-    plan = replace(plan, planner_data=replace(data, exchanges=exchanges))
-    items = [item if x is None else ReadItem(item.type, item.dest_index, item.dest_offsets, item.storage_index,
-                                             item.storage_offsets, item.lengths, x.reader)
-             for item, x in exchanged_reads(plan)]
-    return replace(plan, items=tuple(items))
+    plan = replace(plan, planner_data=replace(data, exchanges=tuple(out)))
+    served = [item if x is None else ReadItem(item.type, item.dest_index, item.dest_offsets, item.storage_index,
+                                              item.storage_offsets, item.lengths, x.reader)
+              for item, x in exchanged_reads(plan)]
+    return replace(plan, items=tuple(served))
 
 
 def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkExchange]]]:
@@ -327,7 +467,7 @@ def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkEx
     for item in plan.items:
         index = item.storage_index
         x = of_chunk.get((index.fqn, index.offset)) if of_chunk and item.type is LoadItemType.TENSOR else None
-        served = x is not None and item.dest_index not in grouped and \
+        served = x is not None and (not grouped or item.dest_index not in grouped) and \
             not contiguous(x.shape, item.storage_offsets, item.lengths)
         yield item, x if served else None
 
