@@ -450,12 +450,13 @@ def apply_chunk_exchanges(plan: LoadPlan, metadata: Metadata, splits: SplitReads
             mine = pieces[start:end, 1:] if n == width else \
                 pieces[start:end][:, [1, *range(2, 2 + n), *range(2 + width, 2 + width + n)]]
         out.append(ChunkExchange(index, shape, dtype, (first, count), reader, mine))
+    served = list(items)  # the reads the coordinator gave a reader (what exchanged_reads finds again)
+    for position, reader in zip(splits.table[exchanged, _ITEM].tolist(), per_row[exchanged, 0].tolist()):
+        item = served[position]
+        served[position] = ReadItem(item.type, item.dest_index, item.dest_offsets, item.storage_index,
+                                    item.storage_offsets, item.lengths, reader)
     data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
-    plan = replace(plan, planner_data=replace(data, exchanges=tuple(out)))
-    served = [item if x is None else ReadItem(item.type, item.dest_index, item.dest_offsets, item.storage_index,
-                                              item.storage_offsets, item.lengths, x.reader)
-              for item, x in exchanged_reads(plan)]
-    return replace(plan, items=tuple(served))
+    return replace(plan, items=tuple(served), planner_data=replace(data, exchanges=tuple(out)))
 
 
 def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkExchange]]]:
