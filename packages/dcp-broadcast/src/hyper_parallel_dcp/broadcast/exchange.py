@@ -12,7 +12,7 @@ Runs are read in groups of ``_GROUP_BYTES`` and sent in messages of ``_MESSAGE_B
 (one 32 MiB batch and 6 MiB messages before: 4 ranks 1.19× / 2.24×).  A group's runs lie
 in one buffer, so a peer's pieces of consecutive chunks of one shape go in one strided
 copy, and every piece is one ``as_strided`` view, not a narrow per dimension (2000 small
-tensors, 4 ranks, no transport: packing and filling 1281 → 877 ms of CPU).  From the page
+tensors, 4 ranks, no transport: packing and filling 1354 → 801 ms of CPU).  From the page
 cache it does not pay (gloo is slower than the copy), so ``HP_DCP_CHUNK_EXCHANGE=auto``
 leaves it off there.
 Exports :class:`ChunkExchanges`.
