@@ -4,8 +4,8 @@ tune ``core.settings``; the measurements are in ``docs/perf/storage.md``)."""
 from __future__ import annotations
 
 __all__ = ["AHEAD_MAX_BYTES", "ARENA_MAX_BYTES", "BATCH_BYTES", "BATCH_ITEMS", "BLOCK_SHIFT", "BOUNCE_MIN_BYTES",
-           "FOLIO_ALIGN", "IOV_MAX_BUFFERS", "LARGE_FOLIO", "PINNED_BUFFER_BYTES", "PREADV_MAX_BYTES",
-           "READ_SPLIT_BYTES", "READ_THREADS", "SMALL_FOLIO", "VERIFY_BLOCK_BYTES", "WIDE_COPY_MIN_BYTES"]
+           "COPY_ALONE_MIN_BYTES", "FOLIO_ALIGN", "IOV_MAX_BUFFERS", "LARGE_FOLIO", "PINNED_BUFFER_BYTES",
+           "PREADV_MAX_BYTES", "READ_SPLIT_BYTES", "READ_THREADS", "SMALL_FOLIO", "VERIFY_BLOCK_BYTES"]
 
 #: bytes per ``preadv`` call (Linux caps one call near 2 GiB)
 PREADV_MAX_BYTES = 1 << 30
@@ -21,7 +21,7 @@ BLOCK_SHIFT = 20  # pages are populated a block of 1 << BLOCK_SHIFT bytes at a t
 AHEAD_MAX_BYTES = 32 << 20  # a forward walk populates up to this far ahead of the slice it reads
 ARENA_MAX_BYTES = 1 << 42  # the most address space a reader reserves for its files' mappings
 FOLIO_ALIGN = 2 << 20  # arena slots start on this boundary (a huge page, the largest folio a save makes)
-WIDE_COPY_MIN_BYTES = 1 << 20  # from this size a same-dtype host copy goes alone, as 8-byte words
+COPY_ALONE_MIN_BYTES = 1 << 20  # from this size a host copy goes alone, not in the batched _foreach_copy_
 
 # accelerator memory: the one page-locked host buffer device reads and writes go through
 PINNED_BUFFER_BYTES = 64 << 20
