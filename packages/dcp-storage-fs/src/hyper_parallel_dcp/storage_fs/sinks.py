@@ -12,19 +12,15 @@ import torch
 
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
 
-from .host_memory import PinnedBuffer, accelerator_available
+from .host_memory import PINNED_BUFFER_BYTES, PinnedBuffer, accelerator_available
 from .mapping import FileMapping
-from .posix import pread_exact, readv_exact, tensor_bytes
-from .tuning import (
-    COPY_ALONE_MIN_BYTES,
-    IOV_MAX_BUFFERS,
-    PINNED_BUFFER_BYTES,
-    PREADV_MAX_BYTES,
-    READ_SPLIT_BYTES,
-    READ_THREADS,
-)
+from .posix import IOV_MAX_BUFFERS, PREADV_MAX_BYTES, pread_exact, readv_exact, tensor_bytes
 
 __all__ = ["AdjacentReads", "DeviceReads", "PendingCopies", "copy_into", "read_slice_into"]
+
+COPY_ALONE_MIN_BYTES = 1 << 20  # from this size a host copy goes alone, not in the batched _foreach_copy_
+READ_SPLIT_BYTES = 4 << 20  # a device read batch larger than this is filled by READ_THREADS threads
+READ_THREADS = 4
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # dtypes whose same-dtype copy_ is a plain bit copy on every device; not bool (its copy
