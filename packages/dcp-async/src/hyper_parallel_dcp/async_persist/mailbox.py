@@ -15,7 +15,7 @@ from hyper_parallel_dcp.core.collectives import DistWrapper
 from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S, MAILBOX_POLL_MAX
 from hyper_parallel_dcp.core.timing import phase
 from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
-from hyper_parallel_dcp.storage_fs.mailbox_names import DONE_SUFFIX, ack_file, gather_file, result_file, scatter_file
+from hyper_parallel_dcp.storage_fs.layout import DONE_SUFFIX, ack_file, gather_file, result_file, scatter_file
 
 from . import safe_pickle
 

@@ -11,10 +11,14 @@ import torch
 
 from hyper_parallel_dcp.core.settings import ALIGNED_WRITES
 
-from .tuning import PINNED_BUFFER_BYTES
-
 __all__ = ["VIRTIO_DEVICES", "PinnedBuffer", "accelerator_available", "free_page_reporting", "large_folio_writes"]
 
+#: the size of the one page-locked host buffer device reads and writes go through
+PINNED_BUFFER_BYTES = 64 << 20
+# a save's file data goes out in writes that end on multiples of LARGE_FOLIO, or of
+# SMALL_FOLIO where 2 MiB folios are costly (``large_folio_writes``)
+LARGE_FOLIO = 2 << 20
+SMALL_FOLIO = 256 << 10
 #: where Linux lists a machine's virtio devices
 VIRTIO_DEVICES = Path("/sys/bus/virtio/devices")
 _BALLOON = 5  # virtio device id of a memory balloon

@@ -36,10 +36,11 @@ from .metadata_io import (
 )
 from .safetensors_header import SafetensorsHeaderError, read_header
 from .torch_dcp import is_torch_dcp_checkpoint, read_torch_dcp_metadata
-from .tuning import VERIFY_BLOCK_BYTES
 
 __all__ = ["CompletenessReport", "VerifyReport", "check_complete", "find_latest_checkpoint", "checkpoints_inside_hint",
            "header_disagreement", "verify_checkpoint"]
+
+VERIFY_BLOCK_BYTES = 16 << 20  # bytes hashed per read by verify_checkpoint
 
 #: More problems than this are summarised (a wholly wrong directory would list thousands).
 _MAX_PROBLEMS = 200

@@ -15,9 +15,12 @@ import torch
 from hyper_parallel_dcp.core.chunks import row_major_strides
 
 from . import posix
-from .tuning import AHEAD_MAX_BYTES, BLOCK_SHIFT, FOLIO_ALIGN
 
 __all__ = ["FileMapping", "MappingArena", "wait_for_unmaps"]
+
+BLOCK_SHIFT = 20  # pages are populated a block of 1 << BLOCK_SHIFT bytes at a time
+AHEAD_MAX_BYTES = 32 << 20  # a forward walk populates up to this far ahead of the slice it reads
+FOLIO_ALIGN = 2 << 20  # arena slots start on this boundary (a huge page, the largest folio a save makes)
 
 
 class _Unmapper:

@@ -12,13 +12,16 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 
-from .tuning import PREADV_MAX_BYTES
-
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["MAPPING", "cached", "drop_cache", "exchange", "malloc_trim", "map_file", "populate_read", "pread_exact",
            "readv_exact", "reserve", "tensor_bytes", "unmap"]
+
+#: bytes per ``preadv`` call (Linux caps one call near 2 GiB)
+PREADV_MAX_BYTES = 1 << 30
+#: buffers per ``preadv`` / ``writev`` call (below Linux's ``IOV_MAX`` of 1024)
+IOV_MAX_BUFFERS = 512
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 1, 2, 0x10, 0x20, 0x4000

@@ -38,9 +38,13 @@ from .safetensors_header import (
     read_header_bytes,
 )
 from .sinks import AdjacentReads, DeviceReads, PendingCopies, read_slice_into
-from .tuning import ARENA_MAX_BYTES, BATCH_BYTES, BATCH_ITEMS
 
 __all__ = ["ChunkLocator", "FileSystemReader", "StoredChunk"]
+
+#: a read stream completes and yields its reads in batches of this many reads or bytes
+BATCH_ITEMS = 256
+BATCH_BYTES = 32 << 20
+ARENA_MAX_BYTES = 1 << 42  # the most address space a reader reserves for its files' mappings
 
 #: a stored chunk's checked location: (file, first data byte, shape, row-major strides, dtype)
 StoredChunk = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype]

@@ -16,13 +16,14 @@ import xxhash
 from hyper_parallel_dcp.core.errors import UnsupportedTensorError
 from hyper_parallel_dcp.core.layout import tensor_problem
 
-from .host_memory import PinnedBuffer, large_folio_writes
-from .posix import tensor_bytes
+from .host_memory import LARGE_FOLIO, SMALL_FOLIO, PinnedBuffer, large_folio_writes
+from .posix import IOV_MAX_BUFFERS, tensor_bytes
 from .safetensors_header import SAFETENSORS_DTYPES, SafetensorsHeaderError, read_header
-from .tuning import BOUNCE_MIN_BYTES, IOV_MAX_BUFFERS, LARGE_FOLIO, SMALL_FOLIO
 
 __all__ = ["SAFETENSORS_DTYPES", "EncodedHeader", "LateDigests", "SafetensorsHeaderError", "TensorEntry",
            "encode_header", "read_header", "tensor_bytes", "write_safetensors"]
+
+BOUNCE_MIN_BYTES = 1 << 20  # a device chunk of at least this size is written through the pinned buffer
 
 
 class TensorEntry:
