@@ -31,7 +31,7 @@ PYTHON = "3.11"
 # The build backend lies there too: every session then installs the local packages with
 # --no-build-isolation, where pip would otherwise create a fresh build environment and
 # install hatchling into it once per package (7 times in integration, lint and demo each:
-# 104 s against 41 s of wall for the seven editable installs on this 2-core machine).
+# 20-26 s against 7-10 s of CPU for the seven editable installs on this 2-core machine).
 BUILD_BACKEND = ["hatchling>=1.21", "editables>=0.5"]  # editables: hatchling's editable wheels
 SHARED_TORCH = Path(".nox", "_shared", TORCH.replace("==", "-") + "+hatchling")
 LOCAL = "--no-build-isolation"
