@@ -20,12 +20,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_mkdocs_build_strict(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One strict build for the module's tests (a build takes tens of seconds): the site
+    folder and the finished ``mkdocs build`` process, whose exit the tests check."""
     pytest.importorskip("mkdocs", reason="docs dependencies (mkdocs, mkdocs-material, mkdocstrings[python]) not installed")
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("docs") / "site"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    return site, out
+
+
+def test_mkdocs_build_strict(built: tuple[Path, subprocess.CompletedProcess]) -> None:
+    site, out = built
     assert out.returncode == 0, out.stdout + out.stderr
     for page in ("quickstart", "user-guide", "user-guide.zh", "cli", "format", "architecture", "migration",
                  "tuning", "benchmarks", "api/api"):
@@ -67,17 +75,14 @@ def test_the_rendered_page_check_can_fail() -> None:
                                        '<script src="assets/javascripts/mermaid.min.js"></script>')
 
 
-def test_the_diagrams_are_drawn_in_a_browser(tmp_path: Path) -> None:
+def test_the_diagrams_are_drawn_in_a_browser(request: pytest.FixtureRequest) -> None:
     """With a headless browser at hand, every diagram of the architecture page becomes an SVG
     offline (no network: the vendored Mermaid draws them)."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         pytest.skip("no chromium on this machine (apt-get install chromium); the HTML checks above still ran")
-    pytest.importorskip("mkdocs", reason="docs dependencies not installed")
-    site = tmp_path / "site"
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=600, env=env)
+    site, out = request.getfixturevalue("built")  # the strict build, only when a browser can draw it
+    out.check_returncode()
     page = site / "architecture" / "index.html"
     dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
                           "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=180).stdout
