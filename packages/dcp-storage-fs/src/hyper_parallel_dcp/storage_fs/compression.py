@@ -141,16 +141,22 @@ def encode_chunk(raw: torch.Tensor, width: int, zstd: Any) -> bytes:
     """The payload of one chunk: ``raw`` (its bytes, a flat uint8 CPU tensor) of ``width``-byte elements."""
     step, words, api = _frame_bytes(width), _words(width), _sequence_api()
     # each frame carries zstd's content checksum: a damaged frame fails its decompression
+    params = _params(zstd)  # a compressor is not shared between threads: one per frame
     compress = (functools.partial(_literal_frame, *api) if api is not None
-                else zstd.ZstdCompressor(compression_params=_params(zstd)).compress)
-    frames, flat = [], raw.numpy()
-    for at in range(0, raw.numel(), step):
+                else lambda part: zstd.ZstdCompressor(compression_params=params).compress(part))
+    flat = raw.numpy()
+
+    def frame(at: int) -> bytes:
         part = flat[at:at + step]
         if words is not None:  # the sign bit rotated next to the mantissa: the top plane is the exponent alone
             word = part.view(words)
             part = ((word << words(1)) | (word >> words(8 * width - 1))).view(np.uint8)
             part = np.ascontiguousarray(part.reshape(-1, width).T)
-        frames.append(compress(part))
+        return compress(part)
+
+    # a chunk's frames on threads: a save's first chunk is on the link sooner
+    starts = range(0, raw.numel(), step)
+    frames = list(_pool().map(frame, starts)) if len(starts) > 1 else [frame(at) for at in starts]
     head = _HEAD.pack(step | CODEC_VERSION << 24, len(frames)) + struct.pack(f"<{len(frames)}Q", *map(len, frames))
     return b"".join([head, *frames])
 
@@ -240,10 +246,14 @@ def decode_frames(fetched: tuple[Any, ...], start: int, end: int, width: int, zs
             word >>= words(1)
             word |= spare
 
-    if last > first:  # frames on threads (zstd and numpy release the GIL)
-        list(_pool().map(one, range(first, last + 1)))
-    else:
+    # the frames after the first on threads (zstd and numpy release the GIL), the first here
+    later = [_pool().submit(one, frame) for frame in range(first + 1, last + 1)]
+    try:
         one(first)
+    finally:
+        cf.wait(later)
+    for future in later:
+        future.result()
     return out if into is not None else out[start - base:end - base]
 
 
@@ -274,6 +284,7 @@ class CompressedFiles:
         self._waiting: collections.deque = collections.deque()  # (item, job, payload bytes) not yet started
         self._ahead: collections.deque = collections.deque()  # (item, future, payload bytes), in read order
         self._thread: Optional[cf.ThreadPoolExecutor] = None
+        self._whole = False  # the queue holds the whole load's payloads
         self.fetch: Callable[[int, int, int], bytes] = os.pread
         self.bytes_read = 0
 
@@ -285,10 +296,15 @@ class CompressedFiles:
         return self._seen[1]
 
     def read_ahead(self, root: Path, metadata: Metadata, items: list[ReadItem],
-                   verified: Optional[set[MetadataIndex]]) -> None:
+                   verified: Optional[set[MetadataIndex]], whole: bool = False) -> None:
         """Start reading the payloads of ``items``' compressed chunks (of the checkpoint in
-        ``root``), in order; ``verified``: the chunks whose checksum was checked (``None``: no checks)."""
+        ``root``), in order; ``verified``: the chunks whose checksum was checked (``None``: no checks).
+        ``whole``: ``items`` are the whole load, so the calls for its batches change nothing
+        until :meth:`cancel` (a batch's end no longer stops the link while its last chunks decode)."""
+        if self._whole and not whole:
+            return
         self.cancel()
+        self._whole = whole
         for item in items:
             job = self._job(root, metadata, item, verified)
             if job is not None:
@@ -384,6 +400,7 @@ class CompressedFiles:
             entry[1].cancel()
         self._ahead.clear()
         self._waiting.clear()
+        self._whole = False
 
     def close(self) -> None:
         self.cancel()
