@@ -6,10 +6,12 @@ payload per chunk, whose raw bytes are cut into frames of :data:`FRAME_BYTES` (a
 of the element width).  Codec version 1 rotates each element's word left by one bit (a
 float's sign bit next to its mantissa: its top byte is the exponent alone), splits the
 frame into byte planes by element width (the exponent bytes together compress, the
-mantissa bytes do not dilute them) and zstd-compresses it with few matches, with zstd's
-content checksum per frame.  Compression bench rows ``byte-planes+zstd`` (hidden 1024):
-bf16 weights 69.3 % -> 64.9 % of their bytes (ZipNN 64.2 %), fp32 Adam moments 83.4 % ->
-81.5 % (ZipNN 81.4 %).  A payload is ``<u32 frame bytes | codec version << 24><u32 frame
+mantissa bytes do not dilute them) and zstd-compresses it as Huffman-coded literals alone
+(:func:`_literal_frame`; with few matches where python-zstandard's cffi backend is
+missing), with zstd's content checksum per frame.  Compression bench rows
+``byte-planes+zstd`` (hidden 1024): bf16 weights 69.3 % (v0) -> 64.9 % (v1, few matches)
+-> 64.23 % of their bytes (literals alone; ZipNN 64.23 %, every tensor a little smaller
+than ZipNN's), fp32 Adam moments 83.4 % -> 81.5 % -> 81.47 % (ZipNN 81.47 %).  A payload is ``<u32 frame bytes | codec version << 24><u32 frame
 count>``, the frames' compressed sizes (u64 each), then the frames; its checksum is the
 xxh3 of the payload as stored.  A load decompresses only the frames the slice it reads
 touches (:func:`decode_span`), on threads; version 0 payloads (no rotation) still load.
@@ -142,8 +144,9 @@ def encode_chunk(raw: torch.Tensor, width: int, zstd: Any) -> bytes:
     step, words, api = _frame_bytes(width), _words(width), _sequence_api()
     # each frame carries zstd's content checksum: a damaged frame fails its decompression
     params = _params(zstd)  # a compressor is not shared between threads: one per frame
-    compress = (functools.partial(_literal_frame, *api) if api is not None
-                else lambda part: zstd.ZstdCompressor(compression_params=params).compress(part))
+    compress: Callable[[np.ndarray], bytes] = (
+        functools.partial(_literal_frame, api[0], api[1]) if api is not None
+        else lambda part: zstd.ZstdCompressor(compression_params=params).compress(part))
     flat = raw.numpy()
 
     def frame(at: int) -> bytes:
