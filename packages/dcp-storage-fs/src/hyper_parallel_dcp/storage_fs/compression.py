@@ -311,8 +311,8 @@ class CompressedFiles:
     whole load when the reader's ``execute_read`` hands it all (else a batch's).  Compression
     bench, load of the trained state under the 200 MB/s cap: a batch's read-ahead alone, no
     gain separable at load average 20 on 2 cores (median 1.01 vs 0.99 s serial); the whole
-    load's, with the faster decoding, compressed ÷ plain load time 1.09× -> 1.04× (three
-    runs at load average 12-14; the earlier 1.09× was quiet).
+    load's, with the faster decoding, plain ÷ compressed load time 1.10-1.15× (three runs at
+    load average 3-7; 1.05-1.20× at 12-13), against 1.09× quiet before and 1.28× at most.
     ``fetch(fd, n, offset)`` reads their bytes (``os.pread``); ``bytes_read``: payload bytes decoded."""
 
     def __init__(self) -> None:
