@@ -186,3 +186,64 @@ def test_payloads_are_read_ahead_on_a_thread_and_checked_once(tmp_path, monkeypa
     assert all(torch.equal(target[k], sd[k]) for k in sd)
     assert len(threads) == len(sd) and all(name.startswith("hp-dcp-read-ahead") for name in threads)
     assert reader.bytes_read == sum(info.length for info in md.storage_data.values())
+
+
+def test_literal_only_frames_are_no_larger_and_the_fallback_compressor_payloads_still_decode(monkeypatch):
+    """With zstd's sequence API (python-zstandard's cffi backend) each frame is Huffman-coded
+    literals alone, a block per plane's 128 KiB; without it the fast-strategy compressor
+    writes the same format.  Both decode bit-exact, whole and in part; the former is smaller."""
+    import zstandard
+
+    from hyper_parallel_dcp.storage_fs import compression
+
+    if compression._sequence_api() is None:
+        pytest.skip("python-zstandard's cffi backend is not installed")
+    g = torch.Generator().manual_seed(7)
+    for values in ((torch.randn(3_000_000, generator=g) * 0.02).bfloat16(), torch.randn(1_500_000, generator=g) ** 2,
+                   (torch.randn(700, generator=g) * 0.01).bfloat16()):  # small: one block a plane
+        raw, width = values.view(-1).view(torch.uint8), values.element_size()
+        literal = compression.encode_chunk(raw, width, zstandard)
+        with monkeypatch.context() as patch:
+            patch.setattr(compression, "_sequence_api", lambda: None)
+            fallback = compression.encode_chunk(raw, width, zstandard)
+        assert len(literal) < len(fallback)
+        start, end = 1001 * width, (raw.numel() // width - 999) * width
+        for payload in (literal, fallback):
+            whole, _ = compression.decode_span(lambda at, n, p=payload: p[at:at + n], 0, raw.numel(), width, zstandard,
+                                               lambda: "t")
+            part, _ = compression.decode_span(lambda at, n, p=payload: p[at:at + n], start, end, width, zstandard,
+                                              lambda: "t")
+            assert whole.tobytes() == raw.numpy().tobytes() and part.tobytes() == raw.numpy()[start:end].tobytes()
+
+
+def test_a_load_reads_every_payload_ahead_across_its_batches(tmp_path, monkeypatch):
+    """``execute_read`` queues the whole load's payloads: a batch's end does not restart the
+    read-ahead (each payload read once, on its thread), and the loaded values are bit-exact."""
+    import threading
+
+    import hyper_parallel_dcp as dcp
+    from hyper_parallel_dcp.storage_fs import FileSystemReader
+    from hyper_parallel_dcp.storage_fs import reader as reader_module
+
+    sd = {f"w{i}": torch.randn(300, 300, generator=torch.Generator().manual_seed(i)) for i in range(7)}
+    md = dcp.save(sd, checkpoint_id=tmp_path / "z", no_dist=True, compression="zstd")
+    monkeypatch.setattr(reader_module, "BATCH_ITEMS", 2)  # four batches
+    reader, reads = FileSystemReader(tmp_path / "z"), []
+    calls = []
+    original = reader.compressed.read_ahead
+
+    def read_ahead(*args, **kwargs):
+        calls.append(len(reader.compressed._ahead) + len(reader.compressed._waiting))
+        return original(*args, **kwargs)
+
+    def fetch(fd: int, n: int, offset: int) -> bytes:
+        reads.append((threading.current_thread().name, offset))
+        return os.pread(fd, n, offset)
+
+    reader.compressed.read_ahead, reader.compressed.fetch = read_ahead, fetch
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(target[k], sd[k]) for k in sd)
+    assert calls[0] == 0 and len(calls) >= 4 and all(queued > 0 for queued in calls[1:])  # later batches: queued
+    assert all(name.startswith("hp-dcp-read-ahead") for name, _ in reads)
+    assert reader.bytes_read == sum(info.length for info in md.storage_data.values())

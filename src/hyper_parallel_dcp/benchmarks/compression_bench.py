@@ -63,7 +63,7 @@ def _checkpoint_codec(zstandard: Any, pool: cf.ThreadPoolExecutor) -> tuple[Call
     def decompress(blobs: list[bytes], tensors: list[torch.Tensor]) -> list[bytes]:
         def one(args: tuple[bytes, torch.Tensor]) -> bytes:
             blob, t = args
-            return decode_span(lambda at, n: blob[at:at + n], 0, t.numel() * t.element_size(), t.element_size(),
+            return decode_span(lambda at, n: memoryview(blob)[at:at + n], 0, t.numel() * t.element_size(), t.element_size(),
                                zstandard, lambda: "benchmark")[0]  # type: ignore[return-value]
         return list(pool.map(one, zip(blobs, tensors)))
 

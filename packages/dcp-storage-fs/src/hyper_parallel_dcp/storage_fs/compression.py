@@ -6,10 +6,12 @@ payload per chunk, whose raw bytes are cut into frames of :data:`FRAME_BYTES` (a
 of the element width).  Codec version 1 rotates each element's word left by one bit (a
 float's sign bit next to its mantissa: its top byte is the exponent alone), splits the
 frame into byte planes by element width (the exponent bytes together compress, the
-mantissa bytes do not dilute them) and zstd-compresses it with few matches, with zstd's
-content checksum per frame.  Compression bench rows ``byte-planes+zstd`` (hidden 1024):
-bf16 weights 69.3 % -> 64.9 % of their bytes (ZipNN 64.2 %), fp32 Adam moments 83.4 % ->
-81.5 % (ZipNN 81.4 %).  A payload is ``<u32 frame bytes | codec version << 24><u32 frame
+mantissa bytes do not dilute them) and zstd-compresses it as Huffman-coded literals alone
+(:func:`_literal_frame`; with few matches where python-zstandard's cffi backend is
+missing), with zstd's content checksum per frame.  Compression bench rows
+``byte-planes+zstd`` (hidden 1024): bf16 weights 69.3 % (v0) -> 64.9 % (v1, few matches)
+-> 64.23 % of their bytes (literals alone; ZipNN 64.23 %, every tensor a little smaller
+than ZipNN's), fp32 Adam moments 83.4 % -> 81.5 % -> 81.47 % (ZipNN 81.47 %).  A payload is ``<u32 frame bytes | codec version << 24><u32 frame
 count>``, the frames' compressed sizes (u64 each), then the frames; its checksum is the
 xxh3 of the payload as stored.  A load decompresses only the frames the slice it reads
 touches (:func:`decode_span`), on threads; version 0 payloads (no rotation) still load.
@@ -22,10 +24,12 @@ import collections
 import concurrent.futures as cf
 import functools
 import itertools
+import math
 import os
 import struct
+import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -53,6 +57,8 @@ ZSTD_EXTRA = "hyper-parallel-dcp-storage-fs[zstd]"
 #: compressed payload bytes a load reads ahead of its decoding (at least one chunk)
 READ_AHEAD_BYTES = 64 << 20
 _HEAD = struct.Struct("<II")
+_BLOCK = 128 << 10  # zstd's largest block
+_PIECE = 256 << 10  # output bytes merged at a time
 
 
 def is_compressed_file(name: str) -> bool:
@@ -76,12 +82,59 @@ def _frame_bytes(width: int) -> int:
 
 
 def _params(zstd: Any) -> Any:
-    # zstd's fast strategy, a 128 KiB window, a 64-entry hash table, 7-byte matches: the
-    # exponent plane of trained weights is near i.i.d., so matches cost more than the
-    # Huffman-coded literals they replace; these find few (compression bench: bf16 exponent
-    # plane 29.8 % of its bytes vs 36.3 % at level 3, and faster)
+    # without zstd's sequence API (below): the fast strategy, a 128 KiB window, a 64-entry
+    # hash table, 7-byte matches: the exponent plane of trained weights is near i.i.d., so
+    # matches cost more than the Huffman-coded literals they replace; these find few
+    # (compression bench: bf16 exponent plane 29.8 % of its bytes vs 36.3 % at level 3)
     return zstd.ZstdCompressionParameters(strategy=zstd.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6,
                                           search_log=1, min_match=7, target_length=0, write_checksum=True)
+
+
+@functools.cache
+def _sequence_api() -> Any:
+    """python-zstandard's cffi binding of libzstd (``lib``, ``ffi``) when it has
+    ``ZSTD_compressSequences``, else ``None`` (the cffi backend needs the ``cffi`` package)."""
+    try:
+        from zstandard.backend_cffi import ffi, lib
+    except ImportError:
+        return None
+    return (lib, ffi) if hasattr(lib, "ZSTD_compressSequences") else None
+
+
+_local = threading.local()  # per thread: a sequence-API context; a decompressor and its scratch buffer
+
+
+def _literal_frame(lib: Any, ffi: Any, planes: np.ndarray) -> bytes:
+    """A zstd frame of ``planes`` as Huffman-coded literals alone, a block per 128 KiB.
+
+    Even a few matches cost more than they save on an exponent plane: the fast strategy's
+    repeat-offset matches (4 bytes, runs of the commonest exponent) took 10 % of a bf16
+    block's bytes and cost twice what their literals would.  Handing zstd one literal run
+    per block (``ZSTD_compressSequences``, no match search) leaves only its Huffman
+    coder: compression bench rows ``byte-planes+zstd`` (hidden 1024), bf16 weights
+    64.9 % -> 64.2 % of their bytes (exponent plane 29.8 % -> 28.5 %), fp32 moments
+    81.5 % -> 81.4 %, and compression faster (one thread, CPU time, median of 9 at load 12:
+    bf16 449 -> 619 MB/s, fp32 609 -> 649 MB/s).  Any zstd decoder reads it."""
+    cctx = getattr(_local, "cctx", None)
+    if cctx is None:
+        cctx = _local.cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
+        for key, value in ((lib.ZSTD_c_blockDelimiters, lib.ZSTD_sf_explicitBlockDelimiters),
+                           (lib.ZSTD_c_checksumFlag, 1), (lib.ZSTD_c_windowLog, 17)):
+            lib.ZSTD_CCtx_setParameter(cctx, key, value)
+    size, plane = planes.nbytes, planes.shape[-1]
+    # blocks end where planes do (a block has one Huffman table: bf16 biases 76 % -> 65 %)
+    lengths = [min(_BLOCK, plane - at) for at in range(0, plane, _BLOCK)] * (size // plane)
+    runs = ffi.new("ZSTD_Sequence[]", max(1, len(lengths)))  # offset 0, match length 0: a block's literals
+    for block, length in enumerate(lengths):
+        runs[block].litLength = length
+    bound = lib.ZSTD_compressBound(size)
+    if len(getattr(_local, "dst", b"")) < bound:  # reused, not zeroed and faulted in a frame: compress +5 %
+        _local.dst = bytearray(bound)
+    written = lib.ZSTD_compressSequences(cctx, ffi.from_buffer(_local.dst), bound, runs, max(1, len(lengths)),
+                                          ffi.from_buffer(planes), size)
+    if lib.ZSTD_isError(written):
+        raise RuntimeError(f"zstd: {ffi.string(lib.ZSTD_getErrorName(written)).decode()}")
+    return bytes(memoryview(_local.dst)[:written])
 
 
 def _words(width: int) -> Any:
@@ -90,22 +143,29 @@ def _words(width: int) -> Any:
 
 def encode_chunk(raw: torch.Tensor, width: int, zstd: Any) -> bytes:
     """The payload of one chunk: ``raw`` (its bytes, a flat uint8 CPU tensor) of ``width``-byte elements."""
-    step, words = _frame_bytes(width), _words(width)
+    step, words, api = _frame_bytes(width), _words(width), _sequence_api()
     # each frame carries zstd's content checksum: a damaged frame fails its decompression
-    compressor = zstd.ZstdCompressor(compression_params=_params(zstd))
-    frames, flat = [], raw.numpy()
-    for at in range(0, raw.numel(), step):
+    params = _params(zstd)  # a compressor is not shared between threads: one per frame
+    compress: Callable[[np.ndarray], bytes] = (
+        functools.partial(_literal_frame, api[0], api[1]) if api is not None
+        else lambda part: zstd.ZstdCompressor(compression_params=params).compress(part))
+    flat = raw.numpy()
+
+    def frame(at: int) -> bytes:
         part = flat[at:at + step]
         if words is not None:  # the sign bit rotated next to the mantissa: the top plane is the exponent alone
             word = part.view(words)
             part = ((word << words(1)) | (word >> words(8 * width - 1))).view(np.uint8)
             part = np.ascontiguousarray(part.reshape(-1, width).T)
-        frames.append(compressor.compress(part))
+        return compress(part)
+
+    # a chunk's frames on threads: a save's first chunk is on the link sooner
+    frames = _spread(lambda index: frame(index * step), -(-raw.numel() // step))
     head = _HEAD.pack(step | CODEC_VERSION << 24, len(frames)) + struct.pack(f"<{len(frames)}Q", *map(len, frames))
     return b"".join([head, *frames])
 
 
-def fetch_span(read_at: Callable[[int, int], bytes], start: int, end: int, width: int,
+def fetch_span(read_at: Callable[[int, int], Union[bytes, memoryview]], start: int, end: int, width: int,
                where: Callable[[], str]) -> tuple[Any, ...]:
     """What :func:`decode_frames` needs of raw bytes ``[start, end)`` of a chunk (its frame
     table and the compressed frames that span touches), read through ``read_at(offset, n)``;
@@ -129,51 +189,84 @@ def fetch_span(read_at: Callable[[int, int], bytes], start: int, end: int, width
     return step, version, count, first, blob, starts, len(blob) + _HEAD.size + 8 * count
 
 
+def _inflate(zstd: Any, frame: memoryview, size: int) -> np.ndarray:
+    """``frame`` decompressed into this thread's scratch buffer (reused: a fresh ``bytes`` a
+    frame is faulted in page by page), read to its end so that zstd checks its checksum;
+    a frame longer than ``size`` comes back ``size + 1`` bytes long."""
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None or len(scratch) <= size:
+        scratch = _local.scratch = bytearray(size + 1)
+        _local.dctx = zstd.ZstdDecompressor()
+    view, got = memoryview(scratch)[:size + 1], 0
+    reader = _local.dctx.stream_reader(frame, read_size=len(frame))
+    while read := reader.readinto(view[got:]):
+        got += read
+    return np.frombuffer(scratch, np.uint8, got)
+
+
+def _merge(rows: np.ndarray, word: np.ndarray, spare: np.ndarray, words: Any, version: int) -> None:
+    """Planes ``rows`` (one a byte of the words) into ``word``, the sign bit rotated back with a version."""
+    width, spare = len(rows), spare[:word.nbytes].view(words)
+    word[:] = rows[-1]
+    word <<= words(8 * (width - 1))
+    for byte in range(width - 1):
+        spare[:] = rows[byte]
+        if byte:
+            spare <<= words(8 * byte)
+        word |= spare
+    if version:  # rotate the sign bit back
+        np.left_shift(word, words(8 * width - 1), out=spare)
+        word >>= words(1)
+        word |= spare
+
+
 def decode_frames(fetched: tuple[Any, ...], start: int, end: int, width: int, zstd: Any,
-                  where: Callable[[], str]) -> np.ndarray:
+                  where: Callable[[], str], into: Optional[np.ndarray] = None) -> np.ndarray:
     """Raw bytes ``[start, end)`` of the chunk (a uint8 array) from ``fetch_span``'s result;
-    its frames on threads.  Raises :class:`CorruptCheckpointError` naming ``where()`` and the
-    frame for a frame that does not decompress to its size."""
+    its frames on threads.  ``into``: where to put them, when ``[start, end)`` is the whole
+    chunk (``end - start`` bytes; what is returned).  Raises :class:`CorruptCheckpointError`
+    naming ``where()`` and the frame for a frame that does not decompress to its size."""
     step, version, count, first, blob, starts, _ = fetched
     if end <= start:
         return np.empty(0, np.uint8)
     blob, words, base, last = memoryview(blob), _words(width), first * step, first + len(starts) - 2
-    out = np.empty(min(count * step, (last + 1) * step) - base, np.uint8)
+    out = into if into is not None else np.empty(min(count * step, (last + 1) * step) - base, np.uint8)
 
     def one(frame: int) -> None:
+        # one frame: zstd into the thread's scratch, then the planes merged into ``out``
+        # (bench rows ``byte-planes+zstd``, decompress, CPU time of one thread: bf16 854 ->
+        # 1670 MB/s, fp32 1058 -> 1340 MB/s with the scratch and the output written once)
         try:
-            planes = zstd.ZstdDecompressor().decompress(blob[starts[frame - first]:starts[frame - first + 1]])
+            planes = _inflate(zstd, blob[starts[frame - first]:starts[frame - first + 1]], step)
         except zstd.ZstdError as exc:
             raise CorruptCheckpointError(f"{where()}: compressed frame {frame} of {count} is corrupt ({exc}); the "
                                          "checkpoint is damaged: restore it or load another") from None
         if len(planes) % width or (frame < count - 1 and len(planes) != step) or frame * step + len(planes) < min(
-                end, (frame + 1) * step):
+                end, (frame + 1) * step) or frame * step - base + len(planes) > len(out):
             raise CorruptCheckpointError(f"{where()}: compressed frame {frame} of {count} decompressed to "
                                          f"{len(planes)} bytes, not {step}")
         target = out[frame * step - base:frame * step - base + len(planes)]
-        rows = np.frombuffer(planes, np.uint8).reshape(width, -1)
+        rows = planes.reshape(width, -1)
         if words is None:
             target.reshape(-1, width)[:] = rows.T
             return
-        # the planes shifted and or-ed into words, the rotation undone in place: bf16 frames
-        # 2838 -> 5674 MB/s, fp32 1139 -> 1234 MB/s (one thread, best of 9, 4 MiB frames)
-        word, spare = target.view(words), np.empty(len(rows[0]), words)
-        np.left_shift(rows[-1], 8 * (width - 1), out=word, dtype=words)
-        for byte in range(width - 1):
-            word |= np.left_shift(rows[byte], 8 * byte, out=spare, dtype=words)
-        if version:  # rotate the sign bit back
-            np.left_shift(word, 8 * width - 1, out=spare)
-            word >>= words(1)
-            word |= spare
-
-    if last > first:  # frames on threads (zstd and numpy release the GIL)
-        list(_pool().map(one, range(first, last + 1)))
-    else:
-        one(first)
-    return out[start - base:end - base]
+        # each plane widened by a plain cast (a ufunc's casting ``dtype=`` buffers it),
+        # shifted and or-ed into the words, the rotation undone in place: one thread, best of
+        # 30, 4 MiB of random planes: bf16 4683 -> 5721 MB/s, fp32 2878 -> 4036 MB/s; then in
+        # 256 KiB pieces (bench tensors end to end, one thread, CPU time, median of 11 at load
+        # average 10: bf16 1209 -> 1310 MB/s, fp32 980 -> 1349 MB/s; 64 KiB pieces lose)
+        spare = getattr(_local, "spare", None)  # reused: no page faults, no unmapping a frame
+        if spare is None:
+            spare = _local.spare = np.empty(_PIECE, np.uint8)
+        for at in range(0, len(rows[0]), _PIECE // width):  # a piece's passes stay in the core's cache
+            _merge(rows[:, at:at + _PIECE // width], target.view(words)[at:at + _PIECE // width], spare, words, version)
 
 
-def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, width: int, zstd: Any,
+    _spread(lambda index: one(first + index), last + 1 - first)
+    return out if into is not None else out[start - base:end - base]
+
+
+def decode_span(read_at: Callable[[int, int], Union[bytes, memoryview]], start: int, end: int, width: int, zstd: Any,
                 where: Callable[[], str]) -> tuple[np.ndarray, int]:
     """``(raw bytes [start, end) of the chunk as a uint8 array, payload bytes read)``:
     :func:`fetch_span` then :func:`decode_frames`."""
@@ -183,15 +276,43 @@ def decode_span(read_at: Callable[[int, int], bytes], start: int, end: int, widt
 
 @functools.cache
 def _pool() -> cf.ThreadPoolExecutor:
-    return cf.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="hp-dcp-unzstd")
+    return cf.ThreadPoolExecutor(max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="hp-dcp-unzstd")
+
+
+def _spread(work: Callable[[int], Any], count: int) -> list[Any]:
+    """``[work(0), ..., work(count - 1)]``, run on this thread and the pool's (zstd and numpy
+    release the GIL), each taking the next index; a pool thread that starts late is cancelled
+    or finds none left, so this thread never idles waiting for one to be scheduled (on a
+    loaded machine that wait, not the work, set the pace)."""
+    results: list[Any] = [None] * count
+    todo = iter(range(count))  # next() of a range iterator is atomic under the GIL
+
+    def drain() -> None:
+        for index in todo:
+            results[index] = work(index)
+
+    helpers = [_pool().submit(drain) for _ in range(min(count - 1, (os.cpu_count() or 1) - 1))]
+    try:
+        drain()
+    finally:
+        for helper in helpers:
+            helper.cancel()
+        cf.wait(helpers)
+    for helper in helpers:
+        if not helper.cancelled():
+            helper.result()
+    return results
 
 
 class CompressedFiles:
     """The open ``.zstd`` files of a checkpoint, for the reader.  :meth:`read_ahead` reads the
-    payloads of a batch's compressed chunks on a thread, up to :data:`READ_AHEAD_BYTES` ahead
-    of :meth:`read_item`'s decoding, so a link stays busy while a chunk decodes (compression
-    bench, load of the trained state under the 200 MB/s cap; measured gain: none separable at
-    load average 20 on 2 cores, median 1.01 vs 0.99 s serial, where the decode is CPU bound).
+    payloads of compressed chunks on a thread, up to :data:`READ_AHEAD_BYTES` ahead of
+    :meth:`read_item`'s decoding, so a link stays busy while a chunk decodes: those of the
+    whole load when the reader's ``execute_read`` hands it all (else a batch's).  Compression
+    bench, load of the trained state under the 200 MB/s cap: a batch's read-ahead alone, no
+    gain separable at load average 20 on 2 cores (median 1.01 vs 0.99 s serial); the whole
+    load's, with the faster decoding, plain ÷ compressed load time 1.10-1.15× (three runs at
+    load average 3-7; 1.05-1.20× at 12-13), against 1.09× quiet before and 1.28× at most.
     ``fetch(fd, n, offset)`` reads their bytes (``os.pread``); ``bytes_read``: payload bytes decoded."""
 
     def __init__(self) -> None:
@@ -200,6 +321,7 @@ class CompressedFiles:
         self._waiting: collections.deque = collections.deque()  # (item, job, payload bytes) not yet started
         self._ahead: collections.deque = collections.deque()  # (item, future, payload bytes), in read order
         self._thread: Optional[cf.ThreadPoolExecutor] = None
+        self._whole = False  # the queue holds the whole load's payloads
         self.fetch: Callable[[int, int, int], bytes] = os.pread
         self.bytes_read = 0
 
@@ -211,10 +333,15 @@ class CompressedFiles:
         return self._seen[1]
 
     def read_ahead(self, root: Path, metadata: Metadata, items: list[ReadItem],
-                   verified: Optional[set[MetadataIndex]]) -> None:
+                   verified: Optional[set[MetadataIndex]], whole: bool = False) -> None:
         """Start reading the payloads of ``items``' compressed chunks (of the checkpoint in
-        ``root``), in order; ``verified``: the chunks whose checksum was checked (``None``: no checks)."""
+        ``root``), in order; ``verified``: the chunks whose checksum was checked (``None``: no checks).
+        ``whole``: ``items`` are the whole load, so the calls for its batches change nothing
+        until :meth:`cancel` (a batch's end no longer stops the link while its last chunks decode)."""
+        if self._whole and not whole:
+            return
         self.cancel()
+        self._whole = whole
         for item in items:
             job = self._job(root, metadata, item, verified)
             if job is not None:
@@ -291,9 +418,13 @@ class CompressedFiles:
         zstd = zstd_module(f"{root / info.relative_path}: {item.storage_index.fqn!r}, stored in the compressed file "
                            f"{info.relative_path},")
         width = dtype.itemsize
-        raw = decode_frames(fetched, first * width, (first + span) * width, width, zstd, lambda: label)
-        if span:
-            target = dest if offset is None else dest.as_strided(item.lengths, strides, offset)
+        target = dest if offset is None else dest.as_strided(item.lengths, strides, offset)
+        into = None  # a whole chunk into a contiguous tensor of its dtype: decoded in place, no copy
+        if span and span == target.numel() == math.prod(sizes) and target.dtype == dtype and target.is_cpu and \
+                target.is_contiguous():
+            into = target.detach().view(-1).view(torch.uint8).numpy()
+        raw = decode_frames(fetched, first * width, (first + span) * width, width, zstd, lambda: label, into)
+        if span and into is None:
             target.copy_(torch.from_numpy(raw).view(dtype).as_strided(lengths, row_major_strides(sizes), 0))
         if verified is not None:
             verified.add(item.storage_index)
@@ -306,6 +437,7 @@ class CompressedFiles:
             entry[1].cancel()
         self._ahead.clear()
         self._waiting.clear()
+        self._whole = False
 
     def close(self) -> None:
         self.cancel()

@@ -488,6 +488,15 @@ class FileSystemReader(StorageReader):
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Read this rank's items in file order, into the planner's regions where it has them."""
         items = self.sort_items([it for it in plan.items if it.source is None or it.source == self.rank])
+        if self.compressed.any_in(self.metadata):  # every payload read ahead, not a batch's: no idle link between
+            self.compressed.read_ahead(self._root(), self.metadata, items,  # type: ignore[arg-type]
+                                       self._verified if self.verify else None, whole=True)
+        try:
+            self._execute_read(items, planner)
+        finally:
+            self.compressed.cancel()
+
+    def _execute_read(self, items: list[ReadItem], planner: LoadPlanner) -> None:
         region = getattr(planner, "resolve_region", None)
         if region is None or self.item_by_item:
             read_items(self, planner, items)
