@@ -57,7 +57,7 @@ INTEGRATION_FRAMEWORKS = ["pytorch-lightning==2.6.6", "accelerate==1.16.0", "tyr
 TORCHTITAN = "torchtitan==0.3.0"
 # compressed checkpoints: storage-fs's [zstd] extra, pinned as tested; zipnn for the compression
 # benchmark section's own test
-INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", "zstandard==0.25.0", "zipnn==0.5.4", *DOCS_DEPS,
+INTEGRATION_DEPS = ["jsonschema>=4", "pyyaml>=6", "matplotlib", "zstandard==0.25.0", "cffi>=1.16", "zipnn==0.5.4", *DOCS_DEPS,
                     *INTEGRATION_FRAMEWORKS]
 
 
@@ -162,7 +162,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks side by side with torch.distributed.checkpoint (results in docs/benchmarks/)."""
     # zstandard, zipnn: the compression section's codecs (bench-only, pinned)
-    _install_everything(session, "matplotlib", "zstandard==0.25.0", "zipnn==0.5.4")
+    _install_everything(session, "matplotlib", "zstandard==0.25.0", "cffi>=1.16", "zipnn==0.5.4")
     session.run("python", "-m", "hyper_parallel_dcp.benchmarks", *session.posargs)
 
 
