@@ -261,7 +261,6 @@ def decode_frames(fetched: tuple[Any, ...], start: int, end: int, width: int, zs
         for at in range(0, len(rows[0]), _PIECE // width):  # a piece's passes stay in the core's cache
             _merge(rows[:, at:at + _PIECE // width], target.view(words)[at:at + _PIECE // width], spare, words, version)
 
-
     _spread(lambda index: one(first + index), last + 1 - first)
     return out if into is not None else out[start - base:end - base]
 
