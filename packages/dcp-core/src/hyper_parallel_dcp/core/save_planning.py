@@ -18,7 +18,7 @@ from .objects import serialize_object
 from .plan_cache import PlanCache
 from .plan_columns import WriteColumns
 from .planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from .timing import log_info
+from .settings import log_info
 
 __all__ = [
     "StandardSavePlanner",
