@@ -128,19 +128,16 @@ def plan_global_save_deferred(plans: Sequence[SavePlan], *, dedup: bool = True, 
 class StandardSavePlanner(SavePlanner):
     """Default save planner: cross-rank dedup (``remove_redundancy``) and a process-wide plan cache
     (``enable_plan_caching``; off without collectives and with a ragged leaf).  A subclass that
-    overrides ``resolve_data`` / ``create_global_plan`` gets ``resolved_data_stable`` /
-    ``defers_metadata`` False unless it declares them."""
+    overrides ``resolve_data`` gets ``resolved_data_stable`` False unless it declares it."""
 
     plan_cache: PlanCache = PlanCache()
 
     resolved_data_stable = True
-    defers_metadata = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for method, capability in (("resolve_data", "resolved_data_stable"), ("create_global_plan", "defers_metadata")):
-            if method in vars(cls) and capability not in vars(cls):
-                setattr(cls, capability, False)
+        if "resolve_data" in vars(cls) and "resolved_data_stable" not in vars(cls):
+            cls.resolved_data_stable = False
 
     def __init__(self, enable_plan_caching: bool = True, remove_redundancy: bool = True,
                  save_to_minimum_rank: bool = False) -> None:
@@ -227,19 +224,9 @@ class StandardSavePlanner(SavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with gc_paused():
-            plans, build = self._global_plan(all_plans)
+            plans, build = plan_global_save_deferred(all_plans, dedup=self.remove_redundancy and self.use_collectives,
+                                                     save_to_minimum_rank=self.save_to_minimum_rank)
             return plans, build()
-
-    def create_global_plan_deferred(self, all_plans: list[SavePlan]
-                                    ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
-        if not self.defers_metadata:
-            return super().create_global_plan_deferred(all_plans)  # a subclass's own global plan
-        return self._global_plan(all_plans)
-
-    def _global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Callable[[], Metadata]]:
-        with gc_paused():
-            return plan_global_save_deferred(all_plans, dedup=self.remove_redundancy and self.use_collectives,
-                                             save_to_minimum_rank=self.save_to_minimum_rank)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         local = self._local_plan
