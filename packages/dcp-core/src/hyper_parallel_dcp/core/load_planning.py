@@ -119,6 +119,7 @@ def create_local_load_plan(
     # the overlap arithmetic runs once per (chunk layout, piece) pair
     reads_of: dict[Any, tuple[tuple[_PieceRead, ...], int]] = {}
     indexes: dict[Any, _ChunkIndex] = {}
+    layouts: dict[Any, Any] = {}  # see to_tensor_shards
     TENSOR = LoadItemType.TENSOR
     sd_md = metadata.state_dict_metadata
     missing: list[str] = []
@@ -137,7 +138,7 @@ def create_local_load_plan(
             continue
         if not isinstance(md, TensorStorageMetadata):
             raise MismatchError(f"{fqn!r} is stored as an object but the target is a tensor")
-        target = to_tensor_shards(leaf, fqn)
+        target = to_tensor_shards(leaf, fqn, layouts=layouts)
         shards[fqn] = target
         if tuple(md.size) != target.global_shape:
             raise MismatchError(

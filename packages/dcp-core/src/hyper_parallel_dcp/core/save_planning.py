@@ -12,7 +12,7 @@ import torch
 from .chunks import full_box
 from .gc_pause import gc_paused
 from .global_save import plan_global_columns
-from .layout import check_tensor, dtensor_layout, dtensor_pieces, is_tensor_leaf, narrowed, to_tensor_shards
+from .layout import is_tensor_leaf, to_tensor_shards
 from .metadata import Metadata, MetadataIndex, dtype_name
 from .objects import serialize_object
 from .plan_cache import PlanCache
@@ -38,8 +38,7 @@ def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
     items: list[WriteItem] = []
     data: dict[MetadataIndex, Any] = {}
     ragged = False
-    # each DTensor layout's items are worked out once
-    layouts: dict[Hashable, tuple] = {}
+    layouts: dict[Hashable, Any] = {}  # each DTensor layout's pieces, worked out once
 
     def add(index: MetadataIndex, item: WriteItem, value: Any) -> None:
         if index in data:
@@ -48,25 +47,12 @@ def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
         data[index] = value
 
     for fqn, leaf in flat.items():
-        parts = dtensor_layout(leaf)
-        if parts is not None:
-            local, key = parts
-            layout = layouts.get(key)
-            if layout is None:
-                layout = layouts[key] = _dtensor_items(leaf, fqn)
-            if layout:  # a tensor with elements (an empty one takes the general way)
-                check_tensor(local, fqn, meta=False)
-                for offsets, sizes, global_shape, dtype, nbytes, cut in layout:
-                    index = MetadataIndex(fqn, offsets)
-                    add(index, WriteItem(index, WriteItemType.TENSOR, sizes, global_shape, dtype, nbytes),
-                        narrowed(local, cut))
-                continue
         if not is_tensor_leaf(leaf):
             index = MetadataIndex(fqn)
             digest = hashlib.blake2b(serialize_object(leaf), digest_size=8).hexdigest() if digests else None
             add(index, WriteItem(index, WriteItemType.BYTE_IO, digest=digest), leaf)
             continue
-        shards = to_tensor_shards(leaf, fqn, meta=False)
+        shards = to_tensor_shards(leaf, fqn, meta=False, layouts=layouts)
         ragged = ragged or shards.ragged
         dtype = dtype_name(shards.dtype)
         pieces = shards.pieces
@@ -81,17 +67,6 @@ def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
             add(index, WriteItem(index, WriteItemType.TENSOR, box.sizes, shards.global_shape, dtype,
                                  box.volume * shards.dtype.itemsize), view)
     return SavePlan(WriteColumns.from_items(items)), data, ragged
-
-
-def _dtensor_items(leaf: Any, fqn: str) -> tuple:
-    """Per piece of a DTensor of this layout: ``(offsets, sizes, global shape, dtype name,
-    bytes, narrowing)``; ``()`` for a tensor without elements."""
-    global_shape = tuple(leaf.shape)
-    if math.prod(global_shape) == 0:
-        return ()
-    dtype, itemsize = dtype_name(leaf.dtype), leaf.dtype.itemsize
-    return tuple((box.offsets, box.sizes, global_shape, dtype, box.volume * itemsize, cut)
-                 for box, cut in dtensor_pieces(leaf, fqn) if not box.is_empty())
 
 
 def dedup_save_plans(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -> list[SavePlan]:
