@@ -110,7 +110,7 @@ ROWS = matrix_rows()
 
 
 def test_matrix_covers_every_operation_and_phase() -> None:
-    from hyper_parallel_dcp.core.faults import PHASES
+    from hyper_parallel_dcp.core.settings import PHASES
 
     assert {r["op"] for r in ROWS} == {"save", "async_save", "load", "broadcast load"}
     save_phases = {p for p in PHASES if p.startswith("save.")}

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from hyper_parallel_dcp.core.steps import parse_step_name, step_name
+from hyper_parallel_dcp.core.backends import parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
 
 __all__ = ["LocalCopies", "LocalTierFullError", "free_bytes"]

@@ -27,12 +27,12 @@ from hyper_parallel_dcp import api
 from hyper_parallel_dcp.async_persist.arena import StagingArena
 from hyper_parallel_dcp.async_persist.staged import materialize
 from hyper_parallel_dcp.core.collectives import collective_timeout
-from hyper_parallel_dcp.core.faults import fault_error, fault_point
 from hyper_parallel_dcp.core.flatten import flatten_state_dict, match_stored_keys
 from hyper_parallel_dcp.core.layout import is_tensor_leaf
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.metadata import Metadata, metadata_from_json
 from hyper_parallel_dcp.core.planner import LoadItemType
+from hyper_parallel_dcp.core.settings import fault_error, fault_point
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from hyper_parallel_dcp.core.stateful import expand_stateful
 from hyper_parallel_dcp.storage_fs import FileSystemReader, merge_rank_metadata

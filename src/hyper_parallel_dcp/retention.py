@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
+from hyper_parallel_dcp.core.backends import parse_step_name
 from hyper_parallel_dcp.core.metadata import referenced_checkpoint
-from hyper_parallel_dcp.core.steps import parse_step_name
 from hyper_parallel_dcp.storage_fs.metadata_io import load_checkpoint_metadata
 
 __all__ = ["best_steps", "incremental_plan", "referenced_steps", "steps_to_delete"]

@@ -1,6 +1,6 @@
 """Every storage operation of :class:`CheckpointManager`, ``hp-dcp ls`` and ``hp-dcp clean``.
 
-:class:`FileSystemSteps` is the ``core.steps.StepStorage`` of a filesystem root (``root/step_N``
+:class:`FileSystemSteps` is the ``core.backends.StepStorage`` of a filesystem root (``root/step_N``
 beside the user's files); :func:`step_storage_for` picks an object store's by URL scheme.
 A step whose save lock is held (an ``flock``) is never touched, nor, with ``grace``,
 anything modified in the last ``grace`` seconds.
@@ -21,9 +21,17 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from hyper_parallel_dcp.core.backends import backend_for, url_scheme
+from hyper_parallel_dcp.core.backends import (
+    INFO_FILE,
+    Leftover,
+    StepEntry,
+    StepStorage,
+    backend_for,
+    parse_step_name,
+    step_name,
+    url_scheme,
+)
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
-from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, StepStorage, parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.backend import local_path
 from hyper_parallel_dcp.storage_fs.commit import SaveLock

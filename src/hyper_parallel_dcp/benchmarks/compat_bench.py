@@ -61,8 +61,8 @@ def _our_planning(sd: dict, target: dict, path: Path, reps: int) -> dict[str, li
     import torch.distributed as dist
 
     import hyper_parallel_dcp as hp
+    from hyper_parallel_dcp.core.settings import logger
     from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
-    from hyper_parallel_dcp.core.timing import logger
 
     from .io_bench import _rm
 

@@ -5,7 +5,7 @@
 Each round is a fresh job of ``--ranks`` gloo processes on CPU.  It runs one operation
 (save, async save, load or broadcast load) and, with probability ``--fault-rate``, one
 random rank (or its async writer) SIGKILLs itself at a random phase through the core
-fault hook (:mod:`hyper_parallel_dcp.core.faults`).  Saves go into directories that
+fault hook (:func:`hyper_parallel_dcp.core.settings.fault_point`).  Saves go into directories that
 already hold a complete checkpoint, so a fault there must leave the old one intact.
 After a faulted async save the same job saves again, which must land on every rank.
 

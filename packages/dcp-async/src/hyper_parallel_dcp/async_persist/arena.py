@@ -12,12 +12,12 @@ import torch
 
 from hyper_parallel_dcp.core import TensorShards
 from hyper_parallel_dcp.core.flatten import flatten_state_dict
-from hyper_parallel_dcp.core.layout import is_tensor_leaf
+from hyper_parallel_dcp.core.layout import is_tensor_leaf, to_tensor_shards
 from hyper_parallel_dcp.storage_fs.posix import malloc_trim
 
 from ._torch_compat import dtensor_class, foreach_copy
 from .copier import DataCopier
-from .repeat import DevicePack, GeometryMemo, LeafCheck, RepeatedLayout
+from .repeat import DevicePack, LeafCheck, RepeatedLayout, leaf_check
 from .staged import PieceRef, Slab, StagedStateDict, align, copy_into_slots
 
 __all__ = ["BufferKey", "StagingArena", "StagingStats"]
@@ -58,7 +58,6 @@ class StagingArena:
         self._slots: dict[BufferKey, tuple[int, int]] = {}
         self._next_id = 0
         self._layout: Optional[RepeatedLayout] = None
-        self._geometry = GeometryMemo()
         self._pending: Optional[_PendingSlab] = None
         self._pending_lock = threading.Lock()
 
@@ -102,11 +101,13 @@ class StagingArena:
         checks: list[LeafCheck] = []
         device_type: Optional[str] = None
         reusable = True
+        layouts: dict[Any, Any] = {}  # see to_tensor_shards
         for fqn, leaf in flat.items():
             if not is_tensor_leaf(leaf):
                 checks.append(None)
                 continue
-            shards, check = self._geometry.shards(leaf, fqn, dtensor_cls)
+            shards = to_tensor_shards(leaf, fqn, layouts=layouts)
+            check = leaf_check(leaf, shards, dtensor_cls)
             checks.append(check)
             reusable = reusable and check is not None
             keys: list[Optional[BufferKey]] = []
@@ -215,4 +216,3 @@ class StagingArena:
         self._slabs.clear()
         self._slots.clear()
         self._layout = None
-        self._geometry.clear()

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 from hyper_parallel_dcp.core.collectives import DistWrapper
-from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S, MAILBOX_POLL_MAX
-from hyper_parallel_dcp.core.timing import phase
+from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S, MAILBOX_POLL_MAX, phase
 from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.layout import DONE_SUFFIX, ack_file, gather_file, result_file, scatter_file
 

@@ -19,8 +19,8 @@ from hyper_parallel_dcp.core import Metadata, SavePlanner, StandardSavePlanner, 
 from hyper_parallel_dcp.core.backends import storage_writer_for
 from hyper_parallel_dcp.core.gc_pause import gc_paused
 from hyper_parallel_dcp.core.pipeline import process_rank
+from hyper_parallel_dcp.core.settings import phase
 from hyper_parallel_dcp.core.stateful import expand_stateful
-from hyper_parallel_dcp.core.timing import phase
 
 from .arena import StagingArena, StagingStats
 from .coordination import (

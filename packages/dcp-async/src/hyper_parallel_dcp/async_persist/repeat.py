@@ -1,6 +1,6 @@
 """The repeated-layout strategy: a save with the last one's flat keys and tensor geometry
 checks each leaf and copies, with none of a first staging's per-piece work.  Exports
-:data:`LeafCheck`, :func:`leaf_check`, :class:`GeometryMemo`, :class:`RepeatedLayout`, :class:`DevicePack`."""
+:data:`LeafCheck`, :func:`leaf_check`, :class:`RepeatedLayout`, :class:`DevicePack`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any, Optional
 
 import torch
 
-from hyper_parallel_dcp.core import ChunkBox, RaggedShard, TensorShards, to_tensor_shards
-from hyper_parallel_dcp.core.layout import check_tensor, is_tensor_leaf
+from hyper_parallel_dcp.core import RaggedShard, TensorShards, to_tensor_shards
+from hyper_parallel_dcp.core.layout import is_tensor_leaf
 
 from ._torch_compat import dtensor_class, dtensor_local, dtensor_spec, foreach_copy
 from .staged import align, copy_into_slots, wait_for_copies
 
-__all__ = ["DevicePack", "GeometryMemo", "LeafCheck", "RepeatedLayout", "leaf_check"]
+__all__ = ["DevicePack", "LeafCheck", "RepeatedLayout", "leaf_check"]
 
 #: A tensor leaf's reuse check, ``(token, whole)``: a DTensor's spec or a plain tensor's
 #: (shape, dtype, device), and whether its one non-empty piece is its whole local tensor;
@@ -31,34 +31,6 @@ def leaf_check(leaf: Any, shards: TensorShards, dtensor_cls: Any) -> LeafCheck:
         nonempty = [view for box, view in shards.pieces if not box.is_empty()]
         return dtensor_spec(leaf), len(nonempty) == 1 and nonempty[0] is dtensor_local(leaf)
     return (leaf.shape, leaf.dtype, leaf.device), leaf.numel() > 0
-
-
-class GeometryMemo:
-    """:func:`to_tensor_shards` with the geometry of whole-local DTensors remembered by spec
-    (a model repeats a few layouts thousands of times)."""
-
-    def __init__(self) -> None:
-        self._whole_local: dict[Any, tuple[tuple[int, ...], ChunkBox, bool]] = {}
-
-    def shards(self, leaf: Any, fqn: str, dtensor_cls: Any) -> tuple[TensorShards, LeafCheck]:
-        """The leaf's shards and check; raises what :func:`to_tensor_shards` raises."""
-        if dtensor_cls is None or not isinstance(leaf, dtensor_cls):
-            shards = to_tensor_shards(leaf, fqn)
-            return shards, leaf_check(leaf, shards, dtensor_cls)
-        spec, local = dtensor_spec(leaf), dtensor_local(leaf)
-        known = self._whole_local.get(spec)
-        if known is not None:
-            check_tensor(local, fqn)
-            # this leaf's own spec object: a later save finds it by identity first
-            return TensorShards(known[0], leaf.dtype, [(known[1], local)]), (spec, known[2])
-        shards = to_tensor_shards(leaf, fqn)
-        check = leaf_check(leaf, shards, dtensor_cls)
-        if len(shards.pieces) == 1 and shards.pieces[0][1] is local and check is not None:
-            self._whole_local[spec] = (shards.global_shape, shards.pieces[0][0], check[1])
-        return shards, check
-
-    def clear(self) -> None:
-        self._whole_local.clear()
 
 
 @dataclass

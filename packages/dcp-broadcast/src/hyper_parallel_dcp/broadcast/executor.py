@@ -17,11 +17,9 @@ import torch.distributed as dist
 
 from hyper_parallel_dcp.core.collectives import TIMEOUT_ENV, DistWrapper, collective_timeout
 from hyper_parallel_dcp.core.errors import CheckpointTimeoutError, format_ranks
-from hyper_parallel_dcp.core.faults import fault_point
 from hyper_parallel_dcp.core.planner import LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD
+from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD, fault_point, phase
 from hyper_parallel_dcp.core.storage import StorageReader, commit_read, read_items, resolve_destinations
-from hyper_parallel_dcp.core.timing import phase
 
 from .exchange import ChunkExchanges
 from .groups import broadcast_groups_for_load

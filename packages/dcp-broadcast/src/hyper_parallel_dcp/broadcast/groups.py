@@ -11,7 +11,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from hyper_parallel_dcp.core.timing import phase
+from hyper_parallel_dcp.core.settings import phase
 
 __all__ = ["broadcast_groups_for_load"]
 

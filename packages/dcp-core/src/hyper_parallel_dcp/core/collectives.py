@@ -26,8 +26,7 @@ from .errors import (
     format_ranks,
     remote_error_class,
 )
-from .settings import COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT_S
-from .timing import phase
+from .settings import COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT_S, phase
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "DistWrapper", "collective_timeout"]
 

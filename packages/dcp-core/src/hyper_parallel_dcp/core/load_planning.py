@@ -47,17 +47,6 @@ class _ChunkIndex:
         at = pos * self.ndim
         return pos, tuple(self.offsets[at:at + self.ndim]), tuple(self.sizes[at:at + self.ndim])
 
-    def exact(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Optional[int]:
-        """Position in ``md.chunks`` of the stored chunk whose box is exactly ``offsets+sizes``."""
-        if self.ndim == 0 or not offsets:
-            return 0 if self.count else None
-        lo = bisect.bisect_left(self.starts, offsets[0])
-        hi = bisect.bisect_right(self.starts, offsets[0], lo)
-        if self.ndim > 1 and hi - lo > 1:
-            lo = bisect.bisect_left(self.starts1, offsets[1], lo, hi)
-            hi = bisect.bisect_right(self.starts1, offsets[1], lo, hi)
-        return next((pos for pos, o, z in map(self._box, range(lo, hi)) if o == offsets and z == sizes), None)
-
     def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]
                     ) -> Iterator[tuple[int, tuple[int, ...], tuple[int, ...]]]:
         """``(position in md.chunks, offsets, sizes)`` of every chunk that may overlap the box."""
@@ -90,10 +79,6 @@ def _piece_reads(cindex: _ChunkIndex, b_off: tuple[int, ...], b_size: tuple[int,
                  ) -> tuple[tuple[_PieceRead, ...], int]:
     """The reads that fill the piece ``b_off+b_size`` (target box ∩ stored chunks, in chunk
     order) and the elements of the piece they cover."""
-    pos = cindex.exact(b_off, b_size)
-    if pos is not None:  # the piece is a stored chunk (a same-layout load)
-        zeros = (0,) * len(b_off)
-        return ((pos, b_off, zeros, zeros, b_size),), math.prod(b_size)
     reads = []
     covered = 0
     b_end = tuple(map(add, b_off, b_size))
@@ -119,6 +104,7 @@ def create_local_load_plan(
     # the overlap arithmetic runs once per (chunk layout, piece) pair
     reads_of: dict[Any, tuple[tuple[_PieceRead, ...], int]] = {}
     indexes: dict[Any, _ChunkIndex] = {}
+    layouts: dict[Any, Any] = {}  # see to_tensor_shards
     TENSOR = LoadItemType.TENSOR
     sd_md = metadata.state_dict_metadata
     missing: list[str] = []
@@ -137,7 +123,7 @@ def create_local_load_plan(
             continue
         if not isinstance(md, TensorStorageMetadata):
             raise MismatchError(f"{fqn!r} is stored as an object but the target is a tensor")
-        target = to_tensor_shards(leaf, fqn)
+        target = to_tensor_shards(leaf, fqn, layouts=layouts)
         shards[fqn] = target
         if tuple(md.size) != target.global_shape:
             raise MismatchError(

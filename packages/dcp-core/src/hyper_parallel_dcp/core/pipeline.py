@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from .collectives import DistWrapper
 from .errors import CheckpointTimeoutError, MismatchError, MissingKeyError, MissingRegionError
-from .faults import fault_point
 from .flatten import flatten_state_dict, match_stored_keys, set_by_path
 from .gc_pause import gc_paused
 from .layout import is_tensor_leaf
@@ -31,10 +30,9 @@ from .reader_assignment import (
     target_layout,
 )
 from .save_planning import StandardSavePlanner
-from .settings import CHUNK_EXCHANGE
+from .settings import CHUNK_EXCHANGE, fault_point, log_info, phase
 from .stateful import expand_stateful, restore_stateful
 from .storage import StorageReader, StorageWriter, WriteResult, read_metadata_once
-from .timing import log_info, phase
 
 __all__ = ["ReadExecutor", "attach_results", "load_state_dict", "process_rank", "save_state_dict"]
 

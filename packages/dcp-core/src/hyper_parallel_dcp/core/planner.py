@@ -66,7 +66,7 @@ class SavePlan:
     save_id: str | None = None
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class ReadItem:
     """Copy ``lengths`` elements from a stored chunk (``storage_index``, at ``storage_offsets``)
     into a local shard (``dest_index``, at ``dest_offsets``); ``source``: the reading rank
@@ -79,19 +79,6 @@ class ReadItem:
     storage_offsets: tuple[int, ...]
     lengths: tuple[int, ...]
     source: int | None = None
-
-    def __init__(self, type: LoadItemType, dest_index: MetadataIndex, dest_offsets: tuple[int, ...],
-                 storage_index: MetadataIndex, storage_offsets: tuple[int, ...], lengths: tuple[int, ...],
-                 source: int | None = None) -> None:
-        # the instance the generated __init__ makes, in a third of the time
-        values = self.__dict__
-        values["type"] = type
-        values["dest_index"] = dest_index
-        values["dest_offsets"] = dest_offsets
-        values["storage_index"] = storage_index
-        values["storage_offsets"] = storage_offsets
-        values["lengths"] = lengths
-        values["source"] = source
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ import torch
 from .chunks import full_box
 from .gc_pause import gc_paused
 from .global_save import plan_global_columns
-from .layout import check_tensor, dtensor_layout, dtensor_pieces, is_tensor_leaf, narrowed, to_tensor_shards
+from .layout import is_tensor_leaf, to_tensor_shards
 from .metadata import Metadata, MetadataIndex, dtype_name
 from .objects import serialize_object
 from .plan_cache import PlanCache
 from .plan_columns import WriteColumns
 from .planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from .timing import log_info
+from .settings import log_info
 
 __all__ = [
     "StandardSavePlanner",
@@ -38,8 +38,7 @@ def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
     items: list[WriteItem] = []
     data: dict[MetadataIndex, Any] = {}
     ragged = False
-    # each DTensor layout's items are worked out once
-    layouts: dict[Hashable, tuple] = {}
+    layouts: dict[Hashable, Any] = {}  # each DTensor layout's pieces, worked out once
 
     def add(index: MetadataIndex, item: WriteItem, value: Any) -> None:
         if index in data:
@@ -48,25 +47,12 @@ def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
         data[index] = value
 
     for fqn, leaf in flat.items():
-        parts = dtensor_layout(leaf)
-        if parts is not None:
-            local, key = parts
-            layout = layouts.get(key)
-            if layout is None:
-                layout = layouts[key] = _dtensor_items(leaf, fqn)
-            if layout:  # a tensor with elements (an empty one takes the general way)
-                check_tensor(local, fqn, meta=False)
-                for offsets, sizes, global_shape, dtype, nbytes, cut in layout:
-                    index = MetadataIndex(fqn, offsets)
-                    add(index, WriteItem(index, WriteItemType.TENSOR, sizes, global_shape, dtype, nbytes),
-                        narrowed(local, cut))
-                continue
         if not is_tensor_leaf(leaf):
             index = MetadataIndex(fqn)
             digest = hashlib.blake2b(serialize_object(leaf), digest_size=8).hexdigest() if digests else None
             add(index, WriteItem(index, WriteItemType.BYTE_IO, digest=digest), leaf)
             continue
-        shards = to_tensor_shards(leaf, fqn, meta=False)
+        shards = to_tensor_shards(leaf, fqn, meta=False, layouts=layouts)
         ragged = ragged or shards.ragged
         dtype = dtype_name(shards.dtype)
         pieces = shards.pieces
@@ -81,17 +67,6 @@ def create_local_save_plan(flat: dict[str, Any], *, digests: bool = True
             add(index, WriteItem(index, WriteItemType.TENSOR, box.sizes, shards.global_shape, dtype,
                                  box.volume * shards.dtype.itemsize), view)
     return SavePlan(WriteColumns.from_items(items)), data, ragged
-
-
-def _dtensor_items(leaf: Any, fqn: str) -> tuple:
-    """Per piece of a DTensor of this layout: ``(offsets, sizes, global shape, dtype name,
-    bytes, narrowing)``; ``()`` for a tensor without elements."""
-    global_shape = tuple(leaf.shape)
-    if math.prod(global_shape) == 0:
-        return ()
-    dtype, itemsize = dtype_name(leaf.dtype), leaf.dtype.itemsize
-    return tuple((box.offsets, box.sizes, global_shape, dtype, box.volume * itemsize, cut)
-                 for box, cut in dtensor_pieces(leaf, fqn) if not box.is_empty())
 
 
 def dedup_save_plans(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -> list[SavePlan]:
@@ -128,19 +103,16 @@ def plan_global_save_deferred(plans: Sequence[SavePlan], *, dedup: bool = True, 
 class StandardSavePlanner(SavePlanner):
     """Default save planner: cross-rank dedup (``remove_redundancy``) and a process-wide plan cache
     (``enable_plan_caching``; off without collectives and with a ragged leaf).  A subclass that
-    overrides ``resolve_data`` / ``create_global_plan`` gets ``resolved_data_stable`` /
-    ``defers_metadata`` False unless it declares them."""
+    overrides ``resolve_data`` gets ``resolved_data_stable`` False unless it declares it."""
 
     plan_cache: PlanCache = PlanCache()
 
     resolved_data_stable = True
-    defers_metadata = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for method, capability in (("resolve_data", "resolved_data_stable"), ("create_global_plan", "defers_metadata")):
-            if method in vars(cls) and capability not in vars(cls):
-                setattr(cls, capability, False)
+        if "resolve_data" in vars(cls) and "resolved_data_stable" not in vars(cls):
+            cls.resolved_data_stable = False
 
     def __init__(self, enable_plan_caching: bool = True, remove_redundancy: bool = True,
                  save_to_minimum_rank: bool = False) -> None:
@@ -227,19 +199,9 @@ class StandardSavePlanner(SavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with gc_paused():
-            plans, build = self._global_plan(all_plans)
+            plans, build = plan_global_save_deferred(all_plans, dedup=self.remove_redundancy and self.use_collectives,
+                                                     save_to_minimum_rank=self.save_to_minimum_rank)
             return plans, build()
-
-    def create_global_plan_deferred(self, all_plans: list[SavePlan]
-                                    ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
-        if not self.defers_metadata:
-            return super().create_global_plan_deferred(all_plans)  # a subclass's own global plan
-        return self._global_plan(all_plans)
-
-    def _global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Callable[[], Metadata]]:
-        with gc_paused():
-            return plan_global_save_deferred(all_plans, dedup=self.remove_redundancy and self.use_collectives,
-                                             save_to_minimum_rank=self.save_to_minimum_rank)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         local = self._local_plan

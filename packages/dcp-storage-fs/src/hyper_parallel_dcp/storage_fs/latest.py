@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+from hyper_parallel_dcp.core.backends import parse_step_name
 from hyper_parallel_dcp.core.format_version import FORMAT_VERSION, format_version_of
-from hyper_parallel_dcp.core.steps import parse_step_name
 
 from .files import CheckpointFiles, Location, as_checkpoint_files
 from .layout import METADATA_FILE, RANK_METADATA

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
+from hyper_parallel_dcp.core.backends import parse_step_name
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import (
     BytesStorageMetadata,
@@ -22,7 +23,6 @@ from hyper_parallel_dcp.core.metadata import (
     chunk_columns,
     metadata_from_json,
 )
-from hyper_parallel_dcp.core.steps import parse_step_name
 
 from .files import CheckpointFiles, Location, as_checkpoint_files
 from .latest import step_directories

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from hyper_parallel_dcp.core.errors import CheckpointError, CheckpointNotFoundError
-from hyper_parallel_dcp.core.settings import OBJECT_LOCK_STALE_AFTER
-from hyper_parallel_dcp.core.timing import configure_from_env
+from hyper_parallel_dcp.core.settings import OBJECT_LOCK_STALE_AFTER, configure_from_env
 
 __all__ = ["ObjectStore", "ObjectStoreError", "ObjectStoreSettings", "parse_url"]
 

@@ -16,8 +16,8 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
+from hyper_parallel_dcp.core.backends import INFO_FILE, Leftover, StepEntry, parse_step_name, step_name
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
-from hyper_parallel_dcp.core.steps import INFO_FILE, Leftover, StepEntry, parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.integrity import check_complete
 from hyper_parallel_dcp.storage_fs.layout import METADATA_FILE, RANK_METADATA
 
