@@ -130,6 +130,24 @@ def test_metadata_parser_on_mutated_metadata(good: Path, data) -> None:
     _parse_cleanly(json.dumps(doc))
 
 
+@pytest.mark.parametrize("case", ["a file nothing refers to, unsized", "an unsized file listed first"])
+def test_a_file_table_with_unsized_files_is_written_back_as_read(good: Path, case: str) -> None:
+    """Two documents the mutation fuzz found: the writer dropped the first's unreferenced
+    unsized file and listed the second's sized file first."""
+    doc = json.loads((good / ".metadata").read_text())
+    del doc[METADATA_DIGEST]
+    doc.pop("header_digests", None)
+    assert [name for name, _ in doc["files"]] == ["_rank0_.safetensors", "_rank0_.bytes"]
+    if case == "a file nothing refers to, unsized":
+        doc["objects"], doc["files"][1][1] = {}, None
+    else:
+        doc["files"][0][1] = None
+    md = metadata_from_json(json.dumps(doc), source="test")
+    assert list(md.files) == (["_rank0_.safetensors"] if doc["objects"] == {} else ["_rank0_.bytes"])
+    _parse_cleanly(json.dumps(doc))
+    assert json.loads(metadata_to_json(md))["files"] == doc["files"]
+
+
 @FUZZ
 @given(st.data())
 def test_a_mutated_metadata_with_its_digest_is_refused(good: Path, data) -> None:

@@ -102,7 +102,10 @@ def metadata_to_json(metadata: Metadata) -> str:
     the FQN for a chunk whose offsets or sizes do not have one entry per dimension.
     """
     table = storage_table(metadata)
-    names = FileNames(metadata)
+    # a parsed file table keeps its order, and the names nothing refers to, while its sized
+    # names are still ``metadata.files`` in order: a round trip writes the table it read
+    sized = [name for name in table.files if name in metadata.files]
+    names = FileNames(metadata, table.files if sized == list(metadata.files) else ())
     written = [-1] * len(table.files)  # table's file index -> index in the written file table
     tensors: dict[str, Any] = {}
     objects: dict[str, Any] = {}

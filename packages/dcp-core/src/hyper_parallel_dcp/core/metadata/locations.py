@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import chain, repeat
 from operator import attrgetter
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -158,13 +158,14 @@ class StorageTable(Mapping[MetadataIndex, StorageInfo]):
 
 
 class FileNames:
-    """File name → index, in the order the format lists them: ``metadata.files``, then
-    ``header_digests``, then each other file where it is first named."""
+    """File name → index, in the order the format lists them: ``first`` (a parsed file
+    table's names), ``metadata.files``, then ``header_digests``, then each other file where
+    it is first named."""
 
-    def __init__(self, metadata: Metadata) -> None:
+    def __init__(self, metadata: Metadata, first: Sequence[str] = ()) -> None:
         self.index: dict[str, int] = {}
         self.names: list[str] = []
-        for name in chain(metadata.files, metadata.header_digests):
+        for name in chain(first, metadata.files, metadata.header_digests):
             self.add(name)
 
     def add(self, name: str) -> int:
