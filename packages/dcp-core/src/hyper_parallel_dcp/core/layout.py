@@ -92,12 +92,8 @@ def placement_boxes(
     one mesh coordinate holds (several for ``_StridedShard``), without a process group.
     Raises :class:`UnsupportedPlacementError` for ``Partial``.
     """
-    from torch.distributed.tensor.placement_types import Partial, Shard
+    from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
 
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError:  # pragma: no cover
-        _StridedShard = ()  # type: ignore[assignment,misc]
     global_shape = tuple(int(d) for d in global_shape)
     per_dim: list[list[Run]] = [[(0, d)] if d else [] for d in global_shape]
     for mesh_dim, placement in enumerate(placements):

@@ -92,19 +92,13 @@ class StorageReader(abc.ABC):
     def load_metadata(self) -> Metadata:
         """Read the checkpoint's metadata (works without a prior ``reset``)."""
 
-    _known_metadata: Optional[Metadata] = None
-
     def location(self) -> Optional[str]:
         """Where the checkpoint is (a path or URL) for error messages; ``None``: unknown."""
         return None
 
-    def use_metadata(self, metadata: Metadata) -> None:
-        """Serve ``metadata`` instead of reading it again on every load through this reader."""
-        self._known_metadata = metadata
-
     def read_metadata(self) -> Metadata:
-        """The metadata given to ``use_metadata``, else ``load_metadata()``."""
-        return self._known_metadata if self._known_metadata is not None else self.load_metadata()
+        """The checkpoint's metadata (default: ``load_metadata()``)."""
+        return self.load_metadata()
 
     def read_metadata_payload(self) -> Any:
         """The metadata as something picklable and cheap to send (a file backend: the stored
@@ -219,9 +213,6 @@ class _OneItemPlanner(LoadPlanner):
         raise NotImplementedError
 
     def create_local_plan(self) -> LoadPlan:
-        raise NotImplementedError
-
-    def create_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
         raise NotImplementedError
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
