@@ -50,10 +50,6 @@ def process_rank(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
     return 0, 1
 
 
-def _is_whole_world(group: Optional[dist.ProcessGroup]) -> bool:
-    return group is None or dist.get_world_size(group) == dist.get_world_size()
-
-
 @dataclass(frozen=True)
 class _SameAsSent:
     """The global step's answer for a rank whose plan it kept as sent: only the save id."""
@@ -147,14 +143,10 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         looked_up[0] = planner.lookup_cached_plan()
         return None if looked_up[0] is None else ("hit", planner.cache_token())
 
-    if dw.use_dist:
-        # one step first: a set-up failure or a plan-cache miss (or differing tokens) on one
-        # rank sends every rank the same way
-        hits = dw.all_gather("plan_cache", set_up_step)
-        cached = looked_up[0] if all(hits) and len(set(hits)) == 1 else None
-    else:
-        set_up_step()
-        cached = looked_up[0]
+    # one step first: a set-up failure or a plan-cache miss (or differing tokens) on one
+    # rank sends every rank the same way
+    hits = dw.all_gather("plan_cache", set_up_step)
+    cached = looked_up[0] if all(hits) and len(set(hits)) == 1 else None
     fault_point("save.plan", rank)
     planner.cache_hit = cached is not None
     if cached is not None:
@@ -293,11 +285,13 @@ def load_state_dict(
         use_collectives = use_collectives and collectives_required and world_size > 1
         dw = DistWrapper(process_group, use_dist=use_collectives, coordinator_rank=coordinator_rank)
         # replica groups come from dist.new_group, which every rank of the default group enters
-        broadcast = read_executor is not None and dw.use_dist and _is_whole_world(process_group)
+        broadcast = read_executor is not None and dw.use_dist and (
+            process_group is None or dist.get_world_size(process_group) == dist.get_world_size())
         paths: dict[str, Any] = {}
         plan = _plan_load(state_dict, metadata_of, storage_reader, planner, dw, rank, world_size, broadcast, paths)
         _execute_read(plan, storage_reader, planner, dw, rank, read_executor if broadcast else None, process_group)
-        _restore_objects(state_dict, planner, paths)
+        for fqn, value in getattr(planner, "loaded_objects", {}).items():  # the non-tensor objects
+            state_dict[paths[fqn][0]] = set_by_path(state_dict[paths[fqn][0]], paths[fqn][1:], value)
         restore_stateful(original, state_dict, stateful)
 
 
@@ -380,11 +374,3 @@ def _execute_read(plan: LoadPlan, storage_reader: StorageReader, planner: LoadPl
     except Exception as exc:  # noqa: BLE001 - raised on every rank by the check below
         error = exc
     dw.check("read", error)
-
-
-def _restore_objects(state_dict: dict[str, Any], planner: LoadPlanner, paths: dict[str, Any]) -> None:
-    """Put the loaded non-tensor objects back at their paths in ``state_dict``."""
-    loaded = getattr(planner, "loaded_objects", {})
-    for fqn, value in loaded.items():
-        root_key = paths[fqn][0]
-        state_dict[root_key] = set_by_path(state_dict[root_key], paths[fqn][1:], value)
