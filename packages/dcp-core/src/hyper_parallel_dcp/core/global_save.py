@@ -19,7 +19,7 @@ import torch
 from .errors import CheckpointFormatError
 from .metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
+    ChunkTable,
     Metadata,
     TensorProperties,
     dtype_from_name,
@@ -253,7 +253,7 @@ def _metadata(g: _Gathered, keep: np.ndarray | None) -> Callable[[], Metadata]:
         span = slice(first_row[b] * ndim, (first_row[b] + count) * ndim)
         entries.append((fqn, g.properties[k], shape, count, ndim, all_offsets[span], all_sizes[span]))
         if k in suspects or (not ndim and count > 1):
-            raise_overlap(fqn, _chunks(ndim, count, all_offsets[span], all_sizes[span]))
+            raise_overlap(fqn, ChunkTable(ndim, count, all_offsets[span], all_sizes[span]))
 
     per_rank = [k[0] for k, differ in zip(g.kinds, g.per_rank.tolist()) if differ]
 
@@ -266,13 +266,6 @@ def _metadata(g: _Gathered, keep: np.ndarray | None) -> Callable[[], Metadata]:
             rank_objects={fqn: {} for fqn in per_rank})
 
     return build
-
-
-def _chunks(ndim: int, count: int, offsets: list[int], sizes: list[int]) -> list[ChunkStorageMetadata]:
-    if not ndim:
-        return [ChunkStorageMetadata((), ())] * count
-    return [ChunkStorageMetadata(tuple(offsets[i:i + ndim]), tuple(sizes[i:i + ndim]))
-            for i in range(0, count * ndim, ndim)]
 
 
 def _grid_suspects(kind: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> set[int]:
@@ -301,4 +294,4 @@ def check_disjoint(fqn: str, offsets: Any, sizes: Any) -> None:
     offsets, sizes = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
     count, ndim = offsets.shape
     if count > 1 and (not ndim or _grid_suspects(np.zeros(count, dtype=np.int64), offsets, sizes)):
-        raise_overlap(fqn, _chunks(ndim, count, offsets.ravel().tolist(), sizes.ravel().tolist()))
+        raise_overlap(fqn, ChunkTable(ndim, count, offsets.ravel().tolist(), sizes.ravel().tolist()))

@@ -107,18 +107,12 @@ class StorageTable(Mapping[MetadataIndex, StorageInfo]):
         offsets = index.offset
         if stored is None or offsets is None:
             return None
-        # find() with its hint check inlined
-        chunks, pos = stored.chunks, index.index
-        ndim = chunks.ndim
-        if pos is None or not 0 <= pos < chunks.chunk_count or \
-                tuple(chunks.offsets[pos * ndim:(pos + 1) * ndim]) != offsets:
-            pos = chunks.find(offsets)
-            if pos is None:
-                return None
-        file = stored.file[pos]
-        if file < 0:
+        chunks = stored.chunks
+        pos = chunks.find(offsets, index.index)
+        if pos is None or stored.file[pos] < 0:
             return None
-        return self.files[file], stored.offset[pos], tuple(chunks.sizes[pos * ndim:(pos + 1) * ndim])
+        ndim = chunks.ndim
+        return self.files[stored.file[pos]], stored.offset[pos], tuple(chunks.sizes[pos * ndim:(pos + 1) * ndim])
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         for fqn, stored in self.tensors.items():
