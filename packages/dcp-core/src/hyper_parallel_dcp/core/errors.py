@@ -106,13 +106,14 @@ class CheckpointException(CheckpointError):
     def __init__(self, phase: str, failures: dict[int, BaseException | str]):
         self.phase = phase
         self.failures = failures
-        texts = {rank: err if isinstance(err, str) else f"{type(err).__name__}: {err}"
-                 for rank, err in failures.items()}
         super().__init__(f"checkpoint phase '{phase}' failed on rank(s) {format_ranks(failures)}:\n"
-                         + describe_failures(texts))
+                         + describe_failures(self._texts()))
+
+    def _texts(self) -> dict[int, str]:
+        return {rank: e if isinstance(e, str) else f"{type(e).__name__}: {e}" for rank, e in self.failures.items()}
 
     def __reduce__(self):  # picklable across processes (the async writer ships errors back)
-        failures = {r: (e if isinstance(e, str) else f"{type(e).__name__}: {e}") for r, e in self.failures.items()}
+        failures = self._texts()
         state = {"remote_tracebacks": self.remote_tracebacks} if hasattr(self, "remote_tracebacks") else None
         cls = type(self)
         if getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls:

@@ -142,10 +142,14 @@ def set_by_path(root: Any, path: Path, value: Any) -> Any:
     if isinstance(root, tuple):
         items = list(root)
         items[head] = set_by_path(items[head], rest, value)
-        # a namedtuple takes its fields as arguments, any other tuple type an iterable
-        return type(root)(*items) if hasattr(type(root), "_fields") else type(root)(items)
+        return _rebuilt(type(root), items)
     root[head] = set_by_path(root[head], rest, value)
     return root
+
+
+def _rebuilt(container: type, items: list[Any]) -> Any:
+    # a namedtuple takes its fields as arguments, any other sequence type an iterable
+    return container(*items) if hasattr(container, "_fields") else container(items)
 
 
 class _Mapping(dict):
@@ -162,10 +166,7 @@ class _Sequence(dict):
 
 def _finish(node: Any) -> Any:
     if isinstance(node, _Sequence):
-        items = [_finish(node.get(i)) for i in range(max(node, default=-1) + 1)]
-        if hasattr(node.container, "_fields"):  # a namedtuple takes its fields as arguments
-            return node.container(*items)
-        return node.container(items)
+        return _rebuilt(node.container, [_finish(node.get(i)) for i in range(max(node, default=-1) + 1)])
     if isinstance(node, _Mapping):
         return {k: _finish(v) for k, v in node.items()}
     return node  # a leaf value, returned as is
