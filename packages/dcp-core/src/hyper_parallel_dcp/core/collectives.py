@@ -72,13 +72,6 @@ def _store_address(store: Any) -> str:
     return type(store).__name__
 
 
-def _default_store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - private API; without it there is no arrival check
-        return None
-
-
 T = TypeVar("T")
 P = TypeVar("P")
 R = TypeVar("R")
@@ -175,7 +168,8 @@ class DistWrapper:
             else:
                 self.rank, self.world_size = 0, 1
             if self.use_dist and self.timeout > 0:
-                self._store = _default_store()
+                with contextlib.suppress(Exception):  # a private API: without it, no arrival check
+                    self._store = dist.distributed_c10d._get_default_store()
                 self._group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
                     range(self.world_size))
         self.is_coordinator = self.rank == coordinator_rank

@@ -28,11 +28,6 @@ ROW = 4  # values per item in ``WriteColumns.rows``
 _TENSOR = WriteItemType.TENSOR
 
 
-def _kind_of(item: WriteItem) -> Kind:
-    return (item.index.fqn, item.type.value, item.global_shape,
-            item.dtype if item.type is _TENSOR else item.digest)
-
-
 def _lengths(values: Iterable[Optional[tuple[int, ...]]]) -> list[int]:
     return [-1 if v is None else len(v) for v in values]  # -1: None (an object's item)
 
@@ -81,7 +76,8 @@ class WriteColumns(Sequence[WriteItem]):
         """The columns of ``items`` (kept as this object's items: nothing is rebuilt)."""
         items = tuple(items)
         kind_ids: dict[Kind, int] = {}
-        kind = [kind_ids.setdefault(k, len(kind_ids)) for k in map(_kind_of, items)]
+        kind = [kind_ids.setdefault((it.index.fqn, it.type.value, it.global_shape,
+                                     it.dtype if it.type is _TENSOR else it.digest), len(kind_ids)) for it in items]
         offsets = [it.index.offset for it in items]
         sizes = [it.sizes for it in items]
         rows = array("q", chain.from_iterable(zip(kind, _lengths(offsets), _lengths(sizes), (it.nbytes for it in items))))
