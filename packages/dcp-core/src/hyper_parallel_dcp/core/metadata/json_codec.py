@@ -50,25 +50,14 @@ _NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)(\D*)$")
 
 
 # ------------------------------------------------------------------------------ values
-def _int_tuple(value: Any, what: str) -> tuple[int, ...]:
-    """A JSON list of integers >= 0 as a tuple; ``what`` names it in the error."""
-    # the common valid case checked with C-level builtins (json gives exact ints; bool is
-    # another type), the slow path only explains
-    if type(value) is list and (not value or (set(map(type, value)) == {int} and min(value) >= 0)):
-        return tuple(value)
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise CheckpointFormatError(f"{what} must be a list of integers, got {value!r}")
-    if any(v < 0 for v in value):
-        raise CheckpointFormatError(f"{what} must not be negative, got {value!r}")
-    return tuple(value)
-
-
-def _flat_ints(value: Any, what: str, length: int, *, low: int = 0) -> list[int]:
-    """A JSON list of ``length`` integers, each ``>= low`` (the list itself, not a copy)."""
-    if type(value) is not list or len(value) != length:
+def _flat_ints(value: Any, what: str, length: Optional[int] = None, *, low: int = 0) -> list[int]:
+    """A JSON list of ``length`` (``None``: any number of) integers, each ``>= low`` (the list
+    itself, not a copy); ``what`` names it in the error."""
+    if type(value) is not list or (length is not None and len(value) != length):
         found = len(value) if isinstance(value, list) else "-"
-        raise CheckpointFormatError(f"{what} must be a list of {length} integers, got "
-                                    f"{type(value).__name__} of length {found}")
+        raise CheckpointFormatError(f"{what} must be a list of {'' if length is None else f'{length} '}integers, "
+                                    f"got {type(value).__name__} of length {found}")
+    # checked with C-level builtins (json gives exact ints; bool is another type), the slow path only explains
     if value and (set(map(type, value)) != {int} or min(value) < low):
         bad = next((v for v in value if type(v) is not int or v < low), None)
         raise CheckpointFormatError(f"{what} must hold integers >= {low}, found {bad!r}")
@@ -320,7 +309,7 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
         file = entry["file"]
         if type(file) is not int or not 0 <= file < nfiles:
             raise CheckpointFormatError(f"{source}: {what} names file {file!r}, not in the file table of {nfiles}")
-        byte_offset, length = _int_tuple([entry["offset"], entry["length"]], f"{source}: byte range of {what}")
+        byte_offset, length = _flat_ints([entry["offset"], entry["length"]], f"{source}: byte range of {what}")
         checksum, key = entry.get("checksum"), entry.get("key")
         if not (checksum is None or isinstance(checksum, str)) or not (key is None or isinstance(key, str)):
             raise CheckpointFormatError(f"{source}: checksum and key of {what} must be strings or null")
@@ -348,7 +337,7 @@ def _parse_v2(doc: dict[str, Any], source: str) -> Metadata:
         offsets_doc = entry.get("offsets")
         if not isinstance(entry["fqn"], str):  # str() would turn null into the key 'None'
             raise CheckpointFormatError(f"{source}: other_storage entry with a non-string fqn {entry['fqn']!r}")
-        offsets = None if offsets_doc is None else _int_tuple(offsets_doc, f"{source}: offsets")
+        offsets = None if offsets_doc is None else tuple(_flat_ints(offsets_doc, f"{source}: offsets"))
         index = MetadataIndex(entry["fqn"], offsets)
         other[index] = storage_info(entry, f"storage entry of {index.fqn!r}")
     rank_objects: dict[str, dict[int, StorageInfo]] = {}
@@ -387,7 +376,7 @@ def _parse_tensor(fqn: str, entry: dict[str, Any], source: str,
                   nfiles: int) -> tuple[TensorStorageMetadata, Optional[TensorStorage]]:
     """One tensor entry: its metadata and, when it has stored chunks, their row (every column checked here)."""
     where = f"{source}: tensor {fqn!r}"
-    size = _int_tuple(entry["size"], f"{where}: size")
+    size = tuple(_flat_ints(entry["size"], f"{where}: size"))
     ndim = len(size)
     count = entry["count"]
     if type(count) is not int or count < 0:
@@ -451,11 +440,11 @@ def _parse_v1(doc: dict[str, Any], source: str) -> Metadata:
             continue
         if kind != "tensor":
             raise CheckpointFormatError(f"{source}: unknown item type {kind!r} for {fqn!r}")
-        size = _int_tuple(entry["size"], f"{source}: size of {fqn!r}")
+        size = tuple(_flat_ints(entry["size"], f"{source}: size of {fqn!r}"))
         chunks = []
         for chunk in entry["chunks"]:
-            offsets = _int_tuple(chunk["offsets"], f"{source}: chunk offsets of {fqn!r}")
-            sizes = _int_tuple(chunk["sizes"], f"{source}: chunk sizes of {fqn!r}")
+            offsets = tuple(_flat_ints(chunk["offsets"], f"{source}: chunk offsets of {fqn!r}"))
+            sizes = tuple(_flat_ints(chunk["sizes"], f"{source}: chunk sizes of {fqn!r}"))
             if len(offsets) != len(size) or len(sizes) != len(size) or any(
                     o + s > d for o, s, d in zip(offsets, sizes, size)):
                 raise CheckpointFormatError(f"{source}: chunk offsets={list(offsets)} sizes={list(sizes)} of {fqn!r} "
@@ -467,11 +456,12 @@ def _parse_v1(doc: dict[str, Any], source: str) -> Metadata:
         offsets = entry.get("offsets")
         if not isinstance(entry["fqn"], str):  # str() would turn null into the key 'None'
             raise CheckpointFormatError(f"{source}: storage_data entry with a non-string fqn {entry['fqn']!r}")
-        index = MetadataIndex(entry["fqn"], None if offsets is None else _int_tuple(offsets, f"{source}: offsets"))
+        index = MetadataIndex(entry["fqn"],
+                              None if offsets is None else tuple(_flat_ints(offsets, f"{source}: offsets")))
         file = entry["file"]
         if not is_file_name(file):
             raise CheckpointFormatError(f"{source}: invalid file name {file!r} for {index.fqn!r}")
-        byte_offset, length = _int_tuple([entry["offset"], entry["length"]], f"{source}: byte range")
+        byte_offset, length = _flat_ints([entry["offset"], entry["length"]], f"{source}: byte range")
         storage_data[index] = StorageInfo(file, byte_offset, length, entry.get("checksum"), entry.get("key"))
     files = doc.get("files") or {}
     if not isinstance(files, dict) or not all(
