@@ -10,10 +10,11 @@ read once, as one run of rows, and its pieces sent) take the same three steps:
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -283,7 +284,7 @@ def split_reads(plan: LoadPlan, metadata: Metadata) -> SplitReads:
     rows: list[tuple[int, ...]] = []
     width = dest = 0
     last: Optional[MetadataIndex] = None
-    contiguous = _Contiguity()
+    contiguous = _contiguity()
     for position, item in enumerate(plan.items):
         index = item.storage_index
         if item.type is not LoadItemType.TENSOR or len(item.lengths) < 2 or index.index is None:
@@ -464,7 +465,7 @@ def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkEx
     data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
     of_chunk = {(x.storage_index.fqn, x.storage_index.offset): x for x in data.exchanges}
     grouped = {group.dest_index for group in data.groups}
-    contiguous = _Contiguity()
+    contiguous = _contiguity()
     for item in plan.items:
         index = item.storage_index
         x = of_chunk.get((index.fqn, index.offset)) if of_chunk and item.type is LoadItemType.TENSOR else None
@@ -473,12 +474,6 @@ def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkEx
         yield item, x if served else None
 
 
-class _Contiguity(dict):
+def _contiguity() -> Callable[[tuple[int, ...], tuple[int, ...], tuple[int, ...]], bool]:
     """Whether a slice ``(offsets, lengths)`` of a chunk of ``sizes`` is one run of it (memoised)."""
-
-    def __call__(self, sizes: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
-        key = (sizes, offsets, lengths)
-        found = self.get(key)
-        if found is None:
-            found = self[key] = slice_span(sizes, offsets, lengths)[2]
-        return found
+    return functools.cache(lambda sizes, offsets, lengths: slice_span(sizes, offsets, lengths)[2])
