@@ -9,6 +9,7 @@ are.  Exports the dataclasses, :class:`ChunkTable`, :func:`chunk_key`, :func:`ch
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,15 +42,10 @@ __all__ = [
 ]
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     """``dtype``'s name in the metadata: ``torch.bfloat16`` -> ``"bfloat16"``."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
+    return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
