@@ -203,10 +203,7 @@ def _group_files(table: list[list[Any]]) -> tuple[list[Any], list[int]]:
                             "numbers": [int(table[m][0][len(prefix):len(table[m][0]) - len(suffix)]) for m in members],
                             "sizes": [table[m][1] for m in members]})
             order.extend(members)
-    new_index = [0] * len(table)
-    for new, old in enumerate(order):
-        new_index[old] = new
-    return entries, new_index
+    return entries, sorted(range(len(order)), key=order.__getitem__)  # the inverse permutation
 
 
 # ------------------------------------------------------------------------------ reader
