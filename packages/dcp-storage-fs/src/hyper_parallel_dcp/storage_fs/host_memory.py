@@ -57,8 +57,7 @@ def large_folio_writes() -> bool:
 
 
 def accelerator_available() -> bool:
-    accelerator = getattr(torch, "accelerator", None)
-    return bool(accelerator is not None and accelerator.is_available())
+    return torch.accelerator.is_available()
 
 
 class PinnedBuffer:

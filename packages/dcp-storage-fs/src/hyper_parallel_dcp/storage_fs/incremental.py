@@ -1,6 +1,7 @@
 """Incremental saves (SPEC §14): :func:`reference_base` and :class:`ReferenceBase`, which
 reference chunks equal to an earlier checkpoint's (``../<base>/<file>``) instead of writing
-them, and :func:`missing_file_error` for a referenced file that is gone."""
+them, :func:`missing_file_error` for a referenced file that is gone, and :func:`map_in_order`
+(the chunk-at-a-time thread pool of the hashing and of the compression)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import concurrent.futures as cf
 import os
 import posixpath
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch
 import xxhash
@@ -31,7 +32,27 @@ from .metadata_io import load_checkpoint_metadata
 from .posix import tensor_bytes
 from .safetensors_header import to_stored
 
-__all__ = ["ReferenceBase", "missing_file_error", "reference_base"]
+__all__ = ["ReferenceBase", "map_in_order", "missing_file_error", "reference_base"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def map_in_order(fn: Callable[[T], R], items: Iterable[T], name: str) -> Iterator[tuple[T, R]]:
+    """``(item, fn(item))`` for each of ``items``, in order, ``fn`` run on a pool of up to 8
+    threads named ``name`` with at most two items a thread in flight (``items`` is consumed
+    on the caller's thread, never all held at once); ``fn``'s error propagates."""
+    threads = max(1, min(8, os.cpu_count() or 1))
+    with cf.ThreadPoolExecutor(threads, thread_name_prefix=name) as pool:
+        window: collections.deque[tuple[T, cf.Future[R]]] = collections.deque()
+        for item in items:
+            window.append((item, pool.submit(fn, item)))
+            if len(window) > 2 * threads:
+                done, future = window.popleft()
+                yield done, future.result()
+        while window:
+            done, future = window.popleft()
+            yield done, future.result()
 
 
 class ReferenceBase:
@@ -67,28 +88,16 @@ class ReferenceBase:
         """``keyed`` (``(storage key, item)`` pairs, in order) split into those to write and
         the results of those the base holds equal (:meth:`reference`); each chunk is hashed
         once on a thread pool, at most ``2 x threads`` in flight (``docs/perf/storage.md``)."""
-        threads = max(1, min(8, os.cpu_count() or 1))
         changed: list[tuple[str, WriteItem]] = []
         referenced: list[WriteResult] = []
-        pending: collections.deque[tuple[str, WriteItem, torch.dtype, cf.Future[str]]] = collections.deque()
-
-        def settle() -> None:
-            key, it, stored_dtype, digest = pending.popleft()
+        stored = ((key, it, to_stored(resolve(it))) for key, it in keyed)  # resolved on this thread
+        for (key, it, tensor), digest in map_in_order(lambda entry: _digest(entry[2]), stored, "hp-dcp-xxh3"):
             assert it.sizes is not None and it.index.offset is not None
-            found = self.reference(it.index.fqn, it.index.offset, stored_dtype, tuple(it.sizes), key, digest.result())
+            found = self.reference(it.index.fqn, it.index.offset, tensor.dtype, tuple(it.sizes), key, digest)
             if found is None:
                 changed.append((key, it))
             else:
                 referenced.append(WriteResult(it.index, *found))
-
-        with cf.ThreadPoolExecutor(threads, thread_name_prefix="hp-dcp-xxh3") as pool:
-            for key, it in keyed:
-                tensor = to_stored(resolve(it))
-                pending.append((key, it, tensor.dtype, pool.submit(_digest, tensor)))
-                if len(pending) > 2 * threads:
-                    settle()
-            while pending:
-                settle()
         return changed, referenced
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable, Iterable
 
 __all__ = ["CHECKPOINT_FILE", "DONE_SUFFIX", "MAILBOX_FILE", "METADATA_FILE", "RANK_METADATA", "TMP_SUFFIX",
            "ack_file", "compressed_file_name", "gather_file", "is_checkpoint_artifact", "lock_path",
-           "objects_file_name", "rank_metadata_file", "result_file", "scatter_file", "staging_dir", "stale_prefixes",
-           "tensors_file_name"]
+           "objects_file_name", "rank_metadata_file", "result_file", "scatter_file", "staging_dir", "stale_metadata",
+           "stale_prefixes", "tensors_file_name"]
 
 METADATA_FILE = ".metadata"
 RANK_METADATA = re.compile(r"^(\d+)\.metadata$")  # group 1 is the rank
@@ -42,6 +43,16 @@ def objects_file_name(rank: int) -> str:
 
 def rank_metadata_file(rank: int) -> str:
     return f"{rank}.metadata"
+
+
+def stale_metadata(names: Callable[[], Iterable[str]], rank: int, world_size: int) -> list[str]:
+    """What ``rank`` of a save without collectives on ``world_size`` ranks removes first (the
+    location no longer holds that checkpoint): ``.metadata``, its ``{rank}.metadata`` and, on
+    rank 0, those among ``names()`` of ranks the save does not have (a load would merge them)."""
+    stale = [METADATA_FILE, rank_metadata_file(rank)]
+    if rank == 0:
+        stale += [n for n in names() if (m := RANK_METADATA.match(n)) and int(m.group(1)) >= world_size]
+    return stale
 
 
 def is_checkpoint_artifact(name: str) -> bool:

@@ -4,10 +4,9 @@ in equal slots of one reservation) and :func:`wait_for_unmaps`."""
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures as cf
 import ctypes
 import os
-import threading
 from typing import Optional, Sequence
 
 import torch
@@ -23,52 +22,25 @@ AHEAD_MAX_BYTES = 32 << 20  # a forward walk populates up to this far ahead of t
 FOLIO_ALIGN = 2 << 20  # arena slots start on this boundary (a huge page, the largest folio a save makes)
 
 
-class _Unmapper:
-    """Unmaps closed mappings (with no views left) on a thread of its own, in order."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending: collections.deque[tuple[int, int]] = collections.deque()
-        self._busy = False
-        self._thread: Optional[threading.Thread] = None
-
-    def unmap(self, addr: int, size: int) -> None:
-        with self._lock:
-            self._pending.append((addr, size))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hp-dcp-unmap", daemon=True)
-                self._thread.start()
-            self._idle.notify_all()
-
-    def wait(self) -> None:
-        with self._lock:
-            while self._pending or self._busy:
-                self._idle.wait()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._pending:
-                    self._busy = False
-                    self._idle.notify_all()
-                    self._idle.wait()
-                addr, size = self._pending.popleft()
-                self._busy = True
-            posix.unmap(addr, size)  # ctypes releases the GIL
-
-    def forked(self) -> None:
-        self.__init__()  # type: ignore[misc]  # a forked child has no unmapping thread
+def _new_unmapper() -> cf.ThreadPoolExecutor:
+    return cf.ThreadPoolExecutor(1, thread_name_prefix="hp-dcp-unmap")
 
 
-_UNMAPPER = _Unmapper()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_UNMAPPER.forked)
+#: unmaps closed mappings (with no views left) off the load's path, in order (ctypes releases the GIL)
+_UNMAPPER = _new_unmapper()
+
+
+def _forked() -> None:  # a forked child has no unmapping thread
+    global _UNMAPPER
+    _UNMAPPER = _new_unmapper()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def wait_for_unmaps() -> None:
     """Block until every closed :class:`FileMapping` and :class:`MappingArena` is unmapped."""
-    _UNMAPPER.wait()
+    _UNMAPPER.submit(int).result()  # one thread, in order: every earlier unmap is done
 
 
 def _bytes_at(addr: int, size: int) -> torch.Tensor:
@@ -133,7 +105,7 @@ class MappingArena:
             self.data = None
             self._typed.clear()
             self._free.clear()
-            _UNMAPPER.unmap(*self._reserved)
+            _UNMAPPER.submit(posix.unmap, *self._reserved)
 
     def __del__(self) -> None:
         try:
@@ -249,7 +221,7 @@ class FileMapping:
                 self._arena.release(self._slot)
                 self._arena = None
             else:
-                _UNMAPPER.unmap(self._addr, self.size)
+                _UNMAPPER.submit(posix.unmap, self._addr, self.size)
             self._addr = None
             self._low = self._high = 0
 

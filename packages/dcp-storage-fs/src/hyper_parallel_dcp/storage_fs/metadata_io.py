@@ -1,6 +1,6 @@
 """Reading a checkpoint's metadata from any location: :func:`read_stored_metadata` (one
 rank; broadcast), :meth:`StoredMetadata.parse` (every rank), :func:`load_checkpoint_metadata`,
-:func:`chunk_sizes`; the per-rank metadata (``{rank}.metadata``, SPEC §4):
+:func:`chunk_sizes`, :func:`storage_entry`, :func:`check_region`; the per-rank metadata (``{rank}.metadata``, SPEC §4):
 :func:`load_rank_metadata`, :func:`merge_rank_metadata`; and the read-only diagnoses that
 make a low-level error say what is wrong and what to do (none raises for a bad checkpoint)."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from hyper_parallel_dcp.core.backends import parse_step_name
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
@@ -29,9 +29,9 @@ from .latest import step_directories
 from .layout import METADATA_FILE, RANK_METADATA
 from .safetensors_header import HeaderEntry, SafetensorsHeaderError, entry_mismatch, read_header
 
-__all__ = ["RANK_METADATA", "StoredMetadata", "checkpoints_inside_hint", "chunk_sizes", "header_disagreement",
+__all__ = ["RANK_METADATA", "StoredMetadata", "check_region", "checkpoints_inside_hint", "chunk_sizes", "header_disagreement",
            "header_mismatch", "item_name", "load_checkpoint_metadata", "load_rank_metadata", "merge_rank_metadata",
-           "parse_metadata", "rank_metadata_names", "read_stored_metadata"]
+           "parse_metadata", "rank_metadata_names", "read_stored_metadata", "storage_entry"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,26 @@ def chunk_sizes(metadata: Metadata, index: MetadataIndex) -> tuple[int, ...]:
         if pos is not None:
             return tuple(sizes[pos * ndim:(pos + 1) * ndim])
     raise CheckpointFormatError(f"{index.fqn!r}: no stored chunk at offsets {index.offset}")
+
+
+def check_region(where: str, offsets: Sequence[int], lengths: Sequence[int], sizes: Sequence[int]) -> None:
+    """:class:`CheckpointFormatError` (``where`` names file, FQN and chunk) unless the region
+    ``offsets + lengths`` lies inside a stored chunk of ``sizes``."""
+    if len(offsets) != len(sizes) or len(lengths) != len(sizes) or any(
+            o + n > s for o, n, s in zip(offsets, lengths, sizes)):
+        raise CheckpointFormatError(f"{where}: requested region offsets={list(offsets)} lengths={list(lengths)} "
+                                    f"exceeds the stored chunk of size {list(sizes)}")
+
+
+def storage_entry(metadata: Optional[Metadata], index: MetadataIndex, location: object) -> StorageInfo:
+    """The storage entry of ``index`` in ``metadata`` (of the checkpoint ``location``; read
+    already); :class:`CheckpointFormatError` naming both when there is none."""
+    assert metadata is not None
+    try:
+        return metadata.storage_data[index]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raise CheckpointFormatError(f"{index.fqn!r}: the metadata of {location} has no storage entry for "
+                                    f"the chunk at {index.offset}") from None
 
 
 def rank_metadata_names(entries: Iterable[tuple[str, Optional[int]]]) -> list[tuple[int, str]]:

@@ -3,11 +3,8 @@ safetensors file and its objects file) and :func:`with_stored_as` (the metadata 
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures as cf
 import copy
 import functools
-import os
 from dataclasses import replace
 from operator import itemgetter
 from typing import Any, BinaryIO, Callable, Optional
@@ -20,7 +17,7 @@ from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner, WriteItem, Wr
 from hyper_parallel_dcp.core.storage import WriteResult
 
 from .compression import encode_chunk, zstd_module
-from .incremental import ReferenceBase
+from .incremental import ReferenceBase, map_in_order
 from .layout import compressed_file_name, objects_file_name, tensors_file_name
 from .safetensors_header import header_digest, stored_layout, to_stored
 from .safetensors_stream import LateDigests, TensorEntry, encode_header, write_safetensors
@@ -120,26 +117,16 @@ def _write_compressed(tensors: list[WriteItem], keyed: list[tuple[str, WriteItem
     zstd = zstd_module("save(compression='zstd')")
     name = compressed_file_name(rank)
     placed: list[tuple[int, int, str]] = []
-    threads = max(1, min(8, os.cpu_count() or 1))
 
     def encode(item: WriteItem) -> tuple[bytes, str]:  # on the pool: hashed there too, not in the writing thread
         tensor = to_stored(planner.resolve_data(item)).detach().to("cpu").contiguous()
         payload = encode_chunk(tensor.view(-1).view(torch.uint8), tensor.element_size(), zstd)
         return payload, xxhash.xxh3_64_hexdigest(payload)
 
-    def write_payloads(f: BinaryIO) -> None:
-        def put(encoded: tuple[bytes, str]) -> None:
-            placed.append((f.tell(), len(encoded[0]), encoded[1]))
-            f.write(encoded[0])
-
-        with cf.ThreadPoolExecutor(threads, thread_name_prefix="hp-dcp-zstd") as pool:
-            window: collections.deque = collections.deque()  # 2 chunks a thread in flight: not all held at once
-            for item in tensors:  # the next chunks compress while one is written
-                window.append(pool.submit(encode, item))
-                if len(window) > 2 * threads:
-                    put(window.popleft().result())
-            while window:
-                put(window.popleft().result())
+    def write_payloads(f: BinaryIO) -> None:  # the next chunks compress while one is written
+        for _, (payload, digest) in map_in_order(encode, tensors, "hp-dcp-zstd"):
+            placed.append((f.tell(), len(payload), digest))
+            f.write(payload)
 
     size = write_file(name, write_payloads)
     return [WriteResult(it.index, StorageInfo(name, offset, length, digest, key), size)

@@ -26,7 +26,14 @@ from .files import LocalFiles
 from .incremental import missing_file_error
 from .layout import METADATA_FILE
 from .mapping import FileMapping, MappingArena
-from .metadata_io import StoredMetadata, chunk_sizes, load_checkpoint_metadata, read_stored_metadata
+from .metadata_io import (
+    StoredMetadata,
+    check_region,
+    chunk_sizes,
+    load_checkpoint_metadata,
+    read_stored_metadata,
+    storage_entry,
+)
 from .posix import cached
 from .safetensors_header import (
     HeaderEntry,
@@ -156,23 +163,11 @@ class ChunkLocator:
 
     def _span(self, item: ReadItem, chunk: StoredChunk) -> _Geometry:
         sizes, offsets, lengths = chunk[2], item.storage_offsets, item.lengths
-        if len(offsets) != len(sizes) or len(lengths) != len(sizes) or any(
-                o + n > s for o, n, s in zip(offsets, lengths, sizes)):
-            raise CheckpointFormatError(
-                f"{self._root / chunk[0]}: {item.storage_index.fqn!r} chunk at offsets "
-                f"{list(item.storage_index.offset or ())}: requested region offsets={list(offsets)} "
-                f"lengths={list(lengths)} exceeds the stored chunk of size {list(sizes)}")
+        check_region(f"{self._root / chunk[0]}: {item.storage_index.fqn!r} chunk at offsets "
+                     f"{list(item.storage_index.offset or ())}", offsets, lengths, sizes)
         first, span, contiguous = slice_span(sizes, offsets, lengths)
         geometry = self._spans[(sizes, offsets, lengths)] = (first, span, contiguous, math.prod(lengths))
         return geometry
-
-    def storage_info(self, index: MetadataIndex) -> StorageInfo:
-        """The storage entry of ``index``; :class:`CheckpointFormatError` when there is none."""
-        try:
-            return self.metadata.storage_data[index]  # type: ignore[index]
-        except (KeyError, TypeError):
-            raise CheckpointFormatError(f"{index.fqn!r}: the metadata of {self._root} has no storage entry for "
-                                        f"the chunk at {index.offset}") from None
 
     def _first_read(self, index: MetadataIndex, open_file: Callable[[str], _OpenFile]
                     ) -> tuple[StoredChunk, _OpenFile]:
@@ -183,7 +178,7 @@ class ChunkLocator:
         if opened is not None and opened.trusted:  # the location as the metadata's columns give it
             name, data_offset, sizes = where  # type: ignore[misc]
         else:  # through the storage entry, compared with the file's header
-            info = self.storage_info(index)
+            info = storage_entry(self.metadata, index, self._root)
             opened = open_file(info.relative_path)
             if info.key is None:
                 raise CheckpointFormatError(f"{index.fqn!r}: tensor chunk stored without a key")
@@ -467,8 +462,9 @@ class FileSystemReader(StorageReader):
 
     def read_object_bytes(self, item: ReadItem) -> tuple[bytes, str]:
         """``(stored bytes, file)`` of the object, checked (length, checksum with ``verify``)."""
-        info = self.chunks().storage_info(item.storage_index)
-        if self.metadata is not None and self.metadata.rank_objects:
+        assert self.metadata is not None
+        info = storage_entry(self.metadata, item.storage_index, self._root())
+        if self.metadata.rank_objects:
             info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info
         file = self._root() / info.relative_path
         try:

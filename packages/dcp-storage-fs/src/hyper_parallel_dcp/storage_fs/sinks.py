@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-import threading
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -100,16 +100,9 @@ class AdjacentReads:
             readv_exact(fd, buffers, start, path)
 
 
-_POOL: Optional[ThreadPoolExecutor] = None
-_POOL_LOCK = threading.Lock()
-
-
+@functools.cache  # made on first use (a race makes a second pool, never used again)
 def _read_pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hp-dcp-read")
-        return _POOL
+    return ThreadPoolExecutor(READ_THREADS, thread_name_prefix="hp-dcp-read")
 
 
 class DeviceReads:

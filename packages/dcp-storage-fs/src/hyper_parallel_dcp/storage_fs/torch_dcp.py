@@ -31,9 +31,8 @@ from hyper_parallel_dcp.core.planner import ReadItem
 
 from .files import RangeReader
 from .layout import METADATA_FILE
-from .metadata_io import StoredMetadata
+from .metadata_io import StoredMetadata, check_region, storage_entry
 from .metadata_io import chunk_sizes as stored_chunk_sizes
-from .posix import pread_exact, tensor_bytes
 from .reader import FileSystemReader
 from .sinks import copy_into, read_slice_into
 
@@ -323,15 +322,6 @@ class DirectoryReader(FileSystemReader):
         return self
 
 
-def _zstd_decompress(blob: bytes, where: str) -> bytes:
-    try:
-        import zstandard
-    except ImportError:
-        raise CheckpointFormatError(f"{where} is compressed with torch DCP's stream.zstd extension; install the "
-                                    "'zstandard' package to read it") from None
-    return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)).read()
-
-
 class TorchDCPReader(FileSystemReader):
     """A :class:`FileSystemReader` for torch DCP directories, reading item by item: a dense
     chunk with ``preadv`` from its zip record, anything else through ``torch.load``
@@ -415,7 +405,12 @@ class TorchDCPReader(FileSystemReader):
             if name != "stream.zstd" or version.partition(".")[0] != "1":
                 raise CheckpointFormatError(f"{where} uses the torch DCP extension {descriptor!r}, which "
                                             "hyper-parallel-dcp does not read (supported: stream.zstd/1)")
-            blob = _zstd_decompress(blob, where)
+            try:
+                import zstandard
+            except ImportError:
+                raise CheckpointFormatError(f"{where} is compressed with torch DCP's stream.zstd extension; install "
+                                            "the 'zstandard' package to read it") from None
+            blob = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)).read()
         return blob
 
     def _location(self, index: MetadataIndex, info: StorageInfo) -> Optional[StoredTensor]:
@@ -428,14 +423,12 @@ class TorchDCPReader(FileSystemReader):
     def read_into(self, item: ReadItem, dest: torch.Tensor) -> None:
         """Fill ``dest`` (shape ``item.lengths``) with the stored slice, casting to its dtype."""
         index = item.storage_index
-        info = self.chunks().storage_info(index)
+        info = storage_entry(self.metadata, index, self._root())
         assert self.metadata is not None
         chunk_sizes = stored_chunk_sizes(self.metadata, index)
         path = str(self._root() / info.relative_path)
         where = f"{path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
-        if any(o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, chunk_sizes)):
-            raise CheckpointFormatError(f"{where}: requested region offsets={list(item.storage_offsets)} "
-                                        f"lengths={list(item.lengths)} exceeds the stored chunk {list(chunk_sizes)}")
+        check_region(where, item.storage_offsets, item.lengths, chunk_sizes)
         loc = self._location(index, info)
         if loc is not None and loc.size != tuple(chunk_sizes):
             raise CorruptCheckpointError(f"{where}: stored tensor has shape {list(loc.size)}, "
@@ -444,27 +437,21 @@ class TorchDCPReader(FileSystemReader):
             self.bytes_read += read_slice_into(self._fd(info.relative_path), path, loc.data_offset, chunk_sizes,
                                                loc.dtype, item.storage_offsets, item.lengths, dest)
             return
-        if loc is not None:  # a strided chunk (e.g. a transposed view): its span, read once
-            staging = torch.empty(extent(loc.size, loc.stride), dtype=loc.dtype)
-            pread_exact(self._fd(info.relative_path), tensor_bytes(staging), loc.data_offset, path)
-            self.bytes_read += staging.nbytes
-            stored = staging.as_strided(loc.size, loc.stride)
-        else:
-            blob = self._item_bytes(index, info)
-            self.bytes_read += len(blob)
-            try:
-                stored = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - torch raises many types on bad input
-                raise CorruptCheckpointError(f"{where}: not a readable torch.save tensor: {exc}") from None
-            if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != tuple(chunk_sizes):
-                raise CorruptCheckpointError(f"{where}: stored item is not a tensor of shape {list(chunk_sizes)}")
+        blob = self._item_bytes(index, info)  # anything else (a strided chunk too): through torch.load
+        self.bytes_read += len(blob)
+        try:
+            stored = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - torch raises many types on bad input
+            raise CorruptCheckpointError(f"{where}: not a readable torch.save tensor: {exc}") from None
+        if not isinstance(stored, torch.Tensor) or tuple(stored.shape) != tuple(chunk_sizes):
+            raise CorruptCheckpointError(f"{where}: stored item is not a tensor of shape {list(chunk_sizes)}")
         for d, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
             stored = stored.narrow(d, o, n)
         copy_into(dest, stored)
 
     def read_object_bytes(self, item: ReadItem) -> tuple[bytes, str]:
         index = item.storage_index
-        info = self.chunks().storage_info(index)
+        info = storage_entry(self.metadata, index, self._root())
         blob = self._item_bytes(index, info)
         self.bytes_read += len(blob)
         return blob, str(self._root() / info.relative_path)

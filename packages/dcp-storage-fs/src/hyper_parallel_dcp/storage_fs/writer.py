@@ -17,7 +17,7 @@ from . import posix
 from .atomic import PendingFile, fsync_dir, write_file_atomic, write_file_pending
 from .commit import SaveLock, commit_directory, remove_stale_staging
 from .incremental import reference_base
-from .layout import METADATA_FILE, RANK_METADATA, objects_file_name, rank_metadata_file, staging_dir, tensors_file_name
+from .layout import METADATA_FILE, objects_file_name, rank_metadata_file, staging_dir, stale_metadata, tensors_file_name
 from .rank_files import with_stored_as, write_rank_files
 
 __all__ = ["FileSystemWriter"]
@@ -106,14 +106,8 @@ class FileSystemWriter(StorageWriter):
         out_dir = self._data_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
         if not self.atomic:
-            stale_files = [out_dir / METADATA_FILE, out_dir / rank_metadata_file(self.rank)]
-            if self.rank == 0:  # an earlier save on more ranks left {rank}.metadata a load would merge
-                for entry in os.scandir(out_dir):
-                    match = RANK_METADATA.match(entry.name)
-                    if match and int(match.group(1)) >= self.world_size:
-                        stale_files.append(Path(entry.path))
-            for stale in stale_files:
-                stale.unlink(missing_ok=True)  # the directory no longer holds that checkpoint
+            for name in stale_metadata(lambda: os.listdir(out_dir), self.rank, self.world_size):
+                (out_dir / name).unlink(missing_ok=True)
         # the page cache of the files this save replaces is freed to write into (the files
         # stay whole until the swap; docs/perf/storage.md)
         for name in (tensors_file_name(self.rank), objects_file_name(self.rank)):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 from hyper_parallel_dcp.core.backends import StorageBackend
 
 from .files import ObjectFiles
@@ -14,9 +12,6 @@ from .writer import ObjectStoreWriter
 __all__ = ["S3_BACKEND"]
 
 
-def _reader(checkpoint_id: Any, *, verify: Optional[bool] = None) -> ObjectStoreReader:
-    return ObjectStoreReader(str(checkpoint_id), verify=bool(verify))
-
-
-S3_BACKEND = StorageBackend("s3", lambda checkpoint_id: ObjectStoreWriter(str(checkpoint_id)), _reader,
+S3_BACKEND = StorageBackend("s3", lambda checkpoint_id: ObjectStoreWriter(str(checkpoint_id)),
+                            lambda url, *, verify=None: ObjectStoreReader(str(url), verify=bool(verify)),
                             lambda location: ObjectFiles(str(location)), lambda root: ObjectSteps(str(root)))

@@ -90,10 +90,6 @@ _AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS
             "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE")
 
 
-def _aws_env() -> dict[str, str]:
-    return {k: os.environ[k] for k in _AWS_ENV if k in os.environ}
-
-
 def _endpoint(settings: ObjectStoreSettings, env: dict[str, str]) -> Optional[str]:
     return settings.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
 
@@ -184,7 +180,7 @@ class ObjectStore:
         self._env: Optional[dict[str, str]] = None  # None: this process's environment
 
     def _environment(self) -> dict[str, str]:
-        return self._env if self._env is not None else _aws_env()
+        return self._env if self._env is not None else {k: os.environ[k] for k in _AWS_ENV if k in os.environ}
 
     def __getstate__(self) -> dict[str, Any]:
         # the AWS environment travels with the store: the async writer may have started first

@@ -18,14 +18,14 @@ import torch
 import xxhash
 
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
-from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
+from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo, referenced_checkpoint
 from hyper_parallel_dcp.core.objects import deserialize_object
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.storage import StorageReader, read_items
 from hyper_parallel_dcp.storage_fs.host_memory import accelerator_available
 from hyper_parallel_dcp.storage_fs.incremental import missing_file_error
-from hyper_parallel_dcp.storage_fs.metadata_io import chunk_sizes, load_checkpoint_metadata
+from hyper_parallel_dcp.storage_fs.metadata_io import check_region, chunk_sizes, load_checkpoint_metadata, storage_entry
 from hyper_parallel_dcp.storage_fs.posix import tensor_bytes
 from hyper_parallel_dcp.storage_fs.sinks import copy_into
 
@@ -139,11 +139,6 @@ class ObjectStoreReader(StorageReader):
             raise ValueError("ObjectStoreReader has no checkpoint URL: pass checkpoint_id or a URL")
         return self.files
 
-    def _executor(self) -> cf.ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(self.settings.read_concurrency, thread_name_prefix="hp-dcp-get")
-        return self._pool
-
     def load_metadata(self) -> Metadata:
         """``.metadata``, or every ``{rank}.metadata`` merged; :class:`CheckpointNotFoundError`
         naming the URL when there is neither."""
@@ -154,26 +149,16 @@ class ObjectStoreReader(StorageReader):
         self.metadata = metadata
         self.rank = rank
 
-    def _info(self, index: MetadataIndex) -> StorageInfo:
-        assert self.metadata is not None and self.metadata.storage_data is not None
-        info = self.metadata.storage_data.get(index)
-        if info is None:
-            raise CheckpointFormatError(f"{index.fqn!r}: the metadata of {self.url} has no storage entry for "
-                                        f"the chunk at {index.offset}")
-        return info
-
     def _slice(self, item: ReadItem) -> _Slice:
         """Where ``item``'s slice lies; :class:`CheckpointFormatError` for one outside its chunk."""
         assert self.metadata is not None
         index = item.storage_index
-        info = self._info(index)
+        info = storage_entry(self.metadata, index, self.url)
         sizes = chunk_sizes(self.metadata, index)
         dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype  # type: ignore[union-attr]
         where = f"{self.url}/{info.relative_path}: {index.fqn!r} chunk at offsets {list(index.offset or ())}"
-        if item.lengths and any(o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, sizes)):
-            raise CheckpointFormatError(f"{where}: requested region offsets={list(item.storage_offsets)} "
-                                        f"lengths={list(item.lengths)} exceeds the stored chunk of size "
-                                        f"{list(sizes)}")
+        if item.lengths:
+            check_region(where, item.storage_offsets, item.lengths, sizes)
         lengths = tuple(item.lengths) if item.lengths else sizes
         offsets = tuple(item.storage_offsets) if item.lengths else (0,) * len(sizes)
         first, span, contiguous = slice_span(sizes, offsets, lengths)
@@ -239,10 +224,11 @@ class ObjectStoreReader(StorageReader):
         return run
 
     def _submit(self, run: _Read, pieces: list[tuple[str, int, memoryview]]) -> None:
-        pool = self._executor()
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(self.settings.read_concurrency, thread_name_prefix="hp-dcp-get")
         for piece in pieces:
             run.nbytes += len(piece[2])
-            run.futures.append(pool.submit(self._fetch, *piece))
+            run.futures.append(self._pool.submit(self._fetch, *piece))
 
     def _batchable(self, item: ReadItem) -> Optional[_Slice]:
         """The slice of a small contiguous read that can share a GET with its neighbours, else ``None``."""
@@ -289,8 +275,9 @@ class ObjectStoreReader(StorageReader):
 
     def read_object(self, item: ReadItem) -> Any:
         """A pickled object, fetched with one ranged GET of exactly its bytes."""
-        info = self._info(item.storage_index)
-        if self.metadata is not None and self.metadata.rank_objects:  # per-rank save: this rank's copy (SPEC §4)
+        assert self.metadata is not None
+        info = storage_entry(self.metadata, item.storage_index, self.url)
+        if self.metadata.rank_objects:  # per-rank save: this rank's copy (SPEC §4)
             info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info
         blob = bytearray(info.length)
         if info.length:

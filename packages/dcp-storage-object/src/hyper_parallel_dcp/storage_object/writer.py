@@ -15,7 +15,7 @@ from hyper_parallel_dcp.core.metadata import Metadata, metadata_to_json
 from hyper_parallel_dcp.core.planner import SavePlan, SavePlanner
 from hyper_parallel_dcp.core.storage import StorageWriter, WriteResult
 from hyper_parallel_dcp.storage_fs.incremental import reference_base
-from hyper_parallel_dcp.storage_fs.layout import CHECKPOINT_FILE, METADATA_FILE, RANK_METADATA, rank_metadata_file
+from hyper_parallel_dcp.storage_fs.layout import CHECKPOINT_FILE, METADATA_FILE, rank_metadata_file, stale_metadata
 from hyper_parallel_dcp.storage_fs.rank_files import with_stored_as, write_rank_files
 
 from .client import ObjectStore, ObjectStoreSettings
@@ -174,11 +174,7 @@ class ObjectStoreWriter(StorageWriter):
                 self._lock.acquire()
                 self.remove_checkpoint()
             return
-        stale = [METADATA_FILE, rank_metadata_file(rank)]
-        if rank == 0:
-            # per-rank metadata of ranks this save does not have would be merged by a loader
-            stale += [n for n in files.names() if (m := RANK_METADATA.match(n)) and int(m.group(1)) >= world_size]
-        files.store.delete([files.key(n) for n in stale])
+        files.store.delete([files.key(n) for n in stale_metadata(files.names, rank, world_size)])
 
     def remove_checkpoint(self) -> None:
         """Delete the id's ``.metadata`` first, then its other checkpoint objects and
