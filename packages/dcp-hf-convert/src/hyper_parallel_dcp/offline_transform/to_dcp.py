@@ -51,18 +51,14 @@ def load_torch_checkpoint(path: PathLike) -> tuple[Any, bool]:
     if not file.is_file():
         raise CheckpointNotFoundError(f"PyTorch checkpoint file {file} does not exist "
                                       "(src_platform='torch' wants a file)")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True), True
-    except RuntimeError as exc:
-        if "mmap" not in str(exc) and "zip" not in str(exc):
-            raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
-    except Exception as exc:  # pickle errors, UnpicklingError for disallowed globals, ...
-        raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
-    logger.info("%s is in the legacy (non-zip) format; loading it whole", file)
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True), False
-    except Exception as exc:
-        raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
+    for mapped in (True, False):
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mapped), mapped
+        except Exception as exc:  # pickle errors, UnpicklingError for disallowed globals, ...
+            if not (mapped and isinstance(exc, RuntimeError) and ("mmap" in str(exc) or "zip" in str(exc))):
+                raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
+        logger.info("%s is in the legacy (non-zip) format; loading it whole", file)
+    raise AssertionError("unreachable")
 
 
 def _release_pages(tensor: torch.Tensor) -> None:
