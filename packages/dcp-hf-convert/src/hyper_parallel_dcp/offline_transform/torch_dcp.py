@@ -159,6 +159,7 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                 bar.advance(block.numel() * block.element_size())
             sd[fqn] = tm.TensorStorageMetadata(tm.TensorProperties(dtype=md.properties.dtype), torch.Size(md.size),
                                                chunks)
+            report.tensors += 1
         f.flush()
         if sync_files:
             os.fsync(f.fileno())
@@ -166,8 +167,6 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
     metadata = tm.Metadata(state_dict_metadata=sd, planner_data={fqn: tuple(fqn.split(".")) for fqn in sd},
                            storage_data=storage)
     write_file_atomic(out_dir / ".metadata", lambda f: pickle.dump(metadata, f), sync_files)
-    report.tensors = sum(1 for md in source.metadata.state_dict_metadata.values()
-                         if isinstance(md, TensorStorageMetadata))
     report.files = [data_name, ".metadata"]
     logger.info("converted %s -> %s (torch DCP, %d bytes of data): %s", src, dst, size, report.summary())
     return report
