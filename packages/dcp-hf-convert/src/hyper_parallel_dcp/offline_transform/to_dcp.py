@@ -25,7 +25,7 @@ from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from .blocks import StagingBuffer
 from .hf_source import read_entry, scan_huggingface_checkpoint
 from .keymap import KeyMapping, map_keys
-from .progress import ConversionReport, Progress
+from .progress import ConversionReport, progress_bar
 
 __all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state_dict_to_dcp_format",
            "load_torch_checkpoint", "save_streaming"]
@@ -110,8 +110,8 @@ def save_streaming(plan_sd: dict[str, Any], src: Any, dst: PathLike,
         total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
     report.objects = sum(1 for t in plan_sd.values() if not is_tensor_leaf(t))
     report.tensors = len(plan_sd) - report.objects
-    with Progress(report, total, desc, progress) as bar:
-        planner = StreamingSavePlanner(fetch, bar.advance)
+    with progress_bar(report, total, desc, progress) as advance:
+        planner = StreamingSavePlanner(fetch, advance)
         metadata = save_state_dict(plan_sd, storage_writer_for(dst, None), planner, no_dist=True)
     report.files = sorted(metadata.files) + [".metadata"]
     logger.info("converted %s -> %s: %s", report.source, report.destination, report.summary())
