@@ -157,9 +157,7 @@ class StagingArena:
             object_fqns = tuple(fqn for fqn in flat if fqn not in shards_of)
             # a pending slab's views are made by complete(), once it exists
             self._layout = RepeatedLayout(tuple(flat), checks, [] if private else dsts, tensor_leaves, object_fqns,
-                                          device_type, staged_bytes)
-            if device_type is not None:  # made with the first save's copy, not by the next save
-                self._layout.pack = DevicePack(dsts, srcs)
+                                          staged_bytes, DevicePack(dsts, srcs) if device_type is not None else None)
         return staged, StagingStats(staged_bytes, reused, allocated, self._pinned())
 
     def _assign_slots(self, wanted: list[tuple[BufferKey, int, torch.Tensor]], device_type: Optional[str],

@@ -96,11 +96,7 @@ def _copy_dict(obj: dict) -> dict:
 
 
 @DataCopier.register(list)
-def _copy_list(obj: list) -> list:
-    return [DataCopier.copy(v) for v in obj] if type(obj) is list else copy.deepcopy(obj)
-
-
 @DataCopier.register(tuple)
-def _copy_tuple(obj: tuple) -> tuple:
-    # a namedtuple or another tuple subclass: its own copy logic runs
-    return tuple(DataCopier.copy(v) for v in obj) if type(obj) is tuple else copy.deepcopy(obj)
+def _copy_sequence(obj: Any) -> Any:
+    # a namedtuple or another list or tuple subclass: its own copy logic runs
+    return type(obj)(DataCopier.copy(v) for v in obj) if type(obj) in (list, tuple) else copy.deepcopy(obj)

@@ -85,7 +85,9 @@ class FileMailbox(DistWrapper):
                                 thread_name_prefix="hp-dcp-mailbox") as pool:
             return [f.result() for f in [pool.submit(self._fetch, name, rank) for name, rank in names]]
 
-    def _gather(self, step: str, to_all: bool) -> Optional[list[Any]]:
+    def _gather(self, step: str, obj: Any, to_all: bool) -> Optional[list[Any]]:
+        """Post ``obj`` as this rank's file of ``step``; every rank's, on every rank (``to_all``) or the coordinator."""
+        self._post(gather_file(step, self.rank), obj)
         if not (to_all or self.is_coordinator):
             return None
         return self._fetch_all([(gather_file(step, r), r) for r in range(self.world_size)])
@@ -94,15 +96,13 @@ class FileMailbox(DistWrapper):
         if not self.use_dist:
             return [obj]
         with phase("all_gather_object", self.rank):
-            self._post(gather_file(self.exchange_name(), self.rank), obj)
-            return self._gather(self.exchange_name(), True)  # type: ignore[return-value]
+            return self._gather(self.exchange_name(), obj, True)  # type: ignore[return-value]
 
     def gather_object(self, obj: T) -> Optional[list[T]]:
         if not self.use_dist:
             return [obj]
         with phase("gather_object", self.rank):
-            self._post(gather_file(self.exchange_name(), self.rank), obj)
-            return self._gather(self.exchange_name(), False)
+            return self._gather(self.exchange_name(), obj, False)
 
     def scatter_object(self, objs: Optional[list[T]]) -> T:
         if not self.use_dist:
@@ -128,8 +128,7 @@ class FileMailbox(DistWrapper):
 
     def barrier(self) -> None:
         if self.use_dist:
-            self._post(gather_file("barrier", self.rank), None)
-            self._gather("barrier", True)
+            self._gather("barrier", None, True)
 
     def finish(self, ack_timeout: float = 60.0) -> None:
         """Remove this save's mailbox files once every rank acknowledged the last answer (the

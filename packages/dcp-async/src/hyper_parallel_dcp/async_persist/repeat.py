@@ -43,9 +43,8 @@ class RepeatedLayout:
     dsts: list[torch.Tensor]
     tensor_leaves: dict[str, tuple[str, Any]]
     object_fqns: tuple[str, ...]
-    device_type: Optional[str]
     staged_bytes: int
-    pack: Optional[DevicePack] = None
+    pack: Optional[DevicePack]  # made with the first save's copy when a piece is on a device, else None
 
     def sources(self, flat: dict[str, Any]) -> Optional[list[torch.Tensor]]:
         """The source of every slot, in ``dsts`` order, when ``flat`` has this layout; else ``None``."""
@@ -76,11 +75,9 @@ class RepeatedLayout:
 
     def copy(self, srcs: list[torch.Tensor]) -> None:
         """Copy ``srcs`` (from :meth:`sources`) into the slots; returns once they are done."""
-        if self.device_type is None:
+        if self.pack is None:
             copy_into_slots(self.dsts, srcs, None)
             return
-        if self.pack is None:
-            self.pack = DevicePack(self.dsts, srcs)
         with torch.no_grad():
             self.pack.copy(srcs)
         wait_for_copies(self.pack.devices)

@@ -33,14 +33,15 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from hyper_parallel_dcp.core.chunks import row_major_strides
 from hyper_parallel_dcp.core.collectives import TIMEOUT_ENV
 from hyper_parallel_dcp.core.errors import CheckpointTimeoutError
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel_dcp.core.reader_assignment import ChunkExchange, ReaderAssignment, exchanged_reads
+from hyper_parallel_dcp.core.reader_assignment import ChunkExchange, exchanged_reads
 from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader
 
 from .prefetch import ReadAhead
-from .schedule import ExchangeMessage, exchange_messages
+from .schedule import ExchangeMessage, assignment_of, exchange_messages
 
 __all__ = ["ChunkExchanges"]
 
@@ -105,14 +106,6 @@ class _Copy:
         self.count, self.step = 1, 0
 
 
-def _row_major(lengths: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(lengths):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 class ChunkExchanges:
     """This rank's part of the chunk exchanges of ``plan`` (its final plan).
 
@@ -124,8 +117,7 @@ class ChunkExchanges:
 
     def __init__(self, plan: LoadPlan, reader: StorageReader, planner: LoadPlanner, rank: int,
                  batch_bytes: int, max_in_flight: int, timeout: float) -> None:
-        data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
-        self.exchanges: tuple[ChunkExchange, ...] = data.exchanges
+        self.exchanges: tuple[ChunkExchange, ...] = assignment_of(plan).exchanges
         self.reader, self.planner, self.rank = reader, planner, rank
         self.max_in_flight, self.timeout = max_in_flight, timeout
         self.error: Optional[BaseException] = None
@@ -227,8 +219,7 @@ class ChunkExchanges:
                     if into is None:
                         into = typed[(m, op.dtype)] = held.view(op.dtype)
                     shape = (op.count, *op.lengths)
-                    packed = _row_major(shape)
-                    copies.add(into.as_strided(shape, packed, op.at // op.dtype.itemsize),
+                    copies.add(into.as_strided(shape, row_major_strides(shape), op.at // op.dtype.itemsize),
                                as_dtype[op.dtype].as_strided(shape, (op.step, *op.strides), op.source))
                     left[m] -= 1
                     if not left[m]:
@@ -263,7 +254,7 @@ class ChunkExchanges:
                 self._group_bytes.append(0)
                 size = 0
             shape = (x.rows[1], *x.shape[1:])
-            self._place[i] = (len(self._groups) - 1, size // x.dtype.itemsize, _row_major(shape))
+            self._place[i] = (len(self._groups) - 1, size // x.dtype.itemsize, tuple(row_major_strides(shape)))
             self._groups[-1].append(i)
             size += -(-math.prod(shape) * x.dtype.itemsize // _ALIGN) * _ALIGN
             self._group_bytes[-1] = size
@@ -297,7 +288,7 @@ class ChunkExchanges:
     def _wait(self, entry: tuple, peer: int, sending: bool) -> None:
         work = entry[0]
         try:
-            work.wait(timedelta(seconds=self.timeout)) if self.timeout > 0 else work.wait()
+            work.wait(timedelta(seconds=self.timeout))  # 0: c10d's "no timeout"
         except Exception as exc:  # noqa: BLE001 - gloo: peer closed / timed out
             way = f"to rank {peer}" if sending else f"from rank {peer}"
             raise CheckpointTimeoutError(
@@ -325,7 +316,7 @@ class ChunkExchanges:
                     as_dtype = typed.get(dtype)
                     if as_dtype is None:
                         as_dtype = typed[dtype] = buffer.view(dtype)
-                    source = as_dtype.as_strided(lengths, _row_major(lengths), at // dtype.itemsize)
+                    source = as_dtype.as_strided(lengths, row_major_strides(lengths), at // dtype.itemsize)
                     for item in items_of[(i, offsets, lengths)]:
                         copies.add(resolve(item), source, item)
                 copies.flush()

@@ -278,10 +278,7 @@ class BroadcastReadExecutor:
 
     def _complete(self, entry: _InFlight) -> None:
         try:
-            if self._timeout > 0:
-                entry.work.wait(timedelta(seconds=self._timeout))
-            else:
-                entry.work.wait()
+            entry.work.wait(timedelta(seconds=self._timeout))  # 0: c10d's "no timeout"
         except Exception as exc:  # noqa: BLE001 - gloo: peer closed / timed out
             raise self._broadcast_error(entry.ranks, entry.source, exc) from exc
         if entry.land is not None:

@@ -14,8 +14,9 @@ from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key, sort_read_items
 from hyper_parallel_dcp.core.reader_assignment import ChunkExchange, ReaderAssignment, ReplicaGroup
 
-__all__ = ["BroadcastOp", "ExchangeMessage", "LaunchStep", "RankSchedule", "ShardInfo", "ShardStep", "ShardTask", "exchange_messages", "plan_broadcasts",
-           "rank_schedule", "replica_groups_of", "required_groups"]
+__all__ = ["BroadcastOp", "ExchangeMessage", "LaunchStep", "RankSchedule", "ShardInfo", "ShardStep", "ShardTask",
+           "assignment_of", "exchange_messages", "plan_broadcasts", "rank_schedule", "replica_groups_of",
+           "required_groups"]
 
 RankTuple = tuple[int, ...]
 
@@ -76,19 +77,20 @@ class LaunchStep:
 Step = Union[ShardStep, LaunchStep]
 
 
-def _assignment(plan: LoadPlan) -> ReaderAssignment:
+def assignment_of(plan: LoadPlan) -> ReaderAssignment:
+    """The :class:`ReaderAssignment` of ``plan`` (an empty one when it has none)."""
     data = plan.planner_data
     return data if isinstance(data, ReaderAssignment) else ReaderAssignment()
 
 
 def replica_groups_of(plan: LoadPlan) -> tuple[ReplicaGroup, ...]:
     """The multi-member replica groups ``plan``'s rank is in (none without an assignment)."""
-    return _assignment(plan).groups
+    return assignment_of(plan).groups
 
 
 def required_groups(plan: LoadPlan) -> list[RankTuple]:
     """Every multi-member replica group of the load, sorted: the same list on every rank."""
-    return sorted(_assignment(plan).required)
+    return sorted(assignment_of(plan).required)
 
 
 def rank_schedule(plan: LoadPlan, rank: int,

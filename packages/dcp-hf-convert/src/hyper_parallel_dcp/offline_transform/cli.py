@@ -83,26 +83,6 @@ def _check_destination(src: Any, dst: Any, overwrite: bool) -> None:
         raise ValueError(f"DST {dst} is not empty; pass --overwrite to replace it (nothing was written)")
 
 
-def _convert(args: argparse.Namespace, src: Any, dst: Any, show: bool) -> Any:
-    """Run the conversion ``args`` asks for; returns its :class:`ConversionReport`."""
-    from .from_dcp import convert_dcp_to_huggingface
-    from .keymap import KeyMapping, only_prefixes, strip_prefixes
-    from .options import parse_size
-    from .to_dcp import convert_full_checkpoint_to_dcp
-    from .torch_dcp import convert_dcp_to_torch_dcp, convert_torch_dcp_to_dcp
-
-    if args.command in _TORCH_DCP:
-        convert = convert_torch_dcp_to_dcp if args.command == _TORCH_DCP[0] else convert_dcp_to_torch_dcp
-        return convert(src, dst, batch_bytes=parse_size(args.batch_size), progress=show)
-    mapping: KeyMapping = strip_prefixes(*args.strip_prefix) if args.strip_prefix else None
-    if args.command == "hf-to-dcp":
-        return convert_full_checkpoint_to_dcp(src, dst, args.src_platform, key_mapping=mapping, progress=show)
-    if args.only:
-        mapping = only_prefixes(args.only, mapping)
-    return convert_dcp_to_huggingface(src, dst, args.max_shard_size, dtype=args.dtype, key_mapping=mapping,
-                                      model_only=False if args.all or args.only else None, progress=show)
-
-
 def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     """Run the tool with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     try:
@@ -116,22 +96,37 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     from hyper_parallel_dcp.core.backends import url_scheme
     from hyper_parallel_dcp.core.errors import CheckpointError
 
+    from .from_dcp import convert_dcp_to_huggingface
+    from .keymap import KeyMapping, only_prefixes, strip_prefixes
     from .options import parse_dtype, parse_size
+    from .to_dcp import convert_full_checkpoint_to_dcp
+    from .torch_dcp import convert_dcp_to_torch_dcp, convert_torch_dcp_to_dcp
 
     # a URL (s3://bucket/x) stays a string: Path() would fold its '//'
     src, dst = (a if url_scheme(a) != "file" else Path(a) for a in (args.src, args.dst))
     try:  # the values argparse cannot check are usage errors too
         _check_destination(src, dst, args.overwrite)
         if args.command in _TORCH_DCP:
-            parse_size(args.batch_size)
+            batch_bytes = parse_size(args.batch_size)
         elif args.command == "dcp-to-hf":
             parse_size(args.max_shard_size)
             parse_dtype(args.dtype)
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    show = not args.quiet
+    mapping: KeyMapping = strip_prefixes(*args.strip_prefix) if getattr(args, "strip_prefix", None) else None
     try:
-        report = _convert(args, src, dst, show=not args.quiet)
+        if args.command in _TORCH_DCP:
+            convert = convert_torch_dcp_to_dcp if args.command == _TORCH_DCP[0] else convert_dcp_to_torch_dcp
+            report = convert(src, dst, batch_bytes=batch_bytes, progress=show)
+        elif args.command == "hf-to-dcp":
+            report = convert_full_checkpoint_to_dcp(src, dst, args.src_platform, key_mapping=mapping, progress=show)
+        else:
+            report = convert_dcp_to_huggingface(
+                src, dst, args.max_shard_size, dtype=args.dtype,
+                key_mapping=only_prefixes(args.only, mapping) if args.only else mapping,
+                model_only=False if args.all or args.only else None, progress=show)
     except (CheckpointError, OSError, ValueError, TypeError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -12,6 +12,7 @@ from typing import Optional, Union
 import torch
 
 from hyper_parallel_dcp.core.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
+from hyper_parallel_dcp.storage_fs.posix import pread_exact
 from hyper_parallel_dcp.storage_fs.safetensors_stream import (
     SAFETENSORS_DTYPES,
     SafetensorsHeaderError,
@@ -164,17 +165,11 @@ def read_entry(entry: SafetensorsEntry, out: Optional[torch.Tensor] = None) -> t
             tensor.device.type != "cpu"):
         raise ValueError(f"{entry.name!r}: cannot read {entry.dtype} {list(entry.shape)} "
                          f"into {tensor.dtype} {list(tensor.shape)}")
-    view = tensor_bytes(tensor)
-    done = 0
     with open(entry.file, "rb", buffering=0) as f:
-        f.seek(entry.start)
-        while done < entry.nbytes:
-            n = f.readinto(view[done:])
-            if not n:
-                raise CorruptCheckpointError(
-                    f"{entry.file}: tensor {entry.name!r} ends early ({done} of {entry.nbytes} bytes read)"
-                )
-            done += n
+        try:
+            pread_exact(f.fileno(), tensor_bytes(tensor), entry.start, str(entry.file))
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"tensor {entry.name!r}: {exc}") from None
     return tensor
 
 

@@ -20,7 +20,7 @@ from hyper_parallel_dcp.storage_fs.safetensors_stream import TensorEntry, write_
 
 from .hf_source import INDEX_FILE, SINGLE_FILE
 from .options import parse_size
-from .progress import ConversionReport, Progress
+from .progress import ConversionReport, progress_bar
 
 __all__ = ["HFShardPlan", "TensorSpec", "plan_huggingface_shards", "write_huggingface_checkpoint"]
 
@@ -114,11 +114,11 @@ def write_huggingface_checkpoint(dst: Union[str, os.PathLike], specs: Sequence[T
     by_name = {s.name: s for s in specs}
     report = report if report is not None else ConversionReport("<state_dict>", str(root))
     root.mkdir(parents=True, exist_ok=True)
-    with Progress(report, plan.total_size, "-> HF safetensors", progress) as bar:
+    with progress_bar(report, plan.total_size, "-> HF safetensors", progress) as advance:
         for file, names in plan.files.items():
             def produce(name: str) -> torch.Tensor:
                 tensor = fetch(name)
-                bar.advance(by_name[name].nbytes)
+                advance(by_name[name].nbytes)
                 return tensor
 
             entries = [TensorEntry(name, by_name[name].dtype, by_name[name].shape, (lambda n=name: produce(n)),

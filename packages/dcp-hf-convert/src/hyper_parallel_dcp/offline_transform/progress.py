@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
-__all__ = ["ConversionReport", "Progress", "format_bytes"]
+__all__ = ["ConversionReport", "format_bytes", "progress_bar"]
 
 
 def format_bytes(n: float) -> str:
@@ -44,30 +45,27 @@ class ConversionReport:
                 f"({format_bytes(self.throughput)}/s) -> {self.destination} ({len(self.files)} files)")
 
 
-class Progress:
-    """A byte-counting tqdm bar (only when ``enabled`` and stderr is a terminal) plus the
-    report's byte count and time; the converter sets ``report.tensors`` (a tensor may be
-    written in several blocks)."""
+@contextlib.contextmanager
+def progress_bar(report: ConversionReport, total_bytes: int, desc: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """Yield ``advance(nbytes)``, which counts bytes into ``report`` and onto a tqdm bar (only
+    when ``enabled`` and stderr is a terminal); ``report.seconds`` is set on exit.  The
+    converter sets ``report.tensors`` (a tensor may be written in several blocks)."""
+    bar: Optional[Any] = None
+    if enabled and sys.stderr.isatty():  # a bar redrawn into a log file is noise
+        from tqdm import tqdm
 
-    def __init__(self, report: ConversionReport, total_bytes: int, desc: str, enabled: bool) -> None:
-        self.report = report
-        self._bar: Optional[Any] = None
-        if enabled and sys.stderr.isatty():  # a bar redrawn into a log file is noise
-            from tqdm import tqdm
+        bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                   dynamic_ncols=True)
+    start = time.perf_counter()
 
-            self._bar = tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                             file=sys.stderr, dynamic_ncols=True)
-        self._start = time.perf_counter()
+    def advance(nbytes: int) -> None:
+        report.bytes += nbytes
+        if bar is not None:
+            bar.update(nbytes)
 
-    def advance(self, nbytes: int) -> None:
-        self.report.bytes += nbytes
-        if self._bar is not None:
-            self._bar.update(nbytes)
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.report.seconds = time.perf_counter() - self._start
-        if self._bar is not None:
-            self._bar.close()
+    try:
+        yield advance
+    finally:
+        report.seconds = time.perf_counter() - start
+        if bar is not None:
+            bar.close()

@@ -25,7 +25,7 @@ from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
 from .blocks import StagingBuffer
 from .hf_source import read_entry, scan_huggingface_checkpoint
 from .keymap import KeyMapping, map_keys
-from .progress import ConversionReport, Progress
+from .progress import ConversionReport, progress_bar
 
 __all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state_dict_to_dcp_format",
            "load_torch_checkpoint", "save_streaming"]
@@ -51,18 +51,14 @@ def load_torch_checkpoint(path: PathLike) -> tuple[Any, bool]:
     if not file.is_file():
         raise CheckpointNotFoundError(f"PyTorch checkpoint file {file} does not exist "
                                       "(src_platform='torch' wants a file)")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True), True
-    except RuntimeError as exc:
-        if "mmap" not in str(exc) and "zip" not in str(exc):
-            raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
-    except Exception as exc:  # pickle errors, UnpicklingError for disallowed globals, ...
-        raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
-    logger.info("%s is in the legacy (non-zip) format; loading it whole", file)
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True), False
-    except Exception as exc:
-        raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
+    for mapped in (True, False):
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mapped), mapped
+        except Exception as exc:  # pickle errors, UnpicklingError for disallowed globals, ...
+            if not (mapped and isinstance(exc, RuntimeError) and ("mmap" in str(exc) or "zip" in str(exc))):
+                raise CheckpointFormatError(f"cannot load PyTorch checkpoint {file}: {exc}") from None
+        logger.info("%s is in the legacy (non-zip) format; loading it whole", file)
+    raise AssertionError("unreachable")
 
 
 def _release_pages(tensor: torch.Tensor) -> None:
@@ -114,8 +110,8 @@ def save_streaming(plan_sd: dict[str, Any], src: Any, dst: PathLike,
         total = sum(t.numel() * t.element_size() for t in plan_sd.values() if isinstance(t, torch.Tensor))
     report.objects = sum(1 for t in plan_sd.values() if not is_tensor_leaf(t))
     report.tensors = len(plan_sd) - report.objects
-    with Progress(report, total, desc, progress) as bar:
-        planner = StreamingSavePlanner(fetch, bar.advance)
+    with progress_bar(report, total, desc, progress) as advance:
+        planner = StreamingSavePlanner(fetch, advance)
         metadata = save_state_dict(plan_sd, storage_writer_for(dst, None), planner, no_dist=True)
     report.files = sorted(metadata.files) + [".metadata"]
     logger.info("converted %s -> %s: %s", report.source, report.destination, report.summary())

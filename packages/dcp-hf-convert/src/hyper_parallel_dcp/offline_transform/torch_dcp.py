@@ -27,7 +27,7 @@ from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.torch_dcp import is_torch_dcp_checkpoint
 
 from .blocks import CheckpointBlocks, StagingBuffer
-from .progress import ConversionReport, Progress
+from .progress import ConversionReport, progress_bar
 from .to_dcp import save_streaming
 
 __all__ = ["DEFAULT_BATCH_BYTES", "convert_dcp_to_torch_dcp", "convert_torch_dcp_to_dcp"]
@@ -129,7 +129,7 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
     sd: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     report = ConversionReport(str(src), str(dst))
-    with Progress(report, source.tensor_bytes(), "DCP -> torch DCP", progress) as bar, \
+    with progress_bar(report, source.tensor_bytes(), "DCP -> torch DCP", progress) as advance, \
             open(out_dir / data_name, "wb") as f:
         for fqn, md in source.metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
@@ -156,9 +156,10 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                 storage[tm.MetadataIndex(fqn, torch.Size(box.offsets), i)] = _StorageInfo(data_name, start,
                                                                                          f.tell() - start)
                 chunks.append(tm.ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.sizes)))
-                bar.advance(block.numel() * block.element_size())
+                advance(block.numel() * block.element_size())
             sd[fqn] = tm.TensorStorageMetadata(tm.TensorProperties(dtype=md.properties.dtype), torch.Size(md.size),
                                                chunks)
+            report.tensors += 1
         f.flush()
         if sync_files:
             os.fsync(f.fileno())
@@ -166,8 +167,6 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
     metadata = tm.Metadata(state_dict_metadata=sd, planner_data={fqn: tuple(fqn.split(".")) for fqn in sd},
                            storage_data=storage)
     write_file_atomic(out_dir / ".metadata", lambda f: pickle.dump(metadata, f), sync_files)
-    report.tensors = sum(1 for md in source.metadata.state_dict_metadata.values()
-                         if isinstance(md, TensorStorageMetadata))
     report.files = [data_name, ".metadata"]
     logger.info("converted %s -> %s (torch DCP, %d bytes of data): %s", src, dst, size, report.summary())
     return report
