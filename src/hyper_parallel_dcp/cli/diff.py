@@ -6,7 +6,7 @@ result types and ``run``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -170,8 +170,7 @@ def run(args: Any) -> int:
     if args.json:
         print_json({"a": str(a), "b": str(b), "identical": result.identical, "only_in_a": result.only_in_a,
                     "only_in_b": result.only_in_b,
-                    "keys": {k.fqn: {"equal": k.equal, "reason": k.reason, "max_abs": _num(k.max_abs),
-                                     "max_rel": _num(k.max_rel), "differing": k.differing, "numel": k.numel}
+                    "keys": {k.fqn: {f: _num(v) if isinstance(v, float) else v for f, v in asdict(k).items() if f != "fqn"}
                              for k in result.keys}})
     else:
         print(f"A  {a}\nB  {b}")
