@@ -169,20 +169,29 @@ class FileSystemSteps:
         """Delete ``step`` crash-safely (renamed to a hidden ``.step_N.hp-dcp-old-*`` name
         first); False (nothing done) while a save into it or a :meth:`reading` of it runs,
         or when it is gone."""
-        lock = SaveLock(self.root / step_name(step))
         trash = self._hidden(step, f"old-retired-{os.getpid()}-{time.time_ns()}")
-        try:
-            lock.acquire()
-        except ConcurrentSaveError:
-            return False
-        try:
+        with self._save_lock(step) as held:
+            if not held:
+                return False
             with self._exclusive_readlock(step) as free:
                 if not free or not _move_away(self.location(step), trash):
                     return False
-        finally:
-            lock.release()
         shutil.rmtree(trash, ignore_errors=True)
         return True
+
+    @contextmanager
+    def _save_lock(self, step: int) -> Iterator[bool]:
+        """Yields True holding ``step``'s save lock (a new save of it fails meanwhile), False when a save holds it."""
+        lock = SaveLock(self.root / step_name(step))
+        try:
+            lock.acquire()
+        except ConcurrentSaveError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            lock.release()
 
     @contextmanager
     def reading(self, step: int) -> Iterator[None]:
@@ -305,14 +314,11 @@ class FileSystemSteps:
         if item.kind == "readlock":
             with self._exclusive_readlock(item.step) as free:
                 return free
-        lock = SaveLock(self.root / step_name(item.step))
-        try:
-            lock.acquire()  # also keeps a new save of this step out while we remove
-        except ConcurrentSaveError:
-            return False
-        try:
+        with self._save_lock(item.step) as held:
+            if not held:
+                return False
             if item.kind == "lock":
-                return True  # release() below unlinks the lock file
+                return True  # releasing the lock on the way out unlinks its file
             if item.kind == "mailbox":
                 for p in item.paths:
                     with suppress(FileNotFoundError):
@@ -328,8 +334,6 @@ class FileSystemSteps:
                 return True
             shutil.rmtree(item.location, ignore_errors=True)
             return not os.path.exists(item.location)
-        finally:
-            lock.release()
 
 
 def step_storage_for(root: Union[str, os.PathLike]) -> StepStorage:
