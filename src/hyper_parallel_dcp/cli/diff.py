@@ -55,6 +55,7 @@ class DiffResult:
 
 
 def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, float, int]:
+    """(max abs, max rel, differing elements) of two blocks of the same shape, not empty."""
     wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
     a, b = a.to(wide), b.to(wide)
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
@@ -64,10 +65,7 @@ def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, fl
     rel = torch.where(diff == 0, torch.zeros((), dtype=torch.float64), diff / denom)
     rel = torch.nan_to_num(rel, nan=math.inf)
     limit = atol + rtol * b.abs().to(torch.float64)
-    differing = int(((diff > limit) & ~same).sum()) if diff.numel() else 0
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    max_rel = float(rel.max()) if rel.numel() else 0.0
-    return max_abs, max_rel, differing
+    return float(diff.max()), float(rel.max()), int(((diff > limit) & ~same).sum())
 
 
 def _diff_tensor(fqn: str, sa: CheckpointBlocks, sb: CheckpointBlocks, atol: float, rtol: float,
