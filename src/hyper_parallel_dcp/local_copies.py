@@ -198,9 +198,10 @@ class LocalCopies:
     def drop_newer(self, step: int, own_rank: int) -> list[int]:
         """Delete the copies this holder keeps of steps newer than ``step`` and this rank's own
         (a job went back to ``step``: those belong to an abandoned run); the steps touched."""
-        newer = sorted(s for s in self.markers() if s > step)
+        markers = self.markers()
+        newer = sorted(s for s in markers if s > step)
         for other in newer:
-            ranks = {r for r, rec in self.markers().get(other, {}).items() if self._mine(rec)}
+            ranks = {r for r, rec in markers[other].items() if self._mine(rec)}
             for rank in ranks | {own_rank}:
                 self.discard(other, rank)
             with suppress(OSError):
