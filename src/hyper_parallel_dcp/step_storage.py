@@ -8,7 +8,6 @@ anything modified in the last ``grace`` seconds.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import functools
 import json
@@ -73,19 +72,35 @@ def _newest_mtime(path: str) -> float:
     return newest
 
 
-def _lock_free(path: Path) -> bool:
-    """Nobody holds a ``flock`` on ``path`` (or it does not exist); a probe that changes nothing."""
+@contextmanager
+def _exclusive_flock(path: Path, *, unlink: bool = False) -> Iterator[bool]:
+    """Yields True holding an exclusive ``flock`` on ``path`` (or when it does not exist), False when
+    someone holds one (or it cannot be taken: then nothing is removed).  ``unlink``: remove the file
+    while locked (a reader that opened it meanwhile re-opens the new file).  Closing releases it."""
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        return True
+        yield True
+        return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            locked = False
+        else:
+            locked = True
+            if unlink:
+                with suppress(FileNotFoundError):
+                    os.unlink(path)
+        yield locked
     finally:
-        os.close(fd)  # closing releases the probe's lock
+        os.close(fd)
+
+
+def _lock_free(path: Path) -> bool:
+    """Nobody holds a ``flock`` on ``path`` (or it does not exist); a probe that changes nothing."""
+    with _exclusive_flock(path) as free:
+        return free
 
 
 def _move_away(path: Union[str, Path], trash: Path) -> bool:
@@ -173,7 +188,7 @@ class FileSystemSteps:
         with self._save_lock(step) as held:
             if not held:
                 return False
-            with self._exclusive_readlock(step) as free:
+            with _exclusive_flock(self._hidden(step, "readlock"), unlink=True) as free:
                 if not free or not _move_away(self.location(step), trash):
                     return False
         shutil.rmtree(trash, ignore_errors=True)
@@ -225,29 +240,6 @@ class FileSystemSteps:
                 pass  # another reader holds it, or it is gone already
             finally:
                 os.close(fd)
-
-    @contextmanager
-    def _exclusive_readlock(self, step: int) -> Iterator[bool]:
-        """Yields True holding the read lock exclusively (no reader), False when a reader holds it."""
-        path = self._hidden(step, "readlock")
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            yield True
-            return
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                yield False
-                return
-            with suppress(FileNotFoundError):
-                os.unlink(path)  # while locked: a reader that opened it re-opens the new file
-            yield True
-        finally:
-            os.close(fd)
 
     def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
                        max_step: Optional[int] = None, grace: float = 0.0,
@@ -312,7 +304,7 @@ class FileSystemSteps:
     def remove_leftover(self, item: Leftover) -> bool:
         """Remove ``item`` (re-checking the save lock); False when it is in use or gone."""
         if item.kind == "readlock":
-            with self._exclusive_readlock(item.step) as free:
+            with _exclusive_flock(self._hidden(item.step, "readlock"), unlink=True) as free:
                 return free
         with self._save_lock(item.step) as held:
             if not held:
