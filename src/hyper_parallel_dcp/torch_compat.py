@@ -54,10 +54,6 @@ def _done(value: Any) -> Future:
     return future
 
 
-def _is_local(checkpoint_id: PathLike) -> bool:
-    return "://" not in str(checkpoint_id)
-
-
 def _index(index: tmd.MetadataIndex) -> MetadataIndex:
     return MetadataIndex(index.fqn, None if index.offset is None else tuple(index.offset), index.index)
 
@@ -226,7 +222,7 @@ class StorageWriter(tstorage.StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
-        return _is_local(checkpoint_id)
+        return "://" not in str(checkpoint_id)  # a local path
 
 
 class StorageReader(tstorage.StorageReader):
@@ -305,7 +301,7 @@ class StorageReader(tstorage.StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
-        return _is_local(checkpoint_id)
+        return "://" not in str(checkpoint_id)  # a local path
 
 
 def _destination(planner: tplan.LoadPlanner, leaves: Optional[dict[str, Any]], item: tplan.ReadItem) -> torch.Tensor:
