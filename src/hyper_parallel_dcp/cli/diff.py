@@ -135,7 +135,7 @@ def diff_checkpoints(a: Any, b: Any, *, atol: float = 0.0, rtol: float = 0.0,
     ka, kb = sa.metadata.state_dict_metadata, sb.metadata.state_dict_metadata
     result = DiffResult(a, b, only_in_a=sorted(set(ka) - set(kb)), only_in_b=sorted(set(kb) - set(ka)))
     common = sorted(set(ka) & set(kb))
-    for fqn in progress(common, total=len(common), desc="diff", unit="key", enabled=show_progress):
+    for fqn in progress(common, desc="diff", unit="key", enabled=show_progress):
         ta, tb = (isinstance(side[fqn], TensorStorageMetadata) for side in (ka, kb))
         if ta != tb:
             result.keys.append(TensorDiff(fqn, False, " vs ".join("tensor" if t else "object" for t in (ta, tb))))
