@@ -6,7 +6,7 @@ a replica received from rank ``R`` on another node.  ``dir/step_N/rank_R.commit`
 step, ``R``, the ``holder`` rank that wrote the copy, the world size, every file's size) is
 written last, once every copy of step ``N`` on every node is written: a copy without it is
 never loaded.  Several ranks of a node share ``dir``; each touches only the copies it holds.
-Exports :class:`LocalCopies`, :class:`LocalTierFullError`, :func:`free_bytes`.
+Exports :class:`LocalCopies`, :class:`LocalTierFullError`, :func:`room_for`.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import json
 import logging
 import os
 import shutil
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from hyper_parallel_dcp.core.backends import parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
 
-__all__ = ["LocalCopies", "LocalTierFullError", "free_bytes"]
+__all__ = ["LocalCopies", "LocalTierFullError", "room_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,20 @@ def is_full(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
     return False
+
+
+@contextmanager
+def room_for(directory: Path, needed: int, what: str) -> Iterator[None]:
+    """Raise :func:`full_error` before the block when ``directory`` has less than ``needed`` bytes
+    free, and in place of an ``OSError`` of the block that says the disk is full."""
+    if free_bytes(directory) < needed:
+        raise full_error(directory, needed, what)
+    try:
+        yield
+    except OSError as exc:
+        if is_full(exc) and not isinstance(exc, LocalTierFullError):
+            raise full_error(directory, needed, what, exc) from exc
+        raise
 
 
 def _manifest(sizes: dict[str, int]) -> Manifest:
@@ -119,16 +133,10 @@ class LocalCopies:
         view = memoryview(data.numpy())
         ends = itertools.accumulate(n for _, n in manifest)
         files = [(name, view[end - n:end]) for (name, n), end in zip(manifest, ends)]
-        if free_bytes(self.directory) < needed:
-            raise full_error(self.directory, needed, f"the replica of rank {rank}, step {step}")
-        root.mkdir(parents=True, exist_ok=True)
-        try:
+        with room_for(self.directory, needed, f"the replica of rank {rank}, step {step}"):
+            root.mkdir(parents=True, exist_ok=True)
             for name, data in files:
                 write_file_atomic(root / name, lambda f, data=data: f.write(data))
-        except OSError as exc:
-            if is_full(exc):
-                raise full_error(self.directory, needed, f"the replica of rank {rank}, step {step}", exc) from exc
-            raise
         fsync_dir(root)
 
     def commit(self, step: int, rank: int, world_size: int) -> None:
@@ -190,9 +198,10 @@ class LocalCopies:
     def drop_newer(self, step: int, own_rank: int) -> list[int]:
         """Delete the copies this holder keeps of steps newer than ``step`` and this rank's own
         (a job went back to ``step``: those belong to an abandoned run); the steps touched."""
-        newer = sorted(s for s in self.markers() if s > step)
+        markers = self.markers()
+        newer = sorted(s for s in markers if s > step)
         for other in newer:
-            ranks = {r for r, rec in self.markers().get(other, {}).items() if self._mine(rec)}
+            ranks = {r for r, rec in markers[other].items() if self._mine(rec)}
             for rank in ranks | {own_rank}:
                 self.discard(other, rank)
             with suppress(OSError):

@@ -38,7 +38,7 @@ from hyper_parallel_dcp.core.stateful import expand_stateful
 from hyper_parallel_dcp.storage_fs import FileSystemReader, merge_rank_metadata
 from hyper_parallel_dcp.storage_fs.metadata_io import StoredMetadata
 
-from .local_copies import LocalCopies, LocalTierFullError, Manifest, free_bytes, full_error, is_full
+from .local_copies import LocalCopies, LocalTierFullError, Manifest, room_for
 
 __all__ = ["LocalTier", "LocalTierFullError"]
 
@@ -174,12 +174,6 @@ class LocalTier:
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
         return joined
 
-    def _restore_group(self) -> None:
-        """For a restore: the gloo group of the saves, or, before any save, the default group if
-        it is gloo (creating a group costs 0.05-0.15 s of a 0.5 s recovery)."""
-        if self._join() and self._group is None and "gloo" not in str(dist.get_backend()):
-            self._setup()
-
     def _setup(self) -> None:
         """Once, collectively: a gloo group of its own (the background thread's exchanges must
         not interleave with the training's collectives) and every rank's node."""
@@ -188,11 +182,7 @@ class LocalTier:
         if self._join():
             self._group = dist.new_group(backend="gloo",
                                          timeout=datetime.timedelta(seconds=collective_timeout() or 1800))
-            nodes: list[Any] = [None] * self._world
-            dist.all_gather_object(nodes, self.node, group=self._group)
-            self._nodes = [str(n) for n in nodes]
-        else:
-            self._nodes = [self.node]
+        self._nodes = [str(n) for n in self._gather(self.node)]
         if self.replicas and len(set(self._nodes)) < 2 and self._rank == 0:
             logger.warning("local checkpoint tier: all %d rank(s) are on node %s: local copies have no replica on "
                            "another node (a lost node restores from the persistent tier)", self._world, self.node)
@@ -250,16 +240,10 @@ class LocalTier:
         try:
             self._arena.complete()
             copies.discard(step, rank)
-            if free_bytes(self.dir) < nbytes:
-                raise full_error(self.dir, nbytes, f"rank {rank}'s copy of step {step}")
-            try:
+            with room_for(self.dir, nbytes, f"rank {rank}'s copy of step {step}"):
                 fault_error("local.full", rank)
                 api.save(materialize(staged, self._arena.slabs), checkpoint_id=copies.copy_dir(step, rank),
                          no_dist=True, planner=StandardSavePlanner(enable_plan_caching=False))
-            except OSError as exc:
-                if is_full(exc) and not isinstance(exc, LocalTierFullError):
-                    raise full_error(self.dir, nbytes, f"rank {rank}'s copy of step {step}", exc) from exc
-                raise
             fault_point("local.write", rank)
             payload = copies.read_payload(step, rank)
         except Exception as exc:  # noqa: BLE001 - exchanged below: every rank gives up on this step
@@ -333,7 +317,10 @@ class LocalTier:
         step saved by another world size is loaded resharded from the old ranks' copies the
         new ranks hold (:class:`CopiesReader`), each rank receiving those
         its target needs.  Collective; reads nothing from the persistent tier."""
-        self._restore_group()
+        # the gloo group of the saves, or, before any save, the default group if it is gloo
+        # (creating a group costs 0.05-0.15 s of a 0.5 s recovery)
+        if self._join() and self._group is None and "gloo" not in str(dist.get_backend()):
+            self._setup()
         self.wait()
         rank, copies = self._rank, LocalCopies(self.dir, self._rank, self._world)
         gathered = self._gather(({w: copies.held(w) for w in copies.worlds() | {self._world}}, persistent_step))

@@ -206,10 +206,8 @@ class CheckpointManager:
         if self.async_save:
             staging_error: Optional[BaseException] = None
             try:
-                writer = None
-                if base_location is not None:
-                    writer = storage_writer_for(location, None)
-                    writer.configure_save(incremental_from=base_location)
+                writer = storage_writer_for(location, None)  # async_save makes the same one without a base
+                writer.configure_save(incremental_from=base_location)
                 response = async_persist.async_save(state_dict, checkpoint_id=location, storage_writer=writer)
                 self._inflight = (step, response)
                 if dw.is_coordinator:

@@ -8,7 +8,6 @@ anything modified in the last ``grace`` seconds.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import functools
 import json
@@ -73,19 +72,35 @@ def _newest_mtime(path: str) -> float:
     return newest
 
 
-def _lock_free(path: Path) -> bool:
-    """Nobody holds a ``flock`` on ``path`` (or it does not exist); a probe that changes nothing."""
+@contextmanager
+def _exclusive_flock(path: Path, *, unlink: bool = False) -> Iterator[bool]:
+    """Yields True holding an exclusive ``flock`` on ``path`` (or when it does not exist), False when
+    someone holds one (or it cannot be taken: then nothing is removed).  ``unlink``: remove the file
+    while locked (a reader that opened it meanwhile re-opens the new file).  Closing releases it."""
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
-        return True
+        yield True
+        return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            locked = False
+        else:
+            locked = True
+            if unlink:
+                with suppress(FileNotFoundError):
+                    os.unlink(path)
+        yield locked
     finally:
-        os.close(fd)  # closing releases the probe's lock
+        os.close(fd)
+
+
+def _lock_free(path: Path) -> bool:
+    """Nobody holds a ``flock`` on ``path`` (or it does not exist); a probe that changes nothing."""
+    with _exclusive_flock(path) as free:
+        return free
 
 
 def _move_away(path: Union[str, Path], trash: Path) -> bool:
@@ -169,20 +184,29 @@ class FileSystemSteps:
         """Delete ``step`` crash-safely (renamed to a hidden ``.step_N.hp-dcp-old-*`` name
         first); False (nothing done) while a save into it or a :meth:`reading` of it runs,
         or when it is gone."""
-        lock = SaveLock(self.root / step_name(step))
         trash = self._hidden(step, f"old-retired-{os.getpid()}-{time.time_ns()}")
+        with self._save_lock(step) as held:
+            if not held:
+                return False
+            with _exclusive_flock(self._hidden(step, "readlock"), unlink=True) as free:
+                if not free or not _move_away(self.location(step), trash):
+                    return False
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+
+    @contextmanager
+    def _save_lock(self, step: int) -> Iterator[bool]:
+        """Yields True holding ``step``'s save lock (a new save of it fails meanwhile), False when a save holds it."""
+        lock = SaveLock(self.root / step_name(step))
         try:
             lock.acquire()
         except ConcurrentSaveError:
-            return False
+            yield False
+            return
         try:
-            with self._exclusive_readlock(step) as free:
-                if not free or not _move_away(self.location(step), trash):
-                    return False
+            yield True
         finally:
             lock.release()
-        shutil.rmtree(trash, ignore_errors=True)
-        return True
 
     @contextmanager
     def reading(self, step: int) -> Iterator[None]:
@@ -216,29 +240,6 @@ class FileSystemSteps:
                 pass  # another reader holds it, or it is gone already
             finally:
                 os.close(fd)
-
-    @contextmanager
-    def _exclusive_readlock(self, step: int) -> Iterator[bool]:
-        """Yields True holding the read lock exclusively (no reader), False when a reader holds it."""
-        path = self._hidden(step, "readlock")
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            yield True
-            return
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                yield False
-                return
-            with suppress(FileNotFoundError):
-                os.unlink(path)  # while locked: a reader that opened it re-opens the new file
-            yield True
-        finally:
-            os.close(fd)
 
     def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
                        max_step: Optional[int] = None, grace: float = 0.0,
@@ -303,16 +304,13 @@ class FileSystemSteps:
     def remove_leftover(self, item: Leftover) -> bool:
         """Remove ``item`` (re-checking the save lock); False when it is in use or gone."""
         if item.kind == "readlock":
-            with self._exclusive_readlock(item.step) as free:
+            with _exclusive_flock(self._hidden(item.step, "readlock"), unlink=True) as free:
                 return free
-        lock = SaveLock(self.root / step_name(item.step))
-        try:
-            lock.acquire()  # also keeps a new save of this step out while we remove
-        except ConcurrentSaveError:
-            return False
-        try:
+        with self._save_lock(item.step) as held:
+            if not held:
+                return False
             if item.kind == "lock":
-                return True  # release() below unlinks the lock file
+                return True  # releasing the lock on the way out unlinks its file
             if item.kind == "mailbox":
                 for p in item.paths:
                     with suppress(FileNotFoundError):
@@ -328,8 +326,6 @@ class FileSystemSteps:
                 return True
             shutil.rmtree(item.location, ignore_errors=True)
             return not os.path.exists(item.location)
-        finally:
-            lock.release()
 
 
 def step_storage_for(root: Union[str, os.PathLike]) -> StepStorage:

@@ -54,10 +54,6 @@ def _done(value: Any) -> Future:
     return future
 
 
-def _is_local(checkpoint_id: PathLike) -> bool:
-    return "://" not in str(checkpoint_id)
-
-
 def _index(index: tmd.MetadataIndex) -> MetadataIndex:
     return MetadataIndex(index.fqn, None if index.offset is None else tuple(index.offset), index.index)
 
@@ -196,11 +192,8 @@ class StorageWriter(tstorage.StorageWriter):
         save_id = uuid.uuid4().hex  # names the staging directory every rank writes into
         return [replace(plan, storage_data=save_id) for plan in plans]
 
+    @gc_paused()  # as a native save: no collection among the millions of small objects
     def write_data(self, plan: tplan.SavePlan, planner: tplan.SavePlanner) -> Future:
-        with gc_paused():  # as a native save: no collection among the millions of small objects
-            return self._write_data(plan, planner)
-
-    def _write_data(self, plan: tplan.SavePlan, planner: tplan.SavePlanner) -> Future:
         items: dict[MetadataIndex, tplan.WriteItem] = {}
         mine = []
         for item in plan.items:
@@ -220,16 +213,16 @@ class StorageWriter(tstorage.StorageWriter):
         return _done([[(r.index.fqn, r.index.offset, s.relative_path, s.offset, s.length, s.checksum, s.key,
                         r.file_size, r.header_digest) for r in results for s in (r.storage_data,)]])
 
+    @gc_paused()
     def finish(self, metadata: tmd.Metadata, results: list[list[Any]]) -> None:
         written = [[WriteResult(MetadataIndex(fqn, offset), StorageInfo(path, start, length, checksum, key), size, digest)
                     for fqn, offset, path, start, length, checksum, key, size, digest in rank_results[0]]
                    for rank_results in results]
-        with gc_paused():
-            self._fs.finalize_checkpoint(attach_results(metadata_from_torch(metadata), written), written)
+        self._fs.finalize_checkpoint(attach_results(metadata_from_torch(metadata), written), written)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
-        return _is_local(checkpoint_id)
+        return "://" not in str(checkpoint_id)  # a local path
 
 
 class StorageReader(tstorage.StorageReader):
@@ -261,10 +254,10 @@ class StorageReader(tstorage.StorageReader):
             self._fs = storage_reader_for_path(self.path, self.verify)
         return self._fs
 
+    @gc_paused()
     def read_metadata(self) -> tmd.Metadata:
-        with gc_paused():
-            self._metadata = self._reader().load_metadata()
-            return metadata_to_torch(self._metadata)
+        self._metadata = self._reader().load_metadata()
+        return metadata_to_torch(self._metadata)
 
     def set_up_storage_reader(self, metadata: tmd.Metadata, is_coordinator: bool, *args: Any, rank: int = 0,
                               **kwargs: Any) -> None:
@@ -279,11 +272,8 @@ class StorageReader(tstorage.StorageReader):
     def prepare_global_plan(self, plans: list[tplan.LoadPlan]) -> list[tplan.LoadPlan]:
         return plans
 
+    @gc_paused()
     def read_data(self, plan: tplan.LoadPlan, planner: tplan.LoadPlanner) -> Future:
-        with gc_paused():
-            return self._read_data(plan, planner)
-
-    def _read_data(self, plan: tplan.LoadPlan, planner: tplan.LoadPlanner) -> Future:
         reader = self._reader()
         theirs: dict[int, tplan.ReadItem] = {}
         mine = []
@@ -311,7 +301,7 @@ class StorageReader(tstorage.StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
-        return _is_local(checkpoint_id)
+        return "://" not in str(checkpoint_id)  # a local path
 
 
 def _destination(planner: tplan.LoadPlanner, leaves: Optional[dict[str, Any]], item: tplan.ReadItem) -> torch.Tensor:
@@ -344,8 +334,7 @@ def save(state_dict: dict[str, Any], path: PathLike, *, planner: Optional[tplan.
     """
     with gc_paused():
         return tdcp.save(state_dict, storage_writer=StorageWriter(path),
-                         planner=planner if planner is not None else CachedSavePlanner(),
-                         **kwargs)
+                         planner=planner if planner is not None else CachedSavePlanner(), **kwargs)
 
 
 def load(state_dict: dict[str, Any], path: PathLike, **kwargs: Any) -> None:

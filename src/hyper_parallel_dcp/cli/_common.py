@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 __all__ = ["CLEAN_GRACE_S", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "UsageError", "existing_dir", "format_bytes",
            "print_json", "print_table", "progress", "progress_bar"]
@@ -84,8 +84,7 @@ def progress_bar(enabled: bool = True, **kwargs: Any) -> Any:
     return tqdm(file=sys.stderr, leave=False, dynamic_ncols=True, **kwargs)
 
 
-def progress(iterable: Iterable[T], *, total: Optional[int] = None, desc: str = "", unit: str = "it",
-             enabled: bool = True) -> Iterator[T]:
-    """``iterable``, counted on a :func:`progress_bar` when there is one."""
-    bar = progress_bar(enabled, iterable=iterable, total=total, desc=desc, unit=unit)
+def progress(iterable: Iterable[T], *, desc: str = "", unit: str = "it", enabled: bool = True) -> Iterator[T]:
+    """``iterable``, counted on a :func:`progress_bar` when there is one (of ``len(iterable)`` where it has one)."""
+    bar = progress_bar(enabled, iterable=iterable, desc=desc, unit=unit)
     return iter(iterable if bar is None else bar)

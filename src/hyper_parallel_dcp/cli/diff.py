@@ -6,7 +6,7 @@ result types and ``run``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -55,6 +55,7 @@ class DiffResult:
 
 
 def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, float, int]:
+    """(max abs, max rel, differing elements) of two blocks of the same shape, not empty."""
     wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
     a, b = a.to(wide), b.to(wide)
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
@@ -64,10 +65,7 @@ def _compare_blocks(a: Any, b: Any, atol: float, rtol: float) -> tuple[float, fl
     rel = torch.where(diff == 0, torch.zeros((), dtype=torch.float64), diff / denom)
     rel = torch.nan_to_num(rel, nan=math.inf)
     limit = atol + rtol * b.abs().to(torch.float64)
-    differing = int(((diff > limit) & ~same).sum()) if diff.numel() else 0
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    max_rel = float(rel.max()) if rel.numel() else 0.0
-    return max_abs, max_rel, differing
+    return float(diff.max()), float(rel.max()), int(((diff > limit) & ~same).sum())
 
 
 def _diff_tensor(fqn: str, sa: CheckpointBlocks, sb: CheckpointBlocks, atol: float, rtol: float,
@@ -137,7 +135,7 @@ def diff_checkpoints(a: Any, b: Any, *, atol: float = 0.0, rtol: float = 0.0,
     ka, kb = sa.metadata.state_dict_metadata, sb.metadata.state_dict_metadata
     result = DiffResult(a, b, only_in_a=sorted(set(ka) - set(kb)), only_in_b=sorted(set(kb) - set(ka)))
     common = sorted(set(ka) & set(kb))
-    for fqn in progress(common, total=len(common), desc="diff", unit="key", enabled=show_progress):
+    for fqn in progress(common, desc="diff", unit="key", enabled=show_progress):
         ta, tb = (isinstance(side[fqn], TensorStorageMetadata) for side in (ka, kb))
         if ta != tb:
             result.keys.append(TensorDiff(fqn, False, " vs ".join("tensor" if t else "object" for t in (ta, tb))))
@@ -170,8 +168,7 @@ def run(args: Any) -> int:
     if args.json:
         print_json({"a": str(a), "b": str(b), "identical": result.identical, "only_in_a": result.only_in_a,
                     "only_in_b": result.only_in_b,
-                    "keys": {k.fqn: {"equal": k.equal, "reason": k.reason, "max_abs": _num(k.max_abs),
-                                     "max_rel": _num(k.max_rel), "differing": k.differing, "numel": k.numel}
+                    "keys": {k.fqn: {f: _num(v) if isinstance(v, float) else v for f, v in asdict(k).items() if f != "fqn"}
                              for k in result.keys}})
     else:
         print(f"A  {a}\nB  {b}")

@@ -352,7 +352,7 @@ def run(args: Any) -> int:
             print(f"  - {problem}", file=sys.stderr)
         return EXIT_PROBLEM
     exp = explain_load(report.metadata, spec, progress=lambda ranks: progress(
-        ranks, total=spec.world_size, desc="planning", unit="rank", enabled=not args.json))
+        ranks, desc="planning", unit="rank", enabled=not args.json))
     if args.json:
         print_json({"checkpoint": str(path), "complete": report.complete, "checkpoint_problems": report.problems,
                     **exp.to_json()})

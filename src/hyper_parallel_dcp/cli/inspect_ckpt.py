@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -50,22 +51,17 @@ def describe_checkpoint(path: Path, *, with_chunks: bool = False) -> dict[str, A
                                      "byte_offset": info.offset if info else None,
                                      "checksum": info.checksum if info else None} for c, info in infos]
         doc["tensors"][fqn] = tensor
-    per_rank: dict[int, dict[str, Any]] = {}
     for name in sorted(md.files):
         m = _RANK_FILE.match(name)
-        rank = int(m.group(1) or m.group(2)) if m else None
-        doc["files"][name] = {"bytes": md.files[name], "rank": rank}
-        if rank is not None:
-            entry_r = per_rank.setdefault(rank, {"rank": rank, "files": [], "bytes": 0})
-            entry_r["files"].append(name)
-            entry_r["bytes"] += md.files[name]
-    doc["ranks"] = [per_rank[r] for r in sorted(per_rank)]
+        doc["files"][name] = {"bytes": md.files[name], "rank": int(m.group(1) or m.group(2)) if m else None}
+    for rank in sorted({f["rank"] for f in doc["files"].values() if f["rank"] is not None}):
+        names = [name for name, f in doc["files"].items() if f["rank"] == rank]
+        doc["ranks"].append({"rank": rank, "files": names, "bytes": sum(md.files[n] for n in names)})
     doc["own_bytes"] = sum(size for name, size in md.files.items() if referenced_checkpoint(name) is None)
-    referenced: dict[str, int] = {}
+    referenced: Counter[str] = Counter()
     for info in storage.values():
-        base = referenced_checkpoint(info.relative_path)
-        if base is not None:
-            referenced[base] = referenced.get(base, 0) + info.length
+        if (base := referenced_checkpoint(info.relative_path)) is not None:
+            referenced[base] += info.length
     doc["referenced_bytes"] = dict(sorted(referenced.items()))
     return doc
 

@@ -66,10 +66,6 @@ def run_latest(args: Any) -> int:
     return EXIT_OK if latest is not None else EXIT_PROBLEM
 
 
-def _metrics_text(metrics: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(metrics.items()))
-
-
 def _root_steps(args: Any) -> tuple[Any, Any]:
     """The root of ``ls``/``clean`` and its step storage; :class:`UsageError` for a bad root or ``--grace``."""
     root = existing_dir(args.root, "checkpoint root")
@@ -105,7 +101,8 @@ def run_ls(args: Any) -> int:
     else:
         print_table(["step", "complete", "size", "age", "metrics"],
                     [(r["step"], "yes" if r["complete"] else "NO", format_bytes(r["bytes"]),
-                      "" if r["age_s"] is None else format_age(r["age_s"]), _metrics_text(r["metrics"]))
+                      "" if r["age_s"] is None else format_age(r["age_s"]),
+                      " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(r["metrics"].items())))
                      for r in rows], right=(0, 2, 3))
         print(f"\n{len(complete)} complete of {len(rows)}; latest complete: "
               f"{'none' if latest is None else f'step {latest}'}")
