@@ -143,6 +143,14 @@ def _words(width: int) -> Any:
     return {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(width)
 
 
+@functools.cache
+def _masks(width: int) -> tuple[Any, Any, Any]:
+    """Of a ``width``-byte word in codec version 2: its top byte, the bit below it (the sign's
+    place), the bits below that (where they stay)."""
+    words, below = _words(width), 8 * width - 9
+    return words(((1 << 8 * width) - 1) ^ ((1 << 8 * width - 8) - 1)), words(1 << below), words((1 << below) - 1)
+
+
 def encode_chunk(raw: torch.Tensor, width: int, zstd: Any) -> bytes:
     """The payload of one chunk: ``raw`` (its bytes, a flat uint8 CPU tensor) of ``width``-byte elements."""
     step, words, api = _frame_bytes(width), _words(width), _sequence_api()
@@ -154,9 +162,9 @@ def encode_chunk(raw: torch.Tensor, width: int, zstd: Any) -> bytes:
 
     def frame(at: int) -> bytes:
         part = flat[at:at + step]
-        if words is not None:  # the sign bit rotated next to the mantissa: the top plane is the exponent alone
-            word = part.view(words)
-            part = ((word << words(1)) | (word >> words(8 * width - 1))).view(np.uint8)
+        if words is not None:  # the sign bit moved below the 8 bits after it: the top plane is the exponent alone
+            word, (top, sign, low) = part.view(words), _masks(width)
+            part = (((word << words(1)) & top) | ((word >> words(8)) & sign) | (word & low)).view(np.uint8)
             part = np.ascontiguousarray(part.reshape(-1, width).T)
         return compress(part)
 
@@ -229,8 +237,27 @@ def _inflate(zstd: Any, frame: memoryview, size: int) -> np.ndarray:
 
 
 def _merge(rows: np.ndarray, word: np.ndarray, spare: np.ndarray, words: Any, version: int) -> None:
-    """Planes ``rows`` (one a byte of the words) into ``word``, the sign bit rotated back with a version."""
+    """Planes ``rows`` (one a byte of the words) into ``word``, the sign bit put back per ``version``."""
     width, spare = len(rows), spare[:word.nbytes].view(words)
+    if version >= 2:
+        # the sign, at the top of plane width-2, put back by sign-extending that plane into a
+        # signed word and masking: 5 passes for bf16, 11 for fp32 where a rotation took 7 and
+        # 13 (one 256 KiB piece in cache, one thread, median of 300: bf16 5979 -> 9172 MB/s)
+        signed = spare.view(f"i{width}")
+        word[:] = rows[-1]
+        word <<= words(8 * width - 9)
+        signed[:] = rows[-2].view(np.int8)
+        if width > 2:
+            signed <<= signed.dtype.type(8 * width - 16)
+        _, sign, low = _masks(width)
+        signed &= (low | (sign << words(8))).view(signed.dtype)  # the sign and the bits below it
+        word |= spare
+        for byte in range(width - 2):
+            spare[:] = rows[byte]
+            if byte:
+                spare <<= words(8 * byte)
+            word |= spare
+        return
     word[:] = rows[-1]
     word <<= words(8 * (width - 1))
     for byte in range(width - 1):
