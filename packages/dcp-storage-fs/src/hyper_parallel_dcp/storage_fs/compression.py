@@ -3,19 +3,21 @@
 ``save(..., compression="zstd")`` writes each rank's tensor chunks into ``_rank{r}_.zstd``
 (the file name in ``.metadata`` names the codec) instead of ``_rank{r}_.safetensors``: one
 payload per chunk, whose raw bytes are cut into frames of :data:`FRAME_BYTES` (a multiple
-of the element width).  Codec version 1 rotates each element's word left by one bit (a
-float's sign bit next to its mantissa: its top byte is the exponent alone), splits the
-frame into byte planes by element width (the exponent bytes together compress, the
-mantissa bytes do not dilute them) and zstd-compresses it as Huffman-coded literals alone
-(:func:`_literal_frame`; with few matches where python-zstandard's cffi backend is
-missing), with zstd's content checksum per frame.  Compression bench rows
-``byte-planes+zstd`` (hidden 1024): bf16 weights 69.3 % (v0) -> 64.9 % (v1, few matches)
--> 64.23 % of their bytes (literals alone; ZipNN 64.23 %, every tensor a little smaller
-than ZipNN's), fp32 Adam moments 83.4 % -> 81.5 % -> 81.47 % (ZipNN 81.47 %).  A payload is ``<u32 frame bytes | codec version << 24><u32 frame
-count>``, the frames' compressed sizes (u64 each), then the frames; its checksum is the
-xxh3 of the payload as stored.  A load decompresses only the frames the slice it reads
-touches (:func:`decode_span`), on threads; version 0 payloads (no rotation) still load.
-Needs the ``zstandard`` package, the ``[zstd]`` extra.
+of the element width).  Codec version 2 moves each 2-, 4- or 8-byte word's sign bit below
+the 8 bits that follow it (a float's top byte is then its exponent alone; version 1 rotated
+the word left by a bit instead), splits the frame into byte planes by element width (the
+exponent bytes together compress, the mantissa bytes do not dilute them) and
+zstd-compresses it as Huffman-coded literals alone (:func:`_literal_frame`; with few
+matches where python-zstandard's cffi backend is missing).  A payload is ``<u32 frame bytes
+| codec version << 24><u32 frame count>``, the frames' compressed sizes (u32 each; u64 before
+version 2), then their xxh3 (the low 32 bits; before version 2 each frame carried zstd's
+content checksum instead), then the frames; its own checksum is the xxh3 of the payload as
+stored.  Compression bench rows ``byte-planes+zstd`` (hidden 1024): bf16 weights 69.3 % (v0)
+-> 64.9 % (v1, few matches) -> 64.22-64.23 % of their bytes (literals alone, v2 in 1 MiB
+frames; ZipNN 64.23-64.24 %), fp32 Adam moments 83.4 % -> 81.5 % -> 81.43-81.45 % (ZipNN
+81.43-81.46 %; three runs, ours the smaller in each).  A load decompresses only the
+frames the slice it reads touches (:func:`decode_span`), on threads; version 0 (no
+rotation) and 1 payloads still load.  Needs the ``zstandard`` package, the ``[zstd]`` extra.
 """
 
 from __future__ import annotations
@@ -211,10 +213,8 @@ def _inflate(zstd: Any, frame: memoryview, size: int) -> np.ndarray:
     """``frame`` decompressed into this thread's scratch buffer (reused: a fresh ``bytes`` a
     frame is faulted in page by page), zstd's checksum checked where it has one; a frame
     longer than ``size`` comes back ``size + 1`` bytes long or raises ``zstd.ZstdError``.
-
-    With the cffi backend one ``ZSTD_decompressDCtx`` call writes it (python-zstandard's
-    ``stream_reader``, one thread, CPU time, 4 MiB bench frames: bf16 whole decode 1556 ->
-    1775 MB/s, fp32 1257 -> 1508 MB/s)."""
+    With the cffi backend by one ``ZSTD_decompressDCtx`` call, not a ``stream_reader`` (one
+    thread, CPU time, 4 MiB bench frames: bf16 1556 -> 1775 MB/s, fp32 1257 -> 1508 MB/s)."""
     scratch = getattr(_local, "scratch", None)
     if scratch is None or len(scratch) <= size:
         scratch = _local.scratch = bytearray(size + 1)
@@ -239,33 +239,26 @@ def _inflate(zstd: Any, frame: memoryview, size: int) -> np.ndarray:
 def _merge(rows: np.ndarray, word: np.ndarray, spare: np.ndarray, words: Any, version: int) -> None:
     """Planes ``rows`` (one a byte of the words) into ``word``, the sign bit put back per ``version``."""
     width, spare = len(rows), spare[:word.nbytes].view(words)
+    plain = width - 2 if version >= 2 else width - 1  # the planes below the top one or-ed in as they are
+    word[:] = rows[-1]
+    word <<= words(8 * width - (9 if version >= 2 else 8))
     if version >= 2:
-        # the sign, at the top of plane width-2, put back by sign-extending that plane into a
-        # signed word and masking: 5 passes for bf16, 11 for fp32 where a rotation took 7 and
-        # 13 (one 256 KiB piece in cache, one thread, median of 300: bf16 5979 -> 9172 MB/s)
-        signed = spare.view(f"i{width}")
-        word[:] = rows[-1]
-        word <<= words(8 * width - 9)
+        # the sign, the top bit of plane width-2: that plane sign-extended into signed words,
+        # shifted, masked to the sign and the bits below it, or-ed in: 5 passes for bf16 and 11
+        # for fp32, where undoing a rotation took 7 and 13 (one 256 KiB piece in cache, one
+        # thread, median of 300: bf16 5979 -> 9172 MB/s)
+        signed, (_, sign, low) = spare.view(f"i{width}"), _masks(width)
         signed[:] = rows[-2].view(np.int8)
         if width > 2:
             signed <<= signed.dtype.type(8 * width - 16)
-        _, sign, low = _masks(width)
-        signed &= (low | (sign << words(8))).view(signed.dtype)  # the sign and the bits below it
+        signed &= (low | (sign << words(8))).view(signed.dtype)
         word |= spare
-        for byte in range(width - 2):
-            spare[:] = rows[byte]
-            if byte:
-                spare <<= words(8 * byte)
-            word |= spare
-        return
-    word[:] = rows[-1]
-    word <<= words(8 * (width - 1))
-    for byte in range(width - 1):
+    for byte in range(plain):
         spare[:] = rows[byte]
         if byte:
             spare <<= words(8 * byte)
         word |= spare
-    if version:  # rotate the sign bit back
+    if version == 1:  # rotate the sign bit back
         np.left_shift(word, words(8 * width - 1), out=spare)
         word >>= words(1)
         word |= spare
@@ -359,13 +352,13 @@ def _spread(work: Callable[[int], Any], count: int) -> list[Any]:
 
 class CompressedFiles:
     """The open ``.zstd`` files of a checkpoint, for the reader.  :meth:`read_ahead` reads the
-    payloads of compressed chunks on a thread, up to :data:`READ_AHEAD_BYTES` ahead of
+    payloads of compressed chunks on two threads, up to :data:`READ_AHEAD_BYTES` ahead of
     :meth:`read_item`'s decoding, so a link stays busy while a chunk decodes: those of the
-    whole load when the reader's ``execute_read`` hands it all (else a batch's).  Compression
-    bench, load of the trained state under the 200 MB/s cap: a batch's read-ahead alone, no
-    gain separable at load average 20 on 2 cores (median 1.01 vs 0.99 s serial); the whole
-    load's, with the faster decoding, plain ÷ compressed load time 1.10-1.15× (three runs at
-    load average 3-7; 1.05-1.20× at 12-13), against 1.09× quiet before and 1.28× at most.
+    whole load when the reader's ``execute_read`` hands it all (else a batch's), a whole
+    chunk's payload in one read.  Compression bench, load of the trained state under the
+    200 MB/s cap, plain ÷ compressed load time: 1.22-1.23× quiet with one thread and three
+    reads a chunk; with one read a chunk and two in flight, at load average 7-11, 1.18-1.24×
+    (the same code before: 1.01-1.10×), against 1.28× at most.
     ``fetch(fd, n, offset)`` reads their bytes (``os.pread``); ``bytes_read``: payload bytes decoded."""
 
     def __init__(self) -> None:
