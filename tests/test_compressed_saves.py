@@ -245,6 +245,10 @@ def test_literal_only_frames_are_no_larger_and_the_fallback_compressor_payloads_
         with monkeypatch.context() as patch:
             patch.setattr(compression, "_sequence_api", lambda: None)
             fallback = compression.encode_chunk(raw, width, zstandard)
+            for payload in (literal, fallback):  # decoded without the cffi backend too
+                whole, _ = compression.decode_span(lambda at, n, p=payload: p[at:at + n], 0, raw.numel(), width,
+                                                   zstandard, lambda: "t")
+                assert whole.tobytes() == raw.numpy().tobytes()
         assert len(literal) < len(fallback)
         start, end = 1001 * width, (raw.numel() // width - 999) * width
         for payload in (literal, fallback):

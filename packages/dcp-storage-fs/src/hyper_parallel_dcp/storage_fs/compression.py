@@ -105,20 +105,17 @@ def _sequence_api() -> Any:
     return (lib, ffi) if hasattr(lib, "ZSTD_compressSequences") else None
 
 
-_local = threading.local()  # per thread: a sequence-API context; a decompressor and its scratch buffer
+_local = threading.local()  # per thread: a compression context and its output; a decompression context, its scratch
 
 
 def _literal_frame(lib: Any, ffi: Any, planes: np.ndarray) -> bytes:
     """A zstd frame of ``planes`` as Huffman-coded literals alone, a block per 128 KiB.
 
-    Even a few matches cost more than they save on an exponent plane: the fast strategy's
-    repeat-offset matches (4 bytes, runs of the commonest exponent) took 10 % of a bf16
-    block's bytes and cost twice what their literals would.  Handing zstd one literal run
-    per block (``ZSTD_compressSequences``, no match search) leaves only its Huffman
-    coder: compression bench rows ``byte-planes+zstd`` (hidden 1024), bf16 weights
-    64.9 % -> 64.2 % of their bytes (exponent plane 29.8 % -> 28.5 %), fp32 moments
-    81.5 % -> 81.4 %, and compression faster (one thread, CPU time, median of 9 at load 12:
-    bf16 449 -> 619 MB/s, fp32 609 -> 649 MB/s).  Any zstd decoder reads it."""
+    Even a few matches cost more than they save on an exponent plane; one literal run per
+    block (``ZSTD_compressSequences``, no match search) leaves only zstd's Huffman coder
+    (compression bench rows ``byte-planes+zstd``: bf16 weights 64.9 % -> 64.2 % of their
+    bytes, fp32 moments 81.5 % -> 81.4 %, one-thread compression bf16 449 -> 619 MB/s, fp32
+    609 -> 649 MB/s).  Any zstd decoder reads it."""
     cctx = getattr(_local, "cctx", None)
     if cctx is None:
         cctx = _local.cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
@@ -210,30 +207,22 @@ def fetch_span(read_at: Callable[[int, int], Union[bytes, memoryview]], start: i
 
 
 def _inflate(zstd: Any, frame: memoryview, size: int) -> np.ndarray:
-    """``frame`` decompressed into this thread's scratch buffer (reused: a fresh ``bytes`` a
-    frame is faulted in page by page), zstd's checksum checked where it has one; a frame
-    longer than ``size`` comes back ``size + 1`` bytes long or raises ``zstd.ZstdError``.
-    With the cffi backend by one ``ZSTD_decompressDCtx`` call, not a ``stream_reader`` (one
-    thread, CPU time, 4 MiB bench frames: bf16 1556 -> 1775 MB/s, fp32 1257 -> 1508 MB/s)."""
-    scratch = getattr(_local, "scratch", None)
-    if scratch is None or len(scratch) <= size:
-        scratch = _local.scratch = bytearray(size + 1)
-        _local.dctx = zstd.ZstdDecompressor()
+    """``frame`` decompressed, zstd's checksum checked where it has one; a frame longer than
+    ``size`` comes back longer or raises ``zstd.ZstdError``.  With the cffi backend by one
+    ``ZSTD_decompressDCtx`` call into this thread's reused scratch (a fresh ``bytes`` a frame
+    is faulted in page by page; a ``stream_reader`` into the scratch, one thread, CPU time,
+    4 MiB bench frames: bf16 1556 -> 1775 MB/s, fp32 1257 -> 1508 MB/s)."""
     api = _sequence_api()
-    if api is not None:
-        lib, ffi = api
-        dctx = getattr(_local, "dctx_c", None)
-        if dctx is None:
-            dctx = _local.dctx_c = ffi.gc(lib.ZSTD_createDCtx(), lib.ZSTD_freeDCtx)
-        got = lib.ZSTD_decompressDCtx(dctx, ffi.from_buffer(scratch), size + 1, ffi.from_buffer(frame), len(frame))
-        if lib.ZSTD_isError(got):
-            raise zstd.ZstdError(ffi.string(lib.ZSTD_getErrorName(got)).decode())
-        return np.frombuffer(scratch, np.uint8, got)
-    view, got = memoryview(scratch)[:size + 1], 0
-    reader = _local.dctx.stream_reader(frame, read_size=len(frame))
-    while read := reader.readinto(view[got:]):
-        got += read
-    return np.frombuffer(scratch, np.uint8, got)
+    if api is None:
+        return np.frombuffer(zstd.ZstdDecompressor().decompress(frame, max_output_size=size + 1), np.uint8)
+    lib, ffi = api
+    if len(getattr(_local, "scratch", b"")) <= size:
+        _local.scratch, _local.dctx = bytearray(size + 1), ffi.gc(lib.ZSTD_createDCtx(), lib.ZSTD_freeDCtx)
+    got = lib.ZSTD_decompressDCtx(_local.dctx, ffi.from_buffer(_local.scratch), size + 1, ffi.from_buffer(frame),
+                                  len(frame))
+    if lib.ZSTD_isError(got):
+        raise zstd.ZstdError(ffi.string(lib.ZSTD_getErrorName(got)).decode())
+    return np.frombuffer(_local.scratch, np.uint8, got)
 
 
 def _merge(rows: np.ndarray, word: np.ndarray, spare: np.ndarray, words: Any, version: int) -> None:
@@ -278,8 +267,6 @@ def decode_frames(fetched: tuple[Any, ...], start: int, end: int, width: int, zs
 
     def one(frame: int) -> None:
         # one frame: zstd into the thread's scratch, then the planes merged into ``out``
-        # (bench rows ``byte-planes+zstd``, decompress, CPU time of one thread: bf16 854 ->
-        # 1670 MB/s, fp32 1058 -> 1340 MB/s with the scratch and the output written once)
         stored = blob[starts[frame - first]:starts[frame - first + 1]]
         try:
             if hashes and _frame_hash(stored) != hashes[frame - first]:
@@ -297,15 +284,13 @@ def decode_frames(fetched: tuple[Any, ...], start: int, end: int, width: int, zs
         if words is None:
             target.reshape(-1, width)[:] = rows.T
             return
-        # each plane widened by a plain cast (a ufunc's casting ``dtype=`` buffers it),
-        # shifted and or-ed into the words, the rotation undone in place: one thread, best of
-        # 30, 4 MiB of random planes: bf16 4683 -> 5721 MB/s, fp32 2878 -> 4036 MB/s; then in
-        # 256 KiB pieces (bench tensors end to end, one thread, CPU time, median of 11 at load
-        # average 10: bf16 1209 -> 1310 MB/s, fp32 980 -> 1349 MB/s; 64 KiB pieces lose)
-        spare = getattr(_local, "spare", None)  # reused: no page faults, no unmapping a frame
+        # planes widened by plain casts (a ufunc's ``dtype=`` buffers), in 256 KiB pieces that
+        # stay in the core's cache (bench tensors, one thread: fp32 980 -> 1349 MB/s; 64 KiB
+        # lose, 512 KiB-1 MiB no better), through a reused spare (no page faults)
+        spare = getattr(_local, "spare", None)
         if spare is None:
             spare = _local.spare = np.empty(_PIECE, np.uint8)
-        for at in range(0, len(rows[0]), _PIECE // width):  # a piece's passes stay in the core's cache
+        for at in range(0, len(rows[0]), _PIECE // width):
             _merge(rows[:, at:at + _PIECE // width], target.view(words)[at:at + _PIECE // width], spare, words, version)
 
     _spread(lambda index: one(first + index), last + 1 - first)
