@@ -1,9 +1,10 @@
 """``save(..., compression="zstd")`` (SPEC §14): byte planes + zstd frames in ``_rank{r}_.zstd``.
-Bit-exact round trips (every dtype, codec versions 0 and 1, resharded loads on 2 ranks that decompress only the
+Bit-exact round trips (every dtype, codec versions 0, 1 and 2, resharded loads on 2 ranks that decompress only the
 frames they touch), the error without the extra, and a corrupt frame named."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -16,6 +17,14 @@ from hyper_parallel_dcp.core.testing import run_distributed
 pytest.importorskip("zstandard")
 
 ROWS, COLS = 3000, 1000  # 12 MB of fp32: three 4 MiB frames
+
+
+def _four_mib_frames(monkeypatch) -> None:
+    """Saves in this test cut 4 MiB frames (what its frame counts are of; loads read the
+    frame size from each payload)."""
+    from hyper_parallel_dcp.storage_fs import compression
+
+    monkeypatch.setattr(compression, "FRAME_BYTES", 4 << 20)
 
 
 def _state() -> dict:
@@ -67,9 +76,10 @@ def _resharded_worker(rank: int, world_size: int, path: str, dim: int) -> tuple[
 
 
 @pytest.mark.distributed
-def test_a_resharded_load_decompresses_only_the_frames_it_touches(tmp_path):
+def test_a_resharded_load_decompresses_only_the_frames_it_touches(tmp_path, monkeypatch):
     import hyper_parallel_dcp as dcp
 
+    _four_mib_frames(monkeypatch)
     dcp.save({"big": _state()["big"]}, checkpoint_id=tmp_path / "z", no_dist=True, compression="zstd")
     payload = (tmp_path / "z" / "_rank0_.zstd").stat().st_size
     (exact0, read0), (exact1, read1) = run_distributed(_resharded_worker, 2, str(tmp_path / "z"), 0)
@@ -94,9 +104,10 @@ def test_without_the_extra_the_error_names_it(tmp_path, monkeypatch):
         dcp.load({"w": torch.zeros(4, 4)}, checkpoint_id=tmp_path / "z", no_dist=True)
 
 
-def test_a_corrupt_frame_names_the_chunk_and_the_file(tmp_path):
+def test_a_corrupt_frame_names_the_chunk_and_the_file(tmp_path, monkeypatch):
     import hyper_parallel_dcp as dcp
 
+    _four_mib_frames(monkeypatch)
     dcp.save({"big": _state()["big"]}, checkpoint_id=tmp_path / "z", no_dist=True, compression="zstd")
     path = tmp_path / "z" / "_rank0_.zstd"
     data = bytearray(path.read_bytes())
@@ -136,31 +147,59 @@ def _v0_payload(raw: torch.Tensor, width: int, zstandard) -> bytes:
     return struct.pack(f"<II{len(frames)}Q", step, len(frames), *map(len, frames)) + b"".join(frames)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.int8])
-def test_codec_v1_puts_the_exponent_alone_in_the_top_plane_and_v0_payloads_still_decode(dtype):
+def _v1_payload(raw: torch.Tensor, width: int, zstandard, step: int) -> bytes:
+    """A codec version 1 payload: each word rotated left by one bit, byte planes, zstd's
+    content checksum in each frame, the compressed sizes alone in the frame table."""
     import struct
 
+    import numpy as np
+
+    flat = raw.numpy()
+    if width in (2, 4, 8):
+        word = flat.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
+        flat = ((word << word.dtype.type(1)) | (word >> word.dtype.type(8 * width - 1))).view(np.uint8)
+    c = zstandard.ZstdCompressor(level=1, write_checksum=True)
+    frames = [c.compress(np.ascontiguousarray(flat[at:at + step].reshape(-1, width).T)) for at in range(0, len(flat), step)]
+    return struct.pack(f"<II{len(frames)}Q", step | 1 << 24, len(frames), *map(len, frames)) + b"".join(frames)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.int8])
+def test_codec_v2_puts_the_exponent_alone_in_the_top_plane_and_v0_and_v1_payloads_still_decode(dtype):
+    import struct
+
+    import xxhash
     import zstandard
 
     from hyper_parallel_dcp.storage_fs.compression import CODEC_VERSION, decode_span, encode_chunk
 
     values = (torch.randn(1_200_000, generator=torch.Generator().manual_seed(5)) * 40).to(dtype)
     raw, width = values.view(-1).view(torch.uint8), values.element_size()
-    v1 = encode_chunk(raw, width, zstandard)
-    step, count = struct.unpack("<II", v1[:8])
-    assert step >> 24 == CODEC_VERSION == 1 and count == -(-raw.numel() // (step & 0xFFFFFF))
+    v2 = encode_chunk(raw, width, zstandard)
+    step, count = struct.unpack("<II", v2[:8])
+    assert step >> 24 == CODEC_VERSION == 2 and count == -(-raw.numel() // (step & 0xFFFFFF))
+    table = struct.unpack(f"<{2 * count}I", v2[8:8 + 8 * count])  # sizes, then each frame's xxh3 (low 32 bits)
+    frames = [v2[at:at + size] for at, size in zip(itertools.accumulate(table[:count], initial=8 + 8 * count), table[:count])]
+    assert sum(map(len, frames)) + 8 + 8 * count == len(v2)
+    assert list(table[count:]) == [xxhash.xxh3_64_intdigest(frame) & 0xFFFFFFFF for frame in frames]
     if width in (2, 4) and dtype.is_floating_point:  # frame 0's top plane: the 8 exponent bits of each element
-        first = zstandard.ZstdDecompressor().decompress(v1[8 + 8 * count:8 + 8 * count + struct.unpack("<Q", v1[8:16])[0]])
+        first = zstandard.ZstdDecompressor().decompress(frames[0])
         n = len(first) // width
         exponent = (values.view(-1)[:n].view({2: torch.int16, 4: torch.int32}[width]).to(torch.int64) >> (8 * width - 9)) & 0xFF
         assert first[-n:] == bytes(exponent.to(torch.uint8).tolist())
-    start, end = 300_001 * width, 1_100_000 * width  # a span over frame boundaries (4 MiB frames)
-    for payload in (v1, _v0_payload(raw, width, zstandard)):
+    start, end = 300_001 * width, 1_100_000 * width  # a span over frame boundaries
+    v1 = _v1_payload(raw, width, zstandard, step & 0xFFFFFF)
+    for payload in (v2, v1, _v0_payload(raw, width, zstandard)):
         whole, _ = decode_span(lambda at, n, p=payload: p[at:at + n], 0, raw.numel(), width, zstandard, lambda: "t")
         part, _ = decode_span(lambda at, n, p=payload: p[at:at + n], start, end, width, zstandard, lambda: "t")
         assert whole.tobytes() == raw.numpy().tobytes() and part.tobytes() == raw.numpy()[start:end].tobytes()
-    newer = struct.pack("<I", (step & 0xFFFFFF) | (CODEC_VERSION + 1) << 24) + v1[4:]
-    with pytest.raises(CorruptCheckpointError, match="t: the frame table \\(codec version 2.*a newer version"):
+    # a damaged frame: version 2 fails its xxh3, version 1 zstd's checksum; both name the frame
+    for payload, head in ((v2, 8 + 8 * count), (v1, 8 + 8 * count)):
+        damaged = bytearray(payload)
+        damaged[head + 40] ^= 0x10
+        with pytest.raises(CorruptCheckpointError, match=f"t: compressed frame 0 of {count} is corrupt"):
+            decode_span(lambda at, n, p=bytes(damaged): p[at:at + n], 0, raw.numel(), width, zstandard, lambda: "t")
+    newer = struct.pack("<I", (step & 0xFFFFFF) | (CODEC_VERSION + 1) << 24) + v2[4:]
+    with pytest.raises(CorruptCheckpointError, match="t: the frame table \\(codec version 3.*a newer version"):
         decode_span(lambda at, n: newer[at:at + n], 0, raw.numel(), width, zstandard, lambda: "t")
 
 
@@ -206,6 +245,10 @@ def test_literal_only_frames_are_no_larger_and_the_fallback_compressor_payloads_
         with monkeypatch.context() as patch:
             patch.setattr(compression, "_sequence_api", lambda: None)
             fallback = compression.encode_chunk(raw, width, zstandard)
+            for payload in (literal, fallback):  # decoded without the cffi backend too
+                whole, _ = compression.decode_span(lambda at, n, p=payload: p[at:at + n], 0, raw.numel(), width,
+                                                   zstandard, lambda: "t")
+                assert whole.tobytes() == raw.numpy().tobytes()
         assert len(literal) < len(fallback)
         start, end = 1001 * width, (raw.numel() // width - 999) * width
         for payload in (literal, fallback):
