@@ -18,7 +18,7 @@ from core_planning_strategies import partition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyper_parallel_dcp.core.chunks import slice_span
+from hyper_parallel_dcp.core.chunks import ChunkBox, slice_span
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.metadata import MetadataIndex, TensorStorageMetadata
@@ -38,7 +38,10 @@ from hyper_parallel_dcp.core.save_planning import build_metadata, create_local_s
 def _reference(plans, metadata, replies):
     """Per rank: its exchanges as ``(index, shape, rows, reader, pieces or ())``, in the global order."""
     sd = metadata.state_dict_metadata
-    grouped = {(fqn, offsets) for reply in replies if reply is not None for fqn, offsets, _, _ in reply[0]}
+    # a rank's reads of its own replica groups' shards stay out (another rank's group at the same
+    # offsets does not: its shard there may be of another size)
+    grouped = [{(fqn, offsets) for fqn, offsets, _, _ in reply[0]} if reply is not None else set()
+               for reply in replies]
     by_chunk: dict = {}
     for rank, plan in enumerate(plans):
         for item in plan.items:
@@ -49,7 +52,7 @@ def _reference(plans, metadata, replies):
             sizes = tuple(md.chunks[index.index].sizes)
             if slice_span(sizes, item.storage_offsets, item.lengths)[2]:
                 continue
-            if (item.dest_index.fqn, item.dest_index.offset or ()) in grouped:
+            if (item.dest_index.fqn, item.dest_index.offset or ()) in grouped[rank]:
                 continue
             entry = by_chunk.setdefault((index.fqn, index.offset), [index.index, sizes, md.properties.dtype, set()])
             entry[3].add((rank, item.storage_offsets, item.lengths))
@@ -111,6 +114,21 @@ def _plans(case):
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_case())
 def test_columns_plan_the_exchanges_of_the_per_piece_design(case):
+    _check(case)
+
+
+def test_a_shard_outside_the_groups_at_a_grouped_shards_offsets_is_exchanged():
+    """Ranks 0 and 1 share a row of ``t0`` at (0, 0) (a replica group); rank 3's own shard at
+    (0, 0) is a column piece in no group: it comes from the exchange's reader like its other
+    piece (the coordinator once left it out, while the rank's own plan expected it from the exchange)."""
+    one = [ChunkBox((0, 0), (1, 1))]
+    t0 = [[ChunkBox((0, 0), (1, 2))], [ChunkBox((0, 0), (1, 2))], [ChunkBox((0, 1), (4, 1))],
+          [ChunkBox((0, 0), (2, 1)), ChunkBox((2, 0), (2, 1))], []]
+    _check((5, [torch.float32] * 4, [(4, 2), (1, 1), (1, 1), (1, 1)], [[ChunkBox((0, 0), (4, 2))], one, one, one],
+            [t0, [one] * 5, [one] * 5, [one] * 5], True))
+
+
+def _check(case):
     plans, metadata = _plans(case)
     with_groups = case[-1]
     replies = assign_readers_from_layouts([target_layout(p, metadata) for p in plans]) if with_groups \

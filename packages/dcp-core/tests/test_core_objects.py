@@ -9,6 +9,7 @@ import zipfile
 
 import pytest
 import torch
+import torch.utils.serialization
 
 from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 from hyper_parallel_dcp.core.objects import deserialize_object, serialize_object

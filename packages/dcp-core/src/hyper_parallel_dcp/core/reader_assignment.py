@@ -348,15 +348,18 @@ def assign_chunk_exchanges(splits: Sequence[SplitReads],
                            replies: Optional[Sequence[AssignmentReply]] = None) -> list[ExchangeReply]:
     """The coordinator's step: per rank, the :data:`ExchangeReply` that :func:`apply_chunk_exchanges`
     turns into the :class:`ChunkExchange` entries it takes part in (chunks two ranks or more
-    need non-contiguous pieces of, outside ``replies``' replica groups); readers by bytes:
+    need non-contiguous pieces of, outside each rank's own replica groups in ``replies``); readers by bytes:
     largest run first, to the member with the fewest so far, ties to the lowest rank.
     Vectorised: a load of 2000 small tensors on 4 ranks has 32000 such reads."""
     width = max(((s.table.shape[1] - 4) // 2 for s in splits), default=0)
-    answered = {id(reply[0]): reply[0] for reply in replies or () if reply is not None}  # shared per class
-    grouped = {(fqn, offsets) for answers in answered.values() for fqn, offsets, _, _ in answers}
+    grouped_of: dict[int, set[tuple[str, tuple[int, ...]]]] = {}  # a rank's own groups, shared per class
     parts = []
     for rank, s in enumerate(splits):
         table, kept = s.table, np.arange(len(s.table))
+        reply = replies[rank] if replies else None
+        if reply is not None and id(reply[0]) not in grouped_of:
+            grouped_of[id(reply[0])] = {(fqn, offsets) for fqn, offsets, _, _ in reply[0]}
+        grouped = grouped_of[id(reply[0])] if reply is not None else None
         if grouped and len(table):
             kept = np.flatnonzero(np.array([d not in grouped for d in s.dests], dtype=bool)[table[:, _DEST]])
             table = table[kept]
