@@ -51,9 +51,9 @@ __all__ = ["CODEC_SUFFIX", "CODEC_VERSION", "FRAME_BYTES", "ZSTD_EXTRA", "decode
 CODEC_SUFFIX = ".zstd"
 #: raw bytes per frame (rounded down to the element width): what a partial load decompresses at least
 FRAME_BYTES = 1 << 20
-#: the payload's codec version (the top byte of its first u32): 2 checks each frame by an xxh3-64
-#: in the frame table, not by zstd's content checksum; 1 and 2 rotate each word's sign bit next
-#: to the mantissa before the byte planes; 0 (older payloads) does not
+#: the payload's codec version (the top byte of its first u32): 2 moves each word's sign bit below
+#: its top byte and checks each frame by the low 32 bits of its xxh3 in the frame table; 1 (older
+#: payloads) rotated the sign bit next to the mantissa, zstd's checksum in each frame; 0 did neither
 CODEC_VERSION = 2
 #: what to install for compressed checkpoints
 ZSTD_EXTRA = "hyper-parallel-dcp-storage-fs[zstd]"
