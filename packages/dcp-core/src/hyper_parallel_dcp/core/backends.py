@@ -1,18 +1,26 @@
 """Storage backends by URL scheme (``file`` for plain paths), registered by packages in the
 ``hyper_parallel_dcp.storage`` entry-point group: which writer/reader a ``checkpoint_id`` gets;
 and the vocabulary of a checkpoint-manager root (``root/step_N``): :class:`StepStorage`, what
-each backend provides as the ``steps`` of its :class:`StorageBackend`."""
+each backend provides as the ``steps`` of its :class:`StorageBackend`, and :class:`StepStore`,
+its logic once over the primitives a backend supplies."""
 
 from __future__ import annotations
 
+import abc
+import functools
 import importlib
+import json
+import logging
 import os
 import re
 import threading
-from contextlib import AbstractContextManager
+import time
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Union
+
+from .errors import CheckpointNotFoundError
 
 if TYPE_CHECKING:
     from .storage import StorageReader, StorageWriter
@@ -23,6 +31,7 @@ __all__ = [
     "Leftover",
     "StepEntry",
     "StepStorage",
+    "StepStore",
     "StorageBackend",
     "UnknownSchemeError",
     "backend_for",
@@ -33,6 +42,8 @@ __all__ = [
     "storage_writer_for",
     "url_scheme",
 ]
+
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "hyper_parallel_dcp.storage"
 #: Scheme → the distribution that provides it, for the "install this" message.
@@ -180,6 +191,11 @@ def storage_reader_for(checkpoint_id: Optional[CheckpointId], storage_reader: Op
 #: The manager's per-step JSON (step, time, metrics), written before the save commits.
 INFO_FILE = "hp-dcp-step.json"
 _STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")
+_METADATA = ".metadata"
+#: the save machinery's entries beside a step: staging and replaced directories, lock files and reader marks
+_HIDDEN = re.compile(r"^\.step_(0|[1-9][0-9]*)\.hp-dcp-(staging|old|lock|readlock)(-.*)?$")
+_RANK_METADATA = re.compile(r"^\d+\.metadata$")  # a rank-local save (use_collectives=False): loadable, not ours
+_MAILBOX = re.compile(r"^((LOCAL_PLAN|STORAGE_DATA)_\d+\.pkl(\.done)?|\.hp-dcp-mailbox-.*|.*\.hp-dcp-tmp)$")
 
 
 def step_name(step: int) -> str:
@@ -235,3 +251,201 @@ class StepStorage(Protocol):
                        max_step: Optional[int] = None, grace: float = 0.0,
                        check_running: bool = True) -> list[Leftover]: ...
     def remove_leftover(self, item: Leftover) -> bool: ...
+
+
+#: ``(name relative to a location, size, modified)`` of each file (and, on a filesystem, directory) under it
+Tree = list[tuple[str, int, float]]
+
+
+class StepStore(abc.ABC):
+    """A :class:`StepStorage` written once over a backend's primitives (the abstract methods).
+
+    A step whose save lock is held is never touched, nor, with ``grace``, anything modified in
+    the last ``grace`` seconds; a step is complete once its ``.metadata`` exists; a deletion
+    takes the save lock, then excludes readers, and never leaves a step that looks complete."""
+
+    root: Any
+
+    @abc.abstractmethod
+    def location(self, step: int) -> str:
+        """The ``checkpoint_id`` that ``save``/``load`` use for ``step``."""
+
+    @abc.abstractmethod
+    def _check_complete(self, step: int) -> Any:
+        """The ``storage_fs.integrity.check_complete`` report of ``step`` (metadata and sizes, no data read)."""
+
+    @abc.abstractmethod
+    def _root_entries(self) -> list[tuple[str, str, bool]]:
+        """``(name, location, is a directory)`` of the root's direct entries; none for a missing root."""
+
+    @abc.abstractmethod
+    def _tree(self, location: str) -> Tree:
+        """Everything under ``location`` (a step or a hidden entry of the root); empty when it is gone."""
+
+    @abc.abstractmethod
+    def _modified(self, step: int, name: str) -> Optional[float]:
+        """The modification time of file ``name`` of ``step``; ``None`` when there is no such file."""
+
+    @abc.abstractmethod
+    def _read(self, step: int, name: str) -> Optional[bytes]:
+        """File ``name`` of ``step``; ``None`` when it does not exist."""
+
+    @abc.abstractmethod
+    def _write(self, step: int, name: str, data: bytes) -> None:
+        """Write file ``name`` of ``step`` whole (creating the step as needed)."""
+
+    @abc.abstractmethod
+    def _save_lock(self, step: int, what: str) -> AbstractContextManager[bool]:
+        """Yields True holding ``step``'s save lock for ``what``, False (never waiting) when someone holds it."""
+
+    @abc.abstractmethod
+    def _readers_excluded(self, step: int) -> AbstractContextManager[bool]:
+        """Within the save lock: yields True when no :meth:`reading` holds ``step`` (none can start meanwhile)."""
+
+    @abc.abstractmethod
+    def _read_hold(self, step: int) -> AbstractContextManager[bool]:
+        """Holds ``step`` against deletion: yields True, or False where no hold can be made (no write access)."""
+
+    @abc.abstractmethod
+    def _delete(self, step: int) -> bool:
+        """Within the save lock: delete ``step`` (``.metadata`` gone first); False when it is gone already."""
+
+    @abc.abstractmethod
+    def _lock_location(self, step: int) -> str:
+        """Where ``step``'s save lock lives (the root entry ``.step_N.hp-dcp-lock``)."""
+
+    @abc.abstractmethod
+    def _lock_held(self, location: str) -> bool:
+        """The lock file or reader mark at ``location`` has a live holder (a probe that changes nothing)."""
+
+    @abc.abstractmethod
+    def _remove_beside(self, item: Leftover) -> bool:
+        """Remove a hidden leftover (lock, reader mark, staging or replaced directory) re-checked; False when in use."""
+
+    @abc.abstractmethod
+    def _remove_files(self, locations: tuple[str, ...]) -> None:
+        """Delete the files at ``locations`` (those gone already are skipped)."""
+
+    def list_steps(self) -> list[StepEntry]:
+        """Every ``step_N`` directory, ascending by step; a missing root has none."""
+        found = sorted(step for name, _, is_dir in self._root_entries()
+                       if is_dir and (step := parse_step_name(name)) is not None)
+        return [StepEntry(step, self.location(step), self.is_complete(step)) for step in found]
+
+    def is_complete(self, step: int) -> bool:
+        """The step's save committed its ``.metadata``."""
+        return self._modified(step, _METADATA) is not None
+
+    def completeness_problems(self, step: int) -> list[str]:
+        """Why ``step`` would not load (metadata and file sizes, no data read); empty when fine."""
+        report = self._check_complete(step)
+        if report.complete and report.metadata is not None and self.is_complete(step):
+            return []
+        return report.problems or [f"{self.location(step)} has no {_METADATA}"]
+
+    def size_bytes(self, step: int) -> int:
+        """Bytes of every file of ``step``."""
+        return sum(size for _, size, _ in self._tree(self.location(step)))
+
+    def saved_at(self, step: int) -> Optional[float]:
+        """When the step was committed (``.metadata``'s modification time), else when it last changed."""
+        committed = self._modified(step, _METADATA)
+        if committed is not None:
+            return committed
+        times = [modified for _, _, modified in self._tree(self.location(step))]
+        return max(times) if times else None
+
+    def read_info(self, step: int) -> Optional[dict[str, Any]]:
+        """The step's ``hp-dcp-step.json`` (``{"step", "saved_at", "metrics"}``), or ``None``."""
+        try:
+            doc = json.loads(self._read(step, INFO_FILE) or b"null")
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def write_info(self, step: int, info: dict[str, Any]) -> None:
+        """Write the step's info file before its save starts (the save keeps it in the new checkpoint)."""
+        self._write(step, INFO_FILE, json.dumps(info, sort_keys=True).encode())
+
+    def remove_step(self, step: int) -> bool:
+        """Delete ``step``; False (nothing done) while a save into it or a :meth:`reading` of it
+        runs, or when it is gone."""
+        with self._save_lock(step, "deletion") as held:
+            if not held:
+                return False
+            with self._readers_excluded(step) as free:
+                return free and self._delete(step)
+
+    @contextmanager
+    def reading(self, step: int) -> Iterator[None]:
+        """Hold ``step`` against :meth:`remove_step` while it is loaded (where the root allows a
+        hold); :class:`CheckpointNotFoundError` when it is no longer complete once held."""
+        with self._read_hold(step) as held:
+            if not self.is_complete(step):
+                why = "was removed before it could be loaded" if held else "is not complete"
+                raise CheckpointNotFoundError(f"checkpoint {self.location(step)} {why}")
+            yield
+
+    def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
+                       max_step: Optional[int] = None, grace: float = 0.0,
+                       check_running: bool = True) -> list[Leftover]:
+        """What dead saves left under ``root``, for steps not in ``protected``: hidden staging/old
+        directories, unheld locks and reader marks, mailbox/temp files in complete steps, and
+        steps without ``.metadata`` below ``older_than`` unless they hold ``{rank}.metadata``
+        files.  Skipped: held steps, entries changed in the last ``grace`` s, steps above
+        ``max_step``.  ``check_running=False`` probes no lock (and reports none)."""
+        now = time.time()
+
+        @functools.cache
+        def save_running(step: int) -> bool:
+            return self._lock_held(self._lock_location(step))
+
+        def busy(step: int, tree: Tree) -> bool:
+            return (step in protected or (grace > 0 and now - max(m for _, _, m in tree) < grace)
+                    or (check_running and save_running(step)))
+
+        out: list[Leftover] = []
+        for name, location, is_dir in self._root_entries():
+            hidden = _HIDDEN.match(name)
+            step = int(hidden.group(1)) if hidden else parse_step_name(name)
+            if step is None or (max_step is not None and step > max_step):
+                continue
+            if hidden and hidden.group(2) in ("lock", "readlock"):  # left over once nobody holds it
+                if check_running and step not in protected and not self._lock_held(location):
+                    out.append(Leftover(step, hidden.group(2), location, 0))
+                continue
+            tree = self._tree(location) if hidden or is_dir else []
+            if not tree:  # a file named like a step, or gone meanwhile
+                continue
+            if hidden:
+                if not busy(step, tree):
+                    out.append(Leftover(step, hidden.group(2), location, sum(size for _, size, _ in tree)))
+                continue
+            names = {n: size for n, size, _ in tree if n and "/" not in n}
+            if _METADATA in names:
+                stray = sorted(n for n in names if _MAILBOX.match(n))
+                if stray and not busy(step, tree):
+                    out.append(Leftover(step, "mailbox", location, sum(names[n] for n in stray),
+                                        tuple(f"{location}/{n}" for n in stray)))
+                continue
+            if older_than is None or step >= older_than or busy(step, tree):
+                continue
+            rank_local = sorted(n for n in names if _RANK_METADATA.match(n))
+            if rank_local:
+                logger.warning("%s has no %s but holds a checkpoint saved without collectives (%s); left alone",
+                               location, _METADATA, ", ".join(rank_local[:5]))
+                continue
+            out.append(Leftover(step, "incomplete", location, sum(size for _, size, _ in tree)))
+        return sorted(out, key=lambda x: (x.step, x.kind, x.location))
+
+    def remove_leftover(self, item: Leftover) -> bool:
+        """Remove ``item`` (re-checked under the step's save lock); False when it is in use or gone."""
+        if item.kind not in ("mailbox", "incomplete"):
+            return self._remove_beside(item)
+        with self._save_lock(item.step, "clean-up") as held:
+            if not held:
+                return False
+            if item.kind == "mailbox":
+                self._remove_files(item.paths)
+                return True
+            return not self.is_complete(item.step) and self._delete(item.step)  # not when a save completed it
