@@ -7,6 +7,7 @@ its logic once over the primitives a backend supplies."""
 from __future__ import annotations
 
 import abc
+import concurrent.futures as cf
 import functools
 import importlib
 import json
@@ -330,7 +331,10 @@ class StepStore(abc.ABC):
         """Every ``step_N`` directory, ascending by step; a missing root has none."""
         found = sorted(step for name, _, is_dir in self._root_entries()
                        if is_dir and (step := parse_step_name(name)) is not None)
-        return [StepEntry(step, self.location(step), self.is_complete(step)) for step in found]
+        # several completeness probes in flight: each is a request on an object store
+        with cf.ThreadPoolExecutor(min(16, len(found) or 1), thread_name_prefix="hp-dcp-steps") as pool:
+            complete = list(pool.map(self.is_complete, found))
+        return [StepEntry(step, self.location(step), done) for step, done in zip(found, complete)]
 
     def is_complete(self, step: int) -> bool:
         """The step's save committed its ``.metadata``."""
