@@ -1,6 +1,6 @@
 """The storage of a :class:`CheckpointManager` root, ``hp-dcp ls`` and ``hp-dcp clean``.
 
-:class:`FileSystemSteps` is the ``core.backends.StepStore`` of a filesystem root (``root/step_N``
+:class:`FileSystemSteps` is the ``core.backends.StepStorage`` of a filesystem root (``root/step_N``
 beside the user's files): its primitives over ``flock`` s and renames; :func:`step_storage_for`
 picks an object store's by URL scheme.
 """
@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from hyper_parallel_dcp.core.backends import Leftover, StepStorage, StepStore, backend_for, step_name, url_scheme
+from hyper_parallel_dcp.core.backends import Leftover, StepStorage, backend_for, step_name, url_scheme
 from hyper_parallel_dcp.core.errors import ConcurrentSaveError
 from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.backend import local_path
@@ -52,7 +52,7 @@ def _exclusive_flock(path: Path, *, unlink: bool = False) -> Iterator[bool]:
         os.close(fd)
 
 
-class FileSystemSteps(StepStore):
+class FileSystemSteps(StepStorage):
     """The step directories under a filesystem ``root``; never touches an entry of ``root`` that
     is not ``step_N`` or one of the hidden ``.step_N.hp-dcp-*`` names the save machinery creates.
     Locks are ``flock`` s (released when their process dies); a step is deleted by renaming it
@@ -66,18 +66,11 @@ class FileSystemSteps(StepStore):
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"checkpoint manager root {self.root} exists and is not a directory")
 
-    def location(self, step: int) -> str:
-        """The ``checkpoint_id`` that ``save``/``load`` use for ``step``."""
-        return str(self.root / step_name(step))
-
     def _check_complete(self, step: int) -> Any:
         # imported here: parsing metadata needs torch, which hp-dcp ls and clean never import
         from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
         return check_complete(self.location(step))
-
-    def _hidden(self, step: int, kind: str) -> Path:
-        return self.root / f".{step_name(step)}.hp-dcp-{kind}"
 
     def _root_entries(self) -> list[tuple[str, str, bool]]:
         try:
@@ -130,12 +123,12 @@ class FileSystemSteps(StepStore):
             lock.release()
 
     def _readers_excluded(self, step: int) -> AbstractContextManager[bool]:
-        return _exclusive_flock(self._hidden(step, "readlock"), unlink=True)
+        return _exclusive_flock(Path(self._beside(step, "readlock")), unlink=True)
 
     @contextmanager
     def _read_hold(self, step: int) -> Iterator[bool]:
         """A shared ``flock`` on ``.step_N.hp-dcp-readlock``; the last reader removes the file."""
-        path = self._hidden(step, "readlock")
+        path = Path(self._beside(step, "readlock"))
         while True:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -162,16 +155,13 @@ class FileSystemSteps(StepStore):
 
     def _delete(self, step: int) -> bool:
         """Renamed to a hidden ``.step_N.hp-dcp-old-*`` name first, so it is never seen half deleted."""
-        trash = self._hidden(step, f"old-retired-{os.getpid()}-{time.time_ns()}")
+        trash = self._beside(step, f"old-retired-{os.getpid()}-{time.time_ns()}")
         try:
             os.rename(self.location(step), trash)
         except FileNotFoundError:
             return False
         shutil.rmtree(trash, ignore_errors=True)
         return True
-
-    def _lock_location(self, step: int) -> str:
-        return str(self._hidden(step, "lock"))
 
     def _lock_held(self, location: str) -> bool:
         with _exclusive_flock(Path(location)) as free:

@@ -1,8 +1,7 @@
 """Storage backends by URL scheme (``file`` for plain paths), registered by packages in the
 ``hyper_parallel_dcp.storage`` entry-point group: which writer/reader a ``checkpoint_id`` gets;
-and the vocabulary of a checkpoint-manager root (``root/step_N``): :class:`StepStorage`, what
-each backend provides as the ``steps`` of its :class:`StorageBackend`, and :class:`StepStore`,
-its logic once over the primitives a backend supplies."""
+and the vocabulary of a checkpoint-manager root (``root/step_N``): :class:`StepStorage`, its
+logic once over the primitives each backend provides as the ``steps`` of its :class:`StorageBackend`."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 from .errors import CheckpointNotFoundError
 
@@ -32,7 +31,6 @@ __all__ = [
     "Leftover",
     "StepEntry",
     "StepStorage",
-    "StepStore",
     "StorageBackend",
     "UnknownSchemeError",
     "backend_for",
@@ -231,101 +229,69 @@ class Leftover:
     paths: tuple[str, ...] = field(default=())
 
 
-class StepStorage(Protocol):
-    """What the manager and ``hp-dcp ls``/``clean`` need from a root.  ``remove_step`` never leaves
-    a half-deleted step that looks complete, and returns False while a save or a :meth:`reading` runs."""
-
-    root: Any
-
-    def check_root(self) -> None: ...
-    def location(self, step: int) -> str: ...
-    def list_steps(self) -> list[StepEntry]: ...
-    def is_complete(self, step: int) -> bool: ...
-    def completeness_problems(self, step: int) -> list[str]: ...
-    def size_bytes(self, step: int) -> int: ...
-    def saved_at(self, step: int) -> Optional[float]: ...
-    def read_info(self, step: int) -> Optional[dict[str, Any]]: ...
-    def write_info(self, step: int, info: dict[str, Any]) -> None: ...
-    def remove_step(self, step: int) -> bool: ...
-    def reading(self, step: int) -> AbstractContextManager[None]: ...
-    def find_leftovers(self, *, protected: frozenset[int] = frozenset(), older_than: Optional[int] = None,
-                       max_step: Optional[int] = None, grace: float = 0.0,
-                       check_running: bool = True) -> list[Leftover]: ...
-    def remove_leftover(self, item: Leftover) -> bool: ...
-
-
 #: ``(name relative to a location, size, modified)`` of each file (and, on a filesystem, directory) under it
 Tree = list[tuple[str, int, float]]
 
 
-class StepStore(abc.ABC):
-    """A :class:`StepStorage` written once over a backend's primitives (the abstract methods).
+class StepStorage(abc.ABC):
+    """What the manager and ``hp-dcp ls``/``clean`` need from a root, written once over the
+    primitives each backend supplies (its ``steps``; the abstract one-liners below):
 
-    A step whose save lock is held is never touched, nor, with ``grace``, anything modified in
-    the last ``grace`` seconds; a step is complete once its ``.metadata`` exists; a deletion
-    takes the save lock, then excludes readers, and never leaves a step that looks complete."""
+    - ``check_root()``: raise naming the root when it cannot hold steps;
+    - ``_check_complete(step)``: the ``storage_fs.integrity.check_complete`` report of the step;
+    - ``_root_entries()``: ``(name, location, is a directory)`` of the root's entries (none when missing);
+    - ``_tree(location)``: the :data:`Tree` under a step or a hidden entry (empty when gone);
+    - ``_modified(step, name)``: the modification time of a step's file, ``None`` when there is none;
+    - ``_read(step, name)`` (``None`` when missing), ``_write(step, name, data)`` (creating the step);
+    - ``_save_lock(step, what)``: yields whether it holds the step's save lock (never waits);
+    - ``_readers_excluded(step)``: within the save lock, yields whether no :meth:`reading` holds it;
+    - ``_read_hold(step)``: holds the step against deletion, yields False where none can be made;
+    - ``_delete(step)``: within the save lock, delete the step, ``.metadata`` first; False when gone;
+    - ``_lock_held(location)``: the lock or reader mark there has a live holder (changes nothing);
+    - ``_remove_beside(item)``: remove a hidden leftover, re-checked; False when in use;
+    - ``_remove_files(locations)``: delete those files (ones gone already are skipped).
+
+    A step whose save lock is held is never touched, nor, with ``grace``, anything changed in the
+    last ``grace`` seconds; ``remove_step`` never leaves a half-deleted step that looks complete."""
 
     root: Any
 
     @abc.abstractmethod
+    def check_root(self) -> None: ...
+    @abc.abstractmethod
+    def _check_complete(self, step: int) -> Any: ...
+    @abc.abstractmethod
+    def _root_entries(self) -> list[tuple[str, str, bool]]: ...
+    @abc.abstractmethod
+    def _tree(self, location: str) -> Tree: ...
+    @abc.abstractmethod
+    def _modified(self, step: int, name: str) -> Optional[float]: ...
+    @abc.abstractmethod
+    def _read(self, step: int, name: str) -> Optional[bytes]: ...
+    @abc.abstractmethod
+    def _write(self, step: int, name: str, data: bytes) -> None: ...
+    @abc.abstractmethod
+    def _save_lock(self, step: int, what: str) -> AbstractContextManager[bool]: ...
+    @abc.abstractmethod
+    def _readers_excluded(self, step: int) -> AbstractContextManager[bool]: ...
+    @abc.abstractmethod
+    def _read_hold(self, step: int) -> AbstractContextManager[bool]: ...
+    @abc.abstractmethod
+    def _delete(self, step: int) -> bool: ...
+    @abc.abstractmethod
+    def _lock_held(self, location: str) -> bool: ...
+    @abc.abstractmethod
+    def _remove_beside(self, item: Leftover) -> bool: ...
+    @abc.abstractmethod
+    def _remove_files(self, locations: tuple[str, ...]) -> None: ...
+
     def location(self, step: int) -> str:
-        """The ``checkpoint_id`` that ``save``/``load`` use for ``step``."""
+        """The ``checkpoint_id`` that ``save``/``load`` use for ``step``: ``root/step_N``."""
+        return f"{self.root}/{step_name(step)}"
 
-    @abc.abstractmethod
-    def _check_complete(self, step: int) -> Any:
-        """The ``storage_fs.integrity.check_complete`` report of ``step`` (metadata and sizes, no data read)."""
-
-    @abc.abstractmethod
-    def _root_entries(self) -> list[tuple[str, str, bool]]:
-        """``(name, location, is a directory)`` of the root's direct entries; none for a missing root."""
-
-    @abc.abstractmethod
-    def _tree(self, location: str) -> Tree:
-        """Everything under ``location`` (a step or a hidden entry of the root); empty when it is gone."""
-
-    @abc.abstractmethod
-    def _modified(self, step: int, name: str) -> Optional[float]:
-        """The modification time of file ``name`` of ``step``; ``None`` when there is no such file."""
-
-    @abc.abstractmethod
-    def _read(self, step: int, name: str) -> Optional[bytes]:
-        """File ``name`` of ``step``; ``None`` when it does not exist."""
-
-    @abc.abstractmethod
-    def _write(self, step: int, name: str, data: bytes) -> None:
-        """Write file ``name`` of ``step`` whole (creating the step as needed)."""
-
-    @abc.abstractmethod
-    def _save_lock(self, step: int, what: str) -> AbstractContextManager[bool]:
-        """Yields True holding ``step``'s save lock for ``what``, False (never waiting) when someone holds it."""
-
-    @abc.abstractmethod
-    def _readers_excluded(self, step: int) -> AbstractContextManager[bool]:
-        """Within the save lock: yields True when no :meth:`reading` holds ``step`` (none can start meanwhile)."""
-
-    @abc.abstractmethod
-    def _read_hold(self, step: int) -> AbstractContextManager[bool]:
-        """Holds ``step`` against deletion: yields True, or False where no hold can be made (no write access)."""
-
-    @abc.abstractmethod
-    def _delete(self, step: int) -> bool:
-        """Within the save lock: delete ``step`` (``.metadata`` gone first); False when it is gone already."""
-
-    @abc.abstractmethod
-    def _lock_location(self, step: int) -> str:
-        """Where ``step``'s save lock lives (the root entry ``.step_N.hp-dcp-lock``)."""
-
-    @abc.abstractmethod
-    def _lock_held(self, location: str) -> bool:
-        """The lock file or reader mark at ``location`` has a live holder (a probe that changes nothing)."""
-
-    @abc.abstractmethod
-    def _remove_beside(self, item: Leftover) -> bool:
-        """Remove a hidden leftover (lock, reader mark, staging or replaced directory) re-checked; False when in use."""
-
-    @abc.abstractmethod
-    def _remove_files(self, locations: tuple[str, ...]) -> None:
-        """Delete the files at ``locations`` (those gone already are skipped)."""
+    def _beside(self, step: int, kind: str) -> str:
+        """The hidden root entry ``.step_N.hp-dcp-{kind}`` of ``step`` (its save lock: ``lock``)."""
+        return f"{self.root}/.{step_name(step)}.hp-dcp-{kind}"
 
     def list_steps(self) -> list[StepEntry]:
         """Every ``step_N`` directory, ascending by step; a missing root has none."""
@@ -402,7 +368,7 @@ class StepStore(abc.ABC):
 
         @functools.cache
         def save_running(step: int) -> bool:
-            return self._lock_held(self._lock_location(step))
+            return self._lock_held(self._beside(step, "lock"))
 
         def busy(step: int, tree: Tree) -> bool:
             return (step in protected or (grace > 0 and now - max(m for _, _, m in tree) < grace)

@@ -14,7 +14,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from hyper_parallel_dcp.core.backends import Leftover, StepStore, step_name
+from hyper_parallel_dcp.core.backends import Leftover, StepStorage, step_name
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
 from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
@@ -27,7 +27,7 @@ __all__ = ["ObjectSteps"]
 logger = logging.getLogger(__name__)
 
 
-class ObjectSteps(StepStore):
+class ObjectSteps(StepStorage):
     """The ``step_N`` prefixes under an object-store ``root`` URL; touches no object there but
     those under ``step_N/`` and the hidden ``.step_N.hp-dcp-*`` ones.  Locks and reader marks
     are :class:`ObjectLease` objects, left over once stale or their local holder is gone."""
@@ -43,10 +43,6 @@ class ObjectSteps(StepStore):
 
     def _lock_key(self, step: int) -> str:
         return lock_key(self._step_prefix(step))
-
-    def location(self, step: int) -> str:
-        """The ``checkpoint_id`` that ``save``/``load`` use for ``step``."""
-        return f"{self.root}/{step_name(step)}"
 
     def check_root(self) -> None:
         """Raise :class:`ObjectStoreError` naming the bucket when it does not exist or cannot be listed."""
@@ -124,9 +120,6 @@ class ObjectSteps(StepStore):
             return False
         self._files.child(step_name(step)).remove()
         return True
-
-    def _lock_location(self, step: int) -> str:
-        return self.store.url(self._lock_key(step))
 
     def _abandoned(self, key: str, modified: float) -> bool:
         """The lock or mark at ``key`` is stale, or its holder ran on this machine and is gone."""
