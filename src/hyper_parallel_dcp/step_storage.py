@@ -15,10 +15,9 @@ import stat
 import time
 from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from hyper_parallel_dcp.core.backends import Leftover, StepStorage, backend_for, step_name, url_scheme
-from hyper_parallel_dcp.core.errors import ConcurrentSaveError
 from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
 from hyper_parallel_dcp.storage_fs.backend import local_path
 from hyper_parallel_dcp.storage_fs.commit import SaveLock
@@ -26,6 +25,7 @@ from hyper_parallel_dcp.storage_fs.commit import SaveLock
 __all__ = ["FileSystemSteps", "step_storage_for"]
 
 logger = logging.getLogger(__name__)
+
 
 @contextmanager
 def _exclusive_flock(path: Path, *, unlink: bool = False) -> Iterator[bool]:
@@ -109,18 +109,9 @@ class FileSystemSteps(StepStorage):
         directory.mkdir(parents=True, exist_ok=True)
         write_file_atomic(directory / name, lambda f: f.write(data), sync=False, unique_temp=True)
 
-    @contextmanager
-    def _save_lock(self, step: int, what: str) -> Iterator[bool]:
+    def _new_save_lock(self, step: int, what: str) -> tuple[Callable[[], None], Callable[[], None]]:
         lock = SaveLock(self.root / step_name(step))
-        try:
-            lock.acquire()
-        except ConcurrentSaveError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            lock.release()
+        return lock.acquire, lock.release
 
     def _readers_excluded(self, step: int) -> AbstractContextManager[bool]:
         return _exclusive_flock(Path(self._beside(step, "readlock")), unlink=True)

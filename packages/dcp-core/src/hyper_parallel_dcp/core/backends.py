@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, ConcurrentSaveError
 
 if TYPE_CHECKING:
     from .storage import StorageReader, StorageWriter
@@ -243,7 +243,8 @@ class StepStorage(abc.ABC):
     - ``_tree(location)``: the :data:`Tree` under a step or a hidden entry (empty when gone);
     - ``_modified(step, name)``: the modification time of a step's file, ``None`` when there is none;
     - ``_read(step, name)`` (``None`` when missing), ``_write(step, name, data)`` (creating the step);
-    - ``_save_lock(step, what)``: yields whether it holds the step's save lock (never waits);
+    - ``_new_save_lock(step, what)``: ``(acquire, release)`` of the step's save lock for ``what``;
+      ``acquire`` never waits: it raises :class:`ConcurrentSaveError` while someone holds it;
     - ``_readers_excluded(step)``: within the save lock, yields whether no :meth:`reading` holds it;
     - ``_read_hold(step)``: holds the step against deletion, yields False where none can be made;
     - ``_delete(step)``: within the save lock, delete the step, ``.metadata`` first; False when gone;
@@ -271,7 +272,7 @@ class StepStorage(abc.ABC):
     @abc.abstractmethod
     def _write(self, step: int, name: str, data: bytes) -> None: ...
     @abc.abstractmethod
-    def _save_lock(self, step: int, what: str) -> AbstractContextManager[bool]: ...
+    def _new_save_lock(self, step: int, what: str) -> tuple[Callable[[], None], Callable[[], None]]: ...
     @abc.abstractmethod
     def _readers_excluded(self, step: int) -> AbstractContextManager[bool]: ...
     @abc.abstractmethod
@@ -284,6 +285,20 @@ class StepStorage(abc.ABC):
     def _remove_beside(self, item: Leftover) -> bool: ...
     @abc.abstractmethod
     def _remove_files(self, locations: tuple[str, ...]) -> None: ...
+
+    @contextmanager
+    def _save_lock(self, step: int, what: str) -> Iterator[bool]:
+        """Yields True holding ``step``'s save lock (a new save of it fails meanwhile), False when someone holds it."""
+        acquire, release = self._new_save_lock(step, what)
+        try:
+            acquire()
+        except ConcurrentSaveError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            release()
 
     def location(self, step: int) -> str:
         """The ``checkpoint_id`` that ``save``/``load`` use for ``step``: ``root/step_N``."""

@@ -21,25 +21,17 @@ from hyper_parallel_dcp.core.errors import ConcurrentSaveError
 
 from .client import ObjectStore, ObjectStoreError
 
-__all__ = ["ObjectLease", "holder_is_dead", "is_stale", "lock_key", "readlock_prefix"]
+__all__ = ["ObjectLease", "holder_is_dead", "is_stale", "lock_key"]
 
 logger = logging.getLogger(__name__)
 
 
-def _beside(prefix: str, suffix: str) -> str:
-    parent, _, leaf = prefix.rpartition("/")
-    name = f".{leaf}.{suffix}" if leaf else f".{suffix}"
-    return f"{parent}/{name}" if parent else name
-
-
 def lock_key(prefix: str) -> str:
-    """The save lock's key for the checkpoint at ``prefix``: ``parent/.leaf.hp-dcp-lock``."""
-    return _beside(prefix, "hp-dcp-lock")
-
-
-def readlock_prefix(prefix: str) -> str:
-    """The key prefix of the reader marks of the checkpoint at ``prefix``."""
-    return _beside(prefix, "hp-dcp-readlock-")
+    """The save lock's key for the checkpoint at ``prefix``: ``parent/.leaf.hp-dcp-lock``
+    (reader marks are ``parent/.leaf.hp-dcp-readlock-<token>`` beside it)."""
+    parent, _, leaf = prefix.rpartition("/")
+    name = f".{leaf}.hp-dcp-lock" if leaf else ".hp-dcp-lock"
+    return f"{parent}/{name}" if parent else name
 
 
 def _read_text(path: str) -> str:

@@ -7,20 +7,21 @@ takes the lock, then checks for fresh marks (S3 is strongly consistent).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from hyper_parallel_dcp.core.backends import Leftover, StepStorage, step_name
-from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, ConcurrentSaveError
+from hyper_parallel_dcp.core.errors import CheckpointNotFoundError
 from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
 from .client import ObjectStore, ObjectStoreError, ObjectStoreSettings, parse_url
 from .files import ObjectFiles
-from .locks import ObjectLease, holder_is_dead, is_stale, lock_key, readlock_prefix
+from .locks import ObjectLease, holder_is_dead, is_stale, lock_key
 
 __all__ = ["ObjectSteps"]
 
@@ -74,18 +75,9 @@ class ObjectSteps(StepStorage):
     def _write(self, step: int, name: str, data: bytes) -> None:
         self.store.put(f"{self._step_prefix(step)}/{name}", data)
 
-    @contextmanager
-    def _save_lock(self, step: int, what: str) -> Iterator[bool]:
+    def _new_save_lock(self, step: int, what: str) -> tuple[Callable[[], None], Callable[[], None]]:
         lease = ObjectLease(self.store, self._lock_key(step), what=what, target=self.location(step))
-        try:
-            lease.acquire(wait=False)
-        except ConcurrentSaveError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            lease.release()
+        return functools.partial(lease.acquire, wait=False), lease.release
 
     @contextmanager
     def _readers_excluded(self, step: int) -> Iterator[bool]:
@@ -93,13 +85,13 @@ class ObjectSteps(StepStorage):
         stale_after = self.store.settings.lock_stale_after
         now = time.time()
         yield not any(size >= 0 and not is_stale(modified, stale_after, now) for _, size, modified
-                      in self.store.list_modified(readlock_prefix(self._step_prefix(step))))
+                      in self.store.list_modified(parse_url(self._beside(step, "readlock-"))[2]))
 
     @contextmanager
     def _read_hold(self, step: int) -> Iterator[bool]:
         """A reader mark (none without write access); :class:`CheckpointNotFoundError` when a
         fresh save lock shows the step being deleted or written."""
-        mark = ObjectLease(self.store, readlock_prefix(self._step_prefix(step)) + uuid.uuid4().hex,
+        mark = ObjectLease(self.store, parse_url(self._beside(step, "readlock-"))[2] + uuid.uuid4().hex,
                            exclusive=False, what="read", target=self.location(step))
         try:
             mark.acquire()
