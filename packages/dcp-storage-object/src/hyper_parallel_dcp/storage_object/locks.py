@@ -21,7 +21,7 @@ from hyper_parallel_dcp.core.errors import ConcurrentSaveError
 
 from .client import ObjectStore, ObjectStoreError
 
-__all__ = ["ObjectLease", "holder_is_dead", "is_stale", "lock_key"]
+__all__ = ["ObjectLease", "holder_doc", "holder_is_dead", "is_stale", "lock_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,15 @@ def holder_is_dead(doc: dict) -> bool:
     return isinstance(pid, int) and _process_start(pid) != doc.get("start")
 
 
+def holder_doc(store: ObjectStore, key: str) -> dict:
+    """The document of the lock or mark at ``key``; ``{}`` when it is gone or not ours (holder unknown)."""
+    try:
+        doc = json.loads(store.get(key))
+    except Exception:  # noqa: BLE001 - gone meanwhile, or not ours: unknown holder
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 def is_stale(modified: float, stale_after: float, now: Optional[float] = None) -> bool:
     """A lock or mark last rewritten at ``modified`` (epoch seconds) was left by a dead holder."""
     return (time.time() if now is None else now) - modified >= stale_after
@@ -95,15 +104,8 @@ class ObjectLease:
         # a new body (so a new ETag) at each renewal: that is how a waiting save sees a live holder
         return json.dumps({**self._doc, "renewed": time.time()}).encode()
 
-    def _holder_doc(self) -> dict:
-        try:
-            doc = json.loads(self.store.get(self.key))
-        except Exception:  # noqa: BLE001 - gone meanwhile, or not ours: unknown holder
-            return {}
-        return doc if isinstance(doc, dict) else {}
-
     def _holder(self, doc: Optional[dict] = None) -> str:
-        doc = self._holder_doc() if doc is None else doc
+        doc = holder_doc(self.store, self.key) if doc is None else doc
         if not doc:
             return "holder unknown"
         return f"{doc.get('purpose', 'save')} by pid {doc.get('pid')} on {doc.get('host')}"
@@ -129,7 +131,7 @@ class ObjectLease:
                 self.store.delete_if(self.key, etag)
                 continue
             if seen is None:
-                doc = self._holder_doc()
+                doc = holder_doc(self.store, self.key)
                 if holder_is_dead(doc):  # a killed save on this machine: no need to wait for staleness
                     logger.warning("%s: taking over the lock %s of %s, which is no longer running", self.target,
                                    self.store.url(self.key), self._holder(doc))

@@ -8,7 +8,6 @@ takes the lock, then checks for fresh marks (S3 is strongly consistent).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 import uuid
@@ -21,7 +20,7 @@ from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
 from .client import ObjectStore, ObjectStoreError, ObjectStoreSettings, parse_url
 from .files import ObjectFiles
-from .locks import ObjectLease, holder_is_dead, is_stale, lock_key
+from .locks import ObjectLease, holder_doc, holder_is_dead, is_stale, lock_key
 
 __all__ = ["ObjectSteps"]
 
@@ -115,13 +114,8 @@ class ObjectSteps(StepStorage):
 
     def _abandoned(self, key: str, modified: float) -> bool:
         """The lock or mark at ``key`` is stale, or its holder ran on this machine and is gone."""
-        if is_stale(modified, self.store.settings.lock_stale_after):
-            return True
-        try:
-            doc = json.loads(self.store.get(key))
-        except (CheckpointNotFoundError, ValueError, UnicodeDecodeError):
-            return False
-        return isinstance(doc, dict) and holder_is_dead(doc)
+        return (is_stale(modified, self.store.settings.lock_stale_after)
+                or holder_is_dead(holder_doc(self.store, key)))
 
     def _lock_held(self, location: str) -> bool:
         key = parse_url(location)[2]
