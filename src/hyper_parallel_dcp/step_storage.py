@@ -93,9 +93,18 @@ class FileSystemSteps(StepStorage):
                     out.append((os.path.relpath(path, location), 0 if name in dirs else st.st_size, st.st_mtime))
         return out
 
+    def _names(self, location: str) -> list[str]:
+        try:
+            return os.listdir(location)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def _modified(self, step: int, name: str) -> Optional[float]:
-        path = os.path.join(self.location(step), name)
-        return os.stat(path).st_mtime if os.path.isfile(path) else None
+        try:
+            found = os.stat(os.path.join(self.location(step), name))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return found.st_mtime if stat.S_ISREG(found.st_mode) else None
 
     def _read(self, step: int, name: str) -> Optional[bytes]:
         try:

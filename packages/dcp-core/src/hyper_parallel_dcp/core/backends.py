@@ -241,6 +241,7 @@ class StepStorage(abc.ABC):
     - ``_check_complete(step)``: the ``storage_fs.integrity.check_complete`` report of the step;
     - ``_root_entries()``: ``(name, location, is a directory)`` of the root's entries (none when missing);
     - ``_tree(location)``: the :data:`Tree` under a step or a hidden entry (empty when gone);
+    - ``_names(location)``: the names of a step's direct entries (none when it is gone);
     - ``_modified(step, name)``: the modification time of a step's file, ``None`` when there is none;
     - ``_read(step, name)`` (``None`` when missing), ``_write(step, name, data)`` (creating the step);
     - ``_new_save_lock(step, what)``: ``(acquire, release)`` of the step's save lock for ``what``;
@@ -256,6 +257,8 @@ class StepStorage(abc.ABC):
     last ``grace`` seconds; ``remove_step`` never leaves a half-deleted step that looks complete."""
 
     root: Any
+    #: how many completeness probes :meth:`list_steps` keeps in flight (each is a request on an object store)
+    _probes_in_flight = 1
 
     @abc.abstractmethod
     def check_root(self) -> None: ...
@@ -265,6 +268,8 @@ class StepStorage(abc.ABC):
     def _root_entries(self) -> list[tuple[str, str, bool]]: ...
     @abc.abstractmethod
     def _tree(self, location: str) -> Tree: ...
+    @abc.abstractmethod
+    def _names(self, location: str) -> list[str]: ...
     @abc.abstractmethod
     def _modified(self, step: int, name: str) -> Optional[float]: ...
     @abc.abstractmethod
@@ -312,9 +317,11 @@ class StepStorage(abc.ABC):
         """Every ``step_N`` directory, ascending by step; a missing root has none."""
         found = sorted(step for name, _, is_dir in self._root_entries()
                        if is_dir and (step := parse_step_name(name)) is not None)
-        # several completeness probes in flight: each is a request on an object store
-        with cf.ThreadPoolExecutor(min(16, len(found) or 1), thread_name_prefix="hp-dcp-steps") as pool:
-            complete = list(pool.map(self.is_complete, found))
+        if self._probes_in_flight == 1 or len(found) < 2:
+            complete = list(map(self.is_complete, found))
+        else:
+            with cf.ThreadPoolExecutor(min(self._probes_in_flight, len(found)), thread_name_prefix="hp-dcp-steps") as pool:
+                complete = list(pool.map(self.is_complete, found))
         return [StepEntry(step, self.location(step), done) for step, done in zip(found, complete)]
 
     def is_complete(self, step: int) -> bool:
@@ -399,21 +406,22 @@ class StepStorage(abc.ABC):
                 if check_running and step not in protected and not self._lock_held(location):
                     out.append(Leftover(step, hidden.group(2), location, 0))
                 continue
-            tree = self._tree(location) if hidden or is_dir else []
-            if not tree:  # a file named like a step, or gone meanwhile
-                continue
             if hidden:
-                if not busy(step, tree):
+                if (tree := self._tree(location)) and not busy(step, tree):
                     out.append(Leftover(step, hidden.group(2), location, sum(size for _, size, _ in tree)))
                 continue
-            names = {n: size for n, size, _ in tree if n and "/" not in n}
+            names = self._names(location) if is_dir else []
             if _METADATA in names:
                 stray = sorted(n for n in names if _MAILBOX.match(n))
-                if stray and not busy(step, tree):
-                    out.append(Leftover(step, "mailbox", location, sum(names[n] for n in stray),
+                if stray and not busy(step, tree := self._tree(location)):
+                    sizes = {n: size for n, size, _ in tree}
+                    out.append(Leftover(step, "mailbox", location, sum(sizes.get(n, 0) for n in stray),
                                         tuple(f"{location}/{n}" for n in stray)))
                 continue
-            if older_than is None or step >= older_than or busy(step, tree):
+            if not is_dir or older_than is None or step >= older_than:
+                continue
+            tree = self._tree(location)
+            if not tree or busy(step, tree):  # gone meanwhile, held or recent
                 continue
             rank_local = sorted(n for n in names if _RANK_METADATA.match(n))
             if rank_local:

@@ -32,6 +32,8 @@ class ObjectSteps(StepStorage):
     those under ``step_N/`` and the hidden ``.step_N.hp-dcp-*`` ones.  Locks and reader marks
     are :class:`ObjectLease` objects, left over once stale or their local holder is gone."""
 
+    _probes_in_flight = 16
+
     def __init__(self, root: str, settings: Optional[ObjectStoreSettings] = None,
                  store: Optional[ObjectStore] = None) -> None:
         self._files = ObjectFiles(str(root), settings, store)
@@ -60,6 +62,10 @@ class ObjectSteps(StepStorage):
         base = parse_url(location)[2] + "/"
         return [(key[len(base):], size, modified) for key, size, modified in self.store.list_modified(base)
                 if size >= 0]
+
+    def _names(self, location: str) -> list[str]:
+        base = parse_url(location)[2] + "/"
+        return [key[len(base):].rstrip("/") for key, _ in self.store.list_objects(base, delimiter="/")]
 
     def _modified(self, step: int, name: str) -> Optional[float]:
         found = self.store.stat(f"{self._step_prefix(step)}/{name}")
