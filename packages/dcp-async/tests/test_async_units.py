@@ -237,7 +237,7 @@ def test_later_saves_of_one_layout_send_the_writer_every_leaf_and_land_their_val
     from multiprocessing.connection import Connection
 
     from hyper_parallel_dcp.async_persist import shutdown_writer
-    from hyper_parallel_dcp.async_persist.protocol import SaveRequest
+    from hyper_parallel_dcp.async_persist.writer import SaveRequest
 
     sent: list[list[str]] = []
     send = Connection.send
@@ -296,7 +296,7 @@ def test_populate_slab_maps_a_slab_without_changing_it() -> None:
 def test_reply_is_unpickled_with_the_collector_paused_and_resumed_after() -> None:
     import gc
 
-    from hyper_parallel_dcp.async_persist.writer_process import recv_reply
+    from hyper_parallel_dcp.async_persist.writer import recv_reply
 
     class Conn:
         def recv(self):
