@@ -32,9 +32,9 @@ from hyper_parallel_dcp.core.gc_pause import gc_paused
 from hyper_parallel_dcp.core.plan_cache import PlanCacheEntry
 from hyper_parallel_dcp.core.settings import DEFAULT_TIMEOUT_S
 
+from .arena import StagedStateDict, materialize, populate_slab
 from .errors import AsyncSaveError
 from .mailbox import FileMailbox
-from .staged import StagedStateDict, materialize, populate_slab
 
 __all__ = ["PING", "POLL_S", "Holdings", "Mode", "SaveReply", "SaveRequest", "WriterProcess", "clean_planner",
            "parent_cache_entry", "recv_reply", "wait_for_parent_exit", "watch_parent", "writer_main"]
