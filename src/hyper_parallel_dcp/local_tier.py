@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel_dcp import api
-from hyper_parallel_dcp.async_persist.arena import StagingArena
-from hyper_parallel_dcp.async_persist.staged import materialize
+from hyper_parallel_dcp.async_persist.arena import StagingArena, materialize
 from hyper_parallel_dcp.core.collectives import collective_timeout
 from hyper_parallel_dcp.core.flatten import flatten_state_dict, match_stored_keys
 from hyper_parallel_dcp.core.layout import is_tensor_leaf

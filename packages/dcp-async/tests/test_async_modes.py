@@ -291,7 +291,7 @@ def test_async_save_files_mode_of_a_state_dict_with_nothing_replicated(tmp_path:
 def session_worker(rank: int, world_size: int) -> tuple[str, str]:
     import torch.distributed as dist
 
-    from hyper_parallel_dcp.async_persist.coordination import mailbox_session
+    from hyper_parallel_dcp.async_persist.persist import mailbox_session
 
     os.environ.pop("TORCHELASTIC_RESTART_COUNT", None)
     # rank 0 asks last, after every other rank has its token: no rank may wait for rank 0

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_parallel_dcp.async_persist.arena import StagingArena
-from hyper_parallel_dcp.async_persist.staged import materialize
+from hyper_parallel_dcp.async_persist.arena import StagingArena, materialize
 from hyper_parallel_dcp.core.testing import run_distributed
 
 
@@ -142,7 +141,7 @@ def test_small_pieces_gathered_then_copied_in_one_run(monkeypatch) -> None:
     slots (driven here with host tensors): adjacent slots make one run, a large piece, a
     lone small one and pieces past the memory budget are copied one by one, and every
     staged value is the source's, a strided source and mixed dtypes included."""
-    from hyper_parallel_dcp.async_persist import repeat
+    from hyper_parallel_dcp.async_persist import arena as repeat
     from hyper_parallel_dcp.core.flatten import flatten_state_dict
     from hyper_parallel_dcp.core.layout import is_tensor_leaf
 

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from hyper_parallel_dcp.async_persist import DataCopier, safe_pickle
-from hyper_parallel_dcp.async_persist.arena import StagingArena
+from hyper_parallel_dcp.async_persist.arena import StagingArena, materialize
 from hyper_parallel_dcp.async_persist.mailbox import FileMailbox
-from hyper_parallel_dcp.async_persist.staged import materialize
 from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType
 from hyper_parallel_dcp.storage_fs import FileSystemWriter
@@ -237,7 +236,7 @@ def test_later_saves_of_one_layout_send_the_writer_every_leaf_and_land_their_val
     from multiprocessing.connection import Connection
 
     from hyper_parallel_dcp.async_persist import shutdown_writer
-    from hyper_parallel_dcp.async_persist.protocol import SaveRequest
+    from hyper_parallel_dcp.async_persist.writer import SaveRequest
 
     sent: list[list[str]] = []
     send = Connection.send
@@ -281,7 +280,7 @@ def test_later_saves_of_one_layout_send_the_writer_every_leaf_and_land_their_val
 def test_populate_slab_maps_a_slab_without_changing_it() -> None:
     import sys
 
-    from hyper_parallel_dcp.async_persist.staged import populate_slab
+    from hyper_parallel_dcp.async_persist.arena import populate_slab
 
     storage = torch.UntypedStorage._new_shared(3 << 20)
     slab = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -296,7 +295,7 @@ def test_populate_slab_maps_a_slab_without_changing_it() -> None:
 def test_reply_is_unpickled_with_the_collector_paused_and_resumed_after() -> None:
     import gc
 
-    from hyper_parallel_dcp.async_persist.writer_process import recv_reply
+    from hyper_parallel_dcp.async_persist.writer import recv_reply
 
     class Conn:
         def recv(self):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cuda_host_register", "cuda_host_unregister", "default_store", "dtensor_class", "dtensor_local",
+__all__ = ["cuda_host_register", "cuda_host_unregister", "dtensor_class", "dtensor_local",
            "dtensor_spec", "foreach_copy", "new_shared_storage"]
 
 
@@ -63,9 +63,3 @@ def cuda_host_register(buffer: torch.Tensor) -> None:
 def cuda_host_unregister(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
-
-def default_store() -> Any:
-    """The key-value store of the default process group; raises without one."""
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_store()

@@ -28,7 +28,7 @@ from .errors import (
 )
 from .settings import COLLECTIVE_TIMEOUT, DEFAULT_TIMEOUT_S, phase
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "DistWrapper", "collective_timeout"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "DistWrapper", "collective_timeout", "default_store"]
 
 #: Environment variable: seconds a rank waits for the others at each checkpoint collective.
 TIMEOUT_ENV = COLLECTIVE_TIMEOUT.name
@@ -62,6 +62,11 @@ def _wait_all(store: Any, keys: list[str], timeout: float) -> None:
         time.sleep(delay)
         # at most 1 ms between looks (a look costs ~5 us of CPU)
         delay = min(delay * 2, 0.001)
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (a private torch API); raises without one."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def _store_address(store: Any) -> str:
@@ -169,7 +174,7 @@ class DistWrapper:
                 self.rank, self.world_size = 0, 1
             if self.use_dist and self.timeout > 0:
                 with contextlib.suppress(Exception):  # a private API: without it, no arrival check
-                    self._store = dist.distributed_c10d._get_default_store()
+                    self._store = default_store()
                 self._group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
                     range(self.world_size))
         self.is_coordinator = self.rank == coordinator_rank
