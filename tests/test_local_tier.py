@@ -61,6 +61,7 @@ def _save_worker(rank: int, world_size: int, root: str, last: int, fault: str = 
     mgr, tier = _manager(root, rank)
     for step in range(1, last + 1):
         if step == at:
+            tier.wait()  # the fault is for step `at`, not for the previous step's local save still in flight
             os.environ["HP_DCP_FAULT"] = fault
         mgr.save(step, _state(step, rank, sharded))
     mgr.close()
