@@ -26,6 +26,8 @@ import torch
 from hyper_parallel_dcp.core.backends import parse_step_name, step_name
 from hyper_parallel_dcp.storage_fs.atomic import fsync_dir, write_file_atomic
 
+from .retention import steps_to_delete
+
 __all__ = ["LocalCopies", "LocalTierFullError", "room_for"]
 
 logger = logging.getLogger(__name__)
@@ -103,11 +105,20 @@ class LocalCopies:
     def _marker(self, step: int, rank: int) -> Path:
         return self.directory / step_name(step) / f"rank_{rank}.commit"
 
-    def discard(self, step: int, rank: int) -> None:
-        """Remove a copy (its marker first: never a marker describing other bytes)."""
-        with suppress(FileNotFoundError):
-            os.unlink(self._marker(step, rank))
-        shutil.rmtree(self.copy_dir(step, rank), ignore_errors=True)
+    def discard(self, step: int, *ranks: int) -> None:
+        """Remove the copies of ``ranks`` (each marker first: never a marker describing other bytes)."""
+        for rank in ranks:
+            with suppress(FileNotFoundError):
+                os.unlink(self._marker(step, rank))
+            shutil.rmtree(self.copy_dir(step, rank), ignore_errors=True)
+
+    def _discard_steps(self, doomed: dict[int, set[int]]) -> list[int]:
+        """Remove the copies of ``doomed`` (step -> ranks) and each step directory left empty; the steps."""
+        for step, ranks in doomed.items():
+            self.discard(step, *ranks)
+            with suppress(OSError):  # another rank of this node still keeps copies there
+                os.rmdir(self.directory / step_name(step))
+        return sorted(doomed)
 
     def read_payload(self, step: int, rank: int) -> tuple[Manifest, torch.Tensor]:
         """Every file of a copy as (name, size) pairs, ``.metadata`` last (the order a receiver
@@ -146,26 +157,22 @@ class LocalCopies:
         record = {"step": step, "rank": rank, "holder": self.holder, "world_size": world_size, "files": sizes}
         write_file_atomic(self._marker(step, rank), lambda f: f.write(json.dumps(record).encode()), unique_temp=True)
 
-    def held(self, world_size: int) -> dict[int, dict[int, Manifest]]:
-        """``{step: {rank: manifest}}``: the committed copies this holder keeps for a job of
-        ``world_size`` whose files are all there at their recorded sizes (a partial copy is not)."""
-        out: dict[int, dict[int, Manifest]] = {}
+    def held(self) -> dict[tuple[int, int, int], Manifest]:
+        """``{(step, world size, rank): manifest}``: the committed copies this holder keeps whose
+        files are all there at their recorded sizes (a partial copy is not)."""
+        out: dict[tuple[int, int, int], Manifest] = {}
         for step, markers in self.markers().items():
             for rank, record in markers.items():
-                if not self._mine(record) or record.get("world_size") != world_size:
+                world = record.get("world_size")
+                if not self._mine(record) or not isinstance(world, int):
                     continue
                 problem = self._problem(step, rank, record)
                 if problem:
                     logger.warning("local checkpoint tier: the copy of rank %d, step %d in %s is not used: %s",
                                    rank, step, self.copy_dir(step, rank), problem)
                     continue
-                out.setdefault(step, {})[rank] = _manifest(record["files"])
+                out[step, world, rank] = _manifest(record["files"])
         return out
-
-    def worlds(self) -> set[int]:
-        """The world sizes of the jobs that committed copies here."""
-        return {rec["world_size"] for markers in self.markers().values() for rec in markers.values()
-                if isinstance(rec.get("world_size"), int)}
 
     def _problem(self, step: int, rank: int, record: dict[str, Any]) -> Optional[str]:
         root = self.copy_dir(step, rank)
@@ -178,54 +185,39 @@ class LocalCopies:
                 return f"{name} has {actual} bytes, {size} were written"
         return None if record.get("files") else "its marker lists no file"
 
-    def markers(self) -> dict[int, dict[int, dict[str, Any]]]:
-        """``{step: {rank: marker record}}`` of every committed copy in the directory (any holder)."""
-        out: dict[int, dict[int, dict[str, Any]]] = {}
+    def _step_dirs(self) -> dict[int, str]:
+        """``{step: path}`` of the ``step_N`` directories here."""
         try:
             entries = list(os.scandir(self.directory))
         except FileNotFoundError:
-            return out
-        for entry in entries:
-            step = parse_step_name(entry.name)
-            if step is None or not entry.is_dir():
-                continue
-            for marker in Path(entry.path).glob("rank_*.commit"):
+            return {}
+        return {step: e.path for e in entries if (step := parse_step_name(e.name)) is not None and e.is_dir()}
+
+    def markers(self) -> dict[int, dict[int, dict[str, Any]]]:
+        """``{step: {rank: marker record}}`` of every committed copy in the directory (any holder)."""
+        out: dict[int, dict[int, dict[str, Any]]] = {}
+        for step, path in self._step_dirs().items():
+            for marker in Path(path).glob("rank_*.commit"):
                 with suppress(OSError, ValueError):
                     record = json.loads(marker.read_bytes())
                     out.setdefault(step, {})[int(record["rank"])] = record
         return out
 
+    def _mine_by_step(self) -> dict[int, set[int]]:
+        """``{step: ranks}`` of the committed copies this holder keeps (no rank: none of its own)."""
+        return {step: {r for r, rec in records.items() if self._mine(rec)} for step, records in self.markers().items()}
+
     def drop_newer(self, step: int, own_rank: int) -> list[int]:
         """Delete the copies this holder keeps of steps newer than ``step`` and this rank's own
         (a job went back to ``step``: those belong to an abandoned run); the steps touched."""
-        markers = self.markers()
-        newer = sorted(s for s in markers if s > step)
-        for other in newer:
-            ranks = {r for r, rec in markers[other].items() if self._mine(rec)}
-            for rank in ranks | {own_rank}:
-                self.discard(other, rank)
-            with suppress(OSError):
-                os.rmdir(self.directory / step_name(other))
-        return newer
+        return self._discard_steps({s: ranks | {own_rank} for s, ranks in self._mine_by_step().items() if s > step})
 
     def retain(self, keep_last: int, newest: int, own_rank: int) -> list[int]:
         """Delete the copies this holder keeps of steps older than its ``keep_last`` newest
         committed ones, and this rank's uncommitted copies older than ``newest``; the steps touched."""
-        mine = {step: [r for r, rec in markers.items() if self._mine(rec)]
-                for step, markers in self.markers().items()}
-        committed = sorted(s for s, ranks in mine.items() if ranks)
-        doomed = {s: ranks for s, ranks in mine.items() if s in committed[:-keep_last]}
-        try:
-            steps = [parse_step_name(e.name) for e in os.scandir(self.directory)]
-        except FileNotFoundError:
-            steps = []
-        for step in steps:
-            if step is not None and step < newest and self.copy_dir(step, own_rank).exists() and own_rank not in (
-                    mine.get(step) or []):
-                doomed.setdefault(step, []).append(own_rank)  # a leftover of an interrupted local save
-        for step, ranks in doomed.items():
-            for rank in ranks:
-                self.discard(step, rank)
-            with suppress(OSError):  # another rank of this node still keeps copies there
-                os.rmdir(self.directory / step_name(step))
-        return sorted(doomed)
+        mine = self._mine_by_step()
+        doomed = {s: mine[s] for s in steps_to_delete([s for s, ranks in mine.items() if ranks], keep_last=keep_last)}
+        for step in self._step_dirs():
+            if step < newest and own_rank not in mine.get(step, ()) and self.copy_dir(step, own_rank).exists():
+                doomed.setdefault(step, set()).add(own_rank)  # a leftover of an interrupted local save
+        return self._discard_steps(doomed)

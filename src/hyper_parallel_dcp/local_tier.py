@@ -38,6 +38,7 @@ from hyper_parallel_dcp.storage_fs import FileSystemReader, merge_rank_metadata
 from hyper_parallel_dcp.storage_fs.metadata_io import StoredMetadata
 
 from .local_copies import LocalCopies, LocalTierFullError, Manifest, room_for
+from .retention import check_count
 
 __all__ = ["LocalTier", "LocalTierFullError"]
 
@@ -142,14 +143,10 @@ class LocalTier:
 
     def __init__(self, dir: Union[str, os.PathLike], interval_steps: int, keep_last: int = 2, replicas: int = 1,
                  node: Union[int, str, None] = None):
-        for name, value, low in (("interval_steps", interval_steps, 1), ("keep_last", keep_last, 1),
-                                 ("replicas", replicas, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"LocalTier({name}=...) must be an integer >= {low}, got {value!r}")
         self.dir = Path(dir)
-        self.interval_steps = interval_steps
-        self.keep_last = keep_last
-        self.replicas = replicas
+        self.interval_steps: int = check_count("LocalTier(interval_steps=...)", interval_steps)
+        self.keep_last: int = check_count("LocalTier(keep_last=...)", keep_last)
+        self.replicas: int = check_count("LocalTier(replicas=...)", replicas, low=0)
         self.node = node_identity(node)
         self.last_error: Optional[BaseException] = None
         #: the last local save: ``step``, ``blocked_s`` (staging), ``bytes`` (this rank's),
@@ -192,6 +189,10 @@ class LocalTier:
         out: list[Any] = [None] * self._world
         dist.all_gather_object(out, obj, group=self._group)
         return out
+
+    def _failures(self, error: Optional[BaseException]) -> dict[int, str]:
+        """Rank -> what failed there, of every rank's ``error`` (collective)."""
+        return {r: text for r, text in enumerate(self._gather(_text(error))) if text}
 
     def peers(self, rank: int) -> list[int]:
         """The ranks that hold ``rank``'s replicas."""
@@ -249,21 +250,18 @@ class LocalTier:
             error = exc
         manifests = self._gather((None if error else payload[0], _text(error)))
         failed = {r: text for r, (_, text) in enumerate(manifests) if text}
-        received: list[int] = []
+        received = [s for s in range(self._world) if rank in self.peers(s)]  # the copies this rank holds
         if not failed:
             try:
-                for source, got in self._exchange({p: payload[1] for p in self.peers(rank)},
-                                                  {s: manifests[s][0] for s in range(self._world)
-                                                   if rank in self.peers(s)}).items():
-                    copies.write_payload(step, source, manifests[source][0], got)
-                    received.append(source)
+                self.stats["replica_bytes"] = self._move(
+                    step, [(s, s, p) for s in range(self._world) for p in self.peers(s)],
+                    {s: m for s, (m, _) in enumerate(manifests)}, {rank: payload[1]}, copies)
                 fault_point("local.replicate", rank)
             except Exception as exc:  # noqa: BLE001
                 error = exc
-            failed = {r: text for r, text in enumerate(self._gather(_text(error))) if text}
+            failed = self._failures(error)
         if failed:
-            for source in [rank, *received]:
-                copies.discard(step, source)
+            copies.discard(step, rank, *received)
             self.last_error = error or RuntimeError(
                 f"local step {step} not committed: rank {min(failed)} failed: {failed[min(failed)]}")
             if error is not None:
@@ -274,7 +272,6 @@ class LocalTier:
             return
         for source in [rank, *received]:
             copies.commit(step, source, self._world)
-        self.stats["replica_bytes"] = sum(sum(s for _, s in manifests[src][0]) for src in received)
         deleted = copies.retain(self.keep_last, step, rank)
         if rank == 0:
             logger.info("local checkpoint tier: step %d committed in %s (%d bytes on rank 0, replicas on %s)%s",
@@ -295,17 +292,22 @@ class LocalTier:
                        step, problem)
         return torch.zeros(sum(n for _, n in manifest), dtype=torch.uint8)
 
-    def _exchange(self, sends: dict[int, torch.Tensor], receives: dict[int, Manifest]) -> dict[int, torch.Tensor]:
-        """Send ``sends[dst]`` to each ``dst`` and receive from each ``src`` the bytes of the
-        files ``receives[src]`` lists; every transfer in flight at once (no order between ranks
-        can deadlock)."""
-        requests = [dist.isend(data, dst, group=self._group) for dst, data in sorted(sends.items())]
-        buffers = {src: torch.empty(sum(n for _, n in manifest), dtype=torch.uint8)
-                   for src, manifest in sorted(receives.items())}
-        requests += [dist.irecv(buffer, src, group=self._group) for src, buffer in buffers.items()]
+    def _move(self, step: int, moves: list[tuple[int, int, int]], manifests: dict[int, Manifest],
+              payloads: dict[int, torch.Tensor], into: LocalCopies) -> int:
+        """Each ``(copy, src, dst)`` of ``moves``: ``src`` sends ``payloads[copy]``, the bytes of
+        old rank ``copy``'s copy (its files: ``manifests[copy]``), to ``dst``, which writes them
+        as that copy into ``into``.  A rank receives at most one copy from each ``src``; every
+        transfer is in flight at once (no order between ranks can deadlock).  The bytes received."""
+        me = self._rank
+        requests = [dist.isend(payloads[c], d, group=self._group) for c, s, d in moves if s == me]
+        buffers = {s: (c, torch.empty(sum(n for _, n in manifests[c]), dtype=torch.uint8))
+                   for c, s, d in moves if d == me}
+        requests += [dist.irecv(buffer, s, group=self._group) for s, (_, buffer) in buffers.items()]
         for request in requests:
             request.wait()
-        return buffers
+        for c, buffer in buffers.values():
+            into.write_payload(step, c, manifests[c], buffer)
+        return sum(buffer.numel() for _, buffer in buffers.values())
 
     def restore(self, state_dict: dict[str, Any], persistent_step: Optional[int], *, verify: bool = True,
                 allow_partial_load: bool = False) -> Optional[int]:
@@ -322,16 +324,14 @@ class LocalTier:
             self._setup()
         self.wait()
         rank, copies = self._rank, LocalCopies(self.dir, self._rank, self._world)
-        gathered = self._gather(({w: copies.held(w) for w in copies.worlds() | {self._world}}, persistent_step))
+        gathered = self._gather((copies.held(), persistent_step))
         persistent_step = gathered[0][1]
         holders: dict[tuple[int, int], dict[int, list[int]]] = {}  # (step, world) -> rank -> holders
         manifests: dict[tuple[int, int], dict[int, Manifest]] = {}  # (step, world) -> rank -> its copy's files
-        for holder, (by_world, _) in enumerate(gathered):
-            for world, steps in by_world.items():
-                for step, ranks in steps.items():
-                    for r, manifest in ranks.items():
-                        holders.setdefault((step, world), {}).setdefault(r, []).append(holder)
-                        manifests.setdefault((step, world), {})[r] = manifest
+        for holder, (held, _) in enumerate(gathered):
+            for (step, world, r), manifest in held.items():
+                holders.setdefault((step, world), {}).setdefault(r, []).append(holder)
+                manifests.setdefault((step, world), {})[r] = manifest
         for step, world in sorted(holders, key=lambda sw: (sw[0], sw[1] == self._world), reverse=True):
             if persistent_step is not None and persistent_step > step:
                 break
@@ -381,17 +381,17 @@ class LocalTier:
             where = {r: os.path.relpath(copies.copy_dir(step, r), self.dir) for r in needed}
             for r in sorted(holders):  # one round per old copy: a rank receives each at most once
                 dsts = [n for n, w in enumerate(wants) if r in w and n not in holders[r]]
-                sends = {n: self._payload(copies, step, r, manifests[r]) for n in dsts} if source[r] == rank else {}
-                for _, data in self._exchange(sends, {source[r]: manifests[r]} if rank in dsts else {}).items():
-                    fetched.write_payload(step, r, manifests[r], data)
-                    where[r], received = os.path.relpath(fetched.copy_dir(step, r), self.dir), received + data.numel()
+                sends = {r: self._payload(copies, step, r, manifests[r])} if source[r] == rank and dsts else {}
+                received += self._move(step, [(r, source[r], n) for n in dsts], manifests, sends, fetched)
+                if rank in dsts:
+                    where[r] = os.path.relpath(fetched.copy_dir(step, r), self.dir)
             try:
                 reader = CopiesReader(self.dir, merged_view({r: metas[r] for r in needed}, where), rank, verify=verify)
                 api.load(state_dict, storage_reader=reader, no_dist=True, allow_partial_load=allow_partial_load)
             except Exception as exc:  # noqa: BLE001 - exchanged below
                 error = exc
         shutil.rmtree(fetched.directory, ignore_errors=True)
-        failed = {r: text for r, text in enumerate(self._gather(_text(error))) if text}
+        failed = self._failures(error)
         if failed:
             if rank == 0:
                 logger.warning("local checkpoint tier: step %d (saved by %d ranks) cannot be loaded here: rank %d: %s",
@@ -425,25 +425,22 @@ class LocalTier:
             try:
                 sends = {dst: self._payload(copies, step, dst, manifests[dst])
                          for dst, src in fetch.items() if src == rank}
-                receives = {fetch[rank]: manifests[rank]} if rank in fetch else {}
-                for src, data in self._exchange(sends, receives).items():
-                    copies.write_payload(step, rank, receives[src], data)
-                    received += data.numel()
+                received += self._move(step, [(dst, src, dst) for dst, src in fetch.items()], manifests, sends, copies)
                 if rank in pending:
                     api.load(state_dict, checkpoint_id=str(copies.copy_dir(step, rank)), no_dist=True, verify=verify,
                              allow_partial_load=allow_partial_load)
             except Exception as exc:  # noqa: BLE001 - exchanged below
                 error = exc
-            outcomes = self._gather(_text(error))
+            failed = self._failures(error)
             for r in list(pending):
-                if outcomes[r] is None:
+                if r not in failed:
                     pending.discard(r)
                     continue
                 attempt[r] += 1
                 where = f"replica on rank {sources[r][attempt[r]]}" if attempt[r] < len(sources[r]) else None
                 if rank == r:
                     logger.warning("local checkpoint tier: rank %d's copy of step %d (from rank %d) is not usable: "
-                                   "%s; %s", r, step, sources[r][attempt[r] - 1], outcomes[r],
+                                   "%s; %s", r, step, sources[r][attempt[r] - 1], failed[r],
                                    f"trying the {where}" if where else "no other copy")
                 if where is None:
                     return False

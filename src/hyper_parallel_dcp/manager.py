@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import numbers
 import os
 import signal
 import threading
@@ -30,26 +29,12 @@ from hyper_parallel_dcp.core.errors import (
 from hyper_parallel_dcp.core.stateful import expand_stateful
 
 from .local_tier import LocalTier
-from .retention import best_steps, incremental_plan, referenced_steps, steps_to_delete
+from .retention import best_steps, check_count, incremental_plan, referenced_steps, steps_to_delete
 from .step_storage import step_storage_for
 
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
-
-def _positive_or_none(name: str, value: Any) -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
-    return value
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    return int(step)
-
 
 def _check_metrics(metrics: Any) -> dict[str, Any]:
     """Plain JSON values (0-d tensors and numpy scalars become numbers); ``ValueError`` otherwise."""
@@ -80,12 +65,8 @@ def _load_outcome(error: Optional[BaseException]) -> Optional[tuple[bool, str]]:
         return None
     damaged = isinstance(error, (CorruptCheckpointError, CheckpointFormatError, OSError)) and not isinstance(
         error, TimeoutError)
-    if isinstance(error, CheckpointException):  # raised on every rank alike: say what failed where
-        text = describe_failures({r: e if isinstance(e, str) else f"{type(e).__name__}: {e}"
-                                  for r, e in error.failures.items()})
-    else:
-        text = f"{type(error).__name__}: {error}"
-    return damaged, text
+    # a CheckpointException is raised on every rank alike: say what failed where
+    return damaged, error.describe() if isinstance(error, CheckpointException) else f"{type(error).__name__}: {error}"
 
 
 class CheckpointManager:
@@ -107,13 +88,10 @@ class CheckpointManager:
                  keep_best: Optional[int] = None, best_metric: Optional[str] = None, best_mode: str = "min",
                  save_on_preemption: bool = False, local: Optional[LocalTier] = None,
                  incremental: bool = False, full_every: Optional[int] = None):
-        self.keep_last = _positive_or_none("keep_last", keep_last)
-        self.keep_every = _positive_or_none("keep_every", keep_every)
-        interval = _positive_or_none("save_interval_steps", save_interval_steps)
-        if interval is None:
-            raise ValueError("save_interval_steps must be an integer >= 1, got None")
-        self.save_interval_steps = interval
-        self.keep_best = _positive_or_none("keep_best", keep_best)
+        self.keep_last = check_count("keep_last", keep_last, optional=True)
+        self.keep_every = check_count("keep_every", keep_every, optional=True)
+        self.save_interval_steps: int = check_count("save_interval_steps", save_interval_steps)
+        self.keep_best = check_count("keep_best", keep_best, optional=True)
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
         if self.keep_best is not None and not (isinstance(best_metric, str) and best_metric):
@@ -125,7 +103,7 @@ class CheckpointManager:
             raise ValueError(f"local must be a LocalTier or None, got {type(local).__name__}")
         self.local = local
         self.incremental = bool(incremental)
-        self.full_every = _positive_or_none("full_every", full_every)
+        self.full_every = check_count("full_every", full_every, optional=True)
         self._references: dict[int, set[int]] = {}  # step -> steps it points into (incremental saves)
         if not isinstance(root, (str, os.PathLike)):
             raise ValueError(f"root must be a path or URL, got {type(root).__name__}")
@@ -160,7 +138,7 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> Optional[dict[str, Any]]:
         """The metrics saved with ``step`` (rank 0's ``save(metrics=...)``), ``None`` if none were stored."""
-        return _stored_metrics(self._steps.read_info(_check_step(step)))
+        return _stored_metrics(self._steps.read_info(check_count("step", step, low=0)))
 
     def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
              metrics: Optional[dict[str, Any]] = None) -> bool:
@@ -173,7 +151,7 @@ class CheckpointManager:
         :meth:`close`, and what ``save``/``async_save`` raise.
         """
         self._check_open()
-        step = _check_step(step)
+        step = check_count("step", step, low=0)
         dw = DistWrapper(None, use_dist=True)
         preempting = self.save_on_preemption and any(
             dw.all_gather("checkpoint manager: preemption check", lambda: self._signal_received))
@@ -353,7 +331,7 @@ class CheckpointManager:
 
     def location(self, step: int) -> str:
         """The ``checkpoint_id`` of ``step`` (``root/step_N``); ``ValueError`` for a bad step."""
-        return self._steps.location(_check_step(step))
+        return self._steps.location(check_count("step", step, low=0))
 
     def restore(self, state_dict: dict[str, Any], step: Optional[int] = None, *, verify: bool = True,
                 required: bool = False, **load_kwargs: Any) -> Optional[int]:
@@ -371,7 +349,7 @@ class CheckpointManager:
         ``ValueError`` for a bad ``step``.
         """
         self._check_open()
-        wanted = None if step is None else _check_step(step)
+        wanted = None if step is None else check_count("step", step, low=0)
         self.wait()
         if self.local is not None and wanted is None:
             restored = self.local.restore(state_dict, self.latest_step(), verify=verify,
@@ -405,11 +383,11 @@ class CheckpointManager:
                 if self.local is not None:
                     self.local.forget_after(chosen)
                 return chosen
+            texts = {r: text for r, (_, text) in failed.items()}
             if wanted is not None or not all(damaged for damaged, _ in failed.values()):
                 if error is not None:
                     raise error
-                raise CheckpointException(f"restore step {chosen}", {r: t for r, (_, t) in failed.items()})
-            texts = {r: text for r, (_, text) in failed.items()}
+                raise CheckpointException(f"restore step {chosen}", {**texts})
             if dw.is_coordinator:
                 logger.warning("checkpoint manager: step %d under %s is damaged, loading the next older step "
                                "instead: %s", chosen, self.root, next(iter(texts.values()))

@@ -2,11 +2,13 @@
 
 Kept: the newest ``keep_last``, multiples of ``keep_every``, the best ``keep_best``, the
 newest complete and every ``protected`` step, and every step a kept step points into
-(SPEC §14).  Everything else that is complete is deleted.
+(SPEC §14).  Everything else that is complete is deleted.  :func:`check_count` validates
+these counts and the other integer settings of a manager and its tiers.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -14,7 +16,17 @@ from hyper_parallel_dcp.core.backends import parse_step_name
 from hyper_parallel_dcp.core.metadata import referenced_checkpoint
 from hyper_parallel_dcp.storage_fs.metadata_io import load_checkpoint_metadata
 
-__all__ = ["best_steps", "incremental_plan", "referenced_steps", "steps_to_delete"]
+__all__ = ["best_steps", "check_count", "incremental_plan", "referenced_steps", "steps_to_delete"]
+
+
+def check_count(what: str, value: Any, low: int = 1, optional: bool = False) -> Any:
+    """``value`` as an ``int`` when it is an integer >= ``low`` (``optional``: or ``None``, kept);
+    ``ValueError`` naming ``what`` and ``value`` otherwise (a ``bool`` is no integer here)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{what} must be {'None or ' if optional else ''}an integer >= {low}, got {value!r}")
+    return int(value)
 
 
 def incremental_plan(earlier: Sequence[int], info_of: Callable[[int], Optional[dict[str, Any]]],

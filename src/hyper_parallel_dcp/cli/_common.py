@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
+from hyper_parallel_dcp.core.errors import format_bytes
+
 __all__ = ["CLEAN_GRACE_S", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "UsageError", "existing_dir", "format_bytes",
            "print_json", "print_table", "progress", "progress_bar"]
 
@@ -43,17 +45,6 @@ def existing_dir(path: str, what: str = "checkpoint") -> Any:
     if not p.is_dir():
         raise UsageError(f"{what} path {p} is not a directory")
     return p
-
-
-def format_bytes(n: float) -> str:
-    """A short human size: ``512 B``, ``1.50 KiB``, ``3.00 GiB``."""
-    if n < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        n /= 1024.0
-        if n < 1024 or unit == "PiB":
-            break
-    return f"{n:.2f} {unit}"
 
 
 def print_json(doc: Any) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,7 +26,7 @@ from hyper_parallel_dcp.core.layout import TensorShards, placement_boxes
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata, dtype_from_name
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem
-from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, assign_readers
+from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, assign_readers, target_layout
 from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
 from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, format_bytes, print_json, print_table, progress
@@ -276,21 +275,18 @@ def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) 
     once_plans = assign_readers(plans, metadata) if spec.world_size > 1 else plans
     count = _Bytes(metadata, problems)
     rank_loads = []
-    shard_bytes: list[Counter[Any]] = []
+    shard_bytes = []  # per rank: (fqn, offsets) -> bytes of each tensor shard it loads, as readers are weighed
     for rank, (plan, once) in enumerate(zip(plans, once_plans)):
         load = RankLoad(rank, spec.coordinate(rank), bytes_needed=sum(count.item_needed(it) for it in plan.items))
         load.bytes_read, load.files = count.read_by(plan, rank)
         load.read_once_bytes_read, load.read_once_files = count.read_by(once, rank)
-        shard_bytes.append(Counter())
-        for item in plan.items:
-            if item.type is LoadItemType.TENSOR:
-                shard_bytes[-1][item.dest_index] += count.item_needed(item)
+        shard_bytes.append({(fqn, offsets): n for fqn, offsets, n, _ in target_layout(plan, metadata)})
         rank_loads.append(load)
     groups: dict[tuple[Any, tuple[int, ...]], int] = {}
     for rank, once in enumerate(once_plans):
         assignment = once.planner_data
         for group in assignment.groups if isinstance(assignment, ReaderAssignment) else ():
-            nbytes = shard_bytes[group.source][group.dest_index]
+            nbytes = shard_bytes[group.source][group.dest_index.fqn, group.dest_index.offset or ()]
             if rank == group.source:
                 rank_loads[rank].broadcast_sent += nbytes
             else:

@@ -2,7 +2,8 @@
 
 Every error is an ``Exception`` subclass whose message names the FQN, file or rank
 concerned.  Several also derive from the built-in type a caller would naturally catch
-(``FileNotFoundError``, ``KeyError``, ``ValueError``).
+(``FileNotFoundError``, ``KeyError``, ``ValueError``).  The text helpers of messages
+(:func:`format_ranks`, :func:`format_bytes`) live here too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "UnsupportedPlacementError",
     "UnsupportedTensorError",
     "describe_failures",
+    "format_bytes",
     "format_ranks",
     "remote_error_class",
 ]
@@ -107,10 +109,14 @@ class CheckpointException(CheckpointError):
         self.phase = phase
         self.failures = failures
         super().__init__(f"checkpoint phase '{phase}' failed on rank(s) {format_ranks(failures)}:\n"
-                         + describe_failures(self._texts()))
+                         + self.describe())
 
     def _texts(self) -> dict[int, str]:
         return {rank: e if isinstance(e, str) else f"{type(e).__name__}: {e}" for rank, e in self.failures.items()}
+
+    def describe(self) -> str:
+        """What failed where, without the phase: :func:`describe_failures` of the failures."""
+        return describe_failures(self._texts())
 
     def __reduce__(self):  # picklable across processes (the async writer ships errors back)
         failures = self._texts()
@@ -134,6 +140,17 @@ def remote_error_class(original: type) -> type[CheckpointException]:
 
 def _rebuild_checkpoint_exception(original: type | None, phase: str, failures: dict) -> CheckpointException:
     return CheckpointException(phase, failures) if original is None else remote_error_class(original)(phase, failures)
+
+
+def format_bytes(n: float) -> str:
+    """A short human size in binary units: ``512 B``, ``1.50 KiB``, ``3.00 GiB``, up to ``PiB``."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024.0
+        if n < 1024 or unit == "PiB":
+            break
+    return f"{n:.2f} {unit}"
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

@@ -8,16 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+from hyper_parallel_dcp.core.errors import format_bytes
+
 __all__ = ["ConversionReport", "format_bytes", "progress_bar"]
-
-
-def format_bytes(n: float) -> str:
-    """``512 B``, ``1.50 KiB``, ... (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass

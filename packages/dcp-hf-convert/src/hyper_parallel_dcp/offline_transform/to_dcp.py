@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -21,6 +20,7 @@ from hyper_parallel_dcp.core.layout import is_tensor_leaf
 from hyper_parallel_dcp.core.pipeline import save_state_dict
 from hyper_parallel_dcp.core.planner import WriteItem, WriteItemType
 from hyper_parallel_dcp.core.standard_planner import StandardSavePlanner
+from hyper_parallel_dcp.storage_fs.posix import dont_need
 
 from .blocks import StagingBuffer
 from .hf_source import read_entry, scan_huggingface_checkpoint
@@ -33,13 +33,6 @@ __all__ = ["StreamingSavePlanner", "convert_full_checkpoint_to_dcp", "full_state
 logger = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
-_MADV_DONTNEED = 4
-_madvise: Any
-try:
-    _madvise = ctypes.CDLL(None, use_errno=True).madvise
-    _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-except (OSError, AttributeError):
-    _madvise = None
 
 
 def load_torch_checkpoint(path: PathLike) -> tuple[Any, bool]:
@@ -65,14 +58,9 @@ def _release_pages(tensor: torch.Tensor) -> None:
     """Drop the resident pages of a tensor viewing a *file mapping* (``MADV_DONTNEED``: a later
     access reads the file again); on ordinary memory it would zero data."""
     storage = tensor.untyped_storage()
-    start, nbytes = storage.data_ptr(), storage.nbytes()
-    if _madvise is None or nbytes == 0:
-        return
     # Outward to whole pages: the mapping spans the whole file, so the neighbouring
     # bytes are file pages too (clean, re-readable), never someone else's memory.
-    first = start - start % mmap.PAGESIZE
-    end = -(-(start + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
-    if _madvise(first, end - first, _MADV_DONTNEED) != 0:
+    if storage.nbytes() and not dont_need(storage.data_ptr(), storage.nbytes()):
         logger.debug("madvise(DONTNEED) failed with errno %d; pages stay resident", ctypes.get_errno())
 
 

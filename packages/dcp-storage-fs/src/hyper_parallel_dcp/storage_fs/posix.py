@@ -1,5 +1,5 @@
 """The project's operating-system calls beyond ``os`` (the one place for ``ctypes`` libc):
-mapping, :func:`exchange`, :func:`drop_cache`, :func:`malloc_trim` and the reads
+mapping, :func:`dont_need`, :func:`exchange`, :func:`drop_cache`, :func:`malloc_trim` and the reads
 (:func:`pread_exact`, :func:`readv_exact`); each answers ``None``/``False`` where lacking."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from hyper_parallel_dcp.core.errors import CorruptCheckpointError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MAPPING", "cached", "drop_cache", "exchange", "malloc_trim", "map_file", "populate_read", "pread_exact",
-           "readv_exact", "reserve", "tensor_bytes", "unmap"]
+__all__ = ["MAPPING", "cached", "dont_need", "drop_cache", "exchange", "malloc_trim", "map_file", "populate_read",
+           "pread_exact", "readv_exact", "reserve", "tensor_bytes", "unmap"]
 
 #: bytes per ``preadv`` call (Linux caps one call near 2 GiB)
 PREADV_MAX_BYTES = 1 << 30
@@ -25,7 +25,7 @@ IOV_MAX_BUFFERS = 512
 
 _PROT_NONE, _PROT_READ = 0, 1
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 1, 2, 0x10, 0x20, 0x4000
-_MADV_POPULATE_READ = 22  # Linux 5.14+
+_MADV_DONTNEED, _MADV_POPULATE_READ = 4, 22  # POPULATE_READ: Linux 5.14+
 _SYS_CACHESTAT = 451  # one number on every architecture (Linux 6.5+)
 _RENAME_EXCHANGE, _AT_FDCWD = 2, -100
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -94,6 +94,15 @@ def populate_read(addr: int, length: int) -> bool:
     """Map every page of ``[addr, addr + length)`` in one call (``MADV_POPULATE_READ``);
     ``False`` where refused (before Linux 5.14)."""
     return _madvise is not None and _madvise(addr, length, _MADV_POPULATE_READ) == 0
+
+
+def dont_need(addr: int, length: int) -> bool:
+    """Drop the resident pages of ``[addr, addr + length)``, widened to whole pages
+    (``MADV_DONTNEED``): only for a *file mapping*, which a later access reads again (on
+    ordinary memory it zeroes data); ``False`` where refused."""
+    first = addr - addr % _PAGE
+    end = -(-(addr + length) // _PAGE) * _PAGE
+    return _madvise is not None and _madvise(first, end - first, _MADV_DONTNEED) == 0
 
 
 def cached(fd: int, start: int, length: int) -> bool:
