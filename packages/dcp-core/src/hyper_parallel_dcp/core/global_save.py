@@ -1,4 +1,4 @@
-"""The coordinator's global save plan over columns (:func:`plan_global_columns`, :func:`check_disjoint`).
+"""The coordinator's global save plan over columns (:func:`plan_global_columns`).
 
 Every item is keyed by one int64 (its tensor's slot, then its offsets row-major over the global
 shape + 1): one stable sort gives the dedup groups and chunk order, a grid test per dim clears
@@ -29,7 +29,7 @@ from .plan_columns import ROW, Kind, WriteColumns
 from .planner import SavePlan, WriteItemType
 from .save_reference import build_metadata_items, dedup_items, raise_overlap
 
-__all__ = ["check_disjoint", "plan_global_columns"]
+__all__ = ["plan_global_columns"]
 
 _KEY_LIMIT = 1 << 62  # the keys of every tensor's offsets must fit an int64
 _TENSOR = WriteItemType.TENSOR.value
@@ -281,11 +281,3 @@ def _grid_suspects(kind: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> 
         suspects.update(of_row[:-1][pairs & (starts[:-1] + lengths[:-1] > starts[1:]) & ~same].tolist())
     return suspects
 
-
-def check_disjoint(fqn: str, offsets: Any, sizes: Any) -> None:
-    """Raise ``ValueError`` naming two overlapping chunks of ``fqn`` (rows of ``offsets`` and
-    ``sizes``, sorted by offsets); passes for pairwise disjoint chunks."""
-    offsets, sizes = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
-    count, ndim = offsets.shape
-    if count > 1 and (not ndim or _grid_suspects(np.zeros(count, dtype=np.int64), offsets, sizes)):
-        raise_overlap(fqn, ChunkTable(ndim, count, offsets.ravel().tolist(), sizes.ravel().tolist()))
