@@ -26,8 +26,9 @@ from hyper_parallel_dcp.benchmarks.report import evaluate_goals, nlogn_exponent,
 from hyper_parallel_dcp.benchmarks.state_dicts import dense_shapes, small_shapes
 from hyper_parallel_dcp.benchmarks.throttle import SharedBandwidth
 from hyper_parallel_dcp.core.chunks import ChunkBox
-from hyper_parallel_dcp.core.global_save import check_disjoint as _check_disjoint
-from hyper_parallel_dcp.core.metadata import ChunkStorageMetadata
+from hyper_parallel_dcp.core.metadata import ChunkStorageMetadata, MetadataIndex
+from hyper_parallel_dcp.core.planner import SavePlan, WriteItem, WriteItemType
+from hyper_parallel_dcp.core.save_planning import build_metadata
 
 
 def test_fit_exponent_recovers_power_laws():
@@ -102,10 +103,11 @@ def test_simulated_planning_matches_torch_chunk_counts():
         assert r["ours_global_load_s"] == sorted(samples)[1]
 
 
-def _columns(chunks):
-    """Offsets and sizes as the metadata build checks them: int64 rows sorted by offsets."""
-    chunks = sorted(chunks, key=lambda c: c.offsets)
-    return torch.tensor([c.offsets for c in chunks]), torch.tensor([c.sizes for c in chunks])
+def _check_disjoint(chunks, shape=(11, 11)):
+    """``build_metadata`` of one rank holding ``chunks`` of a tensor ``t``: what refuses overlaps."""
+    items = tuple(WriteItem(MetadataIndex("t", c.offsets), WriteItemType.TENSOR, c.sizes, shape, "float32",
+                            4 * math.prod(c.sizes)) for c in chunks)
+    build_metadata([SavePlan(items)])
 
 
 def _overlaps_brute(chunks):
@@ -122,17 +124,17 @@ def test_overlap_check_agrees_with_brute_force(raw):
         return  # build_metadata never sees two chunks at one offset (dedup merges them)
     if _overlaps_brute(chunks):
         with pytest.raises(ValueError, match="overlap"):
-            _check_disjoint("t", *_columns(chunks))
+            _check_disjoint(chunks)
     else:
-        _check_disjoint("t", *_columns(chunks))
+        _check_disjoint(chunks)
 
 
 def test_grid_tiling_is_accepted():
     chunks = [ChunkStorageMetadata((i * 4, j * 3), (4, 3)) for i in range(16) for j in range(16)]
-    _check_disjoint("t", *_columns(chunks))
+    _check_disjoint(chunks, (64, 48))
     chunks.append(ChunkStorageMetadata((5, 5), (1, 1)))
     with pytest.raises(ValueError, match="overlap"):
-        _check_disjoint("t", *_columns(chunks))
+        _check_disjoint(chunks, (64, 48))
 
 
 def test_shared_bandwidth_reserves_consecutive_slots(tmp_path):

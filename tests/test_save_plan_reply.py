@@ -1,8 +1,10 @@
-"""The plan step of a save answers a rank whose plan the global step kept with its save id
-alone, and a rank that lost items (dedup) with its full final plan; both load back exactly.
+"""The plan step of a save answers every rank with its final plan and a save id: a rank whose
+plan the global step kept gets back the items it sent, a rank that lost items (dedup) the
+cut of them; both load back exactly.
 
-Real gloo ranks; the object each rank receives from the coordinator's scatter is recorded
-by wrapping ``DistWrapper.scatter_object`` (the collective itself runs unchanged).
+Real gloo ranks; the plan each rank sends to the coordinator's gather and the one it receives
+from its scatter are recorded by wrapping ``DistWrapper.gather_object`` and
+``DistWrapper.scatter_object`` (the collectives themselves run unchanged).
 """
 
 from __future__ import annotations
@@ -42,21 +44,30 @@ def _save_and_load(rank: int, world_size: int, path: str, replicated: bool) -> d
     from hyper_parallel_dcp.core.planner import SavePlan
     from hyper_parallel_dcp.core.save_planning import StandardSavePlanner
 
+    sent: list[SavePlan] = []
     received: list[str] = []
-    original = collectives.DistWrapper.scatter_object
+    original_gather, original_scatter = collectives.DistWrapper.gather_object, collectives.DistWrapper.scatter_object
+
+    def sending(self, obj):  # type: ignore[no-untyped-def]
+        if isinstance(obj, SavePlan):
+            sent.append(obj)
+        return original_gather(self, obj)
 
     def recording(self, objs):  # type: ignore[no-untyped-def]
-        out = original(self, objs)
+        out = original_scatter(self, objs)
         _tag, value = out
-        received.append("plan" if isinstance(value, SavePlan) else type(value).__name__)
+        assert isinstance(value, SavePlan) and value.save_id is not None, value
+        received.append("kept" if tuple(value.items) == tuple(sent[-1].items) else "cut")
         return out
 
+    collectives.DistWrapper.gather_object = sending  # type: ignore[method-assign]
     collectives.DistWrapper.scatter_object = recording  # type: ignore[method-assign]
     try:
         StandardSavePlanner.clear_cache()
         metadata = hp.save(_state(world_size, replicated), checkpoint_id=path)
     finally:
-        collectives.DistWrapper.scatter_object = original  # type: ignore[method-assign]
+        collectives.DistWrapper.gather_object = original_gather  # type: ignore[method-assign]
+        collectives.DistWrapper.scatter_object = original_scatter  # type: ignore[method-assign]
     target = _state(world_size, replicated, empty=True)
     hp.load(target, checkpoint_id=path)
     reference = _state(world_size, replicated)
@@ -69,10 +80,10 @@ def _save_and_load(rank: int, world_size: int, path: str, replicated: bool) -> d
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_sharded_only_plans_come_back_as_save_ids(tmp_path, world_size: int) -> None:
+def test_sharded_only_plans_come_back_as_sent(tmp_path, world_size: int) -> None:
     results = run_distributed(_save_and_load, world_size, str(tmp_path / "ck"), False, timeout=180)
     for rank, out in enumerate(results):
-        assert out["received"] == ["_SameAsSent"], (rank, out)
+        assert out["received"] == ["kept"], (rank, out)
         assert out["equal"], rank
         assert out["keys"] == sorted(f"layer{i}.w" for i in range(6))
 
@@ -80,5 +91,5 @@ def test_sharded_only_plans_come_back_as_save_ids(tmp_path, world_size: int) -> 
 def test_a_rank_that_loses_items_gets_its_whole_plan(tmp_path) -> None:
     results = run_distributed(_save_and_load, 2, str(tmp_path / "ck"), True, timeout=180)
     # "norm" (64 bytes) is kept by exactly one rank: the other one's plan shrank
-    assert sorted(out["received"][0] for out in results) == ["_SameAsSent", "plan"], results
+    assert sorted(out["received"][0] for out in results) == ["cut", "kept"], results
     assert all(out["equal"] for out in results)

@@ -56,9 +56,9 @@ def test_every_phase_logs_one_line_per_rank_in_the_guide_format(tmp_path):
         assert save.count("build_global_plan") == save.count("finalize_checkpoint") == (1 if rank == 0 else 0)
         # the coordinator builds the metadata while every rank waits for its own fsyncs
         assert save.count("prepare_metadata") == (1 if rank == 0 else 0) and save.count("sync_written") == 1
-        # ... having built the tensors' part of it after its own write, before the results came
-        assert save.count("build_metadata") == (1 if rank == 0 else 0), (rank, save)
-        assert rank != 0 or save.index("execute_write") < save.index("build_metadata") < save.index(
+        # ... having built it in the global plan, before its own write, and attached the results after
+        assert save.count("build_global_plan") == (1 if rank == 0 else 0), (rank, save)
+        assert rank != 0 or save.index("build_global_plan") < save.index("execute_write") < save.index(
             "prepare_metadata"), save
         assert rank != 0 or save.index("prepare_metadata") < save.index("sync_written") < save.index(
             "finalize_checkpoint"), save

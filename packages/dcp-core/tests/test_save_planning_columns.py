@@ -137,7 +137,8 @@ def test_well_formed_plans_never_take_the_item_path(monkeypatch):
 
     plans = _grid_plans(8, 2)
     expected = dedup_items(plans)
-    monkeypatch.setattr(global_save, "plan_items", refuse)
+    monkeypatch.setattr(global_save, "dedup_items", refuse)
+    monkeypatch.setattr(global_save, "build_metadata_items", refuse)
     final, metadata = StandardSavePlanner().create_global_plan(plans)
     assert final == expected
     assert metadata_to_json(metadata) == metadata_to_json(build_metadata_items(final))
@@ -209,7 +210,8 @@ def _object_plans(digests: list[str]) -> list[SavePlan]:
 def test_objects_that_differ_under_one_key_are_kept_on_every_rank_equal_ones_once(monkeypatch):
     plans = _object_plans(["aa" * 8, "bb" * 8, "aa" * 8])
     reference, ref_md = dedup_items(plans), build_metadata_items(dedup_items(plans))
-    monkeypatch.setattr(global_save, "plan_items", lambda *_: pytest.fail("the item path ran"))
+    for name in ("dedup_items", "build_metadata_items"):
+        monkeypatch.setattr(global_save, name, lambda *_: pytest.fail("the item path ran"))
     final, md = StandardSavePlanner().create_global_plan(plans)
     assert final == reference
     kept = [[(it.index.fqn, it.digest) for it in plan.items if it.type is WriteItemType.BYTE_IO] for plan in final]

@@ -26,8 +26,6 @@ _CORE = {
     "hyper_parallel_dcp.core.storage": frozenset({"WriteResult"}),
     # a failure on one rank travels to the others as this plain record (strings only)
     "hyper_parallel_dcp.core.collectives": frozenset({"_Failure"}),
-    # the plan step's answer to a rank whose plan the global step kept as sent (a string)
-    "hyper_parallel_dcp.core.pipeline": frozenset({"_SameAsSent"}),
 }
 
 

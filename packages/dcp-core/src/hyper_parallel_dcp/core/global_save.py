@@ -1,8 +1,8 @@
-"""The coordinator's global save plan over columns (:func:`plan_global_columns`, :func:`check_disjoint`).
+"""The coordinator's global save plan over columns (:func:`plan_global_columns`).
 
 Every item is keyed by one int64 (its tensor's slot, then its offsets row-major over the global
 shape + 1): one stable sort gives the dedup groups and chunk order, a grid test per dim clears
-disjoint chunks.  What the keys cannot describe goes to ``save_reference.plan_items``.
+disjoint chunks.  What the keys cannot describe goes to :mod:`.save_reference`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from array import array
 from collections import Counter
 from dataclasses import replace
 from itertools import accumulate
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -27,9 +27,9 @@ from .metadata import (
 )
 from .plan_columns import ROW, Kind, WriteColumns
 from .planner import SavePlan, WriteItemType
-from .save_reference import dedup_items, plan_items, raise_overlap
+from .save_reference import build_metadata_items, dedup_items, raise_overlap
 
-__all__ = ["check_disjoint", "plan_global_columns"]
+__all__ = ["plan_global_columns"]
 
 _KEY_LIMIT = 1 << 62  # the keys of every tensor's offsets must fit an int64
 _TENSOR = WriteItemType.TENSOR.value
@@ -40,18 +40,17 @@ class _ItemByItem(Exception):
 
 
 def plan_global_columns(plans: Sequence[SavePlan], *, dedup: bool, save_to_minimum_rank: bool,
-                        metadata: bool = True) -> tuple[list[SavePlan], Optional[Callable[[], Metadata]]]:
-    """The plans after dedup (with ``dedup``) and, with ``metadata``, a function that builds their
-    metadata; returns and raises (now) what ``save_reference.plan_items`` does."""
+                        metadata: bool = True) -> tuple[list[SavePlan], Optional[Metadata]]:
+    """The plans after dedup (with ``dedup``) and, with ``metadata``, their metadata (else
+    ``None``); returns and raises what ``save_reference.dedup_items`` and
+    ``save_reference.build_metadata_items`` do."""
     columns = [WriteColumns.of(plan.items) for plan in plans]
     try:
         gathered = _Gathered(columns)
         keep = _dedup(gathered, save_to_minimum_rank) if dedup else None
     except _ItemByItem:
-        if not metadata:
-            return (dedup_items(plans, save_to_minimum_rank) if dedup else list(plans)), None
-        out, built = plan_items(plans, dedup, save_to_minimum_rank)
-        return out, lambda: built
+        out = dedup_items(plans, save_to_minimum_rank) if dedup else list(plans)
+        return out, build_metadata_items(out) if metadata else None
     out = list(plans) if keep is None else _kept_plans(plans, columns, gathered, keep)
     return out, _metadata(gathered, keep) if metadata else None
 
@@ -210,9 +209,9 @@ def _array(values: np.ndarray) -> array:
     return array("q", np.ascontiguousarray(values, dtype=np.int64).tobytes())
 
 
-def _metadata(g: _Gathered, keep: np.ndarray | None) -> Callable[[], Metadata]:
-    """The checks of :func:`build_metadata` on the kept items (every item when ``keep`` is
-    ``None``), made now; returns the function that builds the metadata."""
+def _metadata(g: _Gathered, keep: np.ndarray | None) -> Metadata:
+    """The metadata of the kept items (every item when ``keep`` is ``None``), checked as
+    ``save_reference.build_metadata_items`` checks them."""
     kept_sorted = g.order if keep is None else g.order[keep[g.order]]  # by kind, then offsets
     sorted_kind = g.kind[kept_sorted]
     block_starts = np.flatnonzero(np.concatenate(([True], sorted_kind[1:] != sorted_kind[:-1])))
@@ -256,16 +255,11 @@ def _metadata(g: _Gathered, keep: np.ndarray | None) -> Callable[[], Metadata]:
             raise_overlap(fqn, ChunkTable(ndim, count, all_offsets[span], all_sizes[span]))
 
     per_rank = [k[0] for k, differ in zip(g.kinds, g.per_rank.tolist()) if differ]
-
-    def build() -> Metadata:
-        return Metadata(state_dict_metadata={
-            fqn: BytesStorageMetadata() if ndim < 0 else
-            tensor_metadata_from_columns(fqn, properties, torch.Size(shape), count, ndim, offsets, sizes,
-                                         ascending=True)
-            for fqn, properties, shape, count, ndim, offsets, sizes in entries},
-            rank_objects={fqn: {} for fqn in per_rank})
-
-    return build
+    return Metadata(state_dict_metadata={
+        fqn: BytesStorageMetadata() if ndim < 0 else
+        tensor_metadata_from_columns(fqn, properties, torch.Size(shape), count, ndim, offsets, sizes, ascending=True)
+        for fqn, properties, shape, count, ndim, offsets, sizes in entries},
+        rank_objects={fqn: {} for fqn in per_rank})
 
 
 def _grid_suspects(kind: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> set[int]:
@@ -287,11 +281,3 @@ def _grid_suspects(kind: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> 
         suspects.update(of_row[:-1][pairs & (starts[:-1] + lengths[:-1] > starts[1:]) & ~same].tolist())
     return suspects
 
-
-def check_disjoint(fqn: str, offsets: Any, sizes: Any) -> None:
-    """Raise ``ValueError`` naming two overlapping chunks of ``fqn`` (rows of ``offsets`` and
-    ``sizes``, sorted by offsets); passes for pairwise disjoint chunks."""
-    offsets, sizes = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
-    count, ndim = offsets.shape
-    if count > 1 and (not ndim or _grid_suspects(np.zeros(count, dtype=np.int64), offsets, sizes)):
-        raise_overlap(fqn, ChunkTable(ndim, count, offsets.ravel().tolist(), sizes.ravel().tolist()))

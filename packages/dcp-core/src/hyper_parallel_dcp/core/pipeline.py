@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from operator import attrgetter
 from typing import Any, Callable, Optional
 
@@ -48,13 +48,6 @@ def process_rank(group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
-
-
-@dataclass(frozen=True)
-class _SameAsSent:
-    """The global step's answer for a rank whose plan it kept as sent: only the save id."""
-
-    save_id: str
 
 
 _RESULT_INDEX = attrgetter("index")
@@ -127,8 +120,7 @@ def save_state_dict(
 
 def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: SavePlanner, dw: DistWrapper,
           rank: int, world_size: int, is_coordinator: bool, use_collectives: bool) -> Metadata:
-    global_metadata: list[Optional[Metadata]] = [None]
-    build_metadata: list[Callable[[], Metadata]] = []  # on the coordinator, until prepare_step
+    global_metadata: list[Optional[Metadata]] = [None]  # the coordinator's, from the global step or the cache
     looked_up: list[Optional[tuple[SavePlan, Optional[Metadata]]]] = [None]
 
     def set_up_step() -> Optional[tuple[str, Any]]:
@@ -156,27 +148,19 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         uses = next(_cache_uses.setdefault(final_plan.save_id, itertools.count(1)))
         final_plan = replace(final_plan, save_id=f"{final_plan.save_id}-{uses}")
     else:
-        sent: list[SavePlan] = []
-
         def local_step() -> SavePlan:
             with phase("build_local_plan", rank):
-                sent.append(storage_writer.prepare_local_plan(planner.create_local_plan()))
-                return sent[0]
+                return storage_writer.prepare_local_plan(planner.create_local_plan())
 
-        def global_step(all_plans: list[SavePlan]) -> list[Any]:
+        def global_step(all_plans: list[SavePlan]) -> list[SavePlan]:
+            # torch's contract: the planner returns the final plans and the metadata; each
+            # rank gets its final plan back (``finish_plan`` takes the rank's own item objects)
             with phase("build_global_plan", rank):
-                plans, build = planner.create_global_plan_deferred(all_plans)
-                plans = storage_writer.prepare_global_plan(plans)
+                plans, global_metadata[0] = planner.create_global_plan(all_plans)
                 save_id = uuid.uuid4().hex[:16]
-                build_metadata.append(build)
-                # a plan left as it was goes back as its save id alone
-                return [_SameAsSent(save_id) if p is mine else replace(p, save_id=save_id)
-                        for p, mine in zip(plans, all_plans)]
+                return [replace(p, save_id=save_id) for p in storage_writer.prepare_global_plan(plans)]
 
-        central = dw.reduce_scatter("plan", local_step, global_step)
-        if isinstance(central, _SameAsSent):
-            central = replace(sent[0], save_id=central.save_id)
-        final_plan = planner.finish_plan(central)
+        final_plan = planner.finish_plan(dw.reduce_scatter("plan", local_step, global_step))
 
     own_results: list[list[WriteResult]] = []
 
@@ -187,9 +171,6 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
         if not is_coordinator:
             fault_point("save.commit", rank)
         elif dw.use_dist:
-            if global_metadata[0] is None:  # built while the other ranks still write
-                with phase("build_metadata", rank):
-                    global_metadata[0] = build_metadata[0]()
             # the coordinator's own results stay here (the gather would pickle them)
             own_results.append(results)
             return None
@@ -199,13 +180,10 @@ def _save(state_dict: dict[str, Any], storage_writer: StorageWriter, planner: Sa
     final_metadata: list[Metadata] = []
 
     def prepare_step(gathered: list[Optional[list[WriteResult]]]) -> Any:
-        all_results = [own_results[0] if r is None else r for r in gathered] if own_results else \
-            [r for r in gathered if r is not None]
+        all_results = [own_results[0] if r is None else r for r in gathered]  # None: the coordinator's own
         with phase("prepare_metadata", rank):
-            planned = global_metadata[0]
-            if planned is None:
-                planned = global_metadata[0] = build_metadata[0]()
-            metadata = attach_results(planned, all_results)
+            assert global_metadata[0] is not None
+            metadata = attach_results(global_metadata[0], all_results)
             storage_writer.prepare_finalize(metadata, all_results)
         gathered_results.append(all_results)
         final_metadata.append(metadata)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -131,13 +131,6 @@ class SavePlanner(abc.ABC):
     def object_bytes(self, write_item: WriteItem) -> bytes:
         """The stored bytes of a non-tensor item: ``torch.save`` of :meth:`resolve_data`."""
         return serialize_object(self.resolve_data(write_item))
-
-    def create_global_plan_deferred(self, all_plans: list[SavePlan]
-                                    ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
-        """:meth:`create_global_plan` with the metadata built by a function called while the
-        ranks write; planning errors are raised here, not by the function."""
-        plans, metadata = self.create_global_plan(all_plans)
-        return plans, lambda: metadata
 
     def lookup_cached_plan(self) -> Optional[tuple[SavePlan, Optional[Metadata]]]:
         """A cached ``(final plan, metadata)`` that lets the save skip planning, or ``None``."""

@@ -74,30 +74,31 @@ def dedup_save_plans(plans: Sequence[SavePlan], save_to_minimum_rank: bool = Fal
     far (largest first, ties → lowest rank), or the lowest with ``save_to_minimum_rank``.
     Differing object copies are each kept.  Raises ``ValueError`` naming the key and both ranks
     when two ranks hold different pieces at one key, and as :func:`build_metadata` does."""
-    return plan_global_columns(plans, dedup=True, save_to_minimum_rank=save_to_minimum_rank, metadata=False)[0]
+    return plan_global_save(plans, save_to_minimum_rank=save_to_minimum_rank, metadata=False)[0]
 
 
 def build_metadata(plans: Sequence[SavePlan]) -> Metadata:
     """The global metadata (without storage data) for deduplicated plans.  Raises ``ValueError``
     when ranks disagree on a key's kind, shape or dtype, or a tensor's chunks are malformed or overlap."""
-    return plan_global_save_deferred(plans, dedup=False)[1]()
+    metadata = plan_global_save(plans, dedup=False)[1]
+    assert metadata is not None
+    return metadata
 
 
 def plan_global_save(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_minimum_rank: bool = False,
                      metadata: bool = True) -> tuple[list[SavePlan], Optional[Metadata]]:
-    """The coordinator's save planning in one pass: :func:`dedup_save_plans` (with
-    ``dedup``), then :func:`build_metadata` of the result (with ``metadata``; else ``None``)."""
-    out, build = plan_global_columns(plans, dedup=dedup, save_to_minimum_rank=save_to_minimum_rank, metadata=metadata)
-    return out, None if build is None else build()
+    """The coordinator's save planning in one pass (:func:`.global_save.plan_global_columns`):
+    :func:`dedup_save_plans` (with ``dedup``), then :func:`build_metadata` of the result (with
+    ``metadata``; else ``None``)."""
+    return plan_global_columns(plans, dedup=dedup, save_to_minimum_rank=save_to_minimum_rank, metadata=metadata)
 
 
 def plan_global_save_deferred(plans: Sequence[SavePlan], *, dedup: bool = True, save_to_minimum_rank: bool = False
                               ) -> tuple[list[SavePlan], Callable[[], Metadata]]:
-    """:func:`plan_global_save` in two halves: the plans now (checked, errors raised here) and a
-    function that builds the metadata."""
-    out, build = plan_global_columns(plans, dedup=dedup, save_to_minimum_rank=save_to_minimum_rank)
-    assert build is not None
-    return out, build
+    """:func:`plan_global_save` with the metadata returned by a function (every error is raised here)."""
+    out, metadata = plan_global_save(plans, dedup=dedup, save_to_minimum_rank=save_to_minimum_rank)
+    assert metadata is not None
+    return out, lambda: metadata
 
 
 class StandardSavePlanner(SavePlanner):
@@ -199,9 +200,10 @@ class StandardSavePlanner(SavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with gc_paused():
-            plans, build = plan_global_save_deferred(all_plans, dedup=self.remove_redundancy and self.use_collectives,
-                                                     save_to_minimum_rank=self.save_to_minimum_rank)
-            return plans, build()
+            plans, metadata = plan_global_save(all_plans, dedup=self.remove_redundancy and self.use_collectives,
+                                               save_to_minimum_rank=self.save_to_minimum_rank)
+        assert metadata is not None
+        return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         local = self._local_plan

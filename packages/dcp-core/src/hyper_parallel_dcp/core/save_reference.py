@@ -1,6 +1,6 @@
 """The global save plan one ``WriteItem`` at a time: the reference :mod:`.global_save`'s
 columns must equal; it plans what the columns cannot describe and words every error.
-Exports :func:`plan_items`, :func:`dedup_items`, :func:`build_metadata_items`, :func:`raise_overlap`.
+Exports :func:`dedup_items`, :func:`build_metadata_items`, :func:`raise_overlap`.
 """
 
 from __future__ import annotations
@@ -23,13 +23,7 @@ from .metadata import (
 )
 from .planner import SavePlan, WriteItem, WriteItemType, order_key
 
-__all__ = ["build_metadata_items", "dedup_items", "plan_items", "raise_overlap"]
-
-
-def plan_items(plans: Sequence[SavePlan], dedup: bool, save_to_minimum_rank: bool) -> tuple[list[SavePlan], Metadata]:
-    """:func:`dedup_items` (with ``dedup``), then :func:`build_metadata_items` of the result."""
-    out = dedup_items(plans, save_to_minimum_rank) if dedup else list(plans)
-    return out, build_metadata_items(out)
+__all__ = ["build_metadata_items", "dedup_items", "raise_overlap"]
 
 
 def dedup_items(plans: Sequence[SavePlan], save_to_minimum_rank: bool = False) -> list[SavePlan]:
