@@ -34,6 +34,7 @@ from hyper_parallel_dcp.core.errors import (
 from hyper_parallel_dcp.core.metadata import Metadata, MetadataIndex, StorageInfo
 from hyper_parallel_dcp.core.planner import ReadItem
 
+from .compression import zstd_module
 from .files import RangeReader
 from .layout import METADATA_FILE
 from .metadata_io import StoredMetadata, check_region, storage_entry
@@ -245,37 +246,27 @@ class StoredTensor:
     size: tuple[int, ...]
 
 
-class _StorageRef:
-    def __init__(self, dtype: torch.dtype, key: str, numel: int) -> None:
-        self.dtype, self.key, self.numel = dtype, key, numel
-
-
-class _StorageType:
-    def __init__(self, name: str) -> None:
-        self.dtype = torch.storage._get_dtype_from_pickle_storage_type(name)
-
-
 def _rebuild(storage: Any, storage_offset: int, size: Any, stride: Any, *_rest: Any) -> tuple:
     return storage, storage_offset, tuple(size), tuple(stride)
 
 
 class _TensorPickleUnpickler(pickle.Unpickler):
-    """Reads a chunk archive's ``data.pkl`` as plain description of a dense tensor, or refuses."""
+    """Reads a chunk archive's ``data.pkl`` as plain description of a dense tensor,
+    ``((dtype, storage key, storage numel), storage offset, size, stride)``, or refuses."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild
         if module == "collections" and name == "OrderedDict":
             return collections.OrderedDict
-        if module == "torch" and name.endswith("Storage"):
-            return _StorageType(name)
+        if module == "torch" and name.endswith("Storage"):  # a storage type stands for its dtype
+            return torch.storage._get_dtype_from_pickle_storage_type(name)
         raise pickle.UnpicklingError(f"not a plain tensor: {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType)):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        return _StorageRef(pid[1].dtype, str(pid[2]), int(pid[4]))
+        return pid[1], str(pid[2]), int(pid[4])
 
 
 def locate_tensor(fd: int, start: int, length: int) -> Optional[StoredTensor]:
@@ -293,13 +284,13 @@ def locate_tensor(fd: int, start: int, length: int) -> Optional[StoredTensor]:
     if prefix + "byteorder" in names and zf.read(prefix + "byteorder") != b"little":
         return None
     try:
-        storage, storage_offset, size, stride = _TensorPickleUnpickler(io.BytesIO(zf.read(pkl))).load()
+        (dtype, key, numel), storage_offset, size, stride = _TensorPickleUnpickler(io.BytesIO(zf.read(pkl))).load()
     except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError):
         return None
-    if not isinstance(storage, _StorageRef) or not is_row_major(size, stride):
+    if not isinstance(dtype, torch.dtype) or not is_row_major(size, stride):
         return None
     try:
-        info = zf.getinfo(f"{prefix}data/{storage.key}")
+        info = zf.getinfo(f"{prefix}data/{key}")
     except KeyError:
         return None
     if info.compress_type != zipfile.ZIP_STORED:
@@ -309,10 +300,9 @@ def locate_tensor(fd: int, start: int, length: int) -> Optional[StoredTensor]:
         return None
     name_len, extra_len = struct.unpack("<HH", header[26:30])
     record = info.header_offset + 30 + name_len + extra_len
-    itemsize = storage.dtype.itemsize
-    if storage_offset + math.prod(size) > storage.numel or info.file_size < storage.numel * itemsize:
+    if storage_offset + math.prod(size) > numel or info.file_size < numel * dtype.itemsize:
         return None
-    return StoredTensor(start + record + storage_offset * itemsize, storage.dtype, size)
+    return StoredTensor(start + record + storage_offset * dtype.itemsize, dtype, size)
 
 
 def is_row_major(size: Sequence[int], stride: Sequence[int]) -> bool:
@@ -395,22 +385,19 @@ class TorchDCPReader(FileSystemReader):
         return fd
 
     def _item_bytes(self, index: MetadataIndex, info: StorageInfo) -> bytes:
-        """The item's stored bytes, stream transforms undone."""
+        """The item's stored bytes (counted in ``bytes_read``), stream transforms undone."""
         blob = os.pread(self._fd(info.relative_path), info.length, info.offset)
         where = f"{self._root() / info.relative_path}: {index.fqn!r}"
         if len(blob) != info.length:
             raise CorruptCheckpointError(f"{where} is truncated ({len(blob)} of {info.length} bytes)")
+        self.bytes_read += len(blob)
         for descriptor in reversed((self._transforms or {}).get(index, ())):
             name, _, version = descriptor.partition("/")
             if name != "stream.zstd" or version.partition(".")[0] != "1":
                 raise CheckpointFormatError(f"{where} uses the torch DCP extension {descriptor!r}, which "
                                             "hyper-parallel-dcp does not read (supported: stream.zstd/1)")
-            try:
-                import zstandard
-            except ImportError:
-                raise CheckpointFormatError(f"{where} is compressed with torch DCP's stream.zstd extension; install "
-                                            "the 'zstandard' package to read it") from None
-            blob = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)).read()
+            zstd = zstd_module(f"{where} (torch DCP's stream.zstd extension)")
+            blob = zstd.ZstdDecompressor().stream_reader(io.BytesIO(blob)).read()
         return blob
 
     def _location(self, index: MetadataIndex, info: StorageInfo) -> Optional[StoredTensor]:
@@ -438,7 +425,6 @@ class TorchDCPReader(FileSystemReader):
                                                loc.dtype, item.storage_offsets, item.lengths, dest)
             return
         blob = self._item_bytes(index, info)  # anything else (a strided chunk too): through torch.load
-        self.bytes_read += len(blob)
         try:
             stored = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - torch raises many types on bad input
@@ -452,6 +438,4 @@ class TorchDCPReader(FileSystemReader):
     def read_object_bytes(self, item: ReadItem) -> tuple[bytes, str]:
         index = item.storage_index
         info = storage_entry(self.metadata, index, self._root())
-        blob = self._item_bytes(index, info)
-        self.bytes_read += len(blob)
-        return blob, str(self._root() / info.relative_path)
+        return self._item_bytes(index, info), str(self._root() / info.relative_path)
