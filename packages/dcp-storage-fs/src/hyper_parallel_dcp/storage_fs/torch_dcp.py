@@ -166,8 +166,8 @@ def _checked_chunks(entry: Any, where: str) -> list[Any]:
 def _translate(metadata: Any, source: Optional[str]) -> tuple[schema.Metadata, _Transforms]:
     """``(metadata, transforms)`` of torch's ``Metadata``.  With ``source`` it was read from
     that file: every field is checked first, errors naming ``source`` and the key.  Without,
-    it is torch's own in-process object, taken as it is (the plugin's ``finish``: checking
-    its 8000 chunks took 9 ms, row ``plugin save``, small case)."""
+    it is torch's own in-process object, taken as it is (the plugin's ``finish``, row ``plugin
+    save``: checking there made a 2000-tensor, 4-chunk finish 15 ms instead of 6)."""
     sd: dict[str, schema.StorageMetadata] = {}
     bytes_type = _allowed()[f"{_DCP}.metadata", "BytesStorageMetadata"]
     for fqn, entry in metadata.state_dict_metadata.items():
