@@ -166,8 +166,9 @@ def _checked_chunks(entry: Any, where: str) -> list[Any]:
 def _translate(metadata: Any, source: Optional[str]) -> tuple[schema.Metadata, _Transforms]:
     """``(metadata, transforms)`` of torch's ``Metadata``.  With ``source`` it was read from
     that file: every field is checked first, errors naming ``source`` and the key.  Without,
-    it is torch's own in-process object, taken as it is (the plugin's ``finish``, row ``plugin
-    save``: checking there made a 2000-tensor, 4-chunk finish 15 ms instead of 6)."""
+    it is torch's own in-process object: its items are taken as they are, its storage entries
+    left out (the plugin's ``finish``, row ``plugin save``: checking there made a 2000-tensor,
+    4-chunk finish 15 ms instead of 6)."""
     sd: dict[str, schema.StorageMetadata] = {}
     bytes_type = _allowed()[f"{_DCP}.metadata", "BytesStorageMetadata"]
     for fqn, entry in metadata.state_dict_metadata.items():
@@ -183,7 +184,7 @@ def _translate(metadata: Any, source: Optional[str]) -> tuple[schema.Metadata, _
                                                torch.Size(entry.size), table)
     storage: dict[schema.MetadataIndex, schema.StorageInfo] = {}
     transforms: _Transforms = {}
-    for index, info in (metadata.storage_data or {}).items():  # a save plan's global metadata has none
+    for index, info in (metadata.storage_data or {}).items() if source is not None else ():
         fqn, offset, name = getattr(index, "fqn", None), getattr(index, "offset", None), getattr(info, "relative_path", None)
         key = schema.MetadataIndex(str(fqn), None if offset is None else _ints(offset, f"{source}: {fqn!r} offsets"))
         if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
@@ -199,7 +200,7 @@ def _translate(metadata: Any, source: Optional[str]) -> tuple[schema.Metadata, _
 
 def metadata_from_torch(metadata: Any) -> schema.Metadata:
     """torch's in-process ``Metadata`` (a save's global metadata) as ours: shapes, dtypes,
-    chunks, and the storage entries where it has them."""
+    chunks; no storage entries (the writer records its own)."""
     return _translate(metadata, None)[0]
 
 
