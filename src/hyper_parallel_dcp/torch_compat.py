@@ -42,6 +42,7 @@ from hyper_parallel_dcp.core.pipeline import attach_results
 from hyper_parallel_dcp.core.planner import LoadItemType, ReadItem, SavePlan, WriteItem, WriteItemType
 from hyper_parallel_dcp.core.storage import ReadDestination, WriteResult
 from hyper_parallel_dcp.storage_fs import FileSystemReader, FileSystemWriter, storage_reader_for_path
+from hyper_parallel_dcp.storage_fs.torch_dcp import metadata_from_torch, metadata_to_torch
 
 __all__ = ["CachedSavePlanner", "StorageReader", "StorageWriter", "load", "metadata_from_torch", "metadata_to_torch", "save"]
 
@@ -56,38 +57,6 @@ def _done(value: Any) -> Future:
 
 def _index(index: tmd.MetadataIndex) -> MetadataIndex:
     return MetadataIndex(index.fqn, None if index.offset is None else tuple(index.offset), index.index)
-
-
-def metadata_from_torch(metadata: tmd.Metadata) -> ours.Metadata:
-    """torch's global save metadata as ours (shapes, dtypes, chunks; no storage entries yet)."""
-    entries: dict[str, ours.StorageMetadata] = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, tmd.TensorStorageMetadata):
-            # as columns: the storage table and the JSON then take them as they are (a list of
-            # chunks was converted twice, 100 ms a pass for 2000 tensors, small case)
-            chunks = ours.ChunkTable(len(entry.size), len(entry.chunks),
-                                     [o for c in entry.chunks for o in c.offsets],
-                                     [n for c in entry.chunks for n in c.sizes])
-            entries[fqn] = ours.TensorStorageMetadata(ours.TensorProperties(entry.properties.dtype),
-                                                      torch.Size(entry.size), chunks)
-        else:
-            entries[fqn] = ours.BytesStorageMetadata()
-    return ours.Metadata(entries)
-
-
-def metadata_to_torch(metadata: ours.Metadata) -> tmd.Metadata:
-    """Our metadata as torch's planners read it (shapes, dtypes, chunks)."""
-    entries: dict[str, Any] = {}
-    size, chunk = torch.Size, tmd.ChunkStorageMetadata
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, ours.TensorStorageMetadata):
-            table = ours.ChunkTable.of(entry.chunks, len(entry.size))
-            chunks = [chunk(size(o), size(s)) for o, s in zip(table.offset_tuples(), table.size_tuples())]
-            entries[fqn] = tmd.TensorStorageMetadata(tmd.TensorProperties(dtype=entry.properties.dtype),
-                                                     size(entry.size), chunks)
-        else:
-            entries[fqn] = tmd.BytesStorageMetadata()
-    return tmd.Metadata(entries)
 
 
 def _write_item(item: tplan.WriteItem) -> WriteItem:

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Union
 
 import torch
 
+from hyper_parallel_dcp.core import metadata as schema
 from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.errors import UnsafeObjectError
 from hyper_parallel_dcp.core.flatten import torch_style_leaves
@@ -24,7 +25,7 @@ from hyper_parallel_dcp.core.metadata import BytesStorageMetadata, TensorStorage
 from hyper_parallel_dcp.core.objects import StoredObject
 from hyper_parallel_dcp.core.planner import WriteItem
 from hyper_parallel_dcp.storage_fs.atomic import write_file_atomic
-from hyper_parallel_dcp.storage_fs.torch_dcp import is_torch_dcp_checkpoint
+from hyper_parallel_dcp.storage_fs.torch_dcp import is_torch_dcp_checkpoint, metadata_to_torch
 
 from .blocks import CheckpointBlocks, StagingBuffer
 from .progress import ConversionReport, progress_bar
@@ -115,9 +116,6 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
     """Write the checkpoint at ``src`` (either format) as a torch DCP checkpoint at ``dst``,
     ``.metadata`` last (an interrupted conversion is not loadable); raises as
     :func:`convert_torch_dcp_to_dcp`."""
-    from torch.distributed.checkpoint import metadata as tm
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
     _check_batch(batch_bytes)
     source, buffer = CheckpointBlocks(src), StagingBuffer()
     out_dir = Path(dst)
@@ -126,8 +124,8 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
         if old.is_file() and old.name.endswith((".metadata", ".distcp", ".safetensors", ".bytes")):
             old.unlink()
     data_name = "__0_0.distcp"
-    sd: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
+    sd: dict[str, schema.StorageMetadata] = {}
+    storage: dict[schema.MetadataIndex, schema.StorageInfo] = {}
     report = ConversionReport(str(src), str(dst))
     with progress_bar(report, source.tensor_bytes(), "DCP -> torch DCP", progress) as advance, \
             open(out_dir / data_name, "wb") as f:
@@ -142,9 +140,9 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                         buf = io.BytesIO()
                         torch.save(value, buf)
                         blob = buf.getvalue()
-                    storage[tm.MetadataIndex(key)] = _StorageInfo(data_name, f.tell(), len(blob))
+                    storage[schema.MetadataIndex(key)] = schema.StorageInfo(data_name, f.tell(), len(blob))
                     f.write(blob)
-                    sd[key] = tm.BytesStorageMetadata()
+                    sd[key] = BytesStorageMetadata()
                 report.objects += 1
                 continue
             assert isinstance(md, TensorStorageMetadata)
@@ -153,19 +151,16 @@ def convert_dcp_to_torch_dcp(src: PathLike, dst: PathLike, *, batch_bytes: int =
                 block = _read_block(source, buffer, fqn, box)
                 start = f.tell()
                 torch.save(block, f)
-                storage[tm.MetadataIndex(fqn, torch.Size(box.offsets), i)] = _StorageInfo(data_name, start,
-                                                                                         f.tell() - start)
-                chunks.append(tm.ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.sizes)))
+                storage[schema.MetadataIndex(fqn, box.offsets, i)] = schema.StorageInfo(data_name, start, f.tell() - start)
+                chunks.append(schema.ChunkStorageMetadata(box.offsets, box.sizes))
                 advance(block.numel() * block.element_size())
-            sd[fqn] = tm.TensorStorageMetadata(tm.TensorProperties(dtype=md.properties.dtype), torch.Size(md.size),
-                                               chunks)
+            sd[fqn] = TensorStorageMetadata(md.properties, md.size, chunks)
             report.tensors += 1
         f.flush()
         if sync_files:
             os.fsync(f.fileno())
         size = f.tell()
-    metadata = tm.Metadata(state_dict_metadata=sd, planner_data={fqn: tuple(fqn.split(".")) for fqn in sd},
-                           storage_data=storage)
+    metadata = metadata_to_torch(schema.Metadata(sd, storage_data=storage), with_storage=True)
     write_file_atomic(out_dir / ".metadata", lambda f: pickle.dump(metadata, f), sync_files)
     report.files = [data_name, ".metadata"]
     logger.info("converted %s -> %s (torch DCP, %d bytes of data): %s", src, dst, size, report.summary())
