@@ -28,8 +28,8 @@ from hyper_parallel_dcp.core.reader_assignment import (
     ReaderAssignment,
     _pack,
     apply_assignment,
-    assign_reads,
     assign_readers,
+    assign_reads,
     read_layout,
 )
 from hyper_parallel_dcp.core.save_planning import build_metadata, create_local_save_plan

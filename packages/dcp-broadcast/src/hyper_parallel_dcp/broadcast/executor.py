@@ -6,11 +6,10 @@ tail is read last.  Exports :func:`make_read_executor`, :class:`BroadcastReadExe
 
 from __future__ import annotations
 
-import collections
+import functools
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from hyper_parallel_dcp.core.planner import LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD, fault_point, phase
 from hyper_parallel_dcp.core.storage import StorageReader, commit_read, read_items, resolve_destinations
 
-from .exchange import ChunkExchanges
+from .exchange import ChunkExchanges, Transfers
 from .groups import broadcast_groups_for_load
 from .prefetch import ReadAhead
 from .schedule import (
@@ -110,17 +109,6 @@ class _Reads:
         close = getattr(stream, "close", None)
         if close is not None:
             close()
-
-
-@dataclass
-class _InFlight:
-    """A launched broadcast; ``keep`` holds a sender's staging copy alive until it landed."""
-
-    work: Any
-    ranks: tuple[int, ...]
-    source: int
-    land: Optional[Callable[[], None]]
-    keep: Any = None
 
 
 class BroadcastReadExecutor:
@@ -215,28 +203,26 @@ class BroadcastReadExecutor:
     def _walk(self, steps: list, tasks: Sequence[ShardTask], shards: list[torch.Tensor], tail: Sequence[ReadItem],
               reads: _Reads, groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner) -> None:
         """Read and broadcast in step order, read the tail while the last are in flight, land them all."""
-        pending: collections.deque[_InFlight] = collections.deque()
+        pending = Transfers(self.max_in_flight, self._timeout)
         for step in steps:
             if isinstance(step, LaunchStep):
                 started = time.perf_counter()
-                while len(pending) >= self.max_in_flight:
-                    self._complete(pending.popleft())
-                pending.append(self._launch(step.op, tasks, shards, groups, me, planner))
+                pending.make_room()
+                self._launch(step.op, tasks, shards, groups, me, planner, pending)
                 self.stats.broadcast_seconds += time.perf_counter() - started
             elif tasks[step.index].source == me:
                 self.stats.shards_read_for_group += 1
                 reads.read(tasks[step.index].items)
         reads.read_tail(tail)  # nobody waits for these: they overlap the broadcasts in flight
         started = time.perf_counter()
-        while pending:
-            self._complete(pending.popleft())
+        pending.drain()
         # On an accelerator wait() only orders streams: finish before the groups go.
         for device in {t.device for t in shards if t.device.type not in ("cpu", "meta")}:
             torch.accelerator.synchronize(device)
         self.stats.broadcast_seconds += time.perf_counter() - started
 
     def _launch(self, op: BroadcastOp, tasks: Sequence[ShardTask], shards: list[torch.Tensor],
-                groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner) -> _InFlight:
+                groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner, pending: Transfers) -> None:
         group = groups.get(op.ranks)
         if group is None:
             raise RuntimeError(f"rank {me}: no process group for replica group {list(op.ranks)}")
@@ -257,13 +243,15 @@ class BroadcastReadExecutor:
         self.stats.broadcasts += 1
         self.stats.batched_broadcasts += int(op.batched)
         self.stats.bytes_broadcast += buffer.numel() * buffer.element_size()
+        fail = functools.partial(self._broadcast_error, op.ranks, op.source)
         try:
             # as bytes: every backend broadcasts those, whatever the dtype
             work = dist.broadcast(buffer.reshape(-1).view(torch.uint8), src=op.source, group=group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - a peer is gone: say which broadcast
-            raise self._broadcast_error(op.ranks, op.source, exc) from exc
+            raise fail(exc) from exc
         if not receiving:
-            return _InFlight(work, op.ranks, op.source, None, keep=buffer)
+            pending.add(work, fail, keep=buffer)
+            return
         items = [it for i in op.shards for it in tasks[i].items]
 
         def land() -> None:
@@ -274,15 +262,7 @@ class BroadcastReadExecutor:
             for it in items:
                 planner.commit_tensor(it, planner.resolve_tensor(it))
 
-        return _InFlight(work, op.ranks, op.source, land)
-
-    def _complete(self, entry: _InFlight) -> None:
-        try:
-            entry.work.wait(timedelta(seconds=self._timeout))  # 0: c10d's "no timeout"
-        except Exception as exc:  # noqa: BLE001 - gloo: peer closed / timed out
-            raise self._broadcast_error(entry.ranks, entry.source, exc) from exc
-        if entry.land is not None:
-            entry.land()
+        pending.add(work, fail, land)
 
     def _broadcast_error(self, ranks: tuple[int, ...], source: int, exc: BaseException) -> CheckpointTimeoutError:
         me = dist.get_rank()
