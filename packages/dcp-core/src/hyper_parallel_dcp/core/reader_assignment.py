@@ -26,7 +26,7 @@ from .planner import LoadItemType, LoadPlan, ReadItem, order_key
 
 __all__ = ["AssignmentReply", "ChunkExchange", "ExchangeReply", "ReadLayout", "ReaderAssignment", "ReplicaGroup",
            "Reply", "SplitReads", "TargetLayout", "apply_assignment", "assign_reads", "assign_readers",
-           "exchanged_reads", "read_layout"]
+           "assignment_of", "exchanged_reads", "read_layout"]
 
 RankTuple = tuple[int, ...]
 # A rank tuple on the wire: a range when its ranks step evenly (every device-mesh group),
@@ -68,7 +68,7 @@ class SplitReads:
 
 
 _CHUNK, _ROW_BYTES, _DEST, _ITEM = range(4)  # the columns of SplitReads.table before the boxes
-#: a rank's answer (:func:`assign_chunk_exchanges`): per row of its :class:`SplitReads`, ``[reader
+#: a rank's chunk exchanges (:func:`assign_reads`): per row of its :class:`SplitReads`, ``[reader
 #: (-1: read as planned), first row, rows]`` of the chunk; then the pieces of the chunks it reads,
 #: ``[chunk, rank, offsets..., lengths...]`` rows sorted (int64 arrays both)
 ExchangeReply = tuple[np.ndarray, np.ndarray]
@@ -125,7 +125,7 @@ def read_layout(plan: LoadPlan, metadata: Metadata) -> ReadLayout:
     and its :class:`SplitReads` (the reads not contiguous in their stored chunk, which a chunk
     exchange may serve from one contiguous read of the chunk)."""
     sd = metadata.state_dict_metadata
-    chunks_of = _ChunksOf(sd, places=True)
+    chunks_of = _ChunksOf(sd)
     contiguous = _contiguity()
     requests: dict[MetadataIndex, list] = {}  # per shard: [its elements, then its read requests]
     dest_of: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -287,34 +287,32 @@ def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int,
 
 
 class _ChunksOf(dict):
-    """Per tensor FQN (on first use): its chunks' sizes, its dtype and (with
-    ``places``) the chunks' places in the global order of every stored chunk: FQNs in key
-    order, each FQN's chunks by offsets (:func:`order_key`'s order, the same on every rank)."""
+    """Per tensor FQN (on first use): its chunks' sizes, its dtype and the chunks' places in
+    the global order of every stored chunk: FQNs in key order, each FQN's chunks by offsets
+    (:func:`order_key`'s order, the same on every rank)."""
 
-    def __init__(self, sd: dict[str, Any], places: bool) -> None:
+    def __init__(self, sd: dict[str, Any]) -> None:
         super().__init__()
         self.sd = sd
-        self.first: Optional[dict[str, int]] = None if places else {}
+        self.first: Optional[dict[str, int]] = None
 
     def __missing__(self, fqn: str) -> tuple[list[tuple[int, ...]], Any, list[int]]:
         md = self.sd[fqn]
         chunks = md.chunks
         table = isinstance(chunks, ChunkTable)
         sizes = chunks.size_tuples() if table else [tuple(c.sizes) for c in chunks]
-        places: list[int] = []
         if self.first is None:
             self.first, n = {}, 0
             for name in sorted((f for f, m in self.sd.items() if isinstance(m, TensorStorageMetadata)),
                                key=lambda f: chunk_key(f, ())):
                 self.first[name] = n
                 n += len(self.sd[name].chunks)
-        if self.first:
-            first = self.first[fqn]
-            places = list(range(first, first + len(sizes)))
-            if not (table and chunks.ascending):
-                offsets = [tuple(c.offsets) for c in chunks]
-                for k, j in enumerate(sorted(range(len(offsets)), key=offsets.__getitem__), first):
-                    places[j] = k
+        first = self.first[fqn]
+        places = list(range(first, first + len(sizes)))
+        if not (table and chunks.ascending):
+            offsets = [tuple(c.offsets) for c in chunks]
+            for k, j in enumerate(sorted(range(len(offsets)), key=offsets.__getitem__), first):
+                places[j] = k
         found = self[fqn] = (sizes, md.properties.dtype, places)
         return found
 
@@ -443,7 +441,7 @@ def _exchanges(items: list[ReadItem], metadata: Metadata, splits: SplitReads,
     width = (pieces.shape[1] - 2) // 2
     starts = np.searchsorted(pieces[:, 0], places).tolist()
     ends = np.searchsorted(pieces[:, 0], places, side="right").tolist()
-    chunks_of = _ChunksOf(metadata.state_dict_metadata, places=False)
+    chunks_of = _ChunksOf(metadata.state_dict_metadata)
     out = []
     for (reader, first, count), position, start, end in zip(per_row[rows].tolist(), splits.table[rows, _ITEM].tolist(),
                                                             starts, ends):
@@ -472,9 +470,15 @@ def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata, exchange: 
             for r, (p, (_, s), reply) in enumerate(zip(all_plans, layouts, replies))]
 
 
+def assignment_of(plan: LoadPlan) -> ReaderAssignment:
+    """The :class:`ReaderAssignment` of ``plan`` (an empty one when it has none)."""
+    data = plan.planner_data
+    return data if isinstance(data, ReaderAssignment) else ReaderAssignment()
+
+
 def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkExchange]]]:
     """Every item of ``plan`` with the :class:`ChunkExchange` that serves it (``None``: read as planned)."""
-    data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
+    data = assignment_of(plan)
     of_chunk = {(x.storage_index.fqn, x.storage_index.offset): x for x in data.exchanges}
     grouped = {group.dest_index for group in data.groups}
     contiguous = _contiguity()
