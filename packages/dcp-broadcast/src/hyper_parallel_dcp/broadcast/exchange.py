@@ -15,7 +15,7 @@ copy, and every piece is one ``as_strided`` view, not a narrow per dimension (20
 tensors, 4 ranks, no transport: packing and filling 1354 → 801 ms of CPU).  From the page
 cache it does not pay (gloo is slower than the copy), so ``HP_DCP_CHUNK_EXCHANGE=auto``
 leaves it off there.
-Exports :class:`ChunkExchanges`, and :class:`Transfers`, which the broadcasts share.
+Exports :class:`ChunkExchanges`, and :func:`wait`, which the broadcasts share.
 
 No deadlock: every rank posts all its receives before it sends anything (its reads begin
 first, on a thread), and waits for them only after its own sends and broadcasts are launched.
@@ -44,7 +44,7 @@ from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader
 from .prefetch import ReadAhead
 from .schedule import ExchangeMessage, assignment_of, exchange_messages
 
-__all__ = ["ChunkExchanges", "Transfers", "wait"]
+__all__ = ["ChunkExchanges", "wait"]
 
 #: bytes of runs the read-ahead thread may hold ahead of the packing and sending
 _AHEAD_BYTES = 32 << 20
@@ -58,35 +58,7 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 _PieceKey = tuple[int, tuple[int, ...], tuple[int, ...]]  # (exchange position, storage_offsets, lengths)
 
 
-class Transfers:
-    """Launched transfers (broadcasts, sends), waited for in launch order by :meth:`wait_oldest`
-    (``limit`` outstanding at most: :meth:`make_room` before a launch) with :func:`wait`, each
-    then its ``land``; ``keep``: a sender's buffer, alive until its transfer is done."""
-
-    def __init__(self, limit: int, timeout: float) -> None:
-        self.limit, self.timeout = limit, timeout
-        self.pending: collections.deque = collections.deque()
-
-    def add(self, work: Any, fail: Callable[[BaseException], BaseException],
-            land: Optional[Callable[[], None]] = None, keep: Any = None) -> None:
-        self.pending.append((work, fail, land, keep))
-
-    def make_room(self) -> None:
-        while len(self.pending) >= self.limit:
-            self.wait_oldest()
-
-    def wait_oldest(self) -> None:
-        work, fail, land, _ = self.pending.popleft()
-        wait(work, self.timeout, fail)
-        if land is not None:
-            land()
-
-    def drain(self) -> None:
-        while self.pending:
-            self.wait_oldest()
-
-
-def wait(work: Any, timeout: float, fail: Callable[[BaseException], BaseException]) -> None:
+def wait(work: Any, fail: Callable[[BaseException], BaseException], timeout: float) -> None:
     """``work.wait`` within ``timeout`` seconds (0: c10d's "no timeout"); a failure raised as
     ``fail(exc)`` (a :class:`CheckpointTimeoutError` naming the peers)."""
     try:
@@ -166,7 +138,8 @@ class ChunkExchanges:
         self._batch_bytes = min(batch_bytes, _MESSAGE_BYTES)
         self._posted: list[tuple[ExchangeMessage, torch.Tensor, Any]] = []
         self._landed = 0  # receives filled in so far
-        self._sending = Transfers(max_in_flight, timeout)
+        self._sending: collections.deque = collections.deque()  # (work, its failure, buffer)
+        self._max_in_flight = max_in_flight
 
     def _split(self, plan: LoadPlan) -> None:
         """The pieces this rank receives, the plan's other items (``self.plan``), the messages
@@ -317,10 +290,11 @@ class ChunkExchanges:
             yield reads[-1].item, group
 
     def _send(self, message: ExchangeMessage, buffer: torch.Tensor) -> None:
-        self._sending.make_room()
+        while len(self._sending) >= self._max_in_flight:
+            wait(*self._sending.popleft()[:2], self.timeout)
         self.bytes_sent += message.nbytes
-        self._sending.add(dist.isend(buffer, dst=message.peer, tag=message.tag),
-                          functools.partial(self._failed, f"to rank {message.peer}", message.peer), keep=buffer)
+        self._sending.append((dist.isend(buffer, dst=message.peer, tag=message.tag),
+                              functools.partial(self._failed, f"to rank {message.peer}", message.peer), buffer))
 
     def _failed(self, way: str, peer: int, exc: BaseException) -> CheckpointTimeoutError:
         return CheckpointTimeoutError(
@@ -336,7 +310,7 @@ class ChunkExchanges:
             if not block and not work.is_completed():
                 return
             self._landed += 1
-            wait(work, self.timeout, functools.partial(self._failed, f"from rank {message.peer}", message.peer))
+            wait(work, functools.partial(self._failed, f"from rank {message.peer}", message.peer), self.timeout)
             if self.error is not None:
                 continue
             try:
@@ -359,7 +333,8 @@ class ChunkExchanges:
     def finish(self) -> Optional[BaseException]:
         """Wait for the sends, then for each receive, filling its pieces in; the first error."""
         try:
-            self._sending.drain()
+            while self._sending:
+                wait(*self._sending.popleft()[:2], self.timeout)
             self._land_arrived(block=True)
         except CheckpointTimeoutError as exc:
             return exc

@@ -6,6 +6,7 @@ tail is read last.  Exports :func:`make_read_executor`, :class:`BroadcastReadExe
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from hyper_parallel_dcp.core.planner import LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD, fault_point, phase
 from hyper_parallel_dcp.core.storage import StorageReader, commit_read, read_items, resolve_destinations
 
-from .exchange import ChunkExchanges, Transfers
+from .exchange import ChunkExchanges, wait
 from .groups import broadcast_groups_for_load
 from .prefetch import ReadAhead
 from .schedule import (
@@ -203,26 +204,28 @@ class BroadcastReadExecutor:
     def _walk(self, steps: list, tasks: Sequence[ShardTask], shards: list[torch.Tensor], tail: Sequence[ReadItem],
               reads: _Reads, groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner) -> None:
         """Read and broadcast in step order, read the tail while the last are in flight, land them all."""
-        pending = Transfers(self.max_in_flight, self._timeout)
+        pending: collections.deque = collections.deque()  # (work, its failure, land or None, buffer)
         for step in steps:
             if isinstance(step, LaunchStep):
                 started = time.perf_counter()
-                pending.make_room()
-                self._launch(step.op, tasks, shards, groups, me, planner, pending)
+                while len(pending) >= self.max_in_flight:
+                    self._complete(pending.popleft())
+                pending.append(self._launch(step.op, tasks, shards, groups, me, planner))
                 self.stats.broadcast_seconds += time.perf_counter() - started
             elif tasks[step.index].source == me:
                 self.stats.shards_read_for_group += 1
                 reads.read(tasks[step.index].items)
         reads.read_tail(tail)  # nobody waits for these: they overlap the broadcasts in flight
         started = time.perf_counter()
-        pending.drain()
+        while pending:
+            self._complete(pending.popleft())
         # On an accelerator wait() only orders streams: finish before the groups go.
         for device in {t.device for t in shards if t.device.type not in ("cpu", "meta")}:
             torch.accelerator.synchronize(device)
         self.stats.broadcast_seconds += time.perf_counter() - started
 
     def _launch(self, op: BroadcastOp, tasks: Sequence[ShardTask], shards: list[torch.Tensor],
-                groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner, pending: Transfers) -> None:
+                groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner) -> tuple:
         group = groups.get(op.ranks)
         if group is None:
             raise RuntimeError(f"rank {me}: no process group for replica group {list(op.ranks)}")
@@ -250,8 +253,7 @@ class BroadcastReadExecutor:
         except Exception as exc:  # noqa: BLE001 - a peer is gone: say which broadcast
             raise fail(exc) from exc
         if not receiving:
-            pending.add(work, fail, keep=buffer)
-            return
+            return work, fail, None, buffer  # the staging copy lives until the broadcast landed
         items = [it for i in op.shards for it in tasks[i].items]
 
         def land() -> None:
@@ -262,7 +264,13 @@ class BroadcastReadExecutor:
             for it in items:
                 planner.commit_tensor(it, planner.resolve_tensor(it))
 
-        pending.add(work, fail, land)
+        return work, fail, land, buffer
+
+    def _complete(self, entry: tuple) -> None:
+        work, fail, land, _ = entry
+        wait(work, fail, self._timeout)
+        if land is not None:
+            land()
 
     def _broadcast_error(self, ranks: tuple[int, ...], source: int, exc: BaseException) -> CheckpointTimeoutError:
         me = dist.get_rank()
