@@ -125,7 +125,7 @@ def read_layout(plan: LoadPlan, metadata: Metadata) -> ReadLayout:
     and its :class:`SplitReads` (the reads not contiguous in their stored chunk, which a chunk
     exchange may serve from one contiguous read of the chunk)."""
     sd = metadata.state_dict_metadata
-    chunks_of = _ChunksOf(sd)
+    chunks_of = _ChunksOf(sd, places=True)
     contiguous = _contiguity()
     requests: dict[MetadataIndex, list] = {}  # per shard: [its elements, then its read requests]
     dest_of: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -287,32 +287,34 @@ def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int,
 
 
 class _ChunksOf(dict):
-    """Per tensor FQN (on first use): its chunks' sizes, its dtype and the chunks' places in
-    the global order of every stored chunk: FQNs in key order, each FQN's chunks by offsets
-    (:func:`order_key`'s order, the same on every rank)."""
+    """Per tensor FQN (on first use): its chunks' sizes, its dtype and (with
+    ``places``) the chunks' places in the global order of every stored chunk: FQNs in key
+    order, each FQN's chunks by offsets (:func:`order_key`'s order, the same on every rank)."""
 
-    def __init__(self, sd: dict[str, Any]) -> None:
+    def __init__(self, sd: dict[str, Any], places: bool) -> None:
         super().__init__()
         self.sd = sd
-        self.first: Optional[dict[str, int]] = None
+        self.first: Optional[dict[str, int]] = None if places else {}
 
     def __missing__(self, fqn: str) -> tuple[list[tuple[int, ...]], Any, list[int]]:
         md = self.sd[fqn]
         chunks = md.chunks
         table = isinstance(chunks, ChunkTable)
         sizes = chunks.size_tuples() if table else [tuple(c.sizes) for c in chunks]
+        places: list[int] = []
         if self.first is None:
             self.first, n = {}, 0
             for name in sorted((f for f, m in self.sd.items() if isinstance(m, TensorStorageMetadata)),
                                key=lambda f: chunk_key(f, ())):
                 self.first[name] = n
                 n += len(self.sd[name].chunks)
-        first = self.first[fqn]
-        places = list(range(first, first + len(sizes)))
-        if not (table and chunks.ascending):
-            offsets = [tuple(c.offsets) for c in chunks]
-            for k, j in enumerate(sorted(range(len(offsets)), key=offsets.__getitem__), first):
-                places[j] = k
+        if self.first:
+            first = self.first[fqn]
+            places = list(range(first, first + len(sizes)))
+            if not (table and chunks.ascending):
+                offsets = [tuple(c.offsets) for c in chunks]
+                for k, j in enumerate(sorted(range(len(offsets)), key=offsets.__getitem__), first):
+                    places[j] = k
         found = self[fqn] = (sizes, md.properties.dtype, places)
         return found
 
@@ -441,7 +443,7 @@ def _exchanges(items: list[ReadItem], metadata: Metadata, splits: SplitReads,
     width = (pieces.shape[1] - 2) // 2
     starts = np.searchsorted(pieces[:, 0], places).tolist()
     ends = np.searchsorted(pieces[:, 0], places, side="right").tolist()
-    chunks_of = _ChunksOf(metadata.state_dict_metadata)
+    chunks_of = _ChunksOf(metadata.state_dict_metadata, places=False)
     out = []
     for (reader, first, count), position, start, end in zip(per_row[rows].tolist(), splits.table[rows, _ITEM].tolist(),
                                                             starts, ends):
