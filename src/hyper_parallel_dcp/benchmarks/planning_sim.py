@@ -363,9 +363,9 @@ def _simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load
     row["ours_global_load_samples_s"] = samples
     sent, received, own = [], [], []
     for rank in sample:
-        plan, layout = local_plans[rank]
-        final = apply_assignment(plan, metadata, layout[1], replies[rank], rank)
-        sent.append(len(pickle.dumps(layout[0])))
+        plan, (targets, splits) = local_plans[rank]
+        final = apply_assignment(plan, metadata, splits, replies[rank], rank)
+        sent.append(len(pickle.dumps(targets)))
         received.append(len(pickle.dumps(("ok", replies[rank]))))
         own.append(len(pickle.dumps(final)))
     row["ours_load_rank_sent_bytes"] = max(sent)

@@ -291,10 +291,14 @@ class ChunkExchanges:
 
     def _send(self, message: ExchangeMessage, buffer: torch.Tensor) -> None:
         while len(self._sending) >= self._max_in_flight:
-            wait(*self._sending.popleft()[:2], self.timeout)
+            self._wait_sent()
         self.bytes_sent += message.nbytes
         self._sending.append((dist.isend(buffer, dst=message.peer, tag=message.tag),
                               functools.partial(self._failed, f"to rank {message.peer}", message.peer), buffer))
+
+    def _wait_sent(self) -> None:
+        work, fail, _ = self._sending.popleft()
+        wait(work, fail, self.timeout)
 
     def _failed(self, way: str, peer: int, exc: BaseException) -> CheckpointTimeoutError:
         return CheckpointTimeoutError(
@@ -334,7 +338,7 @@ class ChunkExchanges:
         """Wait for the sends, then for each receive, filling its pieces in; the first error."""
         try:
             while self._sending:
-                wait(*self._sending.popleft()[:2], self.timeout)
+                self._wait_sent()
             self._land_arrived(block=True)
         except CheckpointTimeoutError as exc:
             return exc
