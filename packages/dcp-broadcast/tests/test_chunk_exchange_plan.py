@@ -14,11 +14,12 @@ from hyper_parallel_dcp.core.chunks import ChunkBox
 from hyper_parallel_dcp.core.layout import TensorShards
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.reader_assignment import (
+    ReaderAssignment,
     SplitReads,
-    apply_chunk_exchanges,
-    assign_chunk_exchanges,
+    apply_assignment,
+    assign_reads,
     exchanged_reads,
-    split_reads,
+    read_layout,
 )
 from hyper_parallel_dcp.core.save_planning import build_metadata, create_local_save_plan
 
@@ -49,9 +50,9 @@ def _plans(shapes: dict, save_world: int, load_world: int):
 def test_every_chunk_is_read_once_by_a_member_and_the_pairs_agree(save_world: int, load_world: int) -> None:
     shapes = {"a": (12, 10), "b": (7, 9), "c": (16, 4)}
     plans, metadata = _plans(shapes, save_world, load_world)
-    splits = [split_reads(p, metadata) for p in plans]
-    replies = assign_chunk_exchanges(splits)
-    finals = [apply_chunk_exchanges(p, metadata, s, a) for p, s, a in zip(plans, splits, replies)]
+    splits = [read_layout(p, metadata)[1] for p in plans]
+    replies = assign_reads([()] * load_world, splits)
+    finals = [apply_assignment(p, metadata, s, a, r) for r, (p, s, a) in enumerate(zip(plans, splits, replies))]
     answers = [f.planner_data.exchanges for f in finals]
     readers = {}
     for rank, (final, x) in enumerate(zip(finals, answers)):
@@ -97,9 +98,11 @@ def test_every_chunk_is_read_once_by_a_member_and_the_pairs_agree(save_world: in
 
 def test_a_chunk_only_one_rank_needs_slices_of_is_left_alone() -> None:
     plans, metadata = _plans({"a": (8, 6)}, 2, 2)
-    splits = [split_reads(p, metadata) for p in plans]
+    splits = [read_layout(p, metadata)[1] for p in plans]
     assert all(splits)
     alone = [splits[0], SplitReads(np.zeros((0, 4), dtype=np.int64))]
-    replies = assign_chunk_exchanges(alone)
-    assert all((per_row[:, 0] == -1).all() and not len(pieces) for per_row, pieces in replies)
-    assert [apply_chunk_exchanges(p, metadata, s, a) for p, s, a in zip(plans, alone, replies)] == plans
+    replies = assign_reads([(), ()], alone)
+    assert all((per_row[:, 0] == -1).all() and not len(pieces) for _, (per_row, pieces) in replies)
+    finals = [apply_assignment(p, metadata, s, a, r) for r, (p, s, a) in enumerate(zip(plans, alone, replies))]
+    assert [f.items for f in finals] == [p.items for p in plans]
+    assert all(f.planner_data == ReaderAssignment() for f in finals)

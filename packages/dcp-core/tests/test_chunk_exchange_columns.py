@@ -2,7 +2,7 @@
 
 The reference below plans the exchanges as the per-piece version did (a set of ``(rank,
 storage_offsets, lengths)`` per chunk, sorted tuples, readers largest first); the columns
-version (:func:`split_reads` → :func:`assign_chunk_exchanges` → :func:`apply_chunk_exchanges`)
+version (:func:`read_layout` → :func:`assign_reads` → :func:`apply_assignment`)
 must give every rank the same exchanges (chunk, shape, rows, reader, pieces) and the same
 final items, replica groups left out as before.
 """
@@ -25,12 +25,9 @@ from hyper_parallel_dcp.core.metadata import MetadataIndex, TensorStorageMetadat
 from hyper_parallel_dcp.core.planner import LoadItemType, ReadItem, order_key
 from hyper_parallel_dcp.core.reader_assignment import (
     ReaderAssignment,
-    apply_chunk_exchanges,
-    apply_reader_assignment,
-    assign_chunk_exchanges,
-    assign_readers_from_layouts,
-    split_reads,
-    target_layout,
+    apply_assignment,
+    assign_reads,
+    read_layout,
 )
 from hyper_parallel_dcp.core.save_planning import build_metadata, create_local_save_plan
 
@@ -131,15 +128,19 @@ def test_a_shard_outside_the_groups_at_a_grouped_shards_offsets_is_exchanged():
 def _check(case):
     plans, metadata = _plans(case)
     with_groups = case[-1]
-    replies = assign_readers_from_layouts([target_layout(p, metadata) for p in plans]) if with_groups \
-        else [None] * len(plans)
-    plans = [apply_reader_assignment(p, reply, r) for r, (p, reply) in enumerate(zip(plans, replies))]
-    expected = _reference(plans, metadata, replies)
-    splits = [split_reads(p, metadata) for p in plans]
+    layouts = [read_layout(p, metadata) for p in plans]
     # what travels: the columns, pickled (no object per read or per piece)
-    answers = [pickle.loads(pickle.dumps(a)) for a in assign_chunk_exchanges(
-        [pickle.loads(pickle.dumps(s)) for s in splits], replies if with_groups else None)]
-    finals = [apply_chunk_exchanges(p, metadata, s, a) for p, s, a in zip(plans, splits, answers)]
+    sent = [pickle.loads(pickle.dumps(layout)) for layout in layouts]
+    if not with_groups:  # no replica entries: every shard read alone
+        sent = [((), splits) for _, splits in sent]
+    answers = [pickle.loads(pickle.dumps(a)) for a in assign_reads([t for t, _ in sent], [s for _, s in sent])]
+    replies = [groups for groups, _ in answers]
+    finals = [apply_assignment(p, metadata, s, a, r) for r, (p, (_, s), a) in enumerate(zip(plans, layouts, answers))]
+    # the reference sees the plans as the replica step left them
+    grouped = [apply_assignment(p, metadata, s, (g, None), r)
+               for r, (p, (_, s), g) in enumerate(zip(plans, layouts, replies))]
+    expected = _reference(grouped, metadata, replies)
+    plans = grouped
     for rank, final in enumerate(finals):
         data = final.planner_data if isinstance(final.planner_data, ReaderAssignment) else ReaderAssignment()
         got = [(x.storage_index, x.shape, x.rows, x.reader, tuple(x.sent())) for x in data.exchanges]

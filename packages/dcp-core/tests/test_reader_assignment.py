@@ -27,10 +27,10 @@ from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, order_key
 from hyper_parallel_dcp.core.reader_assignment import (
     ReaderAssignment,
     _pack,
-    apply_reader_assignment,
+    apply_assignment,
     assign_readers,
-    assign_readers_from_layouts,
-    target_layout,
+    assign_reads,
+    read_layout,
 )
 from hyper_parallel_dcp.core.save_planning import build_metadata, create_local_save_plan
 
@@ -167,9 +167,10 @@ def test_coordinator_assignment_equals_the_all_gather_design(case):
 @given(_case())
 def test_a_rank_receives_only_its_own_groups(case):
     plans, metadata = _plans(case)
-    replies = assign_readers_from_layouts([target_layout(p, metadata) for p in plans])
-    for rank, (plan, reply) in enumerate(zip(plans, replies)):
-        final = apply_reader_assignment(plan, reply, rank)
+    layouts = [read_layout(p, metadata) for p in plans]
+    replies = assign_reads([targets for targets, _ in layouts])
+    for rank, (plan, (_, splits), (reply, _)) in enumerate(zip(plans, layouts, replies)):
+        final = apply_assignment(plan, metadata, splits, (reply, None), rank)
         dests = {it.dest_index for it in plan.items}
         assert {g.dest_index for g in final.planner_data.groups} <= dests
         if reply is not None:

@@ -289,11 +289,7 @@ def _simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load
     from hyper_parallel_dcp.core.layout import TensorShards
     from hyper_parallel_dcp.core.load_planning import create_local_load_plan
     from hyper_parallel_dcp.core.metadata import metadata_to_json
-    from hyper_parallel_dcp.core.reader_assignment import (
-        apply_reader_assignment,
-        assign_readers_from_layouts,
-        target_layout,
-    )
+    from hyper_parallel_dcp.core.reader_assignment import apply_assignment, assign_reads, read_layout
     from hyper_parallel_dcp.core.save_planning import StandardSavePlanner
 
     specs = layout.specs()
@@ -341,18 +337,18 @@ def _simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load
 
         def local_step(flat=flat) -> tuple:
             plan = create_local_load_plan(flat, metadata)[0]
-            return plan, target_layout(plan, metadata)
+            return plan, read_layout(plan, metadata)
 
         t, local_plans[rank] = _timed(local_step)
         local_times.append(t)
     row["ours_local_load_plan_s"] = max(local_times)
-    # Every rank's target description, from geometry: what target_layout() sends, with the
+    # Every rank's target description, from geometry: what read_layout() sends, with the
     # request digest replaced by the shard's sizes (an opaque int to the coordinator).
     # Data-parallel replicas get equal tuples, not shared objects, as after unpickling.
     layouts = [_geometry_layout(specs, lmesh, rank, cache) for rank in range(world)]
     def coordinator_step() -> list:
         with gc_paused():  # as in load_state_dict
-            return assign_readers_from_layouts(layouts)
+            return assign_reads(layouts)
 
     # The median of a few runs: one sample of seconds on a shared VM varies by a third (the
     # MoE layout at 16384 ranks: 3.0 to 4.2 s in runs minutes apart), enough to move the
@@ -367,9 +363,9 @@ def _simulate_world(layout: Layout, world: int, *, with_torch: bool = True, load
     row["ours_global_load_samples_s"] = samples
     sent, received, own = [], [], []
     for rank in sample:
-        plan, layout = local_plans[rank]
-        final = apply_reader_assignment(plan, replies[rank], rank)
-        sent.append(len(pickle.dumps(layout)))
+        plan, (targets, splits) = local_plans[rank]
+        final = apply_assignment(plan, metadata, splits, replies[rank], rank)
+        sent.append(len(pickle.dumps(targets)))
         received.append(len(pickle.dumps(("ok", replies[rank]))))
         own.append(len(pickle.dumps(final)))
     row["ours_load_rank_sent_bytes"] = max(sent)
@@ -440,7 +436,7 @@ def _metadata_figures(text: str, metadata, entries, *, with_torch: bool = True) 
 
 
 def _geometry_layout(specs, lmesh, rank, cache) -> tuple:
-    """Rank ``rank``'s target description as :func:`target_layout` builds it (bfloat16)."""
+    """Rank ``rank``'s target description as :func:`read_layout` builds it (bfloat16)."""
     return tuple((spec.fqn, tuple(box.offsets), box.volume * 2, hash(tuple(box.sizes)))
                  for spec, box in rank_boxes(specs, lmesh, rank, cache) if box.volume)
 

@@ -15,7 +15,7 @@ copy, and every piece is one ``as_strided`` view, not a narrow per dimension (20
 tensors, 4 ranks, no transport: packing and filling 1354 → 801 ms of CPU).  From the page
 cache it does not pay (gloo is slower than the copy), so ``HP_DCP_CHUNK_EXCHANGE=auto``
 leaves it off there.
-Exports :class:`ChunkExchanges`.
+Exports :class:`ChunkExchanges`, and :func:`wait`, which the broadcasts share.
 
 No deadlock: every rank posts all its receives before it sends anything (its reads begin
 first, on a thread), and waits for them only after its own sends and broadcasts are launched.
@@ -24,11 +24,12 @@ first, on a thread), and waits for them only after its own sends and broadcasts 
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import operator
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader
 from .prefetch import ReadAhead
 from .schedule import ExchangeMessage, assignment_of, exchange_messages
 
-__all__ = ["ChunkExchanges"]
+__all__ = ["ChunkExchanges", "wait"]
 
 #: bytes of runs the read-ahead thread may hold ahead of the packing and sending
 _AHEAD_BYTES = 32 << 20
@@ -55,6 +56,15 @@ _MESSAGE_BYTES = 256 << 10
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 _PieceKey = tuple[int, tuple[int, ...], tuple[int, ...]]  # (exchange position, storage_offsets, lengths)
+
+
+def wait(work: Any, fail: Callable[[BaseException], BaseException], timeout: float) -> None:
+    """``work.wait`` within ``timeout`` seconds (0: c10d's "no timeout"); a failure raised as
+    ``fail(exc)`` (a :class:`CheckpointTimeoutError` naming the peers)."""
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - gloo: peer closed / timed out
+        raise fail(exc) from exc
 
 
 class _Copies:
@@ -119,7 +129,7 @@ class ChunkExchanges:
                  batch_bytes: int, max_in_flight: int, timeout: float) -> None:
         self.exchanges: tuple[ChunkExchange, ...] = assignment_of(plan).exchanges
         self.reader, self.planner, self.rank = reader, planner, rank
-        self.max_in_flight, self.timeout = max_in_flight, timeout
+        self.timeout = timeout
         self.error: Optional[BaseException] = None
         self.bytes_sent = 0
         self.plan = plan
@@ -128,7 +138,8 @@ class ChunkExchanges:
         self._batch_bytes = min(batch_bytes, _MESSAGE_BYTES)
         self._posted: list[tuple[ExchangeMessage, torch.Tensor, Any]] = []
         self._landed = 0  # receives filled in so far
-        self._sending: collections.deque = collections.deque()
+        self._sending: collections.deque = collections.deque()  # (work, its failure, buffer)
+        self._max_in_flight = max_in_flight
 
     def _split(self, plan: LoadPlan) -> None:
         """The pieces this rank receives, the plan's other items (``self.plan``), the messages
@@ -279,22 +290,21 @@ class ChunkExchanges:
             yield reads[-1].item, group
 
     def _send(self, message: ExchangeMessage, buffer: torch.Tensor) -> None:
-        while len(self._sending) >= self.max_in_flight:
-            entry = self._sending.popleft()
-            self._wait(entry, entry[2], sending=True)
+        while len(self._sending) >= self._max_in_flight:
+            self._wait_sent()
         self.bytes_sent += message.nbytes
-        self._sending.append((dist.isend(buffer, dst=message.peer, tag=message.tag), buffer, message.peer))
+        self._sending.append((dist.isend(buffer, dst=message.peer, tag=message.tag),
+                              functools.partial(self._failed, f"to rank {message.peer}", message.peer), buffer))
 
-    def _wait(self, entry: tuple, peer: int, sending: bool) -> None:
-        work = entry[0]
-        try:
-            work.wait(timedelta(seconds=self.timeout))  # 0: c10d's "no timeout"
-        except Exception as exc:  # noqa: BLE001 - gloo: peer closed / timed out
-            way = f"to rank {peer}" if sending else f"from rank {peer}"
-            raise CheckpointTimeoutError(
-                f"checkpoint phase 'exchange': the pieces of stored chunks sent {way} failed or did not arrive "
-                f"within {self.timeout:g} s ({TIMEOUT_ENV}) on rank {self.rank}; rank {peer} died or hangs "
-                f"({type(exc).__name__}: {exc})", "exchange", (peer,)) from exc
+    def _wait_sent(self) -> None:
+        work, fail, _ = self._sending.popleft()
+        wait(work, fail, self.timeout)
+
+    def _failed(self, way: str, peer: int, exc: BaseException) -> CheckpointTimeoutError:
+        return CheckpointTimeoutError(
+            f"checkpoint phase 'exchange': the pieces of stored chunks sent {way} failed or did not arrive "
+            f"within {self.timeout:g} s ({TIMEOUT_ENV}) on rank {self.rank}; rank {peer} died or hangs "
+            f"({type(exc).__name__}: {exc})", "exchange", (peer,))
 
     def _land_arrived(self, block: bool) -> None:
         """Fill in the pieces of the receives that arrived (in order; ``block``: all of them)."""
@@ -304,7 +314,7 @@ class ChunkExchanges:
             if not block and not work.is_completed():
                 return
             self._landed += 1
-            self._wait((work,), message.peer, sending=False)
+            wait(work, functools.partial(self._failed, f"from rank {message.peer}", message.peer), self.timeout)
             if self.error is not None:
                 continue
             try:
@@ -328,8 +338,7 @@ class ChunkExchanges:
         """Wait for the sends, then for each receive, filling its pieces in; the first error."""
         try:
             while self._sending:
-                entry = self._sending.popleft()
-                self._wait(entry, entry[2], sending=True)
+                self._wait_sent()
             self._land_arrived(block=True)
         except CheckpointTimeoutError as exc:
             return exc

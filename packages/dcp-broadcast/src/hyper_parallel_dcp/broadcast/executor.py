@@ -7,10 +7,10 @@ tail is read last.  Exports :func:`make_read_executor`, :class:`BroadcastReadExe
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from hyper_parallel_dcp.core.planner import LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel_dcp.core.settings import BROADCASTS_IN_FLIGHT, READ_AHEAD, fault_point, phase
 from hyper_parallel_dcp.core.storage import StorageReader, commit_read, read_items, resolve_destinations
 
-from .exchange import ChunkExchanges
+from .exchange import ChunkExchanges, wait
 from .groups import broadcast_groups_for_load
 from .prefetch import ReadAhead
 from .schedule import (
@@ -110,17 +110,6 @@ class _Reads:
         close = getattr(stream, "close", None)
         if close is not None:
             close()
-
-
-@dataclass
-class _InFlight:
-    """A launched broadcast; ``keep`` holds a sender's staging copy alive until it landed."""
-
-    work: Any
-    ranks: tuple[int, ...]
-    source: int
-    land: Optional[Callable[[], None]]
-    keep: Any = None
 
 
 class BroadcastReadExecutor:
@@ -215,7 +204,7 @@ class BroadcastReadExecutor:
     def _walk(self, steps: list, tasks: Sequence[ShardTask], shards: list[torch.Tensor], tail: Sequence[ReadItem],
               reads: _Reads, groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner) -> None:
         """Read and broadcast in step order, read the tail while the last are in flight, land them all."""
-        pending: collections.deque[_InFlight] = collections.deque()
+        pending: collections.deque = collections.deque()  # (work, its failure, land or None, buffer)
         for step in steps:
             if isinstance(step, LaunchStep):
                 started = time.perf_counter()
@@ -236,7 +225,7 @@ class BroadcastReadExecutor:
         self.stats.broadcast_seconds += time.perf_counter() - started
 
     def _launch(self, op: BroadcastOp, tasks: Sequence[ShardTask], shards: list[torch.Tensor],
-                groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner) -> _InFlight:
+                groups: dict[tuple[int, ...], Any], me: int, planner: LoadPlanner) -> tuple:
         group = groups.get(op.ranks)
         if group is None:
             raise RuntimeError(f"rank {me}: no process group for replica group {list(op.ranks)}")
@@ -257,13 +246,14 @@ class BroadcastReadExecutor:
         self.stats.broadcasts += 1
         self.stats.batched_broadcasts += int(op.batched)
         self.stats.bytes_broadcast += buffer.numel() * buffer.element_size()
+        fail = functools.partial(self._broadcast_error, op.ranks, op.source)
         try:
             # as bytes: every backend broadcasts those, whatever the dtype
             work = dist.broadcast(buffer.reshape(-1).view(torch.uint8), src=op.source, group=group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - a peer is gone: say which broadcast
-            raise self._broadcast_error(op.ranks, op.source, exc) from exc
+            raise fail(exc) from exc
         if not receiving:
-            return _InFlight(work, op.ranks, op.source, None, keep=buffer)
+            return work, fail, None, buffer  # the staging copy lives until the broadcast landed
         items = [it for i in op.shards for it in tasks[i].items]
 
         def land() -> None:
@@ -274,15 +264,13 @@ class BroadcastReadExecutor:
             for it in items:
                 planner.commit_tensor(it, planner.resolve_tensor(it))
 
-        return _InFlight(work, op.ranks, op.source, land)
+        return work, fail, land, buffer
 
-    def _complete(self, entry: _InFlight) -> None:
-        try:
-            entry.work.wait(timedelta(seconds=self._timeout))  # 0: c10d's "no timeout"
-        except Exception as exc:  # noqa: BLE001 - gloo: peer closed / timed out
-            raise self._broadcast_error(entry.ranks, entry.source, exc) from exc
-        if entry.land is not None:
-            entry.land()
+    def _complete(self, entry: tuple) -> None:
+        work, fail, land, _ = entry
+        wait(work, fail, self._timeout)
+        if land is not None:
+            land()
 
     def _broadcast_error(self, ranks: tuple[int, ...], source: int, exc: BaseException) -> CheckpointTimeoutError:
         me = dist.get_rank()

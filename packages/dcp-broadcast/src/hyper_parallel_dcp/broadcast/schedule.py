@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Sequence, Union
 
 from hyper_parallel_dcp.core.metadata import MetadataIndex
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem, order_key, sort_read_items
-from hyper_parallel_dcp.core.reader_assignment import ChunkExchange, ReaderAssignment, ReplicaGroup
+from hyper_parallel_dcp.core.reader_assignment import ChunkExchange, ReplicaGroup, assignment_of
 
 __all__ = ["BroadcastOp", "ExchangeMessage", "LaunchStep", "RankSchedule", "ShardInfo", "ShardStep", "ShardTask",
            "assignment_of", "exchange_messages", "plan_broadcasts", "rank_schedule", "replica_groups_of",
@@ -75,12 +75,6 @@ class LaunchStep:
 
 
 Step = Union[ShardStep, LaunchStep]
-
-
-def assignment_of(plan: LoadPlan) -> ReaderAssignment:
-    """The :class:`ReaderAssignment` of ``plan`` (an empty one when it has none)."""
-    data = plan.planner_data
-    return data if isinstance(data, ReaderAssignment) else ReaderAssignment()
 
 
 def replica_groups_of(plan: LoadPlan) -> tuple[ReplicaGroup, ...]:

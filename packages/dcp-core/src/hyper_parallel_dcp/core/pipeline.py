@@ -20,15 +20,7 @@ from .layout import is_tensor_leaf
 from .load_planning import StandardLoadPlanner
 from .metadata import Metadata, MetadataIndex, StorageInfo, pack_metadata, storage_table, unpack_metadata
 from .planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from .reader_assignment import (
-    SplitReads,
-    apply_chunk_exchanges,
-    apply_reader_assignment,
-    assign_chunk_exchanges,
-    assign_readers_from_layouts,
-    split_reads,
-    target_layout,
-)
+from .reader_assignment import SplitReads, apply_assignment, assign_reads, read_layout
 from .save_planning import StandardSavePlanner
 from .settings import CHUNK_EXCHANGE, fault_point, log_info, phase
 from .stateful import expand_stateful, restore_stateful
@@ -313,25 +305,22 @@ def _plan_load(state_dict: dict[str, Any], metadata_of: Callable[[], Metadata], 
 
     def layout_step() -> tuple[Any, Any, bool]:
         plan, metadata = local_step(), metadata_of()
-        splits = split_reads(plan, metadata)
+        layout, splits = read_layout(plan, metadata)
         own_splits.append(splits)
         # a chunk exchange costs more than it saves where every rank's reads are memory copies
         copies = bool(splits) and CHUNK_EXCHANGE.get() is None and storage_reader.reads_are_copies()
-        return target_layout(plan, metadata), splits, copies
+        return layout, splits, copies
 
     def global_step(gathered: list[Any]) -> list[Any]:
         with phase("build_global_plan", rank):
-            replies = assign_readers_from_layouts([layout for layout, _, _ in gathered])
             exchange = CHUNK_EXCHANGE.get()
             if exchange is None:
                 exchange = not all(copies for _, splits, copies in gathered if splits)
-            if not exchange:
-                return [(reply, None) for reply in replies]
-            return list(zip(replies, assign_chunk_exchanges([splits for _, splits, _ in gathered], replies)))
+            return assign_reads([layout for layout, _, _ in gathered],
+                                [splits for _, splits, _ in gathered] if exchange else None)
 
-    reply, exchanges = dw.reduce_scatter("plan", layout_step, global_step)
-    plan = apply_chunk_exchanges(apply_reader_assignment(local[0], reply, dw.rank), metadata_of(), own_splits[0],
-                                 exchanges)
+    reply = dw.reduce_scatter("plan", layout_step, global_step)
+    plan = apply_assignment(local[0], metadata_of(), own_splits[0], reply, dw.rank)
     return planner.finish_plan(plan)
 
 

@@ -1,10 +1,12 @@
-"""Read-once + broadcast: replica groups and one byte-balanced reader per replicated shard (SPEC §5).
+"""Read-once loading (SPEC §5, §14): a stored byte several ranks need is read by one of them
+and sent to the others.  Two kinds of share, one assignment: a replicated shard (the ranks
+whose read requests for it are identical: a replica group, one byte-balanced reader, a
+broadcast) and a chunk exchange (a stored chunk several ranks need non-contiguous pieces of,
+read once as one run of its rows by one member, its pieces sent point to point).
 
-Ranks send :func:`target_layout`, the coordinator answers (:func:`assign_readers_from_layouts`),
-each rank applies its answer (:func:`apply_reader_assignment`); :func:`assign_readers` runs the
-three in one process.  Chunk exchanges (SPEC §14: a chunk several ranks need column slices of is
-read once, as one run of rows, and its pieces sent) take the same three steps:
-:func:`split_reads`, :func:`assign_chunk_exchanges`, :func:`apply_chunk_exchanges`.
+Each rank sends :func:`read_layout`, the coordinator answers (:func:`assign_reads`), each
+rank applies its answer (:func:`apply_assignment`); :func:`assign_readers` runs the three in
+one process.
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ from .chunks import slice_span
 from .metadata import ChunkTable, Metadata, MetadataIndex, TensorStorageMetadata, chunk_key
 from .planner import LoadItemType, LoadPlan, ReadItem, order_key
 
-__all__ = ["AssignmentReply", "ChunkExchange", "ExchangeReply", "ReaderAssignment", "ReplicaGroup", "SplitReads",
-           "TargetLayout",
-           "apply_chunk_exchanges", "apply_reader_assignment", "assign_chunk_exchanges", "assign_readers",
-           "assign_readers_from_layouts", "exchanged_reads", "split_reads", "target_layout"]
+__all__ = ["AssignmentReply", "ChunkExchange", "ExchangeReply", "ReadLayout", "ReaderAssignment", "ReplicaGroup",
+           "Reply", "SplitReads", "TargetLayout", "apply_assignment", "assign_reads", "assign_readers",
+           "assignment_of", "exchanged_reads", "read_layout"]
 
 RankTuple = tuple[int, ...]
 # A rank tuple on the wire: a range when its ranks step evenly (every device-mesh group),
@@ -67,10 +68,13 @@ class SplitReads:
 
 
 _CHUNK, _ROW_BYTES, _DEST, _ITEM = range(4)  # the columns of SplitReads.table before the boxes
-#: a rank's answer (:func:`assign_chunk_exchanges`): per row of its :class:`SplitReads`, ``[reader
+#: a rank's chunk exchanges (:func:`assign_reads`): per row of its :class:`SplitReads`, ``[reader
 #: (-1: read as planned), first row, rows]`` of the chunk; then the pieces of the chunks it reads,
 #: ``[chunk, rank, offsets..., lengths...]`` rows sorted (int64 arrays both)
 ExchangeReply = tuple[np.ndarray, np.ndarray]
+#: what a rank sends (:func:`read_layout`), and the coordinator's answer to it (:func:`assign_reads`)
+ReadLayout = tuple[TargetLayout, SplitReads]
+Reply = tuple[AssignmentReply, Optional[ExchangeReply]]
 
 
 @dataclass(frozen=True)
@@ -115,30 +119,72 @@ def _pack(ranks: RankTuple) -> PackedRanks:
     return ranks
 
 
-def target_layout(plan: LoadPlan, metadata: Metadata) -> TargetLayout:
-    """Per tensor shard of a rank's plan: FQN, offsets, bytes and a hash of its sorted requests."""
+def read_layout(plan: LoadPlan, metadata: Metadata) -> ReadLayout:
+    """What a rank sends the coordinator, from one pass over ``plan``: per tensor shard its FQN,
+    offsets, bytes and a hash of its sorted read requests (equal entries: a replica group),
+    and its :class:`SplitReads` (the reads not contiguous in their stored chunk, which a chunk
+    exchange may serve from one contiguous read of the chunk)."""
+    sd = metadata.state_dict_metadata
+    chunks_of = _ChunksOf(sd, places=True)
+    contiguous = _contiguity()
     requests: dict[MetadataIndex, list] = {}  # per shard: [its elements, then its read requests]
+    dest_of: dict[tuple[str, tuple[int, ...]], int] = {}
+    rows: list[tuple[int, ...]] = []
     TENSOR, prod = LoadItemType.TENSOR, math.prod
     last: Optional[MetadataIndex] = None
     found: list = []
-    for item in plan.items:
+    width, dest = 0, -1
+    for position, item in enumerate(plan.items):
         if item.type is not TENSOR:
             continue
-        dest = item.dest_index
-        if dest is not last:  # a shard's reads are listed together: one lookup per run of them
-            last = dest
-            found = requests.setdefault(dest, [0])
-        found[0] += prod(item.lengths)
-        found.append((item.storage_index.offset, item.storage_offsets, item.dest_offsets, item.lengths))
-    sd = metadata.state_dict_metadata
-    out = []
-    for dest, found in requests.items():
-        md = sd[dest.fqn]
+        index, lengths = item.storage_index, item.lengths
+        if item.dest_index is not last:  # a shard's reads are listed together: one lookup per run of them
+            last, dest = item.dest_index, -1
+            found = requests.setdefault(last, [0])
+        found[0] += prod(lengths)
+        found.append((index.offset, item.storage_offsets, item.dest_offsets, lengths))
+        if len(lengths) < 2 or index.index is None:
+            continue
+        sizes, dtype, places = chunks_of[index.fqn]
+        chunk_sizes = sizes[index.index]
+        if contiguous(chunk_sizes, item.storage_offsets, lengths):
+            continue
+        if dest < 0:
+            dest = dest_of.setdefault((last.fqn, last.offset or ()), len(dest_of))
+        rows.append((places[index.index], prod(chunk_sizes[1:]) * dtype.itemsize, dest, position,
+                     *item.storage_offsets, *lengths))
+        width = max(width, len(lengths))
+    targets = []
+    for shard, found in requests.items():
+        md = sd[shard.fqn]
         itemsize = md.properties.dtype.itemsize if isinstance(md, TensorStorageMetadata) else 1
         reqs = found[1:]
         reqs.sort()
-        out.append((dest.fqn, dest.offset or (), found[0] * itemsize, hash(tuple(reqs))))
-    return tuple(out)
+        targets.append((shard.fqn, shard.offset or (), found[0] * itemsize, hash(tuple(reqs))))
+    if all(len(row) == 4 + 2 * width for row in rows):
+        table = np.array(rows, dtype=np.int64).reshape(len(rows), 4 + 2 * width)
+    else:
+        table = np.zeros((len(rows), 4 + 2 * width), dtype=np.int64)
+        table[:, 4 + width:] = 1
+        for i, row in enumerate(rows):  # rows of fewer dimensions padded: offsets 0, lengths 1
+            n = (len(row) - 4) // 2
+            table[i, :4 + n] = row[:4 + n]
+            table[i, 4 + width:4 + width + n] = row[4 + n:]
+    return tuple(targets), SplitReads(table, tuple(dest_of))
+
+
+def assign_reads(layouts: Sequence[TargetLayout], splits: Optional[Sequence[SplitReads]] = None) -> list[Reply]:
+    """The coordinator's step: per rank, its :data:`Reply` to the ``layouts`` and ``splits`` of
+    :func:`read_layout` (``splits`` ``None``: no chunk exchange).  Replica groups first: a reader
+    per replicated shard, largest first, to the member with the fewest bytes so far (a shard
+    only one rank reads counts at its place in that order), ties to the lowest rank.  Then the
+    chunks two ranks or more need non-contiguous pieces of, outside each rank's own replica
+    groups: a reader per chunk alike, by the bytes of its run (the pieces' first row to their
+    last), counted apart from the replicas' bytes."""
+    replies = _assign_replicas(layouts)
+    if splits is None:
+        return [(reply, None) for reply in replies]
+    return list(zip(replies, _assign_exchanges(splits, replies)))
 
 
 class _Group:
@@ -152,9 +198,7 @@ class _Group:
         self.source = -1
 
 
-def assign_readers_from_layouts(layouts: Sequence[TargetLayout]) -> list[AssignmentReply]:
-    """The coordinator's step: one :data:`AssignmentReply` per rank (largest shard first, to the
-    member with the fewest bytes so far, ties to the lowest rank)."""
+def _assign_replicas(layouts: Sequence[TargetLayout]) -> list[AssignmentReply]:
     class_of: dict[TargetLayout, int] = {}
     class_ranks: list[list[int]] = []
     for rank, layout in enumerate(layouts):
@@ -242,75 +286,6 @@ def _choose_readers(replicated: list[_Group], singles: dict[int, list[tuple[int,
         group.source = reader
 
 
-def apply_reader_assignment(plan: LoadPlan, reply: AssignmentReply, rank: int) -> LoadPlan:
-    """``plan`` with every item's reader and a :class:`ReaderAssignment` (``None``: nothing replicated)."""
-    if reply is None:
-        return replace(plan, planner_data=ReaderAssignment())
-    answers, required_packed = reply
-    unpacked: dict[int, RankTuple] = {}
-
-    def unpack(ranks: PackedRanks) -> RankTuple:
-        out = unpacked.get(id(ranks))
-        if out is None:
-            out = unpacked[id(ranks)] = tuple(ranks)
-        return out
-
-    source_of: dict[tuple[str, tuple[int, ...]], int] = {}
-    groups = []
-    for fqn, offsets, ranks, source in answers:
-        source_of[(fqn, offsets)] = source
-        groups.append(ReplicaGroup(MetadataIndex(fqn, offsets), unpack(ranks), source))
-    items = tuple(
-        replace(it, source=source_of.get((it.dest_index.fqn, it.dest_index.offset or ()), rank))
-        if it.type is LoadItemType.TENSOR else replace(it, source=rank)
-        for it in plan.items
-    )
-    return replace(plan, items=items,
-                   planner_data=ReaderAssignment(tuple(groups), tuple(unpack(r) for r in required_packed)))
-
-
-def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata) -> list[LoadPlan]:
-    """Every rank's final plan at once: the three steps of the load pipeline in one process."""
-    replies = assign_readers_from_layouts([target_layout(p, metadata) for p in all_plans])
-    return [apply_reader_assignment(p, reply, r) for r, (p, reply) in enumerate(zip(all_plans, replies))]
-
-
-def split_reads(plan: LoadPlan, metadata: Metadata) -> SplitReads:
-    """The tensor reads of ``plan`` that are not contiguous in their stored chunk (what
-    :func:`assign_chunk_exchanges` may serve from one contiguous read of the chunk)."""
-    sd = metadata.state_dict_metadata
-    chunks_of = _ChunksOf(sd, places=True)
-    dest_of: dict[tuple[str, tuple[int, ...]], int] = {}
-    rows: list[tuple[int, ...]] = []
-    width = dest = 0
-    last: Optional[MetadataIndex] = None
-    contiguous = _contiguity()
-    for position, item in enumerate(plan.items):
-        index = item.storage_index
-        if item.type is not LoadItemType.TENSOR or len(item.lengths) < 2 or index.index is None:
-            continue
-        sizes, dtype, places = chunks_of[index.fqn]
-        chunk_sizes = sizes[index.index]
-        if contiguous(chunk_sizes, item.storage_offsets, item.lengths):
-            continue
-        if item.dest_index is not last:  # a shard's reads are listed together: one lookup per run of them
-            last = item.dest_index
-            dest = dest_of.setdefault((last.fqn, last.offset or ()), len(dest_of))
-        rows.append((places[index.index], math.prod(chunk_sizes[1:]) * dtype.itemsize, dest, position,
-                     *item.storage_offsets, *item.lengths))
-        width = max(width, len(item.lengths))
-    if all(len(row) == 4 + 2 * width for row in rows):
-        table = np.array(rows, dtype=np.int64).reshape(len(rows), 4 + 2 * width)
-    else:
-        table = np.zeros((len(rows), 4 + 2 * width), dtype=np.int64)
-        table[:, 4 + width:] = 1
-        for i, row in enumerate(rows):  # rows of fewer dimensions padded: offsets 0, lengths 1
-            n = (len(row) - 4) // 2
-            table[i, :4 + n] = row[:4 + n]
-            table[i, 4 + width:4 + width + n] = row[4 + n:]
-    return SplitReads(table, tuple(dest_of))
-
-
 class _ChunksOf(dict):
     """Per tensor FQN (on first use): its chunks' sizes, its dtype and (with
     ``places``) the chunks' places in the global order of every stored chunk: FQNs in key
@@ -344,19 +319,15 @@ class _ChunksOf(dict):
         return found
 
 
-def assign_chunk_exchanges(splits: Sequence[SplitReads],
-                           replies: Optional[Sequence[AssignmentReply]] = None) -> list[ExchangeReply]:
-    """The coordinator's step: per rank, the :data:`ExchangeReply` that :func:`apply_chunk_exchanges`
-    turns into the :class:`ChunkExchange` entries it takes part in (chunks two ranks or more
-    need non-contiguous pieces of, outside each rank's own replica groups in ``replies``); readers by bytes:
-    largest run first, to the member with the fewest so far, ties to the lowest rank.
-    Vectorised: a load of 2000 small tensors on 4 ranks has 32000 such reads."""
+def _assign_exchanges(splits: Sequence[SplitReads], replies: Sequence[AssignmentReply]) -> list[ExchangeReply]:
+    """Per rank, its :data:`ExchangeReply` (see :func:`assign_reads`).  Vectorised: a load of
+    2000 small tensors on 4 ranks has 32000 such reads."""
     width = max(((s.table.shape[1] - 4) // 2 for s in splits), default=0)
     grouped_of: dict[int, set[tuple[str, tuple[int, ...]]]] = {}  # a rank's own groups, shared per class
     parts = []
     for rank, s in enumerate(splits):
         table, kept = s.table, np.arange(len(s.table))
-        reply = replies[rank] if replies else None
+        reply = replies[rank]
         if reply is not None and id(reply[0]) not in grouped_of:
             grouped_of[id(reply[0])] = {(fqn, offsets) for fqn, offsets, _, _ in reply[0]}
         grouped = grouped_of[id(reply[0])] if reply is not None else None
@@ -423,24 +394,56 @@ def assign_chunk_exchanges(splits: Sequence[SplitReads],
     return answers
 
 
-def apply_chunk_exchanges(plan: LoadPlan, metadata: Metadata, splits: SplitReads,
-                          reply: Optional[ExchangeReply]) -> LoadPlan:
-    """``plan`` with its :class:`ReaderAssignment` carrying the :class:`ChunkExchange` entries
-    ``reply`` (this rank's answer to its ``splits``) names, in the global order, and the reads
-    they serve taking their chunk's reader as ``source`` (``plan`` unchanged without any)."""
-    if reply is None or not len(splits):
-        return plan
+def apply_assignment(plan: LoadPlan, metadata: Metadata, splits: SplitReads, reply: Reply, rank: int) -> LoadPlan:
+    """``plan`` (this rank's, whose :func:`read_layout` gave ``splits``) with its
+    :class:`ReaderAssignment` from ``reply`` (its replica groups, every multi-member rank tuple
+    of the load, the :class:`ChunkExchange` entries it takes part in, in the global order) and
+    every item's reader as ``source``: a replicated shard's reads its group's reader, the reads a
+    chunk exchange serves its chunk's reader, the others ``rank`` (left as planned where
+    nothing is replicated)."""
+    answers, exchanged = reply
+    groups: list[ReplicaGroup] = []
+    required: tuple[RankTuple, ...] = ()
+    items = list(plan.items)
+    if answers is not None:
+        unpacked: dict[int, RankTuple] = {}
+
+        def unpack(ranks: PackedRanks) -> RankTuple:
+            out = unpacked.get(id(ranks))
+            if out is None:
+                out = unpacked[id(ranks)] = tuple(ranks)
+            return out
+
+        source_of: dict[tuple[str, tuple[int, ...]], int] = {}
+        for fqn, offsets, ranks, source in answers[0]:
+            source_of[(fqn, offsets)] = source
+            groups.append(ReplicaGroup(MetadataIndex(fqn, offsets), unpack(ranks), source))
+        required = tuple(unpack(r) for r in answers[1])
+        items = [_sourced(it, source_of.get((it.dest_index.fqn, it.dest_index.offset or ()), rank))
+                 if it.type is LoadItemType.TENSOR else _sourced(it, rank) for it in items]
+    exchanges = _exchanges(items, metadata, splits, exchanged) if exchanged is not None and len(splits) else ()
+    return replace(plan, items=tuple(items), planner_data=ReaderAssignment(tuple(groups), required, exchanges))
+
+
+def _sourced(item: ReadItem, source: int) -> ReadItem:
+    return ReadItem(item.type, item.dest_index, item.dest_offsets, item.storage_index, item.storage_offsets,
+                    item.lengths, source)
+
+
+def _exchanges(items: list[ReadItem], metadata: Metadata, splits: SplitReads,
+               reply: ExchangeReply) -> tuple[ChunkExchange, ...]:
+    """The :class:`ChunkExchange` entries ``reply`` names, in the global order; the reads they
+    serve in ``items`` take their chunk's reader as ``source``."""
     per_row, pieces = reply
     exchanged = np.flatnonzero(per_row[:, 0] >= 0)
     if not len(exchanged):
-        return plan
+        return ()
     places, at = np.unique(splits.table[exchanged, _CHUNK], return_index=True)  # a row per chunk, in order
     rows = exchanged[at]
     width = (pieces.shape[1] - 2) // 2
     starts = np.searchsorted(pieces[:, 0], places).tolist()
     ends = np.searchsorted(pieces[:, 0], places, side="right").tolist()
     chunks_of = _ChunksOf(metadata.state_dict_metadata, places=False)
-    items = plan.items
     out = []
     for (reader, first, count), position, start, end in zip(per_row[rows].tolist(), splits.table[rows, _ITEM].tolist(),
                                                             starts, ends):
@@ -454,18 +457,30 @@ def apply_chunk_exchanges(plan: LoadPlan, metadata: Metadata, splits: SplitReads
             mine = pieces[start:end, 1:] if n == width else \
                 pieces[start:end][:, [1, *range(2, 2 + n), *range(2 + width, 2 + width + n)]]
         out.append(ChunkExchange(index, shape, dtype, (first, count), reader, mine))
-    served = list(items)  # the reads the coordinator gave a reader (what exchanged_reads finds again)
+    # the reads the coordinator gave a reader (what exchanged_reads finds again)
     for position, reader in zip(splits.table[exchanged, _ITEM].tolist(), per_row[exchanged, 0].tolist()):
-        item = served[position]
-        served[position] = ReadItem(item.type, item.dest_index, item.dest_offsets, item.storage_index,
-                                    item.storage_offsets, item.lengths, reader)
-    data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
-    return replace(plan, items=tuple(served), planner_data=replace(data, exchanges=tuple(out)))
+        items[position] = _sourced(items[position], reader)
+    return tuple(out)
+
+
+def assign_readers(all_plans: Sequence[LoadPlan], metadata: Metadata, exchange: bool = False) -> list[LoadPlan]:
+    """Every rank's final plan at once: the three steps of the load pipeline in one process
+    (``exchange``: with chunk exchanges)."""
+    layouts = [read_layout(p, metadata) for p in all_plans]
+    replies = assign_reads([t for t, _ in layouts], [s for _, s in layouts] if exchange else None)
+    return [apply_assignment(p, metadata, s, reply, r)
+            for r, (p, (_, s), reply) in enumerate(zip(all_plans, layouts, replies))]
+
+
+def assignment_of(plan: LoadPlan) -> ReaderAssignment:
+    """The :class:`ReaderAssignment` of ``plan`` (an empty one when it has none)."""
+    data = plan.planner_data
+    return data if isinstance(data, ReaderAssignment) else ReaderAssignment()
 
 
 def exchanged_reads(plan: LoadPlan) -> Iterator[tuple[ReadItem, Optional[ChunkExchange]]]:
     """Every item of ``plan`` with the :class:`ChunkExchange` that serves it (``None``: read as planned)."""
-    data = plan.planner_data if isinstance(plan.planner_data, ReaderAssignment) else ReaderAssignment()
+    data = assignment_of(plan)
     of_chunk = {(x.storage_index.fqn, x.storage_index.offset): x for x in data.exchanges}
     grouped = {group.dest_index for group in data.groups}
     contiguous = _contiguity()
