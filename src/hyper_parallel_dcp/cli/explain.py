@@ -26,7 +26,7 @@ from hyper_parallel_dcp.core.layout import TensorShards, placement_boxes
 from hyper_parallel_dcp.core.load_planning import create_local_load_plan
 from hyper_parallel_dcp.core.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata, dtype_from_name
 from hyper_parallel_dcp.core.planner import LoadItemType, LoadPlan, ReadItem
-from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, assign_readers, target_layout
+from hyper_parallel_dcp.core.reader_assignment import ReaderAssignment, assign_readers, read_layout
 from hyper_parallel_dcp.storage_fs.integrity import check_complete
 
 from ._common import EXIT_OK, EXIT_PROBLEM, existing_dir, format_bytes, print_json, print_table, progress
@@ -280,7 +280,7 @@ def explain_load(metadata: Metadata, spec: TargetSpec, *, progress: Any = None) 
         load = RankLoad(rank, spec.coordinate(rank), bytes_needed=sum(count.item_needed(it) for it in plan.items))
         load.bytes_read, load.files = count.read_by(plan, rank)
         load.read_once_bytes_read, load.read_once_files = count.read_by(once, rank)
-        shard_bytes.append({(fqn, offsets): n for fqn, offsets, n, _ in target_layout(plan, metadata)})
+        shard_bytes.append({(fqn, offsets): n for fqn, offsets, n, _ in read_layout(plan, metadata)[0]})
         rank_loads.append(load)
     groups: dict[tuple[Any, tuple[int, ...]], int] = {}
     for rank, once in enumerate(once_plans):
