@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hyper_parallel_dcp.core.backends import UnknownSchemeError, backend_for, storage_writer_for, url_scheme
+from hyper_parallel_dcp.storage_fs.sinks import byte_runs
 from hyper_parallel_dcp.storage_object import ObjectStoreSettings, ObjectStoreWriter, parse_url
-from hyper_parallel_dcp.storage_object.reader import byte_runs
 
 
 def test_parse_url():
