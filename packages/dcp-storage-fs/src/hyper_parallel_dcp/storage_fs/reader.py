@@ -233,7 +233,8 @@ class FileSystemReader(StorageReader):
     :meth:`land_reads`) reads another storage through the same path."""
 
     item_by_item = False  # set for a subclass that overrides read_into / read_object
-    batch_items, batch_bytes = BATCH_ITEMS, BATCH_BYTES
+    batch_items: Optional[int] = None  # None: BATCH_ITEMS, BATCH_BYTES
+    batch_bytes: Optional[int] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -437,7 +438,7 @@ class FileSystemReader(StorageReader):
                     dest = dest.as_strided(lengths, dest_strides, offset)
                 spanned += read_slice_into(opened, data_offset, sizes, dtype, item.storage_offsets, lengths, dest,
                                            strides, copies)
-                if copies.nbytes >= self.batch_bytes:  # staging buffers waiting for reads that land later
+                if copies.nbytes >= (self.batch_bytes or BATCH_BYTES):  # staging buffers waiting for reads that land later
                     self._finish_pending()
         finally:
             self.bytes_read += spanned
@@ -469,6 +470,7 @@ class FileSystemReader(StorageReader):
         batch: list[tuple[ReadItem, Any]] = []
         pending: list[tuple[ReadItem, _Region]] = []
         count = nbytes = 0
+        most_items, most_bytes = self.batch_items or BATCH_ITEMS, self.batch_bytes or BATCH_BYTES
         try:
             for read in reads:
                 item, (dest, offset, _) = read
@@ -480,7 +482,7 @@ class FileSystemReader(StorageReader):
                         batch.append((item, dest))
                         nbytes += dest.nbytes
                 count += 1
-                if count >= self.batch_items or nbytes >= self.batch_bytes:
+                if count >= most_items or nbytes >= most_bytes:
                     self._read_many(pending)
                     self._finish_pending()
                     yield from batch

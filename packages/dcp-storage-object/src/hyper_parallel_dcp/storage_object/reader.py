@@ -21,6 +21,7 @@ import xxhash
 
 from hyper_parallel_dcp.core.errors import CheckpointNotFoundError, CorruptCheckpointError
 from hyper_parallel_dcp.core.metadata import Metadata
+from hyper_parallel_dcp.storage_fs.compression import CompressedFiles
 from hyper_parallel_dcp.storage_fs.incremental import missing_file_error
 from hyper_parallel_dcp.storage_fs.metadata_io import StoredMetadata
 from hyper_parallel_dcp.storage_fs.reader import FileSystemReader, check_size
@@ -132,9 +133,12 @@ class ObjectStoreReader(FileSystemReader):
         self._holding: list[_Object] = []  # objects holding chunks verify fetched
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_pool"] = None
-        return state
+        # threads, locks and reads in flight are this process's: made again after unpickling
+        return {**self.__dict__, "_pool": None, "_gets": [], "_holding": [], "compressed": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.compressed = CompressedFiles()
 
     def reset(self, checkpoint_id: Union[str, Any, None] = None) -> None:
         if checkpoint_id is not None:
