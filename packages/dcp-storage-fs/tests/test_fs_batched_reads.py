@@ -56,9 +56,9 @@ def test_slices_across_populate_blocks_hold_the_stored_values(mapped_file, batch
     pending, dests, expected = PendingCopies(), [], []
     for offsets, lengths in batch:
         first, span, _ = slice_span((ROWS, COLS), offsets, lengths)
-        view = mapping.slice_view(prefix, (ROWS, COLS), torch.int16, first, span, lengths,
-                                  row_major_strides((ROWS, COLS)))
-        assert view is not None
+        found = mapping.slice_at(prefix, torch.int16, first, span)
+        assert found is not None
+        view = found[0].as_strided(lengths, row_major_strides((ROWS, COLS)), found[1])
         dests.append(torch.empty(lengths, dtype=torch.int16))
         pending.add(dests[-1], view, dests[-1].nbytes)
         expected.append(values[offsets[0]:offsets[0] + lengths[0], offsets[1]:offsets[1] + lengths[1]])

@@ -44,9 +44,9 @@ def _copy_rows(mapping, prefix, rows_total, values, row_ranges, cols=(0, COLS //
     for r0, r1 in row_ranges:
         lengths = (r1 - r0, cols[1] - cols[0])
         first, span, _ = slice_span((rows_total, COLS), (r0, cols[0]), lengths)
-        view = mapping.slice_view(prefix, (rows_total, COLS), torch.int16, first, span, lengths,
-                                  row_major_strides((rows_total, COLS)))
-        assert view is not None
+        found = mapping.slice_at(prefix, torch.int16, first, span)
+        assert found is not None
+        view = found[0].as_strided(lengths, row_major_strides((rows_total, COLS)), found[1])
         dest = torch.empty(lengths, dtype=torch.int16)
         pending.add(dest, view, dest.nbytes)
         dests.append(dest)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hyper_parallel_dcp.core.backends import UnknownSchemeError, backend_for, storage_writer_for, url_scheme
+from hyper_parallel_dcp.storage_fs.sinks import byte_runs
 from hyper_parallel_dcp.storage_object import ObjectStoreSettings, ObjectStoreWriter, parse_url
-from hyper_parallel_dcp.storage_object.reader import byte_runs
 
 
 def test_parse_url():
@@ -73,3 +73,13 @@ def test_gs_and_az_urls_say_what_to_do_instead():
         storage_writer_for("gs://bkt/run/step_1", None)
     with pytest.raises(UnknownSchemeError, match=r"'az://'.*Azure Blob Storage.*mounted path"):
         backend_for("az://container/run")
+
+
+def test_reader_pickles_without_its_threads():
+    import pickle
+
+    from hyper_parallel_dcp.storage_object import ObjectStoreReader
+
+    settings = ObjectStoreSettings(read_concurrency=3)
+    back = pickle.loads(pickle.dumps(ObjectStoreReader("s3://bkt/run/step_1", verify=True, settings=settings)))
+    assert (back.url, back.verify, back.settings.read_concurrency) == ("s3://bkt/run/step_1", True, 3)

@@ -7,11 +7,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import os
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
-
-from hyper_parallel_dcp.core.chunks import row_major_strides
 
 from . import posix
 
@@ -145,15 +143,6 @@ class FileMapping:
         """The file ``fd`` (``size`` bytes) mapped, in ``arena`` if it has a free slot; ``None`` if refused."""
         mapping = cls(fd, size, arena)
         return mapping if mapping._data is not None else None
-
-    def slice_view(self, data_offset: int, chunk_sizes: Sequence[int], dtype: torch.dtype, first: int, span: int,
-                   lengths: Sequence[int], strides: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
-        """The stored slice (``slice_span``'s ``first``/``span`` of the chunk at byte
-        ``data_offset``) as a strided tensor, its pages populated; ``None`` if they cannot be."""
-        found = self.slice_at(data_offset, dtype, first, span)
-        if found is None:
-            return None
-        return found[0].as_strided(lengths, row_major_strides(chunk_sizes) if strides is None else strides, found[1])
 
     def slice_at(self, data_offset: int, dtype: torch.dtype, first: int, span: int
                  ) -> Optional[tuple[torch.Tensor, int]]:

@@ -1,5 +1,11 @@
 """``FileSystemReader``: each read item's slice straight from its file into its destination.
-Exports :class:`FileSystemReader`, :class:`ChunkLocator` and :data:`StoredChunk`."""
+
+The one read path of every file backend: locating a chunk and checking it against
+``.metadata``, ``verify``, batching, staging and streaming.  Storage is reached through the
+files :meth:`FileSystemReader.open_file` opens (``read_into(start, buffers)``, ``hash_range``,
+``mapping``) and :meth:`~FileSystemReader.read_range`; the object-store reader replaces
+those with ranged GETs.  Exports :class:`FileSystemReader`, :class:`ChunkLocator`,
+:data:`StoredChunk` and :func:`check_size`."""
 
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from hyper_parallel_dcp.core.settings import FILES_KEPT
 from hyper_parallel_dcp.core.storage import ReadDestination, StorageReader, read_items
 
 from .compression import CompressedFiles
-from .files import LocalFiles
+from .files import CheckpointFiles, LocalFiles
 from .incremental import missing_file_error
 from .layout import METADATA_FILE
 from .mapping import FileMapping, MappingArena
@@ -44,9 +50,9 @@ from .safetensors_header import (
     parse_header,
     read_header_bytes,
 )
-from .sinks import AdjacentReads, DeviceReads, PendingCopies, read_slice_into
+from .sinks import AdjacentReads, DeviceReads, PendingCopies, PosixFile, read_slice_into
 
-__all__ = ["ChunkLocator", "FileSystemReader", "StoredChunk"]
+__all__ = ["ChunkLocator", "FileSystemReader", "StoredChunk", "check_size"]
 
 #: a read stream completes and yields its reads in batches of this many reads or bytes
 BATCH_ITEMS = 256
@@ -60,22 +66,27 @@ _Geometry = tuple[int, int, bool, int]  # a slice's (first element, elements spa
 _Region = tuple[Any, Optional[int], tuple[int, ...]]
 
 
-class _OpenFile:
+def check_size(where: str, size: int, expected: Optional[int]) -> None:
+    """:class:`CorruptCheckpointError` naming file ``where`` unless its ``size`` is the
+    ``expected`` one ``.metadata`` records (``None``: not recorded)."""
+    if expected is not None and size != expected:
+        raise CorruptCheckpointError(f"checkpoint file {where} has {size} bytes but the metadata records "
+                                     f"{expected} (truncated or replaced)")
+
+
+class _OpenFile(PosixFile):
     """An open shard file and its header; ``trusted``: the header matches ``.metadata``'s digest."""
 
     def __init__(self, path: Path, expected_size: Optional[int], digest: Optional[str], stored_name: str = "") -> None:
         self.path = path
-        self.name = str(path)
         try:
             self.fobj = open(path, "rb")
         except FileNotFoundError:
-            raise missing_file_error(self.name, stored_name) from None
+            raise missing_file_error(str(path), stored_name) from None
+        super().__init__(self.fobj.fileno(), str(path))
         try:
-            self.fd = self.fobj.fileno()
             self.size = os.fstat(self.fd).st_size
-            if expected_size is not None and self.size != expected_size:
-                raise CorruptCheckpointError(f"checkpoint file {path} has {self.size} bytes but the metadata records "
-                                             f"{expected_size} (truncated or replaced)")
+            check_size(self.name, self.size, expected_size)
             try:
                 self._raw_header: Optional[bytes] = read_header_bytes(self.fobj, self.size)
             except SafetensorsHeaderError as exc:
@@ -134,7 +145,7 @@ class ChunkLocator:
     metadata's columns when the file's header is trusted, else from its storage entry,
     checked against the header and (``verify``) hashed once (``verified``)."""
 
-    def __init__(self, metadata: Metadata, root: Path, verify: bool, verified: set[MetadataIndex]) -> None:
+    def __init__(self, metadata: Metadata, root: str, verify: bool, verified: set[MetadataIndex]) -> None:
         self.metadata = metadata
         self.verify = verify
         self._root = root
@@ -147,8 +158,7 @@ class ChunkLocator:
         # a model repeats a few (chunk shape, slice) pairs thousands of times: checked once each
         self._spans: dict[tuple[Any, Any, Any], _Geometry] = {}
 
-    def locate(self, item: ReadItem, open_file: Callable[[str], _OpenFile]
-               ) -> tuple[StoredChunk, _OpenFile, _Geometry]:
+    def locate(self, item: ReadItem, open_file: Callable[[str], Any]) -> tuple[StoredChunk, Any, _Geometry]:
         """``(stored chunk, its open file, slice geometry)`` of ``item``; raises
         :class:`CorruptCheckpointError` or :class:`CheckpointFormatError` naming file, FQN
         and chunk on any disagreement, or a slice outside its chunk."""
@@ -163,14 +173,13 @@ class ChunkLocator:
 
     def _span(self, item: ReadItem, chunk: StoredChunk) -> _Geometry:
         sizes, offsets, lengths = chunk[2], item.storage_offsets, item.lengths
-        check_region(f"{self._root / chunk[0]}: {item.storage_index.fqn!r} chunk at offsets "
+        check_region(f"{self._root}/{chunk[0]}: {item.storage_index.fqn!r} chunk at offsets "
                      f"{list(item.storage_index.offset or ())}", offsets, lengths, sizes)
         first, span, contiguous = slice_span(sizes, offsets, lengths)
         geometry = self._spans[(sizes, offsets, lengths)] = (first, span, contiguous, math.prod(lengths))
         return geometry
 
-    def _first_read(self, index: MetadataIndex, open_file: Callable[[str], _OpenFile]
-                    ) -> tuple[StoredChunk, _OpenFile]:
+    def _first_read(self, index: MetadataIndex, open_file: Callable[[str], Any]) -> tuple[StoredChunk, Any]:
         where = None if self._columns is None else self._columns(index)
         opened = None if where is None else open_file(where[0])
         md = self.metadata.state_dict_metadata[index.fqn]
@@ -191,7 +200,7 @@ class ChunkLocator:
             if layout is None or entry != (layout[0], layout[1], info.offset, info.offset + info.length):
                 why = entry_mismatch(entry, info.key, dtype, sizes, info.offset, info.length)
                 if why is not None:
-                    raise CorruptCheckpointError(f"{opened.path}: {index.fqn!r} chunk at offsets "
+                    raise CorruptCheckpointError(f"{opened.name}: {index.fqn!r} chunk at offsets "
                                                  f"{list(index.offset or ())}: {why}")
             if self.verify and index not in self._verified:
                 self._verify(index, info, opened)
@@ -201,27 +210,31 @@ class ChunkLocator:
         found = self._chunks[(index.fqn, index.offset)] = (name, data_offset, sizes, strides, dtype)
         return found, opened
 
-    def _verify(self, index: MetadataIndex, info: StorageInfo, opened: _OpenFile) -> None:
+    def _verify(self, index: MetadataIndex, info: StorageInfo, opened: Any) -> None:
         if info.checksum is None:
             raise CorruptCheckpointError(
-                f"{opened.path}: {index.fqn!r} chunk at offsets {list(index.offset or ())} has no recorded "
+                f"{opened.name}: {index.fqn!r} chunk at offsets {list(index.offset or ())} has no recorded "
                 "checksum; load with verify=False to read it unverified")
         digest = opened.hash_range(info.offset, info.length)
         if digest != info.checksum:
             raise CorruptCheckpointError(
-                f"checksum mismatch in {opened.path}: {index.fqn!r} chunk at offsets "
+                f"checksum mismatch in {opened.name}: {index.fqn!r} chunk at offsets "
                 f"{list(index.offset or ())} (key {info.key!r}) has xxh3 {digest}, metadata records "
                 f"{info.checksum}")
         self._verified.add(index)
 
 
 class FileSystemReader(StorageReader):
-    """Reads a checkpoint directory in batches (``execute_read`` into the planner's regions);
-    up to ``HP_DCP_FILES_KEPT`` files stay open.  ``bytes_read``: the file bytes spanned;
-    ``verify``: check each chunk's xxh3.  A subclass overriding ``read_into`` or
-    ``read_object`` reads item by item."""
+    """Reads a checkpoint directory in batches (``execute_read`` into the planner's regions) of
+    ``batch_items`` reads or ``batch_bytes``; up to ``HP_DCP_FILES_KEPT`` files stay open.
+    ``bytes_read``: the file bytes spanned; ``verify``: check each chunk's xxh3.  A subclass
+    overriding ``read_into`` or ``read_object`` reads item by item; one overriding the
+    transport (:meth:`checkpoint_files`, :meth:`open_file`, :meth:`read_range`,
+    :meth:`land_reads`) reads another storage through the same path."""
 
     item_by_item = False  # set for a subclass that overrides read_into / read_object
+    batch_items: Optional[int] = None  # None: BATCH_ITEMS, BATCH_BYTES
+    batch_bytes: Optional[int] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -264,13 +277,17 @@ class FileSystemReader(StorageReader):
     def location(self) -> Optional[str]:
         return None if self.path is None else str(self.path)
 
+    def checkpoint_files(self) -> CheckpointFiles:
+        """The checkpoint's location (metadata, naming its files in messages)."""
+        return LocalFiles(self._root())
+
     def load_metadata(self) -> Metadata:
-        self.metadata, self._is_global = load_checkpoint_metadata(LocalFiles(self._root()))
+        self.metadata, self._is_global = load_checkpoint_metadata(self.checkpoint_files())
         return self.metadata
 
     def read_metadata_payload(self) -> StoredMetadata:
         """The stored bytes (read once per job, broadcast by the load, parsed on every rank)."""
-        stored = read_stored_metadata(LocalFiles(self._root()))
+        stored = read_stored_metadata(self.checkpoint_files())
         self._is_global = stored.is_global
         return stored
 
@@ -315,10 +332,32 @@ class FileSystemReader(StorageReader):
         locator = self._locator
         if locator is None or locator.metadata is not self.metadata or locator.verify is not self.verify:
             assert self.metadata is not None
-            locator = self._locator = ChunkLocator(self.metadata, self._root(), self.verify, self._verified)
+            locator = self._locator = ChunkLocator(self.metadata, str(self.checkpoint_files()), self.verify,
+                                                   self._verified)
         return locator
 
-    def _file(self, name: str) -> _OpenFile:
+    def open_file(self, name: str) -> Any:
+        """The checkpoint's file ``name`` opened for :meth:`chunks` and the reads (its size and
+        header checked against ``.metadata``); :class:`CheckpointNotFoundError` when missing."""
+        metadata = self.metadata
+        return _OpenFile(self._root() / name, metadata.files.get(name) if metadata else None,
+                         metadata.header_digests.get(name) if metadata else None, name)
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        """The bytes ``[offset, offset + length)`` of file ``name`` (fewer where it ends first);
+        :class:`CheckpointNotFoundError` when it is missing."""
+        file = self._root() / name
+        try:
+            with open(file, "rb") as f:
+                return os.pread(f.fileno(), length, offset)
+        except FileNotFoundError:
+            raise missing_file_error(str(file), name) from None
+
+    def land_reads(self, drop: bool = False) -> None:
+        """Return once the reads the opened files started have landed (``drop``: cancel those
+        not begun, ignore errors); a file's ``preadv`` has landed when it returns."""
+
+    def _file(self, name: str) -> Any:
         """The open file ``name``, opened (and the least recently used one closed) if needed."""
         opened = self._handles.get(name)
         if opened is not None:
@@ -327,9 +366,7 @@ class FileSystemReader(StorageReader):
                 self._handles.move_to_end(name)
                 self._latest = opened
             return opened
-        metadata = self.metadata
-        opened = _OpenFile(self._root() / name, metadata.files.get(name) if metadata else None,
-                           metadata.header_digests.get(name) if metadata else None, name)
+        opened = self.open_file(name)
         self._handles[name] = opened
         self._latest = opened
         if len(self._handles) > self.files_kept:
@@ -383,8 +420,9 @@ class FileSystemReader(StorageReader):
                     if offset is not None:
                         dest, offset = dest.as_strided(lengths, dest_strides, offset), None
                     start = data_offset + first * itemsize
-                    if adjacent.add(opened.fd, opened.name, start, dest, dtype) or (
-                            not dest.is_cpu and device_reads.add(opened.fd, opened.name, start, dest, dtype)):
+                    if adjacent.add(opened, start, dest, dtype) or (not dest.is_cpu and opened.fd is not None
+                                                                   and device_reads.add(opened.fd, opened.name, start,
+                                                                                        dest, dtype)):
                         spanned += span * itemsize
                         continue
                 # a column slice, or a strided destination: copied from the file's mapping
@@ -398,14 +436,17 @@ class FileSystemReader(StorageReader):
                         continue
                 if offset is not None:
                     dest = dest.as_strided(lengths, dest_strides, offset)
-                spanned += read_slice_into(opened.fd, opened.name, data_offset, sizes, dtype, item.storage_offsets,
-                                           lengths, dest, None, strides)
+                spanned += read_slice_into(opened, data_offset, sizes, dtype, item.storage_offsets, lengths, dest,
+                                           strides, copies)
+                if copies.nbytes >= (self.batch_bytes or BATCH_BYTES):  # staging buffers waiting for reads that land later
+                    self._finish_pending()
         finally:
             self.bytes_read += spanned
 
     def _finish_pending(self) -> None:
         """Complete every queued read and copy (before a file closes, before handing on)."""
         self._reads.flush()
+        self.land_reads()
         self._copies.flush()
         self._device_reads.flush()
         self._device_reads.wait()
@@ -429,6 +470,7 @@ class FileSystemReader(StorageReader):
         batch: list[tuple[ReadItem, Any]] = []
         pending: list[tuple[ReadItem, _Region]] = []
         count = nbytes = 0
+        most_items, most_bytes = self.batch_items or BATCH_ITEMS, self.batch_bytes or BATCH_BYTES
         try:
             for read in reads:
                 item, (dest, offset, _) = read
@@ -440,7 +482,7 @@ class FileSystemReader(StorageReader):
                         batch.append((item, dest))
                         nbytes += dest.nbytes
                 count += 1
-                if count >= BATCH_ITEMS or nbytes >= BATCH_BYTES:
+                if count >= most_items or nbytes >= most_bytes:
                     self._read_many(pending)
                     self._finish_pending()
                     yield from batch
@@ -451,6 +493,7 @@ class FileSystemReader(StorageReader):
             yield from batch
         finally:
             self._reads.clear()  # a stream left early drops its queued work
+            self.land_reads(drop=True)
             self.compressed.cancel()
             self._copies.clear()
             self._device_reads.clear()
@@ -463,15 +506,12 @@ class FileSystemReader(StorageReader):
     def read_object_bytes(self, item: ReadItem) -> tuple[bytes, str]:
         """``(stored bytes, file)`` of the object, checked (length, checksum with ``verify``)."""
         assert self.metadata is not None
-        info = storage_entry(self.metadata, item.storage_index, self._root())
+        files = self.checkpoint_files()
+        info = storage_entry(self.metadata, item.storage_index, files)
         if self.metadata.rank_objects:
             info = self.metadata.object_storage(item.storage_index.fqn, self.rank) or info
-        file = self._root() / info.relative_path
-        try:
-            with open(file, "rb") as f:
-                blob = os.pread(f.fileno(), info.length, info.offset)
-        except FileNotFoundError:
-            raise missing_file_error(str(file), info.relative_path) from None
+        file = files.where(info.relative_path)
+        blob = self.read_range(info.relative_path, info.offset, info.length)
         if len(blob) != info.length:
             raise CorruptCheckpointError(f"{item.storage_index.fqn!r}: {file} is truncated ({len(blob)} of "
                                          f"{info.length} bytes at offset {info.offset})")
@@ -479,7 +519,7 @@ class FileSystemReader(StorageReader):
         if self.verify and info.checksum is not None and xxhash.xxh3_64_hexdigest(blob) != info.checksum:
             raise CorruptCheckpointError(
                 f"checksum mismatch in {file}: object {item.storage_index.fqn!r} does not match its recorded xxh3")
-        return blob, str(file)
+        return blob, file
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Read this rank's items in file order, into the planner's regions where it has them."""

@@ -1,10 +1,13 @@
-"""Where the reader's bytes go: :func:`read_slice_into`, :func:`copy_into` and the sinks
+"""Where the reader's bytes go: :func:`read_slice_into` (through :func:`byte_runs` of a
+:class:`PosixFile` or an object store's file), :func:`copy_into` and the sinks
 :class:`AdjacentReads`, :class:`DeviceReads`, :class:`PendingCopies`, each with ``add``
 (queue or refuse), ``flush`` (do it; before a file closes) and ``clear`` (forget it)."""
 
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -13,10 +16,9 @@ import torch
 from hyper_parallel_dcp.core.chunks import row_major_strides, slice_span
 
 from .host_memory import PINNED_BUFFER_BYTES, PinnedBuffer, accelerator_available
-from .mapping import FileMapping
 from .posix import IOV_MAX_BUFFERS, PREADV_MAX_BYTES, pread_exact, readv_exact, tensor_bytes
 
-__all__ = ["AdjacentReads", "DeviceReads", "PendingCopies", "copy_into", "read_slice_into"]
+__all__ = ["AdjacentReads", "DeviceReads", "PendingCopies", "PosixFile", "byte_runs", "copy_into", "read_slice_into"]
 
 COPY_ALONE_MIN_BYTES = 1 << 20  # from this size a host copy goes alone, not in the batched _foreach_copy_
 READ_SPLIT_BYTES = 4 << 20  # a device read batch larger than this is filled by READ_THREADS threads
@@ -38,56 +40,114 @@ def copy_into(dest: torch.Tensor, source: torch.Tensor) -> None:
         dest.copy_(source)
 
 
-def read_slice_into(fd: int, path: str, data_offset: int, chunk_sizes: Sequence[int], dtype: torch.dtype,
+class PosixFile:
+    """An open file read with ``preadv`` (``fd``; ``name`` shows it in errors): its reads are
+    done when :meth:`read_into` returns, and a slice's span is read whole (no gap is worth a call)."""
+
+    gap_overhead = math.inf
+    lands_later = False
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd, self.name = fd, name
+
+    def read_into(self, start: int, buffers: list[memoryview]) -> None:
+        """Fill ``buffers`` in turn from the bytes at ``start``; :class:`CorruptCheckpointError` if the file ends first."""
+        readv_exact(self.fd, buffers, start, self.name)
+
+
+def byte_runs(chunk_sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
+              itemsize: int, overhead: float) -> list[tuple[int, int]]:
+    """``(start, length)`` byte ranges (relative to the chunk), in order, covering the box
+    ``offsets + lengths`` of a row-major chunk: one per contiguous run, the smallest gaps
+    merged while the bytes fetched stay within ``1 + overhead`` times those needed."""
+    if not lengths:
+        return [(0, itemsize)]
+    if any(n == 0 for n in lengths):
+        return []
+    first, span, contiguous = slice_span(chunk_sizes, offsets, lengths)
+    if contiguous or overhead == math.inf:
+        return [(first * itemsize, span * itemsize)]
+    strides = row_major_strides(chunk_sizes)
+    # the innermost dims the box spans fully form one contiguous run with the dim before
+    k = len(lengths) - 1
+    while k > 0 and lengths[k] == chunk_sizes[k]:
+        k -= 1
+    run = lengths[k] * strides[k] * itemsize
+    starts = [(sum(i * s for i, s in zip(idx, strides)) + offsets[k] * strides[k]) * itemsize
+              for idx in itertools.product(*[range(o, o + n) for o, n in zip(offsets[:k], lengths[:k])])]
+    gaps = [b - a - run for a, b in zip(starts, starts[1:])]
+    budget = overhead * run * len(starts)
+    merged = [False] * len(gaps)
+    for i in sorted(range(len(gaps)), key=gaps.__getitem__):
+        if gaps[i] > budget:
+            break
+        budget -= gaps[i]
+        merged[i] = True
+    out = [(starts[0], run)]
+    for i, start in enumerate(starts[1:]):
+        if merged[i]:
+            out[-1] = (out[-1][0], start + run - out[-1][0])
+        else:
+            out.append((start, run))
+    return out
+
+
+def read_slice_into(file: Any, data_offset: int, chunk_sizes: Sequence[int], dtype: torch.dtype,
                     offsets: Sequence[int], lengths: Sequence[int], dest: torch.Tensor,
-                    mapping: Optional[FileMapping] = None, strides: Optional[Sequence[int]] = None) -> int:
+                    strides: Optional[Sequence[int]] = None, copies: Optional[PendingCopies] = None) -> int:
     """Fill ``dest`` from the slice ``offsets + lengths`` of the chunk at ``data_offset`` of
-    ``fd`` (directly, from ``mapping``, or through a buffer); returns the file bytes
-    spanned, :class:`CorruptCheckpointError` naming ``path`` on a short file."""
+    ``file`` (a :class:`PosixFile` or any object with its ``read_into``, ``gap_overhead`` and
+    ``lands_later``): straight into a contiguous host ``dest`` of ``dtype``, else through a
+    staging buffer filled with :func:`byte_runs`, copied now or, where the file's reads land
+    later, by ``copies``.  Returns the file bytes read; raises what ``file.read_into`` raises."""
     first, span, contiguous = slice_span(chunk_sizes, offsets, lengths)
     if span == 0:
         return 0
     itemsize = dtype.itemsize
-    strides = row_major_strides(chunk_sizes) if strides is None else strides
     if contiguous and dest.is_cpu and dest.dtype == dtype and dest.is_contiguous():
-        pread_exact(fd, tensor_bytes(dest), data_offset + first * itemsize, path)
+        file.read_into(data_offset + first * itemsize, [tensor_bytes(dest)])
         return span * itemsize
-    if mapping is not None and dest.is_cpu:
-        view = mapping.slice_view(data_offset, chunk_sizes, dtype, first, span, lengths, strides)
-        if view is not None:
-            copy_into(dest, view)
-            return span * itemsize
     pin = dest.device.type not in ("cpu", "meta") and accelerator_available()
     staging = torch.empty(span, dtype=dtype, pin_memory=pin)
-    pread_exact(fd, tensor_bytes(staging), data_offset + first * itemsize, path)
-    copy_into(dest, staging.view(tuple(lengths)) if contiguous else staging.as_strided(tuple(lengths), tuple(strides)))
-    return span * itemsize
+    view, base, read = tensor_bytes(staging), first * itemsize, 0
+    for start, length in byte_runs(chunk_sizes, offsets, lengths, itemsize, file.gap_overhead):
+        file.read_into(data_offset + start, [view[start - base:start - base + length]])
+        read += length
+    strides = row_major_strides(chunk_sizes) if strides is None else strides
+    source = staging.view(tuple(lengths)) if contiguous else staging.as_strided(tuple(lengths), tuple(strides))
+    if copies is None or not file.lands_later:
+        copy_into(dest, source)
+    else:
+        copies.add(dest, source, math.prod(lengths) * itemsize)
+    return read
 
 
 class AdjacentReads:
-    """Contiguous reads whose file ranges follow each other, in one ``preadv``."""
+    """Contiguous reads whose ranges of one file follow each other, in one ``file.read_into``
+    (a ``preadv``, or one ranged GET)."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
         """Forget the queued reads."""
-        self.fd, self.path, self.start, self.end = -1, "", 0, 0
+        self.file: Any = None
+        self.start = self.end = 0
         self.buffers: list[memoryview] = []
 
-    def add(self, fd: int, path: str, start: int, dest: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Queue reading ``dest``'s bytes of ``fd`` at ``start``; ``False`` (nothing queued)
+    def add(self, file: Any, start: int, dest: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Queue reading ``dest``'s bytes of ``file`` at ``start``; ``False`` (nothing queued)
         unless ``dest`` is a contiguous CPU tensor of ``dtype``."""
         if not (dest.is_cpu and dest.dtype is dtype and dest.is_contiguous()):
             return False
         nbytes = dest.nbytes
         if nbytes == 0:
             return True
-        if self.buffers and (fd != self.fd or start != self.end or len(self.buffers) >= IOV_MAX_BUFFERS
+        if self.buffers and (file is not self.file or start != self.end or len(self.buffers) >= IOV_MAX_BUFFERS
                              or self.end - self.start >= PREADV_MAX_BYTES):
             self.flush()
         if not self.buffers:
-            self.fd, self.path, self.start, self.end = fd, path, start, start
+            self.file, self.start, self.end = file, start, start
         self.buffers.append(tensor_bytes(dest))
         self.end += nbytes
         return True
@@ -95,9 +155,9 @@ class AdjacentReads:
     def flush(self) -> None:
         """Perform the queued reads."""
         if self.buffers:
-            fd, path, start, buffers = self.fd, self.path, self.start, self.buffers
+            file, start, buffers = self.file, self.start, self.buffers
             self.clear()
-            readv_exact(fd, buffers, start, path)
+            file.read_into(start, buffers)
 
 
 @functools.cache  # made on first use (a race makes a second pool, never used again)
@@ -202,6 +262,7 @@ class PendingCopies:
         self.dests: list[torch.Tensor] = []
         self.sources: list[torch.Tensor] = []
         self.others: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.nbytes = 0  # of the copies add queued
         # (id of the typed mapping, shape, strides) -> (typed mapping, element starts, destinations)
         self.mapped: dict[tuple[int, tuple[int, ...], tuple[int, ...]],
                           tuple[torch.Tensor, list[int], list[torch.Tensor]]] = {}
@@ -210,8 +271,9 @@ class PendingCopies:
         self._run: Optional[list[Any]] = None
 
     def add(self, dest: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
-        """Queue ``copy_into(dest, source)`` (both host tensors, ``nbytes`` the bytes copied)."""
-        if dest.dtype is source.dtype and dest.dtype in _PLAIN and nbytes < COPY_ALONE_MIN_BYTES:
+        """Queue ``copy_into(dest, source)`` (a host ``source``, ``nbytes`` the bytes copied)."""
+        self.nbytes += nbytes
+        if dest.is_cpu and dest.dtype is source.dtype and dest.dtype in _PLAIN and nbytes < COPY_ALONE_MIN_BYTES:
             self.dests.append(dest)
             self.sources.append(source)
         else:

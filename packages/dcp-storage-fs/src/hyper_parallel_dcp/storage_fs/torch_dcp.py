@@ -40,7 +40,7 @@ from .layout import METADATA_FILE
 from .metadata_io import StoredMetadata, check_region, storage_entry
 from .metadata_io import chunk_sizes as stored_chunk_sizes
 from .reader import FileSystemReader
-from .sinks import copy_into, read_slice_into
+from .sinks import PosixFile, copy_into, read_slice_into
 
 __all__ = ["DirectoryReader", "StoredTensor", "TorchDCPReader", "is_row_major", "is_torch_dcp_checkpoint",
            "locate_tensor", "metadata_from_torch", "metadata_to_torch", "read_torch_dcp_metadata",
@@ -422,8 +422,8 @@ class TorchDCPReader(FileSystemReader):
             raise CorruptCheckpointError(f"{where}: stored tensor has shape {list(loc.size)}, "
                                          f"the metadata records {list(chunk_sizes)}")
         if loc is not None:
-            self.bytes_read += read_slice_into(self._fd(info.relative_path), path, loc.data_offset, chunk_sizes,
-                                               loc.dtype, item.storage_offsets, item.lengths, dest)
+            self.bytes_read += read_slice_into(PosixFile(self._fd(info.relative_path), path), loc.data_offset,
+                                               chunk_sizes, loc.dtype, item.storage_offsets, item.lengths, dest)
             return
         blob = self._item_bytes(index, info)  # anything else (a strided chunk too): through torch.load
         try:
