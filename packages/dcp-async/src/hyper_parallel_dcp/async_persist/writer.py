@@ -398,7 +398,8 @@ def watch_parent(parent_pid: int, in_flight: _InFlight) -> threading.Thread:
     def run() -> None:
         wait_for_parent_exit(parent_pid)
         seq = in_flight.seq
-        what = f"abandons save #{seq} (not committed)" if seq is not None else "was idle"
+        what = (f"stops in the middle of save #{seq} (it commits only if this rank's write results had already "
+                "reached the coordinator)") if seq is not None else "was idle"
         with contextlib.suppress(OSError):
             os.write(2, f"hyper_parallel_dcp async writer {os.getpid()}: the training process {parent_pid} "
                         f"is gone; the writer {what} and exits\n".encode())
